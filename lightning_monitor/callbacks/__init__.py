@@ -1,0 +1,1 @@
+"""Lightning callbacks: schedule, select modules, call probes and functional, log, alert, act."""
