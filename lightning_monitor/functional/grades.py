@@ -1,0 +1,273 @@
+"""GradES: per-component convergence statistics and freezing (pure PyTorch, no Lightning).
+
+Wen et al., "GradES: Significantly Faster Training in Transformers with Gradient-Based Early
+Stopping", arXiv 2509.01842. Each weight matrix of a transformer block (attention q/k/v/o, MLP
+gate/up/down, or LoRA adapters) is a *component*; once its statistic falls under a threshold after a
+grace period, the component is frozen for good.
+
+Two statistics, both element-wise means so that they do not grow with the size of the matrix:
+
+* ``"grad"`` (the paper): ``g_c = mean_ij |dL/dW_ij|``, the L1 norm of the gradient divided by the
+  number of elements;
+* ``"update"`` (the released code): ``u_c = mean_ij |W_ij(t) - W_ij(t - k)| / k``, the weight change
+  since the previous check ``k`` optimizer steps ago, per element and per step (the code uses the raw
+  L1 sum ``||W_t - W_{t-1}||_1``, i.e. ``u_c * numel``).
+
+The *relative* (scale-free) rule freezes ``c`` when ``s_c < tau * r_c``, where ``r_c`` is the mean of
+the component's own statistic over its first few checks; the *absolute* rule when ``s_c < tau``.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> blocks = nn.ModuleList(nn.ModuleDict({"q_proj": nn.Linear(4, 4), "ln": nn.LayerNorm(4)}) for _ in range(2))
+    >>> model = nn.ModuleDict({"emb": nn.Embedding(10, 4), "blocks": blocks, "lm_head": nn.Linear(4, 10)})
+    >>> sorted(find_components(model))
+    ['blocks.0.q_proj', 'blocks.1.q_proj']
+    >>> mean_abs([torch.tensor([[1.0, -3.0]]), torch.tensor([2.0])])
+    tensor([2., 2.])
+    >>> freeze_mask(torch.tensor([0.1, 0.5]), torch.tensor([1.0, 1.0]), tau=0.2)
+    tensor([ True, False])
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "Component",
+    "PROJECTION_NAMES",
+    "LORA_NAMES",
+    "find_components",
+    "mean_abs",
+    "mean_abs_update",
+    "relative_ratio",
+    "freeze_mask",
+    "ema_update",
+    "freeze_parameters",
+]
+
+#: Leaf names of projection matrices, by naming scheme. Adding a scheme is adding one entry.
+PROJECTION_NAMES: dict[str, tuple[str, ...]] = {
+    "hf": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "gpt2": ("c_attn", "c_proj", "c_fc"),
+}
+#: Module or parameter names of LoRA adapter matrices (PEFT: ``<proj>.lora_A.<adapter>``).
+LORA_NAMES: tuple[str, ...] = ("lora_A", "lora_B")
+
+_ALL_PROJECTIONS = frozenset(n for names in PROJECTION_NAMES.values() for n in names)
+_BLOCK_INDEX = re.compile(r"(^|\.)\d+(\.|$)")
+
+Patterns = Optional[Union[str, Sequence[str]]]
+
+
+@dataclass(frozen=True)
+class Component:
+    """One frozen-or-not unit: the matrix whose statistic decides, and every parameter frozen with it.
+
+    Attributes:
+        name: qualified name (a module name, or ``<module>.<param>`` for a LoRA parameter).
+        weight: the matrix the statistic is computed on.
+        params: the parameters frozen together (the module's own weight and bias).
+    """
+
+    name: str
+    weight: nn.Parameter
+    params: tuple[nn.Parameter, ...]
+
+
+def _patterns(p: Patterns, argument: str) -> tuple[str, ...]:
+    if p is None:
+        return ()
+    out = (p,) if isinstance(p, str) else tuple(p)
+    for item in out:
+        if not isinstance(item, str) or not item:
+            raise TypeError(f"`{argument}` must be a string or a sequence of non-empty strings, got {item!r}.")
+    return out
+
+
+def _preview(names: Sequence[str], limit: int = 20) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _own_params(module: nn.Module) -> tuple[nn.Parameter, ...]:
+    return tuple(p for _, p in module.named_parameters(recurse=False))
+
+
+def _module_component(name: str, module: nn.Module) -> Optional[Component]:
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, nn.Parameter) or not any(weight is p for p in _own_params(module)):
+        return None
+    return Component(name, weight, _own_params(module))
+
+
+def _auto_match(name: str, module: nn.Module, component: Component) -> bool:
+    segments = name.split(".")
+    if any(s in LORA_NAMES for s in segments):
+        return component.weight.dim() >= 2
+    if segments[-1] in _ALL_PROJECTIONS:
+        return component.weight.dim() >= 2
+    # plain nn.Linear inside a repeated block (a child of a ModuleList: a numeric name segment)
+    return isinstance(module, nn.Linear) and bool(_BLOCK_INDEX.search(name))
+
+
+def find_components(
+    model: nn.Module,
+    include: Patterns = None,
+    exclude: Patterns = None,
+    trainable_only: bool = True,
+    owner: str = "GradientEarlyStopping",
+) -> dict[str, Component]:
+    """The components of ``model``, by qualified name, in ``named_modules`` order.
+
+    Without ``include``, components are found by name: projections of every naming scheme in
+    :data:`PROJECTION_NAMES` (HF ``q_proj`` ... ``down_proj``; GPT-2 ``c_attn``/``c_proj``/``c_fc``, also
+    its ``Conv1D``), LoRA adapters (modules or 2-D parameters named ``lora_A``/``lora_B``), and any
+    ``nn.Linear`` inside a repeated block (a name with a numeric segment such as ``blocks.3``).
+    Embeddings, norms and an output head outside the blocks are not components. With ``include``
+    (fnmatch globs on module names), exactly the matching modules that own a ``weight`` are
+    components, whatever their type (so an embedding or the head can be asked for).
+
+    Args:
+        include: glob patterns selecting components explicitly instead of the naming schemes.
+        exclude: glob patterns removed from the result.
+        trainable_only: keep only components whose weight requires a gradient (e.g. not the frozen
+            base weights of a LoRA model).
+
+    Raises:
+        ValueError: a pattern matches no module, or no component is found (the message lists the
+            module names seen and how to select components).
+    """
+    inc = _patterns(include, "components")
+    exc = _patterns(exclude, "exclude")
+    named = [(n, m) for n, m in model.named_modules() if n]
+    names = [n for n, _ in named]
+    for argument, pats in (("components", inc), ("exclude", exc)):
+        for pat in pats:
+            if not any(fnmatchcase(n, pat) for n in names):
+                raise ValueError(
+                    f"{owner}: `{argument}` pattern {pat!r} matches no module of {type(model).__name__}. "
+                    f"Module names are: {_preview(names)}."
+                )
+    found: dict[str, Component] = {}
+    for name, module in named:
+        if any(fnmatchcase(name, p) for p in exc):
+            continue
+        comp = _module_component(name, module)
+        if inc:
+            if not any(fnmatchcase(name, p) for p in inc):
+                continue
+            if comp is None:
+                if any(name == p for p in inc):
+                    raise ValueError(
+                        f"{owner}: `components` names {name!r}, a {type(module).__name__} without a `weight` "
+                        "parameter of its own; name the module that owns the matrix."
+                    )
+                continue
+            found[name] = comp
+            continue
+        if comp is not None and _auto_match(name, module, comp):
+            found[name] = comp
+            continue
+        # LoRA adapters held as bare parameters: `<module>.lora_A`
+        for pname, p in module.named_parameters(recurse=False):
+            full = f"{name}.{pname}"
+            if pname in LORA_NAMES and p.dim() >= 2 and not any(fnmatchcase(full, e) for e in exc):
+                found[full] = Component(full, p, (p,))
+    if trainable_only:
+        found = {n: c for n, c in found.items() if c.weight.requires_grad}
+    if not found:
+        how = "`components` patterns" if inc else "the naming schemes (q_proj/k_proj/v_proj/o_proj, " \
+            "gate_proj/up_proj/down_proj, c_attn/c_proj/c_fc, lora_A/lora_B, nn.Linear inside numbered blocks)"
+        raise ValueError(
+            f"{owner}: no trainable component of {type(model).__name__} matches {how}. Pass "
+            "`components=[...]` glob patterns naming the modules to watch (e.g. 'layers.*.attn.*'). "
+            f"Module names seen: {_preview(names)}."
+        )
+    return found
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def _l1_norms(tensors: list[Tensor]) -> Tensor:
+    if hasattr(torch, "_foreach_norm"):
+        return torch.stack([n.float() for n in torch._foreach_norm(tensors, 1)])
+    return torch.stack([t.detach().abs().float().sum() for t in tensors])
+
+
+def mean_abs(tensors: Sequence[Tensor]) -> Tensor:
+    """``[mean_ij |T_ij| for T in tensors]`` as one float32 vector (one fused L1 reduction).
+
+    With ``T = W.grad`` this is the paper's statistic (element-wise L1 norm of the gradient, per
+    element). Stays on the tensors' device.
+    """
+    tensors = [t.detach() for t in tensors]
+    if not tensors:
+        return torch.zeros(0)
+    numel = torch.tensor([t.numel() for t in tensors], dtype=torch.float32, device=tensors[0].device)
+    return _l1_norms(tensors) / numel
+
+
+def mean_abs_update(current: Sequence[Tensor], previous: Sequence[Tensor], steps: int = 1) -> Tensor:
+    """``[mean_ij |W_ij - P_ij| / steps]``: the weight change per element and per optimizer step since a
+    snapshot ``P`` taken ``steps`` steps ago (the released GradES code's statistic, per element)."""
+    if len(current) != len(previous):
+        raise ValueError(f"`current` and `previous` differ in length: {len(current)} != {len(previous)}.")
+    if steps < 1:
+        raise ValueError(f"`steps` must be >= 1, got {steps}.")
+    if not current:
+        return torch.zeros(0)
+    diffs = torch._foreach_sub([c.detach() for c in current], [p.detach() for p in previous])
+    return mean_abs(diffs) / steps
+
+
+def relative_ratio(stat: Tensor, reference: Tensor) -> Tensor:
+    """``stat / reference`` where ``reference > 0``; where ``reference == 0`` (a component that never
+    moved), ``0`` if ``stat == 0`` else ``inf``."""
+    ref_ok = reference > 0
+    safe = torch.where(ref_ok, reference, torch.ones_like(reference))
+    fallback = torch.where(stat == 0, torch.zeros_like(stat), torch.full_like(stat, float("inf")))
+    return torch.where(ref_ok, stat / safe, fallback)
+
+
+def freeze_mask(stat: Tensor, reference: Optional[Tensor], tau: float) -> Tensor:
+    """Components to freeze: ``stat < tau * reference`` (relative rule) or ``stat < tau`` when
+    ``reference`` is ``None`` (absolute rule). Non-finite statistics never freeze."""
+    value = stat if reference is None else relative_ratio(stat, reference)
+    return torch.isfinite(stat) & (value < tau)
+
+
+def ema_update(previous: Optional[Tensor], value: Tensor, smoothing: float) -> Tensor:
+    """Exponential moving average ``smoothing * previous + (1 - smoothing) * value``; ``value`` when
+    there is no previous value or ``smoothing == 0``."""
+    if previous is None or smoothing == 0.0:
+        return value
+    return previous * smoothing + value * (1.0 - smoothing)
+
+
+def freeze_parameters(params: Iterable[nn.Parameter], optimizers: Iterable[torch.optim.Optimizer] = ()) -> int:
+    """Freeze ``params`` for good: ``requires_grad=False``, ``.grad`` dropped, optimizer state freed.
+
+    The parameters stay in their optimizer's param groups (so that the optimizer's ``state_dict``
+    keeps its layout); optimizers skip parameters without a gradient. Returns the number of elements
+    frozen.
+    """
+    params = list(params)
+    ids = {id(p) for p in params}
+    count = 0
+    for p in params:
+        p.requires_grad_(False)
+        p.grad = None
+        count += p.numel()
+    for opt in optimizers:
+        for p in [q for q in opt.state if id(q) in ids]:
+            del opt.state[p]
+    return count
