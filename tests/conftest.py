@@ -1,0 +1,55 @@
+"""Shared test helpers: the example GPT on sys.path, a tiny model factory, TensorBoard readers."""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+from typing import Any
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+if EXAMPLES not in sys.path:
+    sys.path.insert(0, EXAMPLES)
+
+
+def tb_event_accumulator(logdir: str) -> Any:
+    """An EventAccumulator over the (single) run in ``logdir``, loaded with every scalar and tensor."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    files = glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"), recursive=True)
+    assert files, f"no TensorBoard event file under {logdir}"
+    ea = EventAccumulator(os.path.dirname(files[0]), size_guidance={"scalars": 0, "tensors": 0, "histograms": 0})
+    ea.Reload()
+    return ea
+
+
+def tb_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
+    """``tag -> [(step, value), ...]`` read back from the TensorBoard event files in ``logdir``."""
+    ea = tb_event_accumulator(logdir)
+    return {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
+
+
+def tb_texts(logdir: str) -> dict[str, list[tuple[int, str]]]:
+    """``tag -> [(step, markdown), ...]`` of the Text tab."""
+    ea = tb_event_accumulator(logdir)
+    out: dict[str, list[tuple[int, str]]] = {}
+    for tag in ea.Tags()["tensors"]:
+        events = ea.Tensors(tag)
+        out[tag] = [(e.step, e.tensor_proto.string_val[0].decode()) for e in events if e.tensor_proto.string_val]
+    return out
+
+
+@pytest.fixture
+def tiny_gpt():
+    """Factory of a tiny example GPT LightningModule and its loader (fast on CPU)."""
+    from gpt import GPTModule, make_loader
+
+    def make(batch_size: int = 8, n_samples: int = 2048, **kwargs: Any):
+        config = {"n_layer": 1, "n_head": 2, "d_model": 32, "block_size": 32, **kwargs.pop("config", {})}
+        module = GPTModule(config, **kwargs)
+        loader = make_loader("prose", block_size=config["block_size"], batch_size=batch_size, n_samples=n_samples)
+        return module, loader
+
+    return make
