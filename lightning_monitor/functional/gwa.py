@@ -1,0 +1,263 @@
+"""Gradient-weight alignment (GWA): a validation-free generalisation signal.
+
+Hoelzl, Rueckert, Kaissis, "Gradient-Weight Alignment as a Train-Time Proxy for Generalization in
+Classification Tasks", NeurIPS 2025 (arXiv 2510.25480).
+
+For a softmax classifier whose last layer is a linear map ``logits = W z + b`` (``W`` is ``[C, D]``,
+the bias is left out), sample ``i`` with features ``z_i``, probabilities ``p_i = softmax(logits_i)``
+and one-hot (or soft) target ``y_i`` has the *negative* per-sample gradient of the cross-entropy
+with respect to ``W``
+
+    g_i = -(p_i - y_i) z_i^T,
+
+and its alignment with the weights is the cosine
+
+    gamma_i = cos(g_i, W) = -(p_i - y_i)^T W z_i / (||p_i - y_i|| ||z_i|| ||W||_F)   in [-1, 1]
+
+(``||g_i||_F = ||p_i - y_i|| ||z_i||`` because ``g_i`` has rank one, so no per-sample gradient is
+ever formed). The score of a set of samples (an epoch) is
+
+    GWA = mean(gamma) / (kurtosis(gamma) + 1.2)
+
+with population (biased) moments and Fisher's (excess) kurtosis; 1.2 is minus the excess kurtosis
+of a uniform distribution on [-1, 1]. The denominator is <= 0 only for strongly bimodal scores;
+GWA is then undefined and these functions return NaN rather than a number of the wrong sign.
+
+:class:`GWAMoments` accumulates count, mean and central moments 2..4 in float64 without keeping
+the scores (Pebay's pairwise update, stable where raw power sums cancel), merges states across
+processes, and gives the same number as :func:`gwa_aggregate` on all the scores at once.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "GWA_OFFSET",
+    "GWAMoments",
+    "GWAStatistics",
+    "gwa_aggregate",
+    "gwa_scores",
+    "gwa_statistics",
+    "merge_moments",
+]
+
+#: Offset added to the excess kurtosis: minus the excess kurtosis of U[-1, 1] (-6/5).
+GWA_OFFSET = 1.2
+
+
+class GWAStatistics(NamedTuple):
+    """Epoch statistics of the alignment scores (0-dim float64 tensors).
+
+    ``score`` is NaN when undefined: fewer than ``min_count`` scores, zero variance, or
+    ``kurtosis + offset <= 0`` (bimodal scores). ``kurtosis`` is NaN without variance.
+    """
+
+    score: Tensor
+    mean: Tensor
+    kurtosis: Tensor
+    count: Tensor
+
+
+def gwa_scores(
+    features: Tensor,
+    logits: Tensor,
+    targets: Tensor,
+    weight: Tensor,
+    *,
+    ignore_index: Optional[int] = -100,
+    eps: float = 1e-12,
+) -> Tensor:
+    """Per-sample gradient-weight alignment ``gamma_i = cos(-grad_W loss_i, W)``, closed form.
+
+    Args:
+        features: inputs of the classifier head, ``[..., D]`` (``[B, D]``, or ``[B, T, D]`` when
+            every token is a sample).
+        logits: outputs of the head, ``[..., C]`` with ``C >= 2``, same leading shape as ``features``.
+        targets: integer class indices with the leading shape (``[B]`` or ``[B, T]``), or soft
+            targets (probabilities) of the logits' shape.
+        weight: the head's weight ``[C, D]`` (bias excluded).
+        ignore_index: integer targets equal to it get no score (NaN); ``None`` ignores nothing.
+        eps: floor of the norms, so that a sample predicted exactly (``p = y``) scores 0.
+
+    Returns:
+        float32 scores of the leading shape, in ``[-1, 1]``; NaN for ignored targets.
+
+    Example:
+        >>> z, W = torch.randn(4, 3), torch.randn(5, 3)
+        >>> gwa_scores(z, z @ W.T, torch.tensor([0, 1, 2, 3]), W).shape
+        torch.Size([4])
+    """
+    if features.shape[:-1] != logits.shape[:-1]:
+        raise ValueError(
+            f"`features` {tuple(features.shape)} and `logits` {tuple(logits.shape)} must share their "
+            "leading (sample) dimensions."
+        )
+    if weight.ndim != 2 or weight.shape != (logits.shape[-1], features.shape[-1]):
+        raise ValueError(
+            f"`weight` must be [C, D] = {(logits.shape[-1], features.shape[-1])} for these features "
+            f"and logits, got {tuple(weight.shape)}."
+        )
+    num_classes = logits.shape[-1]
+    if num_classes < 2:
+        raise ValueError(
+            "GWA needs a softmax head with at least 2 outputs; a single-logit (sigmoid) head has no "
+            "softmax gradient. Use a 2-output head with cross-entropy."
+        )
+    z = features.detach().float()
+    logits = logits.detach().float()
+    w = weight.detach().float()
+    p = torch.softmax(logits, dim=-1)
+    wz = z @ w.T  # [..., C]; equals logits - bias for a plain linear head
+    if targets.is_floating_point():
+        if targets.shape != logits.shape:
+            raise ValueError(
+                f"Soft `targets` must have the logits' shape {tuple(logits.shape)}, got "
+                f"{tuple(targets.shape)}."
+            )
+        r = p - targets.detach().float()
+        num = -(r * wz).sum(-1)
+        r_norm = r.norm(dim=-1)
+        valid = None
+    else:
+        if targets.shape != logits.shape[:-1]:
+            raise ValueError(
+                f"Integer `targets` must have the logits' leading shape {tuple(logits.shape[:-1])}, got "
+                f"{tuple(targets.shape)}."
+            )
+        t = targets.detach().long()
+        valid = None
+        if ignore_index is not None:
+            valid = t != ignore_index
+            t = torch.where(valid, t, torch.zeros_like(t))
+        t = t.unsqueeze(-1)
+        p_y = p.gather(-1, t).squeeze(-1)
+        wz_y = wz.gather(-1, t).squeeze(-1)
+        # -(p - y)^T W z and ||p - y||^2 = ||p||^2 - 2 p_y + 1, without a one-hot tensor
+        num = wz_y - (p * wz).sum(-1)
+        r_norm = ((p * p).sum(-1) - 2.0 * p_y + 1.0).clamp_min(0.0).sqrt()
+    denom = (r_norm * z.norm(dim=-1)).clamp_min(eps) * w.norm().clamp_min(eps)
+    scores = (num / denom).clamp(-1.0, 1.0)
+    if valid is not None:
+        scores = torch.where(valid, scores, torch.full_like(scores, float("nan")))
+    return scores
+
+
+def _batch_moments(scores: Tensor) -> Tensor:
+    """``[count, mean, M2, M3, M4]`` (float64; ``M_k`` = sum of k-th central powers) of the finite
+    entries of ``scores``, without a host sync."""
+    s = scores.detach().reshape(-1).double()
+    w = torch.isfinite(s).double()
+    s = torch.where(w > 0, s, torch.zeros_like(s))
+    n = w.sum()
+    mean = (w * s).sum() / n.clamp_min(1.0)
+    d = (s - mean) * w
+    d2 = d * d
+    return torch.stack([n, mean, d2.sum(), (d2 * d).sum(), (d2 * d2).sum()])
+
+
+def merge_moments(a: Tensor, b: Tensor) -> Tensor:
+    """Merge two ``[count, mean, M2, M3, M4]`` states (Pebay 2008, exact for the union)."""
+    na, ma, m2a, m3a, m4a = a.unbind(-1)
+    nb, mb, m2b, m3b, m4b = b.unbind(-1)
+    n = na + nb
+    nn = n.clamp_min(1.0)
+    delta = mb - ma
+    mean = ma + delta * nb / nn
+    nab = na * nb
+    m2 = m2a + m2b + delta**2 * nab / nn
+    m3 = m3a + m3b + delta**3 * nab * (na - nb) / nn**2 + 3.0 * delta * (na * m2b - nb * m2a) / nn
+    m4 = (
+        m4a
+        + m4b
+        + delta**4 * nab * (na * na - nab + nb * nb) / nn**3
+        + 6.0 * delta**2 * (na * na * m2b + nb * nb * m2a) / nn**2
+        + 4.0 * delta * (na * m3b - nb * m3a) / nn
+    )
+    return torch.stack([n, mean, m2, m3, m4], dim=-1)
+
+
+def _statistics_from_moments(state: Tensor, offset: float, min_count: int) -> GWAStatistics:
+    n, mean, m2, _, m4 = state.unbind(-1)
+    nan = torch.full_like(mean, float("nan"))
+    var = m2 / n.clamp_min(1.0)
+    has_var = (n >= 2) & (var > 0)
+    kurtosis = torch.where(has_var, (m4 / n.clamp_min(1.0)) / var.clamp_min(1e-300) ** 2 - 3.0, nan)
+    den = kurtosis + offset
+    ok = has_var & (n >= min_count) & (den > 0)
+    score = torch.where(ok, mean / torch.where(ok, den, torch.ones_like(den)), nan)
+    mean = torch.where(n > 0, mean, nan)
+    return GWAStatistics(score, mean, kurtosis, n)
+
+
+def gwa_statistics(scores: Tensor, offset: float = GWA_OFFSET, min_count: int = 4) -> GWAStatistics:
+    """GWA score, mean, excess kurtosis and count of the finite entries of ``scores`` (float64)."""
+    return _statistics_from_moments(_batch_moments(scores), offset, min_count)
+
+
+def gwa_aggregate(scores: Tensor, offset: float = GWA_OFFSET, min_count: int = 4) -> Tensor:
+    """``mean(gamma) / (excess_kurtosis(gamma) + offset)`` over the finite entries of ``scores``.
+
+    Population moments, Fisher kurtosis (``scipy.stats.kurtosis(x, fisher=True, bias=True)``).
+    Returns a 0-dim float64 tensor, NaN when undefined (fewer than ``min_count`` scores, zero
+    variance, or a denominator <= 0, which happens for bimodal scores).
+
+    Example:
+        >>> round(float(gwa_aggregate(torch.tensor([0.1, 0.2, 0.2, 0.3, 0.9]))), 4)
+        0.2793
+        >>> gwa_aggregate(torch.tensor([-0.5, -0.5, 0.5, 0.5]))  # bimodal: kurtosis -2
+        tensor(nan, dtype=torch.float64)
+    """
+    return gwa_statistics(scores, offset, min_count).score
+
+
+class GWAMoments:
+    """Streaming count, mean and central moments 2..4 of alignment scores (float64, on device).
+
+    ``update`` costs a few reductions and never syncs with the host; NaN scores are skipped.
+    ``state`` is a ``[5]`` tensor ``[count, mean, M2, M3, M4]``; states of several processes
+    (stacked ``[k, 5]``, e.g. from ``all_gather``) combine with :meth:`combine`.
+
+    Example:
+        >>> acc = GWAMoments()
+        >>> for chunk in torch.rand(100).split(7):
+        ...     acc.update(chunk)
+        >>> int(acc.compute().count)
+        100
+    """
+
+    def __init__(self, device: Optional[torch.device] = None) -> None:
+        self.state = torch.zeros(5, dtype=torch.float64, device=device)
+
+    def reset(self, device: Optional[torch.device] = None) -> None:
+        self.state = torch.zeros(5, dtype=torch.float64, device=device or self.state.device)
+
+    def update(self, scores: Tensor) -> None:
+        """Add the finite entries of ``scores`` (any shape)."""
+        batch = _batch_moments(scores.to(self.state.device))
+        self.state = merge_moments(self.state, batch)
+
+    def merge(self, other: GWAMoments | Tensor) -> None:
+        """Add the samples of another accumulator (or its ``state``)."""
+        state = other.state if isinstance(other, GWAMoments) else other
+        self.state = merge_moments(self.state, state.to(self.state))
+
+    @staticmethod
+    def combine(states: Tensor) -> Tensor:
+        """One state from ``[k, 5]`` stacked states (e.g. one per process)."""
+        states = states.reshape(-1, 5).double()
+        out = states[0]
+        for row in states[1:]:
+            out = merge_moments(out, row)
+        return out
+
+    @property
+    def count(self) -> Tensor:
+        return self.state[0]
+
+    def compute(self, offset: float = GWA_OFFSET, min_count: int = 4) -> GWAStatistics:
+        """The statistics of every score added so far (see :func:`gwa_aggregate`)."""
+        return _statistics_from_moments(self.state, offset, min_count)
