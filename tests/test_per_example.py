@@ -1,0 +1,330 @@
+"""PerExampleGradNorms against per-sample gradients from torch.func (vmap over grad)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from lightning_monitor import PerExampleGradNorms
+
+TOL = 1e-4
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(12, 32)
+        self.ln = nn.LayerNorm(32)
+        self.fc2 = nn.Linear(32, 16, bias=False)
+        self.fc3 = nn.Linear(16, 5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc3(torch.tanh(self.fc2(torch.relu(self.ln(self.fc1(x))))))
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 8, 3, stride=2, groups=2, bias=False)
+        self.c3 = nn.Conv2d(8, 6, (3, 2), padding="same", padding_mode="reflect", dilation=(1, 2))
+        self.c4 = nn.Conv2d(6, 4, 1)
+        self.head = nn.Linear(4 * 3 * 3, 5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.relu(self.c1(x))
+        x = torch.relu(self.c2(x))
+        x = torch.relu(self.c3(x))
+        x = self.c4(x)
+        return self.head(x.flatten(1))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, rms: bool) -> None:
+        super().__init__()
+        self.heads = heads
+        self.n1 = nn.RMSNorm(d) if rms else nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.n2 = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        h = self.n1(x)
+
+        def split(z: Tensor) -> Tensor:
+            return z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+
+        att = torch.softmax(split(self.q(h)) @ split(self.k(h)).transpose(-1, -2) / (d // self.heads) ** 0.5, -1)
+        x = x + self.o((att @ split(self.v(h))).transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.n2(x))))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, vocab: int = 11, d: int = 16, t: int = 7, tied: bool = False, broadcast_pos: bool = False) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d, padding_idx=0)
+        self.pos = nn.Embedding(t, d)
+        self.blocks = nn.ModuleList([Block(d, 2, rms=False), Block(d, 2, rms=True)])
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.broadcast_pos = broadcast_pos
+        if tied:
+            self.head.weight = self.tok.weight
+
+    def forward(self, idx: Tensor) -> Tensor:
+        pos = torch.arange(idx.shape[1])
+        x = self.tok(idx) + self.pos(pos if self.broadcast_pos else pos.expand(idx.shape))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+class TwiceUsed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.a(torch.tanh(self.a(x)))))
+
+
+class WithMHA(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 8)
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        return self.out(self.mha(h, h, h, need_weights=False)[0])
+
+
+def ce_seq(logits: Tensor, y: Tensor) -> Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+# ----------------------------------------------------------------------------- oracle
+
+
+def oracle(model: nn.Module, loss_fn, x: Tensor, y: Tensor, reduction: str = "mean") -> dict[str, Tensor]:
+    """Per-example squared gradient norms per parameter name, from torch.func."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_one(p: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+        out = functional_call(model, p, (xi.unsqueeze(0),))
+        return loss_fn(out, yi.unsqueeze(0))
+
+    grads = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
+    scale = 1.0 if reduction == "mean" else 1.0
+    return {k: (g.flatten(1).double().pow(2).sum(1) * scale) for k, g in grads.items()}
+
+
+def probe_run(model: nn.Module, loss_fn, x: Tensor, y: Tensor, **kw) -> PerExampleGradNorms:
+    model.zero_grad()
+    with PerExampleGradNorms(model, **kw) as probe:
+        loss = loss_fn(model(x), y)
+        if kw.get("loss_reduction") == "sum":
+            loss = loss * x.shape[0]
+        loss.backward()
+    return probe
+
+
+def rel_err(a: Tensor, b: Tensor) -> float:
+    return float(((a.double() - b.double()).abs() / b.double().abs().clamp_min(1e-30)).max())
+
+
+def check(model: nn.Module, loss_fn, x: Tensor, y: Tensor, **kw) -> PerExampleGradNorms:
+    probe = probe_run(model, loss_fn, x, y, **kw)
+    ref = oracle(model, loss_fn, x, y)
+    per = probe.per_parameter()
+    assert set(per) == set(probe.covered)
+    total = torch.stack([ref[n] for n in probe.covered]).sum(0)
+    for name in probe.covered:
+        # per parameter: relative to that parameter's norm, floored at 1e-8 of the example's total
+        # (some gradients are zero in exact arithmetic, e.g. the bias of an attention key projection)
+        err = (per[name].double() - ref[name]).abs() / torch.maximum(ref[name], 1e-8 * total)
+        assert float(err.max()) <= TOL, name
+    assert rel_err(probe.squared_norms(), total) <= TOL
+    return probe
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("strategy", ["auto", "gram", "materialize"])
+def test_mlp_exact(strategy: str) -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    x, y = torch.randn(9, 12), torch.randint(0, 5, (9,))
+    probe = check(model, F.cross_entropy, x, y, linear_strategy=strategy)
+    assert probe.uncovered == []
+    assert len(probe.covered) == len(list(model.parameters()))
+
+
+def test_mlp_sum_reduction() -> None:
+    torch.manual_seed(1)
+    model = MLP()
+    x, y = torch.randn(6, 12), torch.randint(0, 5, (6,))
+    probe = probe_run(model, F.cross_entropy, x, y, loss_reduction="sum")
+    ref = oracle(model, F.cross_entropy, x, y)
+    assert rel_err(probe.squared_norms(), torch.stack(list(ref.values())).sum(0)) <= TOL
+
+
+def test_cnn_exact() -> None:
+    torch.manual_seed(0)
+    model = CNN()
+    x, y = torch.randn(5, 3, 8, 8), torch.randint(0, 5, (5,))
+    probe = check(model, F.cross_entropy, x, y)
+    assert probe.uncovered == []
+
+
+@pytest.mark.parametrize("strategy", ["gram", "materialize"])
+def test_transformer_exact(strategy: str) -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    x = torch.randint(0, 11, (4, 7))
+    x[0, :3] = 0  # padding tokens
+    x[1, :] = 5  # one token repeated
+    y = torch.randint(0, 11, (4, 7))
+    probe = check(model, ce_seq, x, y, linear_strategy=strategy)
+    assert probe.uncovered == []
+
+
+def test_tied_weights_exact() -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer(tied=True)
+    x, y = torch.randint(0, 11, (3, 7)), torch.randint(0, 11, (3, 7))
+    probe = check(model, ce_seq, x, y)
+    assert "tok.weight" in probe.covered
+
+
+def test_module_used_twice_exact() -> None:
+    torch.manual_seed(0)
+    model = TwiceUsed()
+    x, y = torch.randn(7, 6), torch.randint(0, 3, (7,))
+    probe = check(model, F.cross_entropy, x, y)
+    assert set(probe.covered) == {n for n, _ in model.named_parameters()}
+
+
+def test_multihead_attention_listed_uncovered() -> None:
+    torch.manual_seed(0)
+    model = WithMHA()
+    x, y = torch.randn(4, 5, 5), torch.randint(0, 3, (4, 5))
+    probe = check(model, ce_seq, x, y)
+    mha = {f"mha.{n}" for n, _ in model.mha.named_parameters()}
+    assert set(probe.uncovered) == mha
+    assert set(probe.covered) == {"inp.weight", "inp.bias", "out.weight", "out.bias"}
+    assert all(name in probe.reasons for name in mha)
+
+
+def test_batch_size_one() -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    x, y = torch.randint(0, 11, (1, 7)), torch.randint(0, 11, (1, 7))
+    probe = check(model, ce_seq, x, y)
+    assert probe.squared_norms().shape == (1,)
+    assert torch.isfinite(probe.squared_norms()).all()
+
+
+def test_broadcast_input_listed_uncovered() -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer(broadcast_pos=True)
+    x, y = torch.randint(0, 11, (4, 7)), torch.randint(0, 11, (4, 7))
+    probe = check(model, ce_seq, x, y)
+    assert probe.uncovered == ["pos.weight"]
+    assert "batch dimension" in probe.reasons["pos.weight"]
+
+
+def test_parameter_used_outside_its_module_is_reported() -> None:
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return F.linear(torch.tanh(self.a(x)), self.b.weight)  # self.b's forward never runs
+
+    model = Functional()
+    probe = probe_run(model, F.cross_entropy, torch.randn(3, 4), torch.randint(0, 2, (3,)))
+    per = probe.per_parameter()
+    assert set(per) == {"a.weight", "a.bias"}
+    assert "b.weight" in probe.uncovered and "b.weight" not in probe.covered
+
+
+def test_accumulates_over_backward_passes_and_reset() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    x, y = torch.randn(8, 12), torch.randint(0, 5, (8,))
+    with PerExampleGradNorms(model) as probe:
+        for sl in (slice(0, 5), slice(5, 8)):
+            F.cross_entropy(model(x[sl]), y[sl]).backward()
+    ref = oracle(model, F.cross_entropy, x, y)
+    assert rel_err(probe.squared_norms(), torch.stack(list(ref.values())).sum(0)) <= TOL
+    probe.reset()
+    with pytest.raises(RuntimeError, match="recorded nothing"):
+        model.zero_grad(set_to_none=True)
+        probe.squared_norms()
+
+
+def test_hooks_removed_on_exit() -> None:
+    model = MLP()
+    with PerExampleGradNorms(model) as probe:
+        assert probe.active
+        assert model.fc1._forward_hooks
+    assert not probe.active
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_ddp_wrapped_model(tmp_path) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model = MLP()
+        ddp = DistributedDataParallel(model)
+        x, y = torch.randn(6, 12), torch.randint(0, 5, (6,))
+        probe = probe_run(ddp, F.cross_entropy, x, y)
+        assert set(probe.covered) == {n for n, _ in model.named_parameters()}  # no "module." prefix
+        ref = oracle(model, F.cross_entropy, x, y)
+        assert rel_err(probe.squared_norms(), torch.stack(list(ref.values())).sum(0)) <= TOL
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="loss_reduction"):
+        PerExampleGradNorms(MLP(), loss_reduction="none")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="linear_strategy"):
+        PerExampleGradNorms(MLP(), linear_strategy="fast")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="module"):
+        PerExampleGradNorms(lambda x: x)  # type: ignore[arg-type]
+
+
+def test_no_grad_forward_records_nothing() -> None:
+    model = MLP()
+    with PerExampleGradNorms(model) as probe, torch.no_grad():
+        model(torch.randn(3, 12))
+    with pytest.raises(RuntimeError, match="recorded nothing"):
+        probe.squared_norms()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    os.sys.exit(pytest.main([__file__, "-q"]))
