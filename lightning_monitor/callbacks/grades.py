@@ -1,0 +1,406 @@
+"""GradientEarlyStopping (GradES): freeze transformer components whose gradients have converged, stop
+when all are frozen (Wen et al., arXiv 2509.01842)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from lightning_monitor.callbacks.base import Monitor, _check_int
+from lightning_monitor.functional.grades import (
+    Component,
+    ema_update,
+    find_components,
+    freeze_mask,
+    freeze_parameters,
+    mean_abs,
+    mean_abs_update,
+    relative_ratio,
+)
+
+__all__ = ["GradientEarlyStopping"]
+
+Criterion = Literal["grad", "update"]
+Threshold = Literal["relative", "absolute"]
+
+
+def _check_fraction(name: str, value: Any, low: float, high: float, high_inclusive: bool) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and low <= value and (value <= high if high_inclusive else value < high)
+    if not ok:
+        right = "]" if high_inclusive else ")"
+        raise ValueError(f"`{name}` must be a number in [{low}, {high}{right}, got {value!r}.")
+    return float(value)
+
+
+class GradientEarlyStopping(Monitor):
+    r"""Freezes each transformer component once its statistic has converged; stops when (almost) all
+    are frozen.
+
+    A *component* is one weight matrix of a transformer block: attention q/k/v/o (or a fused qkv),
+    MLP gate/up/down (or fc/proj), or a LoRA adapter; found by name
+    (:func:`~lightning_monitor.functional.grades.find_components`) or given as glob patterns
+    (``components``). Every ``every_n_steps`` optimizer steps, in ``on_before_optimizer_step``
+    (gradients unscaled under AMP, not yet clipped, already all-reduced under DDP), on the device:
+
+    * ``criterion="grad"`` (the paper): :math:`s_c = \operatorname{mean}_{ij} |\partial L / \partial W_{ij}|`;
+    * ``criterion="update"`` (the released code): :math:`s_c = \operatorname{mean}_{ij}|W_{ij}(t) -
+      W_{ij}(t-k)| / k`, the weight change per element and step since the previous check.
+
+    ``threshold="relative"`` (default) freezes ``c`` when :math:`\tilde s_c < \tau\, r_c`, where
+    :math:`r_c` is the mean of :math:`s_c` over the first ``reference_checks`` checks and
+    :math:`\tilde s_c` is :math:`s_c` smoothed by an EMA (``smoothing``; 0 = the paper's raw value).
+    The ratio is free of the matrix size, the loss scale and the learning rate, so one ``tau`` carries
+    over between models and schedules; the paper's absolute rule (``threshold="absolute"``,
+    :math:`s_c < \tau`) needs a new ``tau`` for every model (values in the wild span 1e-10 .. 2.4).
+
+    No component freezes before the grace period: ``grace_steps`` optimizer steps, or
+    ``grace_fraction`` of the planned steps (``trainer.estimated_stepping_batches``). A frozen component
+    gets ``requires_grad=False`` (the backward skips its weight-gradient matmul; gradients still flow
+    through it to earlier layers), its ``.grad`` is dropped (it skips this step's update), its
+    optimizer state is freed, and it stays frozen. When the frozen fraction of components reaches
+    ``max_frozen_ratio`` the trainer stops (``trainer.should_stop``, reduced across ranks).
+
+    Under DDP, statistics are all-reduced before the decision, so every rank freezes the same set on
+    the same step; DDP must be built with ``find_unused_parameters=True`` (frozen parameters then
+    count as globally unused and keep ``.grad is None``); other settings are refused at setup.
+
+    Args:
+        tau: freeze threshold (> 0): a fraction of the reference (relative) or a value of the statistic
+            (absolute).
+        criterion: ``"grad"`` or ``"update"``.
+        threshold: ``"relative"`` or ``"absolute"``.
+        grace_fraction: fraction of the planned optimizer steps in [0, 1) before any freeze.
+        grace_steps: grace period in optimizer steps; overrides ``grace_fraction`` when given.
+        max_frozen_ratio: stop training when this fraction of components, in (0, 1], is frozen.
+        components: glob patterns of module names to use as components instead of the naming schemes.
+        exclude: glob patterns of module names that are never components.
+        reference_checks: number of first checks whose mean is the relative reference (>= 1).
+        smoothing: EMA coefficient in [0, 1) applied to the statistic before the comparison.
+        log_stats: log ``grades/<component>/stat`` and ``/ratio`` at every check.
+        every_n_steps: check every this many optimizer steps.
+        warmup_steps: first check at this step (e.g. after an LR warm-up, so that the reference is
+            not taken during it).
+    """
+
+    name = "grades"
+
+    def __init__(
+        self,
+        tau: float = 0.5,
+        criterion: Criterion = "grad",
+        threshold: Threshold = "relative",
+        grace_fraction: float = 0.3,
+        grace_steps: Optional[int] = None,
+        max_frozen_ratio: float = 1.0,
+        components: Optional[Union[str, Sequence[str]]] = None,
+        exclude: Optional[Union[str, Sequence[str]]] = None,
+        reference_checks: int = 3,
+        smoothing: float = 0.0,
+        log_stats: bool = True,
+        every_n_steps: int = 10,
+        warmup_steps: int = 0,
+    ) -> None:
+        super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
+            raise ValueError(
+                f"`tau` must be a finite number > 0, got {tau!r}. With threshold='relative' it is a fraction of "
+                "each component's early statistic (e.g. 0.5); with threshold='absolute' a value of the statistic."
+            )
+        if criterion not in ("grad", "update"):
+            raise ValueError(f"`criterion` must be 'grad' (mean |gradient|) or 'update' (weight change), got {criterion!r}.")
+        if threshold not in ("relative", "absolute"):
+            raise ValueError(f"`threshold` must be 'relative' or 'absolute', got {threshold!r}.")
+        self.grace_fraction = _check_fraction("grace_fraction", grace_fraction, 0.0, 1.0, high_inclusive=False)
+        self.grace_steps = None if grace_steps is None else _check_int("grace_steps", grace_steps, 0)
+        self.max_frozen_ratio = _check_fraction("max_frozen_ratio", max_frozen_ratio, 0.0, 1.0, high_inclusive=True)
+        if self.max_frozen_ratio == 0.0:
+            raise ValueError("`max_frozen_ratio` must be > 0 (training stops once this fraction is frozen), got 0.")
+        self.smoothing = _check_fraction("smoothing", smoothing, 0.0, 1.0, high_inclusive=False)
+        self.reference_checks = _check_int("reference_checks", reference_checks, 1)
+        self.tau = float(tau)
+        self.criterion: Criterion = criterion
+        self.threshold: Threshold = threshold
+        self.component_patterns = components
+        self.exclude = exclude
+        self.log_stats = bool(log_stats)
+
+        self._components: dict[str, Component] = {}
+        self._names: list[str] = []
+        self.frozen: dict[str, int] = {}  # component -> step it was frozen at
+        self.grace_end: Optional[int] = None
+        self.stopped_at: Optional[int] = None
+        self._ref_sum: Optional[Tensor] = None
+        self._ref_cnt: Optional[Tensor] = None
+        self._n_ref_checks = 0
+        self._smoothed: Optional[Tensor] = None
+        self._snapshot: dict[str, Tensor] = {}
+        self._snapshot_step: Optional[int] = None
+        self._last_step: Optional[int] = None
+
+    # ------------------------------------------------------------------ identity / state
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(tau=self.tau, criterion=self.criterion, threshold=self.threshold)
+
+    @property
+    def components(self) -> list[str]:
+        """Names of the components found at setup, in model order."""
+        return list(self._names)
+
+    @property
+    def frozen_fraction(self) -> float:
+        return len(self.frozen) / len(self._names) if self._names else 0.0
+
+    def reference(self) -> Optional[Tensor]:
+        """The per-component reference ``r_c`` (mean of the first checks), or ``None`` before any."""
+        if self._ref_sum is None or self._ref_cnt is None:
+            return None
+        return self._ref_sum / self._ref_cnt.clamp(min=1.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        ref = self.reference()
+        names = self._names
+        to_list = (lambda t: None if t is None else [float(x) for x in t.detach().cpu().tolist()])
+        state.update(
+            frozen=dict(self.frozen),
+            names=list(names),
+            reference_sum=to_list(self._ref_sum),
+            reference_count=to_list(self._ref_cnt),
+            reference_checks_done=self._n_ref_checks,
+            smoothed=to_list(self._smoothed),
+            reference=to_list(ref),
+            stopped_at=self.stopped_at,
+        )
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.frozen = {str(k): int(v) for k, v in state_dict.get("frozen", {}).items()}
+        self._saved_names = list(state_dict.get("names", []))
+        as_tensor = (lambda v: None if v is None else torch.tensor(v, dtype=torch.float32))
+        self._ref_sum = as_tensor(state_dict.get("reference_sum"))
+        self._ref_cnt = as_tensor(state_dict.get("reference_count"))
+        self._smoothed = as_tensor(state_dict.get("smoothed"))
+        self._n_ref_checks = int(state_dict.get("reference_checks_done", 0))
+        self.stopped_at = state_dict.get("stopped_at")
+        self._snapshot, self._snapshot_step = {}, None
+        if self._components:
+            self._check_saved_names()
+            self._apply_frozen(optimizers=())
+
+    def _check_saved_names(self) -> None:
+        saved = getattr(self, "_saved_names", None)
+        if saved and saved != self._names:
+            raise ValueError(
+                "GradientEarlyStopping: the checkpoint was written for other components "
+                f"({len(saved)}: {saved[:4]}...) than this model has ({len(self._names)}: {self._names[:4]}...). "
+                "Resume with the same model and the same `components`/`exclude` patterns."
+            )
+        unknown = sorted(set(self.frozen) - set(self._names))
+        if unknown:
+            raise ValueError(f"GradientEarlyStopping: frozen components {unknown} of the checkpoint are not in this model.")
+
+    def _apply_frozen(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        for name in self.frozen:
+            freeze_parameters(self._components[name].params, optimizers)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage != "fit":
+            return
+        self._check_strategy(trainer)
+        if self.grace_steps is None and self.grace_fraction > 0 and trainer.max_steps == -1 and trainer.max_epochs == -1:
+            raise ValueError(
+                f"GradientEarlyStopping: `grace_fraction={self.grace_fraction}` is a fraction of the planned steps, but "
+                "the run has no end (max_steps=-1 and max_epochs=-1). Set `Trainer(max_steps=...)`, or give the grace "
+                "period in steps with `grace_steps=...`, or use `grace_fraction=0`."
+            )
+        found = find_components(pl_module, self.component_patterns, self.exclude, trainable_only=False)
+        # a component frozen before the run (and not by us) is not ours to watch
+        self._components = {n: c for n, c in found.items() if c.weight.requires_grad or n in self.frozen}
+        if not self._components:
+            raise ValueError(
+                f"GradientEarlyStopping: every component found in {type(pl_module).__name__} is already frozen "
+                f"({list(found)[:6]}...); nothing is left to watch."
+            )
+        self._names = list(self._components)
+        self._check_saved_names()
+        self._apply_frozen(optimizers=())
+
+    @staticmethod
+    def _check_strategy(trainer: pl.Trainer) -> None:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy = trainer.strategy
+        kind = type(strategy).__name__
+        if "FSDP" in kind or "DeepSpeed" in kind:
+            raise ValueError(
+                f"GradientEarlyStopping does not support {kind}: it freezes parameters by `requires_grad`, which "
+                "sharded flat parameters cannot do per matrix. Use a single device or DDP."
+            )
+        if isinstance(strategy, DDPStrategy):
+            kwargs = getattr(strategy, "_ddp_kwargs", {}) or {}
+            if kwargs.get("static_graph", False):
+                raise ValueError(
+                    "GradientEarlyStopping freezes parameters mid-run, which changes the graph DDP's `static_graph=True` "
+                    "assumes fixed. Use `strategy=DDPStrategy(find_unused_parameters=True)` without static_graph."
+                )
+            if not kwargs.get("find_unused_parameters", False):
+                raise ValueError(
+                    "GradientEarlyStopping freezes parameters mid-run; DDP then needs `find_unused_parameters=True`, "
+                    "or the next step fails with 'Expected to have finished reduction in the prior iteration'. Use "
+                    "`strategy='ddp_find_unused_parameters_true'` (or 'ddp_spawn_find_unused_parameters_true') or "
+                    "`strategy=DDPStrategy(find_unused_parameters=True)`."
+                )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # optimizers exist from here on
+        in_optimizer = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
+        missing = [n for n, c in self._components.items()
+                   if n not in self.frozen and any(id(p) not in in_optimizer for p in c.params)]
+        if missing:
+            raise ValueError(
+                f"GradientEarlyStopping: the optimizer does not hold the parameters of {len(missing)} component(s) "
+                f"({missing[:6]}{'...' if len(missing) > 6 else ''}); their statistic would not describe training. "
+                "Build the optimizer over all parameters (also those frozen later), or leave these modules out "
+                "with `exclude=[...]`."
+            )
+        if self.grace_steps is not None:
+            self.grace_end = self.grace_steps
+        elif self.grace_fraction == 0.0:
+            self.grace_end = 0
+        else:
+            planned = trainer.estimated_stepping_batches
+            if not math.isfinite(planned):
+                raise ValueError(
+                    f"GradientEarlyStopping: `grace_fraction={self.grace_fraction}` needs the planned number of steps, "
+                    "which is unknown (infinite). Set `Trainer(max_steps=...)` or use `grace_steps=...`."
+                )
+            self.grace_end = int(self.grace_fraction * planned)
+        # optimizer state restored for frozen components (older checkpoints) is freed
+        self._apply_frozen(trainer.optimizers)
+
+    # ------------------------------------------------------------------ the check
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        step = trainer.global_step
+        if step == self._last_step or not self.is_due(step) or len(self.frozen) == len(self._names):
+            return
+        self._last_step = step
+        active = [n for n in self._names if n not in self.frozen]
+        stat = self._statistic(active, step)
+        if stat is None:  # first check of the update criterion: a snapshot only
+            self.log_metrics(trainer, {self.key("frozen_fraction"): self.frozen_fraction}, step)
+            return
+        device = stat.device
+        if trainer.world_size > 1:
+            stat = trainer.strategy.reduce(stat, reduce_op="mean")
+        n = len(self._names)
+        index = torch.tensor([self._names.index(a) for a in active], device=device)
+        full = torch.full((n,), float("nan"), device=device).index_copy(0, index, stat)
+        finite = torch.isfinite(full)
+        self._move_state(device, n)
+        if self._n_ref_checks < self.reference_checks:
+            self._ref_sum = self._ref_sum + torch.where(finite, full, torch.zeros_like(full))
+            self._ref_cnt = self._ref_cnt + finite.float()
+            self._n_ref_checks += 1
+        smoothed = full if self._smoothed is None else torch.where(
+            finite, ema_update(self._smoothed, full, self.smoothing), self._smoothed)
+        self._smoothed = smoothed
+        reference = self.reference() if self.threshold == "relative" else None
+        decide = step >= (self.grace_end or 0) and (
+            self.threshold == "absolute" or self._n_ref_checks >= self.reference_checks)
+        values: dict[str, Any] = {}
+        if self.log_stats:
+            ratio = relative_ratio(smoothed, reference) if reference is not None else None
+            for i, name in enumerate(self._names):
+                if name in self.frozen:
+                    continue
+                values[self.key("stat", name)] = full[i]
+                if ratio is not None:
+                    values[self.key("ratio", name)] = ratio[i]
+        if decide:
+            mask = freeze_mask(smoothed, reference, self.tau).float()
+            judged = smoothed if reference is None else relative_ratio(smoothed, reference)
+            for i, name in enumerate(self._names):
+                if name not in self.frozen:
+                    values[f"_freeze/{name}"] = mask[i]
+                    values[f"_value/{name}"] = judged[i]
+        host = self.to_host(values)
+        newly = [n for n in active if host.get(f"_freeze/{n}", 0.0) > 0.5]
+        for name in newly:
+            freeze_parameters(self._components[name].params, trainer.optimizers)
+            self.frozen[name] = step
+            self._snapshot.pop(name, None)
+        metrics = {k: v for k, v in host.items() if not k.startswith("_")}
+        metrics[self.key("frozen_fraction")] = self.frozen_fraction
+        self.log_metrics(trainer, metrics, step)
+        for name in newly:
+            value = host[f"_value/{name}"]
+            what = "of its early value" if self.threshold == "relative" else ""
+            self.alert(
+                step, "frozen", "info",
+                f"Froze {name}: its {self.criterion} statistic is {value:.3g} {what} (< tau={self.tau:g}); "
+                f"{len(self.frozen)}/{len(self._names)} components frozen.",
+                value=value, threshold=self.tau, layer=name,
+            )
+        if decide:
+            self._maybe_stop(trainer, step)
+
+    def _statistic(self, active: list[str], step: int) -> Optional[Tensor]:
+        comps = [self._components[n] for n in active]
+        if self.criterion == "grad":
+            grads = [c.weight.grad for c in comps]
+            if all(g is not None for g in grads):
+                return mean_abs(grads)  # type: ignore[arg-type]
+            device = comps[0].weight.device
+            present = [g for g in grads if g is not None]
+            out = torch.full((len(comps),), float("nan"), device=device)
+            if present:
+                idx = torch.tensor([i for i, g in enumerate(grads) if g is not None], device=device)
+                out = out.index_copy(0, idx, mean_abs(present))
+            return out
+        # criterion == "update"
+        weights = [c.weight.detach() for c in comps]
+        if self._snapshot_step is None or any(n not in self._snapshot for n in active):
+            self._snapshot = {n: w.clone() for n, w in zip(active, weights)}
+            self._snapshot_step = step
+            return None
+        previous = [self._snapshot[n] for n in active]
+        stat = mean_abs_update(weights, previous, steps=max(1, step - self._snapshot_step))
+        torch._foreach_copy_(previous, weights)
+        self._snapshot_step = step
+        return stat
+
+    def _move_state(self, device: torch.device, n: int) -> None:
+        if self._ref_sum is None or self._ref_cnt is None or self._ref_sum.numel() != n:
+            self._ref_sum = torch.zeros(n, device=device)
+            self._ref_cnt = torch.zeros(n, device=device)
+            self._n_ref_checks = 0
+            self._smoothed = None
+        elif self._ref_sum.device != device:
+            self._ref_sum, self._ref_cnt = self._ref_sum.to(device), self._ref_cnt.to(device)
+        if self._smoothed is not None and self._smoothed.device != device:
+            self._smoothed = self._smoothed.to(device)
+
+    def _maybe_stop(self, trainer: pl.Trainer, step: int) -> None:
+        done = self.frozen_fraction >= self.max_frozen_ratio
+        done = bool(trainer.strategy.reduce_boolean_decision(done, all=False))
+        if done and not trainer.should_stop:
+            trainer.should_stop = True
+            self.stopped_at = step
+            self.alert(
+                step, "stop", "info",
+                f"{len(self.frozen)}/{len(self._names)} components frozen (>= max_frozen_ratio="
+                f"{self.max_frozen_ratio:g}); stopping training.",
+                value=self.frozen_fraction, threshold=self.max_frozen_ratio,
+            )
