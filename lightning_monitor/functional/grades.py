@@ -175,7 +175,6 @@ def find_components(
             continue
         if comp is not None and _auto_match(name, module, comp):
             found[name] = comp
-            continue
         # LoRA adapters held as bare parameters: `<module>.lora_A`
         for pname, p in module.named_parameters(recurse=False):
             full = f"{name}.{pname}"
