@@ -1,0 +1,141 @@
+"""Gradient noise scale: unbiased estimators from two batch sizes and their smoothing.
+
+McCandlish, Kaplan, Amodei et al., "An Empirical Model of Large-Batch Training", arXiv 1812.06162,
+Appendix A. With ``G`` the true gradient and ``Sigma`` the per-example gradient covariance,
+``B_simple = tr(Sigma) / |G|^2``. From the squared norms of gradients averaged over ``b_small`` and
+``b_big`` examples (``b_small < b_big``):
+
+    |G|^2     ~ (b_big |G_big|^2 - b_small |G_small|^2) / (b_big - b_small)
+    tr(Sigma) ~ (|G_small|^2 - |G_big|^2) / (1 / b_small - 1 / b_big)
+
+where ``|G_small|^2`` is the *mean* squared norm of the small-batch gradients. Both are unbiased but
+noisy (either can be negative on one step), so the ratio is taken of separately smoothed numerator and
+denominator, never of the per-step values, and only the final ratio is clamped.
+
+Pure functions and a tiny state holder; no Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor
+
+__all__ = ["noise_scale_estimates", "b_simple", "BiasCorrectedEMA", "NoiseScaleEMA"]
+
+Value = Union[Tensor, float]
+
+
+def noise_scale_estimates(
+    small_sq_norm: Value, big_sq_norm: Value, b_small: float, b_big: float
+) -> tuple[Value, Value]:
+    """Unbiased ``(|G|^2, tr(Sigma))`` from gradient squared norms at two batch sizes.
+
+    Args:
+        small_sq_norm: mean over the small batches of ``|G_small|^2`` (with per-example gradients,
+            ``b_small = 1``: the mean of the per-example squared norms).
+        big_sq_norm: ``|G_big|^2``, the squared norm of the gradient averaged over ``b_big`` examples.
+        b_small, b_big: the batch sizes, ``0 < b_small < b_big``.
+
+    >>> g2, tr = noise_scale_estimates(torch.tensor(11.0), torch.tensor(2.0), 1, 10)
+    >>> float(g2), float(tr)  # (10 * 2 - 11) / 9, (11 - 2) / 0.9
+    (1.0, 10.0)
+    """
+    if not (b_small > 0 and b_big > b_small):
+        raise ValueError(
+            f"noise_scale_estimates needs 0 < b_small < b_big, got b_small={b_small}, b_big={b_big}: with a "
+            "single batch size (e.g. batch size 1, or one rank without accumulation) there is no variance estimate."
+        )
+    g2 = (b_big * big_sq_norm - b_small * small_sq_norm) / (b_big - b_small)
+    trace_sigma = (small_sq_norm - big_sq_norm) / (1.0 / b_small - 1.0 / b_big)
+    return g2, trace_sigma
+
+
+def b_simple(trace_sigma: Value, g2: Value) -> Value:
+    """``tr(Sigma) / |G|^2``, ``nan`` where ``|G|^2 <= 0`` (undefined), clamped at 0 from below."""
+    if isinstance(trace_sigma, Tensor) or isinstance(g2, Tensor):
+        tr = torch.as_tensor(trace_sigma)
+        g = torch.as_tensor(g2, device=tr.device)
+        out = (tr / g).clamp_min(0.0)
+        return torch.where(g > 0, out, torch.full_like(out, float("nan")))
+    if g2 <= 0:
+        return float("nan")
+    return max(trace_sigma / g2, 0.0)
+
+
+class BiasCorrectedEMA:
+    """Exponential moving average with Adam-style bias correction.
+
+    ``m_k = beta m_{k-1} + (1 - beta) x_k``, ``value = m_k / (1 - beta^k)``: the first value is the first
+    sample, not ``(1 - beta)`` times it. Works on floats and on tensors (kept on their device).
+    """
+
+    def __init__(self, beta: float = 0.9) -> None:
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"`beta` must be in [0, 1), got {beta!r}.")
+        self.beta = beta
+        self.mean: Any = 0.0
+        self.count = 0
+
+    def update(self, x: Value) -> Value:
+        self.mean = self.beta * self.mean + (1.0 - self.beta) * x
+        self.count += 1
+        return self.value
+
+    @property
+    def value(self) -> Optional[Value]:
+        if self.count == 0:
+            return None
+        return self.mean / (1.0 - self.beta**self.count)
+
+    def state_dict(self) -> dict[str, Any]:
+        mean = self.mean.tolist() if isinstance(self.mean, Tensor) else self.mean
+        return {"beta": self.beta, "mean": mean, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.beta = float(state["beta"])
+        self.mean = state["mean"]
+        self.count = int(state["count"])
+
+
+class NoiseScaleEMA:
+    """Smoothed ``|G|^2`` and ``tr(Sigma)`` (separately, bias-corrected) and their ratio ``B_simple``.
+
+    >>> ema = NoiseScaleEMA(beta=0.5)
+    >>> ema.update(g2=1.0, trace_sigma=30.0); ema.update(g2=3.0, trace_sigma=10.0)
+    >>> round(ema.b_simple, 4)  # (30 + 2 * 10) / (1 + 2 * 3): ratio of the smoothed values
+    7.1429
+
+    Steps whose estimates are not finite are ignored (:meth:`update` returns ``False``).
+    """
+
+    def __init__(self, beta: float = 0.9) -> None:
+        self.g2 = BiasCorrectedEMA(beta)
+        self.trace_sigma = BiasCorrectedEMA(beta)
+
+    def update(self, g2: float, trace_sigma: float) -> bool:
+        if not (math.isfinite(g2) and math.isfinite(trace_sigma)):
+            return False
+        self.g2.update(g2)
+        self.trace_sigma.update(trace_sigma)
+        return True
+
+    @property
+    def count(self) -> int:
+        return self.g2.count
+
+    @property
+    def b_simple(self) -> float:
+        """``nan`` before the first update or while the smoothed ``|G|^2 <= 0``."""
+        if self.count == 0:
+            return float("nan")
+        return float(b_simple(float(self.trace_sigma.value), float(self.g2.value)))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"g2": self.g2.state_dict(), "trace_sigma": self.trace_sigma.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.g2.load_state_dict(state["g2"])
+        self.trace_sigma.load_state_dict(state["trace_sigma"])
