@@ -146,6 +146,8 @@ class DivergenceGuard(Monitor):
         self._grad_watch = _SeriesWatch(window, warmup_steps, z_threshold, grad_rel_floor)
         # per-step device values since the last check: (step, loss or None, grad norm)
         self._pending: list[tuple[int, Optional[Tensor], Tensor]] = []
+        # values buffered at checkpoint time, restored on resume: (step, loss or None, grad norm)
+        self._restored: list[tuple[int, Optional[float], float]] = []
         self._loss_acc: Optional[Tensor] = None
         self._external: list[Alert] = []
         self._warned_no_loss = False
@@ -213,17 +215,18 @@ class DivergenceGuard(Monitor):
     # ------------------------------------------------------------------ every check, on host
     def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, params: list[Tensor], step: int) -> None:
         pending, self._pending = self._pending, []
-        losses, gnorms = self._to_host(pending)
+        values = self._restored + self._to_host(pending)
+        self._restored = []
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         scaler_on = scaler is not None and scaler.is_enabled()
-        if all(v is None for v in losses) and not self._warned_no_loss:
+        if all(loss is None for _, loss, _ in values) and not self._warned_no_loss:
             self._warned_no_loss = True
             rank_zero_warn(
                 "DivergenceGuard saw no training loss: `training_step` returned None (or no 'loss' key), so only "
                 "gradients are checked. Return the loss tensor, or a dict with a 'loss' key, from `training_step`."
             )
         critical: list[str] = []
-        for (s, _, _), loss, gnorm in zip(pending, losses, gnorms):
+        for s, loss, gnorm in values:
             critical += self._judge(s, loss, gnorm, scaler_on)
         if self.act_on_alerts and self._external:
             critical += [f"{a.monitor}/{a.kind} (step {a.step}): {a.message}" for a in self._external]
@@ -235,15 +238,14 @@ class DivergenceGuard(Monitor):
             self._stop(trainer, params, step, critical)
 
     @staticmethod
-    def _to_host(pending: list[tuple[int, Optional[Tensor], Tensor]]) -> tuple[list[Optional[float]], list[float]]:
-        """One device-to-host transfer for every buffered value."""
+    def _to_host(pending: list[tuple[int, Optional[Tensor], Tensor]]) -> list[tuple[int, Optional[float], float]]:
+        """The buffered values as floats, with one device-to-host transfer."""
         if not pending:
-            return [], []
+            return []
         nan = torch.full((), math.nan, device=pending[0][2].device)
         rows = torch.stack([torch.stack([nan if loss is None else loss.reshape(()), g]) for _, loss, g in pending])
         host = rows.cpu().tolist()
-        losses = [None if loss is None else row[0] for (_, loss, _), row in zip(pending, host)]
-        return losses, [row[1] for row in host]
+        return [(s, None if loss is None else row[0], row[1]) for (s, loss, _), row in zip(pending, host)]
 
     def _judge(self, step: int, loss: Optional[float], gnorm: float, scaler_on: bool) -> list[str]:
         """Update the detectors with one step's values; returns the critical reasons raised."""
@@ -316,6 +318,7 @@ class DivergenceGuard(Monitor):
         state.update(
             loss=self._loss_watch.state_dict(),
             grad=self._grad_watch.state_dict(),
+            pending=self._restored + self._to_host(self._pending),
             stop_checkpoint=self.stop_checkpoint,
             stopped_step=self.stopped_step,
         )
@@ -325,5 +328,7 @@ class DivergenceGuard(Monitor):
         super().load_state_dict(state_dict)
         self._loss_watch.load_state_dict(state_dict.get("loss", {}))
         self._grad_watch.load_state_dict(state_dict.get("grad", {}))
+        self._restored = [(int(s), loss, g) for s, loss, g in state_dict.get("pending", [])]
+        self._pending = []
         self.stop_checkpoint = state_dict.get("stop_checkpoint")
         self.stopped_step = state_dict.get("stopped_step")

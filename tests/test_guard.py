@@ -1,0 +1,253 @@
+"""DivergenceGuard in real Trainer.fit runs: NaN injection, explosions, alerts of other monitors, DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import tb_scalars
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from lightning_monitor import DivergenceGuard, Monitor, read_alerts
+
+
+def _trainer(tmp_path, callbacks, steps, logger=True, **kw):
+    if logger is True:
+        logger = [TensorBoardLogger(str(tmp_path), name="tb"), CSVLogger(str(tmp_path), name="csv")]
+    return pl.Trainer(
+        max_steps=steps, accelerator="cpu", logger=logger, callbacks=callbacks, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=kw.pop("enable_checkpointing", False),
+        default_root_dir=str(tmp_path), **kw,
+    )
+
+
+def _finite(module) -> bool:
+    return all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_nan_loss_stops_within_one_check_with_finite_checkpoint(tmp_path, tiny_gpt):
+    pl.seed_everything(0)
+    module, loader = tiny_gpt(nan_at_step=23)
+    guard = DivergenceGuard(check_every_n_steps=10)
+    trainer = _trainer(tmp_path, [guard], steps=200)
+    trainer.fit(module, loader)
+
+    assert guard.stopped_step == 30  # the first check after the NaN at step 23
+    assert trainer.global_step <= 31 and trainer.should_stop
+    assert _finite(module)  # the NaN gradients were zeroed on the device, never applied
+    # the checkpoint loads and is finite
+    from gpt import GPTModule
+
+    assert os.path.basename(guard.stop_checkpoint) == "guard-step=30.ckpt"
+    restored = GPTModule.load_from_checkpoint(guard.stop_checkpoint)
+    assert _finite(restored)
+    ckpt = torch.load(guard.stop_checkpoint, weights_only=False)
+    assert ckpt["global_step"] == 30
+    # exactly one critical alert, at the step of the NaN, in the JSONL file and in TensorBoard
+    tb_dir = trainer.loggers[0].log_dir
+    alerts = read_alerts(os.path.join(tb_dir, "alerts.jsonl"))
+    critical = [a for a in alerts if a.severity == "critical"]
+    assert len(critical) == 1 and critical[0].kind == "nonfinite" and critical[0].step == 23
+    assert any(a.kind == "stopped" and "guard-step=30.ckpt" in a.message for a in alerts)
+    assert (23, 3.0) in tb_scalars(tb_dir)["alerts/guard"]
+
+
+def test_check_every_step_skips_the_bad_update_exactly(tmp_path, tiny_gpt):
+    pl.seed_everything(0)
+    module, loader = tiny_gpt(nan_at_step=12)
+    guard = DivergenceGuard(check_every_n_steps=1)
+    _trainer(tmp_path / "a", [guard], steps=100, logger=False).fit(module, loader)
+    assert guard.stopped_step == 12
+
+    pl.seed_everything(0)
+    reference, loader = tiny_gpt()
+    _trainer(tmp_path / "b", [], steps=12, logger=False).fit(reference, loader)
+    saved = torch.load(guard.stop_checkpoint, weights_only=False)["state_dict"]
+    for name, p in reference.state_dict().items():  # the checkpoint is the state before the NaN step
+        torch.testing.assert_close(saved[name], p, rtol=0, atol=0)
+
+
+def test_healthy_run_raises_no_alert(tmp_path, tiny_gpt):
+    pl.seed_everything(0)
+    module, loader = tiny_gpt(lr=3e-3)
+    guard = DivergenceGuard()
+    trainer = _trainer(tmp_path, [guard], steps=250)
+    trainer.fit(module, loader)
+    assert trainer.global_step == 250 and guard.stopped_step is None
+    assert guard.hub.history == []
+    assert not os.path.exists(os.path.join(trainer.loggers[0].log_dir, "alerts.jsonl"))
+
+
+class _Exploding(pl.LightningModule):
+    """A least-squares regression trained by SGD whose learning rate jumps past the edge of stability
+    (lr * curvature > 2) at ``explode_at``: the loss then grows geometrically, a genuine divergence."""
+
+    def __init__(self, explode_at: int = 60) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 1)
+        self.explode_at = explode_at
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_step == self.explode_at:
+            self.optimizers().param_groups[0]["lr"] = 1.5
+        return torch.nn.functional.mse_loss(self.lin(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(4096, 8, generator=g)
+        y = x @ torch.randn(8, 1, generator=g) + 0.5 * torch.randn(4096, 1, generator=g)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+
+
+def test_loss_explosion_is_critical_after_patience(tmp_path):
+    pl.seed_everything(0)
+    guard = DivergenceGuard(check_every_n_steps=5, patience=3)
+    _trainer(tmp_path, [guard], steps=200, logger=False).fit(_Exploding(explode_at=60))
+    kinds = [(a.step, a.kind, a.severity) for a in guard.hub.history]
+    # step 61: first loss after the unstable update, still within noise (about 2x); 62: about 8x
+    assert kinds[0] == (62, "loss_spike", "warning")
+    assert [k for k in kinds if k[2] == "critical"] == [(64, "loss_explosion", "critical")]  # 62, 63, 64
+    assert guard.stopped_step == 65
+
+
+def test_warn_mode_keeps_training_and_weights_finite(tmp_path, tiny_gpt):
+    pl.seed_everything(0)
+    module, loader = tiny_gpt(nan_at_step=7)
+    guard = DivergenceGuard(action="warn", check_every_n_steps=4)
+    trainer = _trainer(tmp_path, [guard], steps=30, logger=False)
+    trainer.fit(module, loader)
+    assert trainer.global_step == 30 and guard.stopped_step is None and _finite(module)
+    assert [(a.kind, a.step) for a in guard.hub.history] == [("nonfinite", 7), ("nonfinite_cleared", 8)]
+
+
+class _CriticalAt(Monitor):
+    """Raises one critical alert at ``step`` (on rank ``rank`` only, if given)."""
+
+    name = "probe"
+
+    def __init__(self, step: int, rank: int | None = None) -> None:
+        super().__init__(every_n_steps=1)
+        self.step, self.rank = step, rank
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
+            self.alert(trainer.global_step, "collapse", "critical", "test collapse")
+
+
+def test_guard_acts_on_other_monitors_critical_alerts(tmp_path, tiny_gpt):
+    module, loader = tiny_gpt()
+    guard = DivergenceGuard(check_every_n_steps=10, dirpath=str(tmp_path / "ck"))
+    _trainer(tmp_path, [_CriticalAt(12), guard], steps=100, logger=False).fit(module, loader)
+    assert guard.stopped_step == 20 and os.path.isfile(tmp_path / "ck" / "guard-step=20.ckpt")
+    stop = [a for a in guard.hub.history if a.kind == "stopped"]
+    assert len(stop) == 1 and "probe/collapse" in stop[0].message
+
+
+def test_state_roundtrips_through_checkpoint(tmp_path, tiny_gpt):
+    pl.seed_everything(0)
+    module, loader = tiny_gpt()
+    guard = DivergenceGuard(check_every_n_steps=5, warmup_steps=5)
+    ckpt_cb = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=40, save_top_k=-1)
+    _trainer(tmp_path, [guard, ckpt_cb], steps=40, logger=False, enable_checkpointing=True).fit(module, loader)
+    ckpt = torch.load(ckpt_cb.best_model_path or ckpt_cb.last_model_path or
+                      os.path.join(tmp_path, "ck", os.listdir(tmp_path / "ck")[0]), weights_only=False)
+    saved = ckpt["callbacks"][guard.state_key]
+    # steps 0..35 judged at the checks, 36..39 still waiting for the next check: nothing is lost
+    assert len(saved["loss"]["history"]) == 36 and [s for s, _, _ in saved["pending"]] == [36, 37, 38, 39]
+
+    resumed = DivergenceGuard(check_every_n_steps=5, warmup_steps=5)
+    module2, loader2 = tiny_gpt()
+    trainer = _trainer(tmp_path, [resumed], steps=41, logger=False)
+    trainer.fit(module2, loader2, ckpt_path=os.path.join(tmp_path, "ck", os.listdir(tmp_path / "ck")[0]))
+    expected = saved["loss"]["history"] + [loss for _, loss, _ in saved["pending"]]
+    assert list(resumed._loss_watch.history)[:40] == expected
+    assert trainer.global_step == 41
+
+
+class _NoLoss(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 1)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.lin(batch[0]).sum().backward()  # plain backward: no on_before_backward hook, no loss returned
+        opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 2)), batch_size=4)
+
+
+def test_no_loss_warns_and_still_checks_gradients(tmp_path):
+    guard = DivergenceGuard(check_every_n_steps=2)
+    with pytest.warns(UserWarning, match="DivergenceGuard saw no training loss"):
+        _trainer(tmp_path, [guard], steps=6, logger=False).fit(_NoLoss())
+    assert guard.hub.history == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"action": "halt"}, "action"),
+        ({"check_every_n_steps": 0}, "every_n_steps"),
+        ({"warmup_steps": 0}, "warmup_steps"),
+        ({"window": 10, "warmup_steps": 20}, "must not exceed"),
+        ({"z_threshold": -1.0}, "z_threshold"),
+        ({"patience": 0}, "patience"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DivergenceGuard(**kwargs)
+
+
+# ----------------------------------------------------------------------------- DDP (2 gloo ranks)
+
+
+class _DDPModule(pl.LightningModule):
+    def __init__(self, out_dir: str):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+        self.out_dir = out_dir
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.lin(x).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(512, 4)), batch_size=4)
+
+    def on_train_end(self):
+        guard = next(c for c in self.trainer.callbacks if isinstance(c, DivergenceGuard))
+        with open(os.path.join(self.out_dir, f"rank{self.global_rank}.json"), "w") as fh:
+            json.dump({"global_step": self.trainer.global_step, "stopped_step": guard.stopped_step}, fh)
+
+
+def test_ddp_stop_decision_is_reduced_across_ranks(tmp_path):
+    # only rank 1 raises a critical alert; both ranks must stop on the same step, none may hang
+    guard = DivergenceGuard(check_every_n_steps=4, dirpath=str(tmp_path / "ck"))
+    trainer = pl.Trainer(
+        max_steps=40, accelerator="cpu", devices=2, strategy="ddp_spawn", callbacks=[_CriticalAt(9, rank=1), guard],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(_DDPModule(str(tmp_path)))
+    results = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    assert results[0] == results[1] == {"global_step": 13, "stopped_step": 12}
+    assert os.path.isfile(tmp_path / "ck" / "guard-step=12.ckpt")
