@@ -1,0 +1,176 @@
+"""Spectral alignment (SA): the top singular pair of a weight and the sign diversity of its inputs'
+alignment with it.
+
+Qiu, Wu, Tan, Wang, Yao, "Spectral Alignment as Predictor of Loss Explosion in Neural Network
+Training", arXiv 2510.04202 (2025).
+
+For a layer ``y = W x`` with ``W`` in ``R^{out x in}`` and SVD ``W = sum_i s_i u_i v_i^T``, the
+alignment of an input row ``x_t`` is the cosine ``a_t = <x_t, v_1> / ||x_t||``. The sign of ``v_1`` is
+arbitrary, so only sign-symmetric statistics of ``a`` mean anything; the headline one is the sign
+diversity ``D = 2 min(p, 1 - p)`` with ``p`` the fraction of positive alignments (1: balanced signs,
+0: every input on one side of ``v_1``). When all ``v_1^T x_t`` share a sign, the rank-one terms of the
+weight gradient ``sum_t d_t x_t^T`` add up coherently along ``u_1 v_1^T`` and ``s_1`` grows step after
+step; mixed signs cancel.
+
+Everything here is pure tensor code: no Lightning, no hooks, no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["top_singular_pair", "spectral_alignment", "sign_diversity"]
+
+#: Power iterations used without a warm start (``v0=None``) and with one, unless told otherwise.
+COLD_ITERATIONS = 100
+WARM_ITERATIONS = 4
+
+
+def _as_matrix(weight: Tensor) -> Tensor:
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"`weight` must be a torch.Tensor, got {type(weight).__name__}.")
+    if weight.dim() < 2:
+        raise ValueError(
+            f"`weight` must have at least 2 dimensions (out_features, in_features, ...), got shape "
+            f"{tuple(weight.shape)}."
+        )
+    if weight.is_complex():
+        raise TypeError("`weight` must be real; complex weights are not supported.")
+    # fp32 at least (bf16/fp16 weights are promoted; fp64 stays fp64)
+    dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    return weight.detach().reshape(weight.shape[0], -1).to(dtype)
+
+
+def _unit(x: Tensor, fallback: Tensor) -> Tensor:
+    """``x / ||x||``, or ``fallback`` where ``x`` is zero or not finite (no host sync)."""
+    norm = torch.linalg.vector_norm(x)
+    ok = torch.isfinite(norm) & (norm > torch.finfo(x.dtype).tiny)
+    return torch.where(ok, x / torch.where(ok, norm, torch.ones_like(norm)), fallback)
+
+
+def _start_vector(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    # deterministic, independent of (and without consuming) the global RNG
+    g = torch.Generator().manual_seed(0x5A)
+    v = torch.randn(n, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+    return v / torch.linalg.vector_norm(v)
+
+
+def top_singular_pair(
+    weight: Tensor, v0: Optional[Tensor] = None, n_iter: Optional[int] = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Largest singular value and its singular vectors by power iteration, ``W v = sigma u``.
+
+    Iterates ``u <- W v / ||W v||``, ``v <- W^T u / ||W^T u||`` in fp32 (fp64 weights stay fp64), as
+    :func:`torch.nn.utils.spectral_norm` does, starting from ``v0`` (a warm start: the ``v`` of the
+    previous call) or from a fixed pseudo-random vector. The error in ``v`` shrinks by
+    ``(s_2 / s_1)^2`` per iteration. With a repeated top singular value any unit vector of the top
+    singular subspace is an answer; ``sigma`` is still exact.
+
+    Args:
+        weight: ``(out, in)`` matrix; more dimensions (a convolution kernel) are flattened to
+            ``(out, -1)``. Any real dtype; computed in fp32.
+        v0: warm start, shape ``(in,)``; need not be normalised. A zero or non-finite ``v0`` falls back
+            to the fixed start vector.
+        n_iter: power iterations; default ``WARM_ITERATIONS`` (4) with ``v0``, ``COLD_ITERATIONS``
+            (100) without.
+
+    Returns:
+        ``(sigma, u, v)``: a 0-dim tensor, ``u`` of shape ``(out,)`` and ``v`` of shape ``(in,)``, unit
+        norm, fp32, on ``weight``'s device, with ``W v = sigma u``. A zero weight gives ``sigma = 0``,
+        ``u = 0`` and ``v`` the start vector. No host synchronisation.
+
+    Example:
+        >>> w = torch.diag(torch.tensor([3.0, 1.0]))
+        >>> sigma, u, v = top_singular_pair(w)
+        >>> round(float(sigma), 4), round(float(abs(v[0])), 4)
+        (3.0, 1.0)
+    """
+    w = _as_matrix(weight)
+    n_out, n_in = w.shape
+    if n_iter is None:
+        n_iter = WARM_ITERATIONS if v0 is not None else COLD_ITERATIONS
+    if isinstance(n_iter, bool) or not isinstance(n_iter, int) or n_iter < 1:
+        raise ValueError(f"`n_iter` must be an integer >= 1, got {n_iter!r}.")
+    start = _start_vector(n_in, w.dtype, w.device)
+    if v0 is None:
+        v = start
+    else:
+        if v0.shape != (n_in,):
+            raise ValueError(
+                f"`v0` must have shape ({n_in},) (the weight's in_features), got {tuple(v0.shape)}; pass "
+                "the `v` returned by the previous call, or None."
+            )
+        v = _unit(v0.detach().to(dtype=w.dtype, device=w.device), start)
+    zeros_out = torch.zeros(n_out, dtype=w.dtype, device=w.device)
+    for _ in range(n_iter):
+        u = _unit(w @ v, zeros_out)
+        v = _unit(w.T @ u, v)
+    wv = w @ v
+    sigma = torch.linalg.vector_norm(wv)
+    u = _unit(wv, zeros_out)
+    return sigma, u, v
+
+
+def spectral_alignment(inputs: Tensor, v: Tensor) -> Tensor:
+    """Cosine of every input row with ``v``: ``a_t = <x_t, v> / (||x_t|| ||v||)``.
+
+    Args:
+        inputs: ``(..., in)``: any leading dimensions (batch, sequence, heads ...), any float dtype
+            (computed in fp32).
+        v: ``(in,)``, e.g. the top right singular vector of the layer's weight (any norm).
+
+    Returns:
+        fp32 tensor of shape ``inputs.shape[:-1]`` with values in ``[-1, 1]``. A zero row (or a zero
+        ``v``) gives 0, never NaN; a row holding inf/NaN gives NaN.
+
+    Example:
+        >>> spectral_alignment(torch.tensor([[1.0, 0.0], [-2.0, 0.0], [0.0, 0.0]]), torch.tensor([1.0, 0.0]))
+        tensor([ 1., -1.,  0.])
+    """
+    if inputs.dim() < 1 or v.dim() != 1 or inputs.shape[-1] != v.shape[0]:
+        raise ValueError(
+            f"`inputs` must have shape (..., {v.shape[0] if v.dim() == 1 else 'in'}) matching `v` of shape "
+            f"(in,); got inputs {tuple(inputs.shape)} and v {tuple(v.shape)}."
+        )
+    dtype = torch.float64 if inputs.dtype == torch.float64 else torch.float32
+    x = inputs.detach().to(dtype)
+    vv = v.detach().to(dtype=dtype, device=x.device)
+    vv = _unit(vv, torch.zeros_like(vv))
+    dot = x @ vv
+    norm = torch.linalg.vector_norm(x, dim=-1)
+    positive = norm > 0
+    out = torch.where(positive, dot / torch.where(positive, norm, torch.ones_like(norm)), torch.zeros_like(dot))
+    # a non-finite row: norm is inf/nan -> keep it visible as NaN rather than a fake 0
+    out = torch.where(torch.isfinite(norm), out, torch.full_like(out, float("nan")))
+    return out.float().clamp(-1.0, 1.0)
+
+
+def sign_diversity(alignment: Tensor, dim: Optional[int] = None) -> Tensor:
+    """Sign diversity ``D = 2 min(p, 1 - p)``, ``p`` the fraction of positive alignments.
+
+    ``D`` is 1 when half the entries are positive and half negative, 0 when all share one sign. It is
+    symmetric in the sign of the singular vector (``D(a) = D(-a)``). Entries that are exactly 0 (zero
+    input rows) or NaN carry no sign and are left out of ``p``; with no signed entry at all, ``D = 0``.
+
+    Args:
+        alignment: any shape, e.g. the output of :func:`spectral_alignment`.
+        dim: reduce along this dimension only; default: over every entry (a 0-dim result).
+
+    Example:
+        >>> sign_diversity(torch.tensor([0.3, -0.1, 0.2, 0.5]))
+        tensor(0.5000)
+    """
+    a = alignment.detach()
+    pos = (a > 0).float()
+    neg = (a < 0).float()
+    if dim is None:
+        n_pos, n_neg = pos.sum(), neg.sum()
+    else:
+        n_pos, n_neg = pos.sum(dim), neg.sum(dim)
+    total = n_pos + n_neg
+    p = n_pos / total.clamp_min(1.0)
+    d = 2.0 * torch.minimum(p, 1.0 - p)
+    return torch.where(total > 0, d, torch.zeros_like(d))

@@ -1,0 +1,112 @@
+"""Capture a bounded random subsample of the input rows of chosen layers, on demand.
+
+:class:`InputCapture` installs nothing until :meth:`InputCapture.arm` is called (on a monitored step
+only). Each armed layer then records, on its *first* forward call, at most ``max_rows`` rows of its
+input ``x[..., in_features]`` (all leading dimensions flattened: batch, sequence, ...), picked at random
+without replacement, detached, in their own dtype and on their own device; the hook then removes
+itself, so later calls (gradient accumulation, activation re-computation, validation) cost nothing.
+:meth:`InputCapture.take` hands the rows over and forgets them.
+
+The random rows come from the capture's own generator: arming does not touch the global RNG, so a
+run with the monitor draws the same dropout masks and batches as a run without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["InputCapture"]
+
+
+class InputCapture:
+    """Forward pre-hooks that sample the inputs of ``modules`` on the steps they are armed.
+
+    Args:
+        modules: ``name -> module``; each module's first positional input is captured.
+        max_rows: at most this many rows per module and armed step (>= 1).
+        seed: seed of the capture's own random generator (one per device).
+    """
+
+    def __init__(self, modules: Mapping[str, nn.Module], max_rows: int = 256, seed: int = 0) -> None:
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"`max_rows` must be an integer >= 1, got {max_rows!r}.")
+        self.modules = dict(modules)
+        self.max_rows = max_rows
+        self.seed = seed
+        self._handles: dict[str, RemovableHandle] = {}
+        self._captured: dict[str, Tensor] = {}
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    @property
+    def armed(self) -> bool:
+        """Whether any hook is installed now."""
+        return bool(self._handles)
+
+    def arm(self) -> None:
+        """Install a one-shot pre-hook on every module that has not captured yet (idempotent)."""
+        for name, module in self.modules.items():
+            if name in self._handles or name in self._captured:
+                continue
+            self._handles[name] = module.register_forward_pre_hook(self._make_hook(name))
+
+    def disarm(self) -> None:
+        """Remove every hook still installed."""
+        for handle in self._handles.values():
+            handle.remove()
+        self._handles.clear()
+
+    def take(self) -> dict[str, Tensor]:
+        """The rows captured since :meth:`arm` (``name -> (rows, in)``; layers that did not run are
+        absent); removes the remaining hooks and drops the capture's references."""
+        self.disarm()
+        out, self._captured = self._captured, {}
+        return out
+
+    def release(self) -> None:
+        """Forget everything captured and remove every hook."""
+        self.disarm()
+        self._captured = {}
+
+    # ------------------------------------------------------------------ internals
+    def _generator(self, device: torch.device) -> torch.Generator:
+        g = self._generators.get(device)
+        if g is None:
+            g = torch.Generator(device=device)
+            g.manual_seed(self.seed)
+            self._generators[device] = g
+        return g
+
+    def _make_hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            handle = self._handles.pop(name, None)
+            if handle is not None:
+                handle.remove()
+            if not args or not isinstance(args[0], Tensor):
+                return
+            self._captured[name] = self.sample(args[0])
+
+        return hook
+
+    def sample(self, x: Tensor) -> Tensor:
+        """At most ``max_rows`` random rows of ``x`` flattened to ``(-1, x.shape[-1])``, detached."""
+        with torch.no_grad():
+            rows = x.detach().reshape(-1, x.shape[-1])
+            n = rows.shape[0]
+            if n > self.max_rows:
+                idx = torch.randperm(n, generator=self._generator(rows.device), device=rows.device)[: self.max_rows]
+                rows = rows.index_select(0, idx)
+            else:
+                rows = rows.clone()
+        return rows
+
+    def state_dict(self) -> dict[str, Optional[Any]]:
+        return {"generators": {str(d): g.get_state() for d, g in self._generators.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for device, g_state in state.get("generators", {}).items():
+            self._generator(torch.device(device)).set_state(g_state)
