@@ -1,0 +1,568 @@
+"""GradientWeightAlignmentMonitor: validation-free early stopping and mislabelled-sample detection.
+
+Hoelzl, Rueckert, Kaissis, "Gradient-Weight Alignment as a Train-Time Proxy for Generalization in
+Classification Tasks", NeurIPS 2025. The math lives in :mod:`lightning_monitor.functional.gwa`.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+
+from lightning_monitor.alerts import _tensorboard_writer, alerts_dir
+from lightning_monitor.callbacks.base import Monitor, _check_int
+from lightning_monitor.functional.gwa import GWA_OFFSET, GWAMoments, gwa_scores
+
+__all__ = ["GradientWeightAlignmentMonitor", "default_target_fn"]
+
+SUSPECTS_FILENAME = "gwa_suspects.csv"
+_TARGET_KEYS = ("y", "target", "targets", "label", "labels")
+_HIST_BINS = 100
+_FLUSH_ELEMENTS = 1 << 16
+_MIN_SAMPLES = 4
+
+
+def default_target_fn(batch: Any) -> Tensor:
+    """Targets of a ``(x, y, ...)`` tuple/list batch, or of a dict batch under one of the keys
+    ``y``, ``target``, ``targets``, ``label``, ``labels``."""
+    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)) and len(batch) >= 2:
+        return batch[1]
+    if isinstance(batch, Mapping):
+        for key in _TARGET_KEYS:
+            if key in batch:
+                return batch[key]
+    raise TypeError(
+        f"GradientWeightAlignmentMonitor cannot find the targets in a batch of type {type(batch).__name__}: "
+        f"the default takes batch[1] of a tuple/list or one of the keys {list(_TARGET_KEYS)} of a dict. "
+        "Pass `target_fn=lambda batch: ...` returning the class targets."
+    )
+
+
+class GradientWeightAlignmentMonitor(Monitor):
+    r"""Gradient-weight alignment (GWA) of every training sample, a per-epoch generalisation score,
+    early stopping on it, and the samples that fight the model.
+
+    **Per step** (every due step, see ``every_n_steps``): a forward hook on the classifier head
+    (the ``nn.Linear`` producing the logits) reads its input features ``z`` and logits from the
+    step's own forward pass (no extra pass) and scores each sample (each token for ``[B, T, C]``
+    logits) by :math:`\gamma_i = \cos(-\nabla_W \ell_i, W)`
+    (:func:`~lightning_monitor.functional.gwa_scores`, closed form, a few small kernels). Scores
+    stay on the device; they are folded into float64 moments, a fixed-bin histogram, a count of
+    negative scores and the ``suspects`` most negative ones every 65k scores and at epoch end.
+
+    **Per epoch** (at the end of the last training batch, so before an end-of-epoch validation and
+    its checkpoint): the moments are reduced across ranks, ``GWA = mean / (excess kurtosis + 1.2)``
+    is computed and logged with one host transfer, and the epoch is judged:
+
+    * the selection window opens after ``warmup_epochs`` (default ``warmup_fraction`` of
+      ``max_epochs``); with ``finetune=True`` also only after GWA's first dip (a fall followed by a
+      rise);
+    * inside the window the epoch of maximal GWA is the predicted best epoch (``best_epoch``);
+    * with ``stop=True`` training stops when GWA has not improved by ``min_delta`` for ``patience``
+      windowed epochs (the decision is reduced across ranks).
+
+    ``trainer.callback_metrics["gwa/score"]`` holds the epoch's score inside the window and ``-inf``
+    outside it or when it is undefined, so ``ModelCheckpoint(monitor="gwa/score", mode="max")`` keeps
+    the checkpoint of ``best_epoch`` (``mask_warmup=False`` publishes every defined score). Loggers
+    get only defined scores: GWA is undefined (never logged) for an epoch with fewer than 4 scored
+    samples (warning) or a denominator ``<= 0``, i.e. bimodal scores (``bimodal`` alert).
+
+    Args:
+        head: qualified name of the ``nn.Linear`` producing the logits; default: the last
+            ``nn.Linear`` with at least 2 outputs in ``named_modules()`` order.
+        target_fn: ``batch -> targets``: integer classes ``[B]`` / ``[B, T]`` (``ignore_index``
+            entries are skipped) or soft targets of the logits' shape. Default:
+            :func:`default_target_fn`.
+        index_fn: ``batch -> [B]`` integer sample indices (e.g. dataset indices); enables the
+            suspects file ``gwa_suspects.csv`` in the log directory.
+        suspects: how many of the most negative samples (tokens) to write per epoch.
+        stop: stop training on GWA (see above).
+        patience: windowed epochs without improvement before stopping.
+        min_delta: improvement smaller than this does not count.
+        warmup_fraction: fraction of ``max_epochs`` outside the selection window (paper: 10%).
+        warmup_epochs: number of epochs outside the window; overrides ``warmup_fraction``.
+        finetune: open the window only after GWA's first dip (fine-tuning a pre-trained model).
+        mask_warmup: publish ``-inf`` as ``gwa/score`` in ``callback_metrics`` outside the window.
+        ignore_index: integer target that marks a sample (token) to skip.
+        histogram: write a histogram of the epoch's scores to TensorBoard loggers.
+        every_n_steps: score the batches of every this many optimizer steps (1: all samples, the
+            paper's setting; larger values estimate the epoch's score from a subsample).
+        warmup_steps: score nothing before this optimizer step.
+    """
+
+    name = "gwa"
+
+    def __init__(
+        self,
+        head: Optional[str] = None,
+        target_fn: Optional[Callable[[Any], Tensor]] = None,
+        index_fn: Optional[Callable[[Any], Tensor]] = None,
+        suspects: int = 100,
+        stop: bool = False,
+        patience: int = 5,
+        min_delta: float = 0.0,
+        warmup_fraction: float = 0.1,
+        warmup_epochs: Optional[int] = None,
+        finetune: bool = False,
+        mask_warmup: bool = True,
+        ignore_index: Optional[int] = -100,
+        histogram: bool = True,
+        every_n_steps: int = 1,
+        warmup_steps: int = 0,
+    ) -> None:
+        super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
+        if head is not None and (not isinstance(head, str) or not head):
+            raise ValueError(f"`head` must be the qualified name of an nn.Linear module or None, got {head!r}.")
+        for arg, fn in (("target_fn", target_fn), ("index_fn", index_fn)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"`{arg}` must be a callable taking the batch, got {type(fn).__name__}.")
+        if not (isinstance(min_delta, (int, float)) and min_delta >= 0):
+            raise ValueError(f"`min_delta` must be a number >= 0, got {min_delta!r}.")
+        if not (isinstance(warmup_fraction, (int, float)) and 0.0 <= warmup_fraction < 1.0):
+            raise ValueError(f"`warmup_fraction` must be in [0, 1), got {warmup_fraction!r}.")
+        self.head = head
+        self.target_fn = target_fn or default_target_fn
+        self.index_fn = index_fn
+        self.suspects = _check_int("suspects", suspects, 0)
+        self.stop = bool(stop)
+        self.patience = _check_int("patience", patience, 1)
+        self.min_delta = float(min_delta)
+        self.warmup_fraction = float(warmup_fraction)
+        self.warmup_epochs = None if warmup_epochs is None else _check_int("warmup_epochs", warmup_epochs, 0)
+        self.finetune = bool(finetune)
+        self.mask_warmup = bool(mask_warmup)
+        self.ignore_index = ignore_index
+        self.histogram = bool(histogram)
+
+        # selection state (saved in checkpoints)
+        self.history: list[dict[str, Any]] = []
+        self.best_epoch: Optional[int] = None
+        self.best_score: Optional[float] = None
+        self.wait = 0
+        self.dip_epoch: Optional[int] = None
+        self.stopped_epoch: Optional[int] = None
+        self._fell = False
+        self._prev_score: Optional[float] = None
+
+        # run state
+        self._head_name: Optional[str] = None
+        self._head: Optional[nn.Linear] = None
+        self._handle: Optional[torch.utils.hooks.RemovableHandle] = None
+        self._pending: Optional[tuple[Tensor, Optional[Tensor]]] = None
+        self._checked = False
+        self._warmup_resolved = 0
+        self._reset_epoch(None)
+
+    # ------------------------------------------------------------------ identity / state
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(head=self.head, every_n_steps=self.every_n_steps, stop=self.stop)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.update(
+            history=[dict(h) for h in self.history],
+            best_epoch=self.best_epoch,
+            best_score=self.best_score,
+            wait=self.wait,
+            dip_epoch=self.dip_epoch,
+            stopped_epoch=self.stopped_epoch,
+            fell=self._fell,
+            prev_score=self._prev_score,
+        )
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.history = [dict(h) for h in state_dict.get("history", [])]
+        self.best_epoch = state_dict.get("best_epoch")
+        self.best_score = state_dict.get("best_score")
+        self.wait = int(state_dict.get("wait", 0))
+        self.dip_epoch = state_dict.get("dip_epoch")
+        self.stopped_epoch = state_dict.get("stopped_epoch")
+        self._fell = bool(state_dict.get("fell", False))
+        self._prev_score = state_dict.get("prev_score")
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage != "fit":
+            return
+        self._head_name, self._head = self._find_head(pl_module)
+        self._checked = False
+        if self.warmup_epochs is not None:
+            self._warmup_resolved = self.warmup_epochs
+        else:
+            max_epochs = trainer.max_epochs
+            if max_epochs is None or max_epochs < 0:
+                if self.stop or self.warmup_fraction > 0:
+                    raise ValueError(
+                        "GradientWeightAlignmentMonitor cannot take `warmup_fraction` of an unbounded run "
+                        "(max_epochs is -1/None): pass `warmup_epochs=` explicitly."
+                    )
+                self._warmup_resolved = 0
+            else:
+                self._warmup_resolved = int(math.ceil(self.warmup_fraction * max_epochs - 1e-9))
+
+    def _find_head(self, pl_module: pl.LightningModule) -> tuple[str, nn.Linear]:
+        modules = dict(pl_module.named_modules())
+        if self.head is not None:
+            module = modules.get(self.head)
+            if module is None:
+                linears = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
+                raise ValueError(
+                    f"`head={self.head!r}` names no module of {type(pl_module).__name__}; its nn.Linear "
+                    f"modules are {linears[-8:]}."
+                )
+            if not isinstance(module, nn.Linear):
+                raise ValueError(
+                    f"`head={self.head!r}` is a {type(module).__name__}; GWA needs the nn.Linear that "
+                    "produces the logits."
+                )
+            if module.out_features < 2:
+                raise ValueError(
+                    f"`head={self.head!r}` has {module.out_features} output; GWA needs a softmax head with "
+                    ">= 2 classes (use a 2-output head with cross-entropy for binary tasks)."
+                )
+            return self.head, module
+        candidates = [(n, m) for n, m in modules.items() if isinstance(m, nn.Linear) and m.out_features >= 2]
+        if not candidates:
+            raise ValueError(
+                f"GradientWeightAlignmentMonitor found no nn.Linear with >= 2 outputs in "
+                f"{type(pl_module).__name__}: GWA needs a linear classifier head producing softmax logits. "
+                "Pass `head='<name>'` if it is there under a wrapper."
+            )
+        name, module = candidates[-1]
+        rank_zero_info(f"GradientWeightAlignmentMonitor: classifier head `{name}` ({module}).")
+        return name, module
+
+    # ------------------------------------------------------------------ epoch accumulators
+    def _reset_epoch(self, device: Optional[torch.device]) -> None:
+        self._moments = GWAMoments(device)
+        self._negative = torch.zeros((), dtype=torch.float64, device=device)
+        self._hist = torch.zeros(_HIST_BINS, dtype=torch.float64, device=device)
+        self._minmax = torch.tensor([math.inf, -math.inf], dtype=torch.float64, device=device)
+        k = self.suspects
+        # suspects: score, index, position, target, predicted (float64 keeps integers exact)
+        self._top = torch.full((5, k), math.nan, dtype=torch.float64, device=device)
+        self._top[0].fill_(math.inf)
+        self._buffer: list[tuple[Tensor, Optional[Tensor]]] = []
+        self._buffered = 0
+        self._finished = False
+        self._scored_steps = 0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reset_epoch(pl_module.device)
+
+    # ------------------------------------------------------------------ per step
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._head is None or not self.is_due(trainer.global_step):
+            return
+        targets = self.target_fn(batch)
+        if not isinstance(targets, Tensor):
+            raise TypeError(f"`target_fn` must return a Tensor of targets, got {type(targets).__name__}.")
+        indices = None
+        if self.index_fn is not None:
+            indices = self.index_fn(batch)
+            if not isinstance(indices, Tensor):
+                raise TypeError(f"`index_fn` must return a Tensor of sample indices, got {type(indices).__name__}.")
+        self._pending = (targets, indices)
+        if self._handle is None:
+            self._handle = self._head.register_forward_hook(self._on_head_forward)
+
+    def _disarm(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _on_head_forward(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+        self._disarm()
+        pending, self._pending = self._pending, None
+        if pending is None or not inputs or not isinstance(output, Tensor):
+            return
+        targets, indices = pending
+        features = inputs[0]
+        with torch.no_grad():
+            targets = self._conform_targets(targets, output)
+            scores = gwa_scores(features, output, targets, module.weight, ignore_index=self.ignore_index)
+        extra = None
+        if self.suspects > 0 and self.index_fn is not None:
+            extra = self._suspect_columns(scores, output, targets, indices)
+        self._buffer.append((scores.reshape(-1), extra))
+        self._buffered += scores.numel()
+        self._scored_steps += 1
+        if self._buffered >= _FLUSH_ELEMENTS:
+            self._flush()
+
+    def _conform_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
+        """Targets on the logits' device with their leading shape; checks once with one host sync."""
+        targets = targets.to(logits.device, non_blocking=True)
+        rows = logits.shape[:-1]
+        if targets.is_floating_point():
+            if targets.shape != logits.shape:
+                raise ValueError(
+                    f"`target_fn` returned floating-point targets of shape {tuple(targets.shape)} for logits "
+                    f"{tuple(logits.shape)} of head `{self._head_name}`: GWA needs integer class indices or soft "
+                    "targets (probabilities) of the logits' shape. Fix `target_fn` (or `head`)."
+                )
+        elif targets.shape != rows:
+            if targets.numel() != math.prod(rows):
+                raise ValueError(
+                    f"`target_fn` returned targets of shape {tuple(targets.shape)} but head `{self._head_name}` "
+                    f"produced logits {tuple(logits.shape)}: one target per logits row is needed. Pass "
+                    "`head=` (the layer producing the logits) or `target_fn=`."
+                )
+            targets = targets.reshape(rows)
+        if not self._checked:
+            self._check_targets_once(targets, logits.shape[-1])
+            self._checked = True
+        return targets
+
+    def _check_targets_once(self, targets: Tensor, num_classes: int) -> None:
+        if targets.is_floating_point():
+            ok = bool(((targets >= 0).all() & ((targets.sum(-1) - 1).abs() < 1e-3).all()).item())
+            if not ok:
+                raise ValueError(
+                    "`target_fn` returned floating-point targets that are not probabilities (non-negative, "
+                    "rows summing to 1). GWA needs class indices or soft targets."
+                )
+            return
+        t = targets.long()
+        valid = (t >= 0) & (t < num_classes)
+        if self.ignore_index is not None:
+            valid |= t == self.ignore_index
+        if not bool(valid.all().item()):
+            bad = t[~valid][:5].tolist()
+            raise ValueError(
+                f"`target_fn` returned class targets {bad} outside [0, {num_classes}) for head "
+                f"`{self._head_name}` (ignore_index={self.ignore_index}). Fix `target_fn`, `head` or `ignore_index`."
+            )
+
+    def _suspect_columns(self, scores: Tensor, logits: Tensor, targets: Tensor, indices: Optional[Tensor]) -> Tensor:
+        """``[4, N]`` float64: sample index, position (token) or -1, target (-1 if soft), predicted."""
+        shape = scores.shape
+        dev = scores.device
+        if indices is None:
+            idx = torch.full(shape, -1.0, dtype=torch.float64, device=dev)
+        else:
+            idx = indices.to(dev).reshape(-1).double()
+            if idx.numel() != shape[0]:
+                raise ValueError(
+                    f"`index_fn` returned {idx.numel()} indices for a batch of {shape[0]} samples: one index per "
+                    "sample (row of the batch) is needed."
+                )
+            idx = idx.reshape((shape[0],) + (1,) * (len(shape) - 1)).expand(shape)
+        if len(shape) > 1:
+            pos = torch.arange(math.prod(shape[1:]), device=dev, dtype=torch.float64).expand(shape[0], -1).reshape(shape)
+        else:
+            pos = torch.full(shape, -1.0, dtype=torch.float64, device=dev)
+        tgt = targets.double() if not targets.is_floating_point() else torch.full(shape, -1.0, dtype=torch.float64, device=dev)
+        pred = logits.detach().argmax(-1).double()
+        return torch.stack([idx.reshape(-1), pos.reshape(-1), tgt.reshape(-1), pred.reshape(-1)])
+
+    def _flush(self) -> None:
+        """Fold buffered scores into the epoch accumulators (on device, no host sync)."""
+        if not self._buffer:
+            return
+        scores = torch.cat([s for s, _ in self._buffer]).double()
+        extra = [e for _, e in self._buffer]
+        self._buffer, self._buffered = [], 0
+        self._moments.update(scores)
+        finite = torch.isfinite(scores)
+        self._negative += (scores < 0).sum()
+        self._hist += torch.histc(torch.where(finite, scores, 2.0), _HIST_BINS, -1.0, 1.0)  # 2.0: out of range
+        lo = torch.where(finite, scores, math.inf).min()
+        hi = torch.where(finite, scores, -math.inf).max()
+        self._minmax = torch.stack([torch.minimum(self._minmax[0], lo), torch.maximum(self._minmax[1], hi)])
+        if self.suspects > 0 and all(e is not None for e in extra):
+            cols = torch.cat([torch.where(finite, scores, math.inf).unsqueeze(0), torch.cat(extra, dim=1)])
+            merged = torch.cat([self._top, cols], dim=1)
+            k = min(self.suspects, merged.shape[1])
+            order = merged[0].topk(k, largest=False).indices
+            self._top = merged[:, order]
+
+    # ------------------------------------------------------------------ per epoch
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._handle is not None:  # the head did not run in this batch's forward
+            self._disarm()
+            self._pending = None
+            rank_zero_warn(
+                f"GradientWeightAlignmentMonitor: head `{self._head_name}` was not called in a training step; "
+                "nothing scored. Pass `head=` naming the layer that produces the logits."
+            )
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        if progress.is_last_batch or progress.current.ready >= trainer.num_training_batches:
+            self._finish_epoch(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish_epoch(trainer, pl_module)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._disarm()
+
+    def _gather(self, trainer: pl.Trainer, packed: Tensor) -> Tensor:
+        if trainer.world_size <= 1:
+            return packed.unsqueeze(0)
+        return trainer.strategy.all_gather(packed).reshape(trainer.world_size, -1)
+
+    def _finish_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._finished or self._head is None or trainer.sanity_checking:
+            return
+        self._finished = True
+        self._flush()
+        epoch, step = trainer.current_epoch, trainer.global_step
+        k = self.suspects
+        packed = torch.cat(
+            [self._moments.state, self._negative.reshape(1), self._minmax, self._hist, self._top.reshape(-1)]
+        )
+        rows = self._gather(trainer, packed).to("cpu", torch.float64)  # the one host transfer
+        state = GWAMoments.combine(rows[:, :5])
+        negative = float(rows[:, 5].sum())
+        lo, hi = float(rows[:, 6].min()), float(rows[:, 7].max())
+        hist = rows[:, 8 : 8 + _HIST_BINS].sum(0)
+        top = rows[:, 8 + _HIST_BINS :].reshape(-1, 5, k).permute(1, 0, 2).reshape(5, -1)
+        acc = GWAMoments(torch.device("cpu"))
+        acc.merge(state)
+        stats = acc.compute(GWA_OFFSET, min_count=_MIN_SAMPLES)
+        count = int(stats.count)
+        score, mean, kurtosis = float(stats.score), float(stats.mean), float(stats.kurtosis)
+
+        record: dict[str, Any] = {"epoch": epoch, "step": step, "count": count, "score": None, "eligible": False}
+        metrics: dict[str, float] = {}
+        if count < _MIN_SAMPLES:
+            rank_zero_warn(
+                f"GradientWeightAlignmentMonitor: epoch {epoch} scored {count} < {_MIN_SAMPLES} samples; GWA "
+                "skipped for this epoch (check `every_n_steps`, `warmup_steps` and the training data)."
+            )
+        else:
+            metrics[self.key("mean")] = mean
+            if math.isfinite(kurtosis):
+                metrics[self.key("kurtosis")] = kurtosis
+            metrics[self.key("negative")] = negative
+            metrics[self.key("negative_fraction")] = negative / count
+            defined = math.isfinite(score)
+            bimodal = math.isfinite(kurtosis) and kurtosis + GWA_OFFSET <= 0
+            self.condition(
+                step,
+                "bimodal",
+                bimodal,
+                "warning",
+                f"GWA undefined at epoch {epoch}: the alignment scores are bimodal (excess kurtosis "
+                f"{kurtosis:.3f} <= -{GWA_OFFSET}), so mean/(kurtosis + {GWA_OFFSET}) has no meaning; no "
+                "score logged. Often late in training when the model memorises noisy labels.",
+                value=kurtosis,
+                threshold=-GWA_OFFSET,
+                clear_message=f"GWA scores unimodal again at epoch {epoch}.",
+            )
+            if defined:
+                metrics[self.key("score")] = score
+                record.update(score=score, mean=mean, kurtosis=kurtosis)
+        eligible = self._select(epoch, record.get("score"))
+        record["eligible"] = eligible
+        record["negative"] = negative
+        self.history.append(record)
+        if self.best_epoch is not None:
+            metrics[self.key("best_epoch")] = float(self.best_epoch)
+        if metrics:
+            self.log_metrics(trainer, metrics, step)
+        published = dict(metrics)
+        if record["score"] is None or (self.mask_warmup and not eligible):
+            published[self.key("score")] = -math.inf
+        for key, value in published.items():
+            trainer.callback_metrics[key] = torch.tensor(value, dtype=torch.float32)
+        if count >= _MIN_SAMPLES and self.histogram and trainer.global_rank == 0:
+            self._write_histogram(trainer, hist, lo, hi, count, state, step)
+        if self.suspects > 0 and self.index_fn is not None and trainer.global_rank == 0 and count > 0:
+            self._write_suspects(trainer, top, epoch, step)
+        if self.stop:
+            self._maybe_stop(trainer, epoch, step)
+
+    def _select(self, epoch: int, score: Optional[float]) -> bool:
+        """Update dip detection, the window, the best epoch and the patience counter."""
+        if score is not None:
+            if self._prev_score is not None:
+                if score < self._prev_score:
+                    self._fell = True
+                elif score > self._prev_score and self._fell and self.dip_epoch is None:
+                    self.dip_epoch = epoch - 1
+            self._prev_score = score
+        eligible = epoch >= self._warmup_resolved and (not self.finetune or self.dip_epoch is not None)
+        if not eligible:
+            return False
+        if score is not None and (self.best_score is None or score > self.best_score + self.min_delta):
+            self.best_score, self.best_epoch, self.wait = score, epoch, 0
+        elif self.best_epoch is not None:
+            self.wait += 1
+        return score is not None
+
+    def _maybe_stop(self, trainer: pl.Trainer, epoch: int, step: int) -> None:
+        decision = self.best_epoch is not None and self.wait >= self.patience
+        decision = trainer.strategy.reduce_boolean_decision(decision, all=False)
+        if decision and not trainer.should_stop:
+            trainer.should_stop = True
+            self.stopped_epoch = epoch
+            self.alert(
+                step,
+                "early_stop",
+                "info",
+                f"GWA has not improved for {self.wait} epochs: stopping at epoch {epoch}. Predicted best epoch "
+                f"{self.best_epoch} (GWA {self.best_score:.4g}); keep its checkpoint "
+                '(ModelCheckpoint(monitor="gwa/score", mode="max")).',
+                value=self.best_score,
+            )
+
+    def _write_histogram(
+        self, trainer: pl.Trainer, hist: Tensor, lo: float, hi: float, count: int, state: Tensor, step: int
+    ) -> None:
+        n, mean, m2 = float(state[0]), float(state[1]), float(state[2])
+        limits = torch.linspace(-1.0, 1.0, _HIST_BINS + 1)[1:].tolist()
+        for logger in trainer.loggers:
+            writer = _tensorboard_writer(logger)
+            if writer is not None:
+                writer.add_histogram_raw(
+                    self.key("scores"),
+                    min=lo,
+                    max=hi,
+                    num=count,
+                    sum=n * mean,
+                    sum_squares=m2 + n * mean * mean,
+                    bucket_limits=limits,
+                    bucket_counts=hist.tolist(),
+                    global_step=step,
+                )
+
+    def _write_suspects(self, trainer: pl.Trainer, top: Tensor, epoch: int, step: int) -> None:
+        order = top[0].argsort()
+        top = top[:, order]
+        keep = torch.isfinite(top[0])
+        top = top[:, keep][:, : self.suspects]
+        path = os.path.join(alerts_dir(trainer), SUSPECTS_FILENAME)
+        new = not os.path.exists(path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "a", newline="", encoding="utf-8") as fh:
+            writer = csv.writer(fh)
+            if new:
+                writer.writerow(["epoch", "step", "order", "index", "position", "score", "target", "predicted"])
+            for order_i, (s, idx, pos, tgt, pred) in enumerate(top.T.tolist()):
+                writer.writerow(
+                    [
+                        epoch,
+                        step,
+                        order_i,
+                        int(idx),
+                        "" if pos < 0 else int(pos),
+                        f"{s:.6g}",
+                        "" if tgt < 0 else int(tgt),
+                        int(pred),
+                    ]
+                )
