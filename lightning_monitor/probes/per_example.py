@@ -382,6 +382,7 @@ class PerExampleGradNorms:
         # a parameter tied into an unsupported module is uncovered as a whole
         self._covered_ids = [pid for pid in trainable if pid in covered and trainable[pid] not in self.reasons]
         self._names = trainable
+        self._not_reached: list[str] = []
         self._static_uncovered = [trainable[pid] for pid in trainable if pid not in self._covered_ids]
         self._reset_state()
 
@@ -390,10 +391,10 @@ class PerExampleGradNorms:
         self._records: dict[int, list[Tensor]] = defaultdict(list)
         self._outstanding: dict[int, int] = defaultdict(int)
         self._pending: dict[int, Tensor] = {}
-        self._not_reached: list[str] = []
 
     def reset(self) -> None:
-        """Forget the norms of previous backward passes."""
+        """Forget the norms of previous backward passes. Parameters found uncoverable at run time (used
+        outside their module, input without a batch dimension) stay in :attr:`uncovered`."""
         self._reset_state()
 
     @property
@@ -499,6 +500,8 @@ class PerExampleGradNorms:
         out: dict[str, Tensor] = {}
         for pid in self._covered_ids:
             name = self._names[pid]
+            if name in self._not_reached:
+                continue
             recs = self._records.get(pid)
             if not recs:
                 p = self._params[pid]

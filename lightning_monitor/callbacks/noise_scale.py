@@ -1,0 +1,468 @@
+"""GradientNoiseScaleMonitor: the gradient noise scale B_simple and the batch size it suggests.
+
+``B_simple = tr(Sigma) / |G|^2`` (McCandlish et al., arXiv 1812.06162) estimates the critical batch
+size: well below it, a larger batch gives nearly proportionally faster progress per step; well above
+it, most of each batch is wasted. It needs gradient squared norms at two batch sizes; this callback
+gets them, on due steps only, in one of three ways:
+
+* ``"per_example"``: exact per-example gradient norms from :class:`~lightning_monitor.probes.per_example.PerExampleGradNorms`
+  hooks in the ordinary backward (``B_small = 1``) and the batch gradient (``B_big`` = global batch);
+* ``"ddp"``: each rank's local gradient, read by a DDP communication hook before the all-reduce
+  (``B_small`` = per-rank batch) and the reduced gradient (``B_big`` = global batch); free but >= 2 ranks;
+* ``"accumulation"``: each micro-batch's gradient, read by a gradient hook on every parameter before it
+  is accumulated (``B_small`` = micro-batch), and the accumulated gradient (``B_big``).
+
+All norms are read in ``on_before_optimizer_step``: before gradient clipping, in fp32, divided by the
+loss scale squared under a dynamic AMP scaler and rescaled for Lightning's division of the loss by
+``accumulate_grad_batches``. Steps with non-finite estimates are skipped. ``|G|^2`` and ``tr(Sigma)``
+are smoothed separately by a bias-corrected EMA and ``B_simple`` is their ratio.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from fnmatch import fnmatchcase
+from typing import Any, Literal, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.data import extract_batch_size
+from torch import Tensor, nn
+
+from lightning_monitor.callbacks.base import Monitor
+from lightning_monitor.functional.noise_scale import NoiseScaleEMA, noise_scale_estimates
+from lightning_monitor.probes.per_example import PerExampleGradNorms
+from lightning_monitor.selection import Patterns, as_patterns
+
+__all__ = ["GradientNoiseScaleMonitor"]
+
+log = logging.getLogger(__name__)
+
+Method = Literal["auto", "per_example", "ddp", "accumulation"]
+_METHODS = ("auto", "per_example", "ddp", "accumulation")
+
+
+def _sq_norms(tensors: list[Tensor]) -> Tensor:
+    """Squared L2 norm of each tensor, fp32, stacked (one kernel per dtype/device group)."""
+    if not tensors:
+        return torch.zeros(0)
+    try:
+        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+    except (TypeError, RuntimeError):  # older torch without dtype=
+        norms = [torch.linalg.vector_norm(t.float()) for t in tensors]
+    return torch.stack(list(norms)).pow(2)
+
+
+def _layer_of(param_name: str) -> str:
+    return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
+
+
+class GradientNoiseScaleMonitor(Monitor):
+    """Logs the gradient noise scale ``B_simple`` and alerts when the batch size is far from it.
+
+    Args:
+        method: ``"auto"`` (``"ddp"`` with >= 2 ranks, else ``"accumulation"`` when
+            ``accumulate_grad_batches > 1``, else ``"per_example"``), ``"per_example"``, ``"ddp"`` or
+            ``"accumulation"``.
+        every_n_steps: check every this many optimizer steps.
+        warmup_steps: no check before this optimizer step.
+        beta: EMA factor of the smoothed ``|G|^2`` and ``tr(Sigma)`` (per check, not per step).
+        per_layer: also log ``gns/<layer>/b_simple`` for every layer with trainable parameters.
+        include, exclude: glob patterns on module names restricting the per-layer keys (and, for
+            ``"per_example"``, the modules hooked).
+        alert_ratio: an info alert when the global batch size is below ``B_simple / alert_ratio`` or
+            above ``B_simple * alert_ratio`` (> 1).
+        min_checks: checks smoothed before the first batch-size alert.
+        loss_reduction: for ``"per_example"``: ``"mean"`` if the training loss is averaged over the
+            examples of the batch (Lightning's default losses), ``"sum"`` if summed.
+        linear_strategy: for ``"per_example"``: ``"auto"``, ``"gram"`` or ``"materialize"``.
+    """
+
+    name = "gns"
+
+    def __init__(
+        self,
+        method: Method = "auto",
+        every_n_steps: int = 10,
+        warmup_steps: int = 0,
+        beta: float = 0.9,
+        per_layer: bool = True,
+        include: Patterns = None,
+        exclude: Patterns = None,
+        alert_ratio: float = 10.0,
+        min_checks: int = 5,
+        loss_reduction: Literal["mean", "sum"] = "mean",
+        linear_strategy: Literal["auto", "gram", "materialize"] = "auto",
+    ) -> None:
+        super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
+        if method not in _METHODS:
+            raise ValueError(f"`method` must be one of {_METHODS}, got {method!r}.")
+        if not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
+            raise ValueError(f"`beta` must be a float in [0, 1), got {beta!r}.")
+        if not (isinstance(alert_ratio, (int, float)) and alert_ratio > 1.0):
+            raise ValueError(f"`alert_ratio` must be a number > 1 (e.g. 10 for a factor of ten), got {alert_ratio!r}.")
+        if isinstance(min_checks, bool) or not isinstance(min_checks, int) or min_checks < 1:
+            raise ValueError(f"`min_checks` must be an integer >= 1, got {min_checks!r}.")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"`loss_reduction` must be 'mean' or 'sum', got {loss_reduction!r}.")
+        if linear_strategy not in ("auto", "gram", "materialize"):
+            raise ValueError(f"`linear_strategy` must be 'auto', 'gram' or 'materialize', got {linear_strategy!r}.")
+        self.method: Method = method
+        self.beta = float(beta)
+        self.per_layer = bool(per_layer)
+        self.include = as_patterns(include, "include")
+        self.exclude = as_patterns(exclude, "exclude")
+        self.alert_ratio = float(alert_ratio)
+        self.min_checks = min_checks
+        self.loss_reduction = loss_reduction
+        self.linear_strategy = linear_strategy
+
+        self.resolved_method: Optional[str] = None
+        self.ema = NoiseScaleEMA(self.beta)
+        self.layer_ema: dict[str, NoiseScaleEMA] = {}
+        self._reset_runtime()
+
+    def _reset_runtime(self) -> None:
+        self._probe: Optional[PerExampleGradNorms] = None
+        self._params: dict[str, nn.Parameter] = {}  # trainable, by name
+        self._layers: dict[str, list[str]] = {}  # layer -> param names, per-layer keys
+        self._armed_step: Optional[int] = None
+        self._examples = 0  # local examples seen in the armed step
+        self._micro_batches = 0
+        self._micro_sizes: list[int] = []
+        self._leaf_handles: list[Any] = []
+        self._small: dict[str, Tensor] = {}  # accumulation / ddp: per-param sum of small-batch sq norms
+        self._ddp_registered = False
+        self._warned_single = False
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(method=self.method, every_n_steps=self.every_n_steps, warmup_steps=self.warmup_steps)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["ema"] = self.ema.state_dict()
+        state["layer_ema"] = {k: v.state_dict() for k, v in self.layer_ema.items()}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if "ema" in state_dict:
+            self.ema.load_state_dict(state_dict["ema"])
+        self.layer_ema = {}
+        for k, v in state_dict.get("layer_ema", {}).items():
+            ema = NoiseScaleEMA(self.beta)
+            ema.load_state_dict(v)
+            self.layer_ema[k] = ema
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage != "fit":
+            return
+        self._reset_runtime()
+        world = trainer.world_size
+        accumulate = trainer.accumulate_grad_batches
+        method = self.method
+        if method == "auto":
+            method = "ddp" if world >= 2 else ("accumulation" if accumulate > 1 else "per_example")
+        if method == "ddp":
+            if world < 2:
+                raise ValueError(
+                    "GradientNoiseScaleMonitor(method='ddp') needs >= 2 data-parallel ranks (got world size "
+                    f"{world}); use method='per_example', or 'accumulation' with accumulate_grad_batches > 1."
+                )
+            from lightning.pytorch.strategies import DDPStrategy
+
+            if not isinstance(trainer.strategy, DDPStrategy):
+                raise ValueError(
+                    f"GradientNoiseScaleMonitor(method='ddp') needs a DDP strategy ('ddp' or 'ddp_spawn'), got "
+                    f"{type(trainer.strategy).__name__}; use method='per_example' (works under any strategy)."
+                )
+            if getattr(trainer.strategy, "_ddp_comm_hook", None) is not None:
+                raise ValueError(
+                    "GradientNoiseScaleMonitor(method='ddp') registers its own DDP communication hook, but the "
+                    "strategy already has `ddp_comm_hook`; remove it or use method='per_example'."
+                )
+        if method == "accumulation" and accumulate < 2:
+            raise ValueError(
+                "GradientNoiseScaleMonitor(method='accumulation') needs Trainer(accumulate_grad_batches >= 2) "
+                f"(got {accumulate}); use method='per_example' instead."
+            )
+        self.resolved_method = method
+
+        self._params = {n: p for n, p in pl_module.named_parameters() if p.requires_grad}
+        if not self._params:
+            raise ValueError("GradientNoiseScaleMonitor: the model has no trainable parameters.")
+        selected = self._selected_layers(pl_module)
+        if method == "per_example":
+            self._probe = PerExampleGradNorms(
+                pl_module,
+                loss_reduction=self.loss_reduction,
+                linear_strategy=self.linear_strategy,
+                include=(lambda name, mod: name in selected) if (self.include or self.exclude) else None,
+            )
+            if not self._probe.covered:
+                raise ValueError(
+                    "GradientNoiseScaleMonitor(method='per_example'): no parameter of the model is covered by "
+                    f"per-example hooks (uncovered: {self._probe.uncovered[:8]}); use method='ddp' or "
+                    "'accumulation', or widen `include`."
+                )
+            if self._probe.uncovered:
+                log.info(
+                    "GradientNoiseScaleMonitor: per-example norms leave out %d parameter(s) (%s); the noise scale "
+                    "is that of the covered ones.", len(self._probe.uncovered), ", ".join(self._probe.uncovered[:6]),
+                )
+            names = self._probe.covered
+        else:
+            names = list(self._params)
+        if self.per_layer:
+            layers: dict[str, list[str]] = defaultdict(list)
+            for n in names:
+                if _layer_of(n) in selected:
+                    layers[_layer_of(n)].append(n)
+            self._layers = dict(layers)
+
+    def _selected_layers(self, pl_module: pl.LightningModule) -> set[str]:
+        named = [n for n, m in pl_module.named_modules() if n and any(p.requires_grad for p in m.parameters(recurse=False))]
+        all_names = [n for n, _ in pl_module.named_modules() if n]
+        for argument, patterns in (("include", self.include), ("exclude", self.exclude)):
+            for pattern in patterns:
+                if not any(fnmatchcase(n, pattern) for n in all_names):
+                    raise ValueError(
+                        f"GradientNoiseScaleMonitor: `{argument}` pattern {pattern!r} matches no module of "
+                        f"{type(pl_module).__name__}; module names look like {all_names[:6]}."
+                    )
+        out = set()
+        for n in named:
+            if self.include and not any(fnmatchcase(n, p) for p in self.include):
+                continue
+            if any(fnmatchcase(n, p) for p in self.exclude):
+                continue
+            out.add(n)
+        return out
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.resolved_method == "ddp" and not self._ddp_registered:
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = trainer.strategy.model
+            if not isinstance(model, DistributedDataParallel):
+                raise RuntimeError(
+                    "GradientNoiseScaleMonitor(method='ddp'): the model is not wrapped in DistributedDataParallel."
+                )
+            def hook(state, bucket):  # noqa: ANN001 - DDP inspects the annotations: leave them out
+                return self._comm_hook(state, bucket)
+
+            model.register_comm_hook(state=None, hook=hook)
+            self._ddp_registered = True
+
+    # ------------------------------------------------------------------ arming
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if not self.is_due(step):
+            if self._armed_step is not None:
+                self._disarm()
+            return
+        if self._armed_step != step:
+            self._disarm()
+            self._arm(step)
+        size = extract_batch_size(batch)
+        self._examples += size
+        self._micro_batches += 1
+        self._micro_sizes.append(size)
+
+    def _arm(self, step: int) -> None:
+        self._armed_step = step
+        self._examples = 0
+        self._micro_batches = 0
+        self._micro_sizes = []
+        self._small = {}
+        if self.resolved_method == "per_example":
+            assert self._probe is not None
+            self._probe.reset()
+            self._probe.attach()
+        elif self.resolved_method == "accumulation":
+            for name, p in self._params.items():
+                self._leaf_handles.append(p.register_hook(self._make_leaf_hook(name)))
+
+    def _disarm(self) -> None:
+        self._armed_step = None
+        if self._probe is not None:
+            self._probe.detach()
+            self._probe.reset()
+        for h in self._leaf_handles:
+            h.remove()
+        self._leaf_handles.clear()
+        self._small = {}
+
+    def _make_leaf_hook(self, name: str) -> Any:
+        def hook(grad: Tensor) -> None:
+            sq = grad.detach().float().pow(2).sum()
+            prev = self._small.get(name)
+            self._small[name] = sq if prev is None else prev + sq
+
+        return hook
+
+    def _comm_hook(self, state: Any, bucket: Any) -> Any:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        if self._armed_step is not None:
+            # the bucket holds this rank's gradient, before the all-reduce: the small batch
+            grads = bucket.gradients()
+            ids = {id(p): i for i, p in enumerate(bucket.parameters())}
+            sq = _sq_norms([g.detach() for g in grads])
+            for name, p in self._params.items():
+                i = ids.get(id(p))
+                if i is not None:
+                    self._small[name] = sq[i]
+        return allreduce_hook(state, bucket)
+
+    # ------------------------------------------------------------------ the check
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        step = trainer.global_step
+        if self._armed_step != step:
+            return
+        try:
+            self._check(trainer, step)
+        finally:
+            self._disarm()
+
+    def _loss_scale(self, trainer: pl.Trainer) -> Optional[Tensor]:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
+            return None
+        scale = getattr(scaler, "_scale", None)
+        return scale.detach().float() if isinstance(scale, Tensor) else None
+
+    def _check(self, trainer: pl.Trainer, step: int) -> None:
+        method = self.resolved_method
+        world = trainer.world_size
+        accumulate = max(self._micro_batches, 1)
+        scale = self._loss_scale(trainer)
+
+        if method == "per_example":
+            assert self._probe is not None
+            self._probe.batch_size = self._examples
+            per_param = self._probe.per_parameter()
+            if not per_param:
+                return
+            names = [n for n in self._probe.covered if n in per_param]
+            # hooks saw grad of loss / accumulate (Lightning divides the loss), and the AMP scale
+            factor = float(accumulate) ** 2
+            small = {n: per_param[n].mean() * factor for n in names}
+            b_small, b_big = 1, self._examples * world
+        elif method == "accumulation":
+            names = [n for n in self._params if n in self._small]
+            factor = float(accumulate) ** 2
+            small = {n: self._small[n] * factor / accumulate for n in names}
+            b_small = self._examples / accumulate
+            b_big = self._examples * world
+        else:  # ddp
+            names = [n for n in self._params if n in self._small]
+            vec = torch.stack([self._small[n] for n in names]) if names else torch.zeros(0)
+            vec = trainer.strategy.reduce(vec, reduce_op="mean")
+            small = dict(zip(names, vec.unbind(0)))
+            b_small = self._examples
+            b_big = self._examples * world
+        if scale is not None:
+            small = {n: v / scale.pow(2) for n, v in small.items()}
+
+        if not names:
+            return
+        if b_big <= b_small:
+            if not self._warned_single:
+                self._warned_single = True
+                self.alert(
+                    step, "no_variance_estimate", "warning",
+                    f"The gradient noise scale needs two batch sizes, but method {method!r} sees batch size {b_small} "
+                    f"and {b_big} (batch size 1?): nothing is estimated. Use a batch of >= 2 examples, "
+                    "gradient accumulation, or >= 2 data-parallel ranks.",
+                    value=float(b_big),
+                )
+            self.log_metrics(trainer, {self.key("batch_size"): float(b_big)}, step)
+            return
+
+        grads = [self._params[n].grad for n in names]
+        if any(g is None for g in grads):
+            keep = [i for i, g in enumerate(grads) if g is not None]
+            names = [names[i] for i in keep]
+            grads = [grads[i] for i in keep]
+        big_vec = _sq_norms([g.detach() for g in grads])  # .grad is unscaled at this hook
+        small_vec = torch.stack([small[n] for n in names]).to(big_vec.device)
+
+        raw: dict[str, Tensor] = {}
+        g2, tr = noise_scale_estimates(small_vec.sum(), big_vec.sum(), b_small, b_big)
+        raw["g2"], raw["tr"] = g2, tr
+        if self._layers:
+            index = {n: i for i, n in enumerate(names)}
+            for layer, pnames in self._layers.items():
+                idx = [index[n] for n in pnames if n in index]
+                if not idx:
+                    continue
+                sel = torch.tensor(idx, device=big_vec.device)
+                lg2, ltr = noise_scale_estimates(small_vec[sel].sum(), big_vec[sel].sum(), b_small, b_big)
+                raw[f"{layer}\x00g2"], raw[f"{layer}\x00tr"] = lg2, ltr
+        host = self.to_host(raw)  # the one device-to-host transfer of this check
+
+        if not self.ema.update(host["g2"], host["tr"]):
+            log.debug("GradientNoiseScaleMonitor: non-finite gradient norms at step %d, skipped.", step)
+            return
+        metrics: dict[str, float] = {
+            self.key("g2"): float(self.ema.g2.value),
+            self.key("trace_sigma"): float(self.ema.trace_sigma.value),
+            self.key("batch_size"): float(b_big),
+        }
+        b_simple = self.ema.b_simple
+        if math.isfinite(b_simple):
+            metrics[self.key("b_simple")] = b_simple
+        for layer in self._layers:
+            if f"{layer}\x00g2" not in host:
+                continue
+            ema = self.layer_ema.setdefault(layer, NoiseScaleEMA(self.beta))
+            ema.update(host[f"{layer}\x00g2"], host[f"{layer}\x00tr"])
+            if math.isfinite(ema.b_simple):
+                metrics[self.key("b_simple", layer)] = ema.b_simple
+        self.log_metrics(trainer, metrics, step)
+        self._batch_alerts(step, float(b_big), b_simple)
+
+    def _batch_alerts(self, step: int, batch: float, b_simple: float) -> None:
+        if self.ema.count < self.min_checks or not math.isfinite(b_simple):
+            return
+        # hysteresis: a condition raised at a factor alert_ratio clears at sqrt(alert_ratio), so a noisy
+        # estimate near the threshold does not flap
+        active = self.active_conditions()
+        r_low = math.sqrt(self.alert_ratio) if ("batch_below_noise_scale", None) in active else self.alert_ratio
+        r_high = math.sqrt(self.alert_ratio) if ("batch_above_noise_scale", None) in active else self.alert_ratio
+        low = batch * r_low < b_simple
+        high = b_simple > 0 and batch > b_simple * r_high
+        self.condition(
+            step, "batch_below_noise_scale", low, "info",
+            f"Batch size {batch:.0f} is far below the gradient noise scale B_simple ~ {b_simple:.0f}: each step "
+            f"averages out little of the gradient noise. Raise the batch size toward ~{b_simple:.0f} (more "
+            "data-parallel ranks or accumulate_grad_batches, scaling the learning rate with it) for nearly "
+            "proportionally fewer steps at about the same number of examples.",
+            value=b_simple, threshold=batch * self.alert_ratio,
+            clear_message=f"Batch size {batch:.0f} is no longer far below B_simple ~ {b_simple:.0f}.",
+        )
+        self.condition(
+            step, "batch_above_noise_scale", high, "info",
+            f"Batch size {batch:.0f} is far above the gradient noise scale B_simple ~ {b_simple:.0f}: most examples "
+            f"of each batch add little. Lower the batch size toward ~{b_simple:.0f} (fewer ranks or less "
+            "accumulation) to reach the same loss with less compute, or keep it if wall-clock time matters more.",
+            value=b_simple, threshold=batch / self.alert_ratio,
+            clear_message=f"Batch size {batch:.0f} is no longer far above B_simple ~ {b_simple:.0f}.",
+        )
+
+    # ------------------------------------------------------------------ teardown
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._disarm()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._disarm()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._disarm()

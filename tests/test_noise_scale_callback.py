@@ -1,0 +1,242 @@
+"""GradientNoiseScaleMonitor in real Trainer.fit runs, logged to TensorBoard / CSV and read back."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_monitor import GradientNoiseScaleMonitor, read_alerts
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
+D, NOISE = 8, 0.5
+
+
+class RegressionData(Dataset):
+    """x ~ N(0, I_d), y = w* . x + eps: B_simple at fixed weights is known in closed form."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.w_star = torch.randn(D, generator=torch.Generator().manual_seed(123))
+        self.x = torch.randn(n, D, generator=g)
+        self.y = self.x @ self.w_star + NOISE * torch.randn(n, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+class Regression(pl.LightningModule):
+    """Linear regression with lr = 0: the weights, hence the true noise scale, never move."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, 1, bias=False)
+        with torch.no_grad():
+            w_star = torch.randn(D, generator=torch.Generator().manual_seed(123))
+            self.lin.weight.copy_(w_star + 0.3 * torch.randn(D, generator=torch.Generator().manual_seed(7)))
+
+    def truth(self) -> float:
+        w_star = torch.randn(D, generator=torch.Generator().manual_seed(123))
+        e2 = float((self.lin.weight.detach().reshape(-1) - w_star).pow(2).sum())
+        return ((D + 1) * e2 + D * NOISE**2) / e2
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return 0.5 * (self.lin(x).squeeze(1) - y).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def fit(model, callbacks, tmp_path, loader, max_steps, logger="tb", **trainer_kw):
+    lg = TensorBoardLogger(str(tmp_path), name="tb") if logger == "tb" else CSVLogger(str(tmp_path), name="csv")
+    trainer = pl.Trainer(
+        accelerator="cpu", logger=lg, max_steps=max_steps, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1, callbacks=callbacks, **trainer_kw,
+    )
+    trainer.fit(model, loader)
+    return trainer, lg
+
+
+def scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+    acc = EventAccumulator(log_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_gpt_fit_logs_keys_to_tensorboard(tmp_path) -> None:
+    from gpt import GPTConfig, GPTModule, make_loader
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=16)
+    module = GPTModule(cfg, lr=3e-3)
+    loader = make_loader("prose", block_size=16, batch_size=8, n_samples=128, seed=0)
+    mon = GradientNoiseScaleMonitor(every_n_steps=2, warmup_steps=1)
+    trainer, lg = fit(module, [mon], tmp_path, loader, max_steps=9)
+    assert mon.resolved_method == "per_example"
+    tags = scalars(lg.log_dir)
+    for key in ("gns/b_simple", "gns/g2", "gns/trace_sigma", "gns/batch_size",
+                "gns/model.blocks.0.attn.q_proj/b_simple", "gns/model.tok_emb/b_simple",
+                "gns/model.blocks.0.ln_1/b_simple"):
+        assert key in tags, (key, sorted(tags))
+    assert [s for s, _ in tags["gns/g2"]] == [1, 3, 5, 7]  # due steps only
+    assert all(v == 8.0 for _, v in tags["gns/batch_size"])
+    assert all(v > 0 and math.isfinite(v) for _, v in tags["gns/trace_sigma"])
+    # the position embedding's input is broadcast over the batch: reported, not mixed in
+    assert "model.pos_emb.weight" in mon._probe.uncovered
+    assert not any(m._forward_hooks for m in module.modules())  # detached after the run
+
+
+def test_regression_b_simple_and_alerts(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = Regression()
+    truth = model.truth()
+    loader = DataLoader(RegressionData(4 * 2000), batch_size=4, shuffle=False)
+    mon = GradientNoiseScaleMonitor(every_n_steps=1, beta=0.98, alert_ratio=2.0, min_checks=5)
+    trainer, lg = fit(model, [mon], tmp_path, loader, max_steps=400, logger="csv")
+    rows = list(__import__("csv").DictReader(open(os.path.join(lg.log_dir, "metrics.csv"))))
+    values = [float(r["gns/b_simple"]) for r in rows if r.get("gns/b_simple")]
+    assert len(values) >= 390
+    assert values[-1] == pytest.approx(truth, rel=0.15)
+    assert float(rows[-1]["gns/lin/b_simple"] or values[-1]) == pytest.approx(values[-1])
+    alerts = read_alerts(os.path.join(lg.log_dir, "alerts.jsonl"))
+    kinds = [a.kind for a in alerts]
+    assert kinds.count("batch_below_noise_scale") == 1  # batch 4 * 2 < B_simple ~ 20: condition, raised once
+    below = next(a for a in alerts if a.kind == "batch_below_noise_scale")
+    assert below.severity == "info" and "Raise the batch size" in below.message
+
+
+def test_accumulation_method_agrees_with_truth(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = Regression()
+    truth = model.truth()
+    loader = DataLoader(RegressionData(8 * 4 * 300, seed=1), batch_size=8)
+    mon = GradientNoiseScaleMonitor(every_n_steps=1, beta=0.98)
+    fit(model, [mon], tmp_path, loader, max_steps=250, accumulate_grad_batches=4)
+    assert mon.resolved_method == "accumulation"
+    assert mon.ema.b_simple == pytest.approx(truth, rel=0.2)
+    assert not any(p._backward_hooks for p in model.parameters() if p._backward_hooks)
+
+
+def test_batch_size_one_says_so(tmp_path) -> None:
+    model = Regression()
+    loader = DataLoader(RegressionData(20), batch_size=1)
+    mon = GradientNoiseScaleMonitor(every_n_steps=1)
+    trainer, lg = fit(model, [mon], tmp_path, loader, max_steps=4)
+    alerts = read_alerts(os.path.join(lg.log_dir, "alerts.jsonl"))
+    assert [a.kind for a in alerts] == ["no_variance_estimate"]
+    tags = scalars(lg.log_dir)
+    assert "gns/b_simple" not in tags and "gns/g2" not in tags
+    assert [v for _, v in tags["gns/batch_size"]] == [1.0] * 4
+
+
+def test_non_finite_steps_skipped(tmp_path) -> None:
+    class Spiky(Regression):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * float("inf") if self.global_step == 2 else loss
+
+        def on_before_optimizer_step(self, optimizer) -> None:  # after the callbacks' hook
+            for p in self.parameters():
+                p.grad.nan_to_num_(0.0, 0.0, 0.0)  # keep the weights finite for the next steps
+
+    model = Spiky()
+    mon = GradientNoiseScaleMonitor(every_n_steps=1)
+    trainer, lg = fit(model, [mon], tmp_path, DataLoader(RegressionData(64), batch_size=8), max_steps=5)
+    steps = [s for s, _ in scalars(lg.log_dir)["gns/g2"]]
+    assert steps == [0, 1, 3, 4]
+    assert mon.ema.count == 4
+
+
+def test_state_dict_round_trip() -> None:
+    mon = GradientNoiseScaleMonitor()
+    mon.ema.update(2.0, 10.0)
+    mon.layer_ema["lin"] = type(mon.ema)(0.9)
+    mon.layer_ema["lin"].update(1.0, 3.0)
+    other = GradientNoiseScaleMonitor()
+    other.load_state_dict(json.loads(json.dumps(mon.state_dict())))
+    assert other.ema.b_simple == pytest.approx(5.0) and other.layer_ema["lin"].b_simple == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"method": "fast"}, "method"),
+        ({"beta": 1.0}, "beta"),
+        ({"alert_ratio": 1.0}, "alert_ratio"),
+        ({"min_checks": 0}, "min_checks"),
+        ({"every_n_steps": 0}, "every_n_steps"),
+        ({"loss_reduction": "none"}, "loss_reduction"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        GradientNoiseScaleMonitor(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,trainer_kw,match",
+    [
+        ({"method": "ddp"}, {}, "needs >= 2 data-parallel ranks"),
+        ({"method": "accumulation"}, {}, "accumulate_grad_batches >= 2"),
+        ({"include": "nothing*"}, {}, "matches no module"),
+    ],
+)
+def test_bad_setup_raises_clear_error(tmp_path, kwargs, trainer_kw, match) -> None:
+    mon = GradientNoiseScaleMonitor(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        fit(Regression(), [mon], tmp_path, DataLoader(RegressionData(16), batch_size=4), max_steps=1, **trainer_kw)
+
+
+# ----------------------------------------------------------------------------- DDP (2 gloo ranks)
+
+
+class DDPRegression(Regression):
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+
+    def on_train_end(self) -> None:
+        mon = next(c for c in self.trainer.callbacks if isinstance(c, GradientNoiseScaleMonitor))
+        with open(os.path.join(self.out, f"rank{self.global_rank}.json"), "w") as fh:
+            json.dump({"b_simple": mon.ema.b_simple, "method": mon.resolved_method, "count": mon.ema.count}, fh)
+
+
+def test_ddp_method_agrees_with_per_example(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = DDPRegression(str(tmp_path))
+    truth = model.truth()
+    data = RegressionData(16 * 2 * 200, seed=3)
+    mon = GradientNoiseScaleMonitor(every_n_steps=1, beta=0.98)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=150, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=[mon],
+    )
+    trainer.fit(model, DataLoader(data, batch_size=16))
+    res = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    assert [r["method"] for r in res] == ["ddp", "ddp"]
+    assert res[0]["b_simple"] == pytest.approx(res[1]["b_simple"])  # all ranks agree
+    # per-example on one process, same global batch of 32 examples
+    single = Regression()
+    mon1 = GradientNoiseScaleMonitor(every_n_steps=1, beta=0.98)
+    fit(single, [mon1], tmp_path / "single", DataLoader(data, batch_size=32), max_steps=150, logger="csv")
+    assert mon1.resolved_method == "per_example"
+    print("truth", truth, "ddp", res[0]["b_simple"], "per_example", mon1.ema.b_simple)
+    # within noise: both estimates of the same closed-form truth
+    assert res[0]["b_simple"] == pytest.approx(truth, rel=0.25)
+    assert mon1.ema.b_simple == pytest.approx(truth, rel=0.25)
+    assert res[0]["b_simple"] == pytest.approx(mon1.ema.b_simple, rel=0.35)
