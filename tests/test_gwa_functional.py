@@ -80,12 +80,33 @@ def test_sequence_tokens_are_samples_and_ignored_targets_are_nan() -> None:
     torch.testing.assert_close(ours[valid].double(), oracle, atol=1e-5, rtol=0)
 
 
-def test_perfect_prediction_scores_zero_not_nan() -> None:
+def test_confident_samples_keep_full_precision() -> None:
+    # p_y within 1e-7 of 1: 1 - p_y cancels in float32; the oracle runs in float64
+    torch.manual_seed(4)
+    head = torch.nn.Linear(10, 6).double()
+    z = torch.randn(50, 10, dtype=torch.float64)
+    with torch.no_grad():
+        head.weight.mul_(60.0)
+    y = head(z).argmax(-1)
+    logits = head(z)
+    gap = (logits.max(-1).values - logits.topk(2, -1).values[:, 1]).detach()
+    ok = gap < 25  # the float64 oracle itself loses 1 - p_y beyond that
+    assert (gap[ok] > 16).sum() >= 5 and ok.sum() >= 25
+    oracle = _autograd_alignment(z[ok], y[ok], head)
+    ours = gwa_scores(z.float(), logits.float(), y, head.weight.float())
+    torch.testing.assert_close(ours[ok].double(), oracle, atol=2e-5, rtol=0)
+    # beyond the oracle's reach float32 still agrees with float64
+    ours64 = gwa_scores(z, logits, y, head.weight).double()
+    torch.testing.assert_close(ours.double(), ours64, atol=2e-5, rtol=0)
+
+
+def test_saturated_and_degenerate_samples_are_finite() -> None:
     w = torch.eye(3, 4) * 200.0
     z = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     s = gwa_scores(z, z @ w.T, torch.tensor([0, 1]), w)
-    assert torch.isfinite(s).all()
-    torch.testing.assert_close(s, torch.zeros(2))
+    # p_y == 1 in any float: the limit direction of p - y is still defined: (-1, 1/2, 1/2)
+    expected = 1.0 / (1.5**0.5 * 3**0.5)
+    torch.testing.assert_close(s, torch.tensor([expected, 0.0]))  # zero features score 0
 
 
 def test_single_class_batch_is_finite() -> None:

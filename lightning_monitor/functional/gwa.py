@@ -81,10 +81,11 @@ def gwa_scores(
             targets (probabilities) of the logits' shape.
         weight: the head's weight ``[C, D]`` (bias excluded).
         ignore_index: integer targets equal to it get no score (NaN); ``None`` ignores nothing.
-        eps: floor of the norms, so that a sample predicted exactly (``p = y``) scores 0.
+        eps: floor of the norms (zero features or a soft target met exactly score 0).
 
     Returns:
-        float32 scores of the leading shape, in ``[-1, 1]``; NaN for ignored targets.
+        scores of the leading shape in ``[-1, 1]`` (float32, float64 for float64 inputs); NaN for
+        ignored targets.
 
     Example:
         >>> z, W = torch.randn(4, 3), torch.randn(5, 3)
@@ -107,10 +108,10 @@ def gwa_scores(
             "GWA needs a softmax head with at least 2 outputs; a single-logit (sigmoid) head has no "
             "softmax gradient. Use a 2-output head with cross-entropy."
         )
-    z = features.detach().float()
-    logits = logits.detach().float()
-    w = weight.detach().float()
-    p = torch.softmax(logits, dim=-1)
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # fp16/bf16 -> fp32, fp64 stays
+    z = features.detach().to(dtype)
+    logits = logits.detach().to(dtype)
+    w = weight.detach().to(dtype)
     wz = z @ w.T  # [..., C]; equals logits - bias for a plain linear head
     if targets.is_floating_point():
         if targets.shape != logits.shape:
@@ -118,7 +119,7 @@ def gwa_scores(
                 f"Soft `targets` must have the logits' shape {tuple(logits.shape)}, got "
                 f"{tuple(targets.shape)}."
             )
-        r = p - targets.detach().float()
+        r = torch.softmax(logits, dim=-1) - targets.detach().to(dtype)
         num = -(r * wz).sum(-1)
         r_norm = r.norm(dim=-1)
         valid = None
@@ -134,11 +135,14 @@ def gwa_scores(
             valid = t != ignore_index
             t = torch.where(valid, t, torch.zeros_like(t))
         t = t.unsqueeze(-1)
-        p_y = p.gather(-1, t).squeeze(-1)
+        # The cosine does not change when p - y is scaled by 1 / (1 - p_y) > 0, which turns it into
+        # (u, -1): u = softmax of the logits over the non-target classes. So
+        #   gamma = ((Wz)_y - u^T W z) / (sqrt(||u||^2 + 1) ||z|| ||W||_F),
+        # exact even when p_y rounds to 1 (no 1 - p_y cancellation, no underflow), no one-hot.
+        u = torch.softmax(logits.scatter(-1, t, float("-inf")), dim=-1)
         wz_y = wz.gather(-1, t).squeeze(-1)
-        # -(p - y)^T W z and ||p - y||^2 = ||p||^2 - 2 p_y + 1, without a one-hot tensor
-        num = wz_y - (p * wz).sum(-1)
-        r_norm = ((p * p).sum(-1) - 2.0 * p_y + 1.0).clamp_min(0.0).sqrt()
+        num = wz_y - (u * wz).sum(-1)
+        r_norm = ((u * u).sum(-1) + 1.0).sqrt()
     denom = (r_norm * z.norm(dim=-1)).clamp_min(eps) * w.norm().clamp_min(eps)
     scores = (num / denom).clamp(-1.0, 1.0)
     if valid is not None:

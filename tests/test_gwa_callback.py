@@ -1,0 +1,388 @@
+"""GradientWeightAlignmentMonitor in real Trainer.fit runs, checked against per-sample autograd."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import warnings
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+import torch.nn.functional as F
+from conftest import tb_event_accumulator, tb_scalars
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_monitor import GradientWeightAlignmentMonitor
+from lightning_monitor.callbacks.gradient_weight_alignment import SUSPECTS_FILENAME
+
+
+def _digits(n: int = 600, flip: float = 0.0, seed: int = 0):
+    x, y = load_digits(return_X_y=True)
+    g = np.random.default_rng(seed)
+    order = g.permutation(len(y))[:n]
+    x = torch.tensor(x[order] / 16.0, dtype=torch.float32)
+    y = torch.tensor(y[order])
+    flipped = torch.zeros(n, dtype=torch.bool)
+    if flip:
+        k = int(flip * n)
+        which = torch.from_numpy(g.choice(n, k, replace=False))
+        y[which] = (y[which] + torch.from_numpy(g.integers(1, 10, k))) % 10
+        flipped[which] = True
+    return x, y, flipped
+
+
+class DigitsMLP(LightningModule):
+    """An MLP that also records, per sample, the autograd alignment cos(-dL_i/dW, W) of its head."""
+
+    def __init__(self, lr: float = 0.1, record: bool = True, val: bool = False) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 32), nn.ReLU())
+        self.fc = nn.Linear(32, 10)
+        self.lr = lr
+        self.record = record
+        self.val = val
+        self.oracle: dict[int, list[torch.Tensor]] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.body(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch[0], batch[1]
+        z = self.body(x)
+        logits = self.fc(z)
+        if self.record:
+            params = {k: v.detach() for k, v in self.fc.named_parameters()}
+
+            def loss(p, zi, yi):
+                return F.cross_entropy(functional_call(self.fc, p, (zi[None],)), yi[None])
+
+            g = -vmap(grad(loss), in_dims=(None, 0, 0))(params, z.detach(), y)["weight"].flatten(1).double()
+            w = self.fc.weight.detach().flatten().double()
+            self.oracle.setdefault(self.current_epoch, []).append((g @ w) / (g.norm(dim=1) * w.norm()))
+        return F.cross_entropy(logits, y)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def _loader(n: int = 600, batch_size: int = 100, flip: float = 0.0, shuffle: bool = True, **kw):
+    x, y, flipped = _digits(n, flip)
+    ds = TensorDataset(x, y, torch.arange(n))
+    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, **kw), flipped
+
+
+def _trainer(tmp_path, logger, callbacks, max_epochs: int, **kw) -> Trainer:
+    return Trainer(
+        accelerator="cpu",
+        max_epochs=max_epochs,
+        logger=logger,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        **kw,
+    )
+
+
+def _scipy_gwa(x: np.ndarray) -> float:
+    return float(np.mean(x) / (scipy.stats.kurtosis(x, fisher=True, bias=True) + 1.2))
+
+
+def test_fit_logs_oracle_score_and_checkpoint_keeps_gwa_best(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = DigitsMLP()
+    loader, _ = _loader()
+    gwa = GradientWeightAlignmentMonitor(index_fn=lambda b: b[2], suspects=7, warmup_epochs=1)
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor="gwa/score", mode="max", filename="{epoch}")
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    trainer = _trainer(tmp_path, logger, [gwa, ckpt], max_epochs=6)
+    trainer.fit(model, loader)
+
+    assert gwa._head_name == "fc"
+    scalars = tb_scalars(logger.log_dir)
+    logged = dict((step, v) for step, v in scalars["gwa/score"])
+    assert len(gwa.history) == 6 and len(logged) == 6
+    for rec in gwa.history:
+        oracle = torch.cat(model.oracle[rec["epoch"]]).numpy()
+        assert rec["count"] == len(oracle) == 600
+        assert rec["score"] == pytest.approx(_scipy_gwa(oracle), rel=1e-4, abs=1e-6)
+        assert logged[rec["step"]] == pytest.approx(rec["score"], rel=1e-5)
+        assert rec["negative"] == int((oracle < 0).sum())
+    kurt = dict(scalars["gwa/kurtosis"])
+    first = gwa.history[0]
+    oracle0 = torch.cat(model.oracle[0]).numpy()
+    assert kurt[first["step"]] == pytest.approx(scipy.stats.kurtosis(oracle0, bias=True), rel=1e-4)
+    for key in ("gwa/mean", "gwa/negative", "gwa/negative_fraction", "gwa/best_epoch"):
+        assert key in scalars
+    assert all(math.isfinite(v) for tag in scalars for _, v in scalars[tag])
+    ea = tb_event_accumulator(logger.log_dir)
+    hist = ea.Histograms("gwa/scores")
+    assert len(hist) == 6 and hist[0].histogram_value.num == 600
+
+    # best epoch: max score after the 1-epoch warm-up; ModelCheckpoint kept exactly that one
+    window = [r for r in gwa.history if r["epoch"] >= 1]
+    best = max(window, key=lambda r: r["score"])
+    assert gwa.best_epoch == best["epoch"]
+    assert os.path.basename(ckpt.best_model_path) == f"epoch={best['epoch']}.ckpt"
+    assert float(ckpt.best_model_score) == pytest.approx(best["score"], rel=1e-5)
+
+    # suspects: the 7 most negative oracle scores of each epoch, with their dataset indices
+    with open(os.path.join(logger.log_dir, SUSPECTS_FILENAME)) as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 7 * 6
+    last = gwa.history[-1]["epoch"]
+    mine = sorted((float(r["score"]), int(r["index"])) for r in rows if int(r["epoch"]) == last)
+    # which dataset index each oracle score belongs to is not recorded by the module, so compare values
+    oracle = np.sort(torch.cat(model.oracle[last]).numpy())[:7]
+    np.testing.assert_allclose([s for s, _ in mine], oracle, rtol=1e-4, atol=1e-6)
+    assert len({i for _, i in mine}) == 7 and all(0 <= i < 600 for _, i in mine)
+
+
+def test_checkpoint_with_validation_loop_sees_this_epochs_score(tmp_path) -> None:
+    """With a validation loop ModelCheckpoint saves at validation end, before on_train_epoch_end:
+    the score must already be this epoch's, not the previous one's."""
+    torch.manual_seed(1)
+    model = DigitsMLP(record=False)
+    loader, _ = _loader()
+    val, _ = _loader(200, shuffle=False)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, histogram=False)
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor="gwa/score", mode="max", filename="{epoch}", save_top_k=-1)
+    csv_logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = _trainer(tmp_path, csv_logger, [gwa, ckpt], max_epochs=4, num_sanity_val_steps=0)
+    trainer.fit(model, loader, val)
+    for rec in gwa.history:
+        state = torch.load(tmp_path / "ckpt" / f"epoch={rec['epoch']}.ckpt", weights_only=False)
+        saved = state["callbacks"][ckpt.state_key]["current_score"]
+        assert float(saved) == pytest.approx(rec["score"], rel=1e-5)
+    assert os.path.basename(ckpt.best_model_path) == f"epoch={gwa.best_epoch}.ckpt"
+    # CSVLogger got every key, and no NaN anywhere
+    with open(os.path.join(csv_logger.log_dir, "metrics.csv")) as fh:
+        rows = list(csv.DictReader(fh))
+    scores = [float(r["gwa/score"]) for r in rows if r.get("gwa/score")]
+    assert scores == pytest.approx([r["score"] for r in gwa.history], rel=1e-5)
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith("gwa/") and v:
+                assert math.isfinite(float(v))
+
+
+def test_warmup_masks_checkpoint_and_early_stopping_stops(tmp_path) -> None:
+    torch.manual_seed(2)
+    model = DigitsMLP(record=False, lr=0.3)
+    loader, _ = _loader(400, batch_size=50)
+    gwa = GradientWeightAlignmentMonitor(stop=True, patience=2, warmup_fraction=0.1, histogram=False)
+    trainer = _trainer(tmp_path, TensorBoardLogger(str(tmp_path), name="tb"), [gwa], max_epochs=30)
+    trainer.fit(model, loader)
+    assert gwa._warmup_resolved == 3  # ceil(10% of 30)
+    assert gwa.stopped_epoch is not None and trainer.current_epoch < 29
+    scores = {r["epoch"]: r["score"] for r in gwa.history}
+    assert gwa.best_epoch >= 3 and gwa.best_score == max(s for e, s in scores.items() if e >= 3)
+    assert gwa.stopped_epoch == gwa.best_epoch + gwa.patience
+    assert all(not r["eligible"] for r in gwa.history if r["epoch"] < 3)
+    alerts = [json.loads(line) for line in open(os.path.join(trainer.logger.log_dir, "alerts.jsonl"))]
+    stop = [a for a in alerts if a["kind"] == "early_stop"]
+    assert len(stop) == 1 and f"best epoch {gwa.best_epoch}" in stop[0]["message"]
+    # a resumed callback continues from the same selection state
+    fresh = GradientWeightAlignmentMonitor(stop=True, patience=2)
+    fresh.load_state_dict(gwa.state_dict())
+    assert (fresh.best_epoch, fresh.best_score, fresh.wait, fresh.history) == (
+        gwa.best_epoch,
+        gwa.best_score,
+        gwa.wait,
+        gwa.history,
+    )
+    # before the window callback_metrics publishes -inf, so a checkpoint never picks a warm-up epoch
+    assert float(trainer.callback_metrics["gwa/score"]) == pytest.approx(gwa.history[-1]["score"], rel=1e-5)
+
+
+def test_selection_rule_scratch_and_finetune() -> None:
+    series = [0.9, 0.5, 0.3, 0.4, 0.7, 0.6, 0.8, 0.2]
+    scratch = GradientWeightAlignmentMonitor(warmup_epochs=1)
+    scratch._warmup_resolved = 1
+    tune = GradientWeightAlignmentMonitor(warmup_epochs=0, finetune=True)
+    elig_s = [scratch._select(e, s) for e, s in enumerate(series)]
+    elig_t = [tune._select(e, s) for e, s in enumerate(series)]
+    assert elig_s == [False] + [True] * 7 and scratch.best_epoch == 6  # 0.9 at epoch 0 is warm-up
+    assert tune.dip_epoch == 2 and elig_t == [False] * 3 + [True] * 5 and tune.best_epoch == 6
+    assert tune.wait == 1
+    plain = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    plain._warmup_resolved = 0
+    for e, s in enumerate(series):
+        plain._select(e, s)
+    assert plain.best_epoch == 0  # without warm-up / dip the initial high wins: why the rules exist
+
+
+class TinyLM(LightningModule):
+    def __init__(self, vocab: int = 11, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.proj = nn.Linear(d, d)
+        self.out = nn.Linear(d, vocab)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch["input_ids"], batch["labels"]
+        logits = self.out(torch.tanh(self.proj(self.emb(x))))
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _DictDS(torch.utils.data.Dataset):
+    def __init__(self, n: int = 24, t: int = 6) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randint(0, 11, (n, t), generator=g)
+        self.y = torch.roll(self.x, -1, 1)
+        self.y[:, -2:] = -100  # ignored tokens
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.y[i], "index": i}
+
+
+def test_sequence_tokens_are_samples_and_ignored_tokens_skipped(tmp_path) -> None:
+    torch.manual_seed(3)
+    gwa = GradientWeightAlignmentMonitor(index_fn=lambda b: b["index"], suspects=5, warmup_epochs=0)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    trainer = _trainer(tmp_path, logger, [gwa], max_epochs=2)
+    trainer.fit(TinyLM(), DataLoader(_DictDS(), batch_size=8))
+    assert gwa._head_name == "out"
+    assert [r["count"] for r in gwa.history] == [24 * 4] * 2  # 6 tokens, 2 ignored
+    with open(os.path.join(logger.log_dir, SUSPECTS_FILENAME)) as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 10 and all(0 <= int(r["position"]) < 4 for r in rows)
+
+
+def test_gpt_example_lm_head_found(tmp_path, tiny_gpt) -> None:
+    module, loader = tiny_gpt(batch_size=4, n_samples=32)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, histogram=False)
+    trainer = _trainer(tmp_path, CSVLogger(str(tmp_path)), [gwa], max_epochs=1, limit_train_batches=3)
+    trainer.fit(module, loader)
+    assert gwa._head_name == "model.lm_head"
+    assert gwa.history[0]["count"] == 3 * 4 * 32 and math.isfinite(gwa.history[0]["score"])
+
+
+# ---------------------------------------------------------------------- bad input
+class NoLinear(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(1, 3, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.conv(batch[0][:, None, :3]).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_bad_constructor_and_setup_arguments(tmp_path) -> None:
+    with pytest.raises(ValueError, match="warmup_fraction"):
+        GradientWeightAlignmentMonitor(warmup_fraction=1.5)
+    with pytest.raises(ValueError, match="patience"):
+        GradientWeightAlignmentMonitor(patience=0)
+    with pytest.raises(TypeError, match="index_fn"):
+        GradientWeightAlignmentMonitor(index_fn=3)
+    loader, _ = _loader(100)
+    cases = [
+        (NoLinear(), {}, "no nn.Linear"),
+        (DigitsMLP(record=False), {"head": "fcc"}, "names no module"),
+        (DigitsMLP(record=False), {"head": "body"}, "is a Sequential"),
+    ]
+    for model, kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            _trainer(tmp_path, False, [GradientWeightAlignmentMonitor(**kw)], max_epochs=1).fit(model, loader)
+    with pytest.raises(ValueError, match="warmup_epochs"):
+        _trainer(tmp_path, False, [GradientWeightAlignmentMonitor()], max_epochs=-1, max_steps=3).fit(
+            DigitsMLP(record=False), loader
+        )
+
+
+@pytest.mark.parametrize(
+    "target_fn, err, match",
+    [
+        (lambda b: b[1][:-1], ValueError, "one target per logits row"),
+        (lambda b: b[1].float(), ValueError, "floating-point targets"),
+        (lambda b: b[1] + 5, ValueError, r"outside \[0, 10\)"),
+        (lambda b: F.one_hot(b[1], 10).float() * 2, ValueError, "not probabilities"),
+        (lambda b: b[1].tolist(), TypeError, "must return a Tensor"),
+    ],
+)
+def test_bad_targets_are_named(tmp_path, target_fn, err, match) -> None:
+    loader, _ = _loader(100)
+    gwa = GradientWeightAlignmentMonitor(target_fn=target_fn)
+    with pytest.raises(err, match=match):
+        _trainer(tmp_path, False, [gwa], max_epochs=1).fit(DigitsMLP(record=False), loader)
+
+
+def test_default_target_fn_rejects_unknown_batch(tmp_path) -> None:
+    from lightning_monitor.callbacks.gradient_weight_alignment import default_target_fn
+
+    assert default_target_fn({"labels": 1}) == 1
+    with pytest.raises(TypeError, match="target_fn"):
+        default_target_fn({"x": 1})
+
+
+def test_soft_targets_and_too_few_samples(tmp_path) -> None:
+    loader, _ = _loader(100, batch_size=50)
+    soft = GradientWeightAlignmentMonitor(target_fn=lambda b: F.one_hot(b[1], 10).float() * 0.9 + 0.01, warmup_epochs=0)
+    _trainer(tmp_path, False, [soft], max_epochs=1).fit(DigitsMLP(record=False), loader)
+    assert soft.history[0]["count"] == 100 and math.isfinite(soft.history[0]["score"])
+
+    tiny, _ = _loader(3, batch_size=3)
+    few = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    logger = CSVLogger(str(tmp_path), name="few")
+    with pytest.warns(UserWarning, match="3 < 4 samples"):
+        _trainer(tmp_path, logger, [few], max_epochs=2).fit(DigitsMLP(record=False), tiny)
+    assert [r["score"] for r in few.history] == [None, None]
+    path = os.path.join(logger.log_dir, "metrics.csv")
+    assert not os.path.exists(path) or "gwa/score" not in open(path).read()
+
+
+class FrozenTwoClass(LightningModule):
+    """Half the samples aligned, half opposed, nothing learns: scores exactly +-0.5 (bimodal)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(2, 2, bias=False)
+        with torch.no_grad():
+            self.head.weight.copy_(5 * torch.eye(2))
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.head(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_bimodal_scores_alert_and_no_score(tmp_path) -> None:
+    x = torch.eye(2).repeat(20, 1)
+    loader = DataLoader(TensorDataset(x, torch.zeros(40, dtype=torch.long)), batch_size=10)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(tmp_path, logger, [gwa], max_epochs=2).fit(FrozenTwoClass(), loader)
+    assert all(r["score"] is None for r in gwa.history)
+    scalars = tb_scalars(logger.log_dir)
+    assert "gwa/score" not in scalars
+    assert scalars["gwa/kurtosis"][0][1] == pytest.approx(-2.0, abs=1e-6)
+    assert scalars["gwa/mean"][0][1] == pytest.approx(0.0, abs=1e-6)
+    alerts = [json.loads(line) for line in open(os.path.join(logger.log_dir, "alerts.jsonl"))]
+    assert [a["kind"] for a in alerts] == ["bimodal"]  # a condition: one alert while it lasts
+    assert alerts[0]["value"] == pytest.approx(-2.0, abs=1e-6) and alerts[0]["threshold"] == -1.2
+    assert ("bimodal", None) in gwa.active_conditions()
