@@ -19,14 +19,14 @@ from torch import Tensor, nn
 
 from lightning_monitor.alerts import _tensorboard_writer, alerts_dir
 from lightning_monitor.callbacks.base import Monitor, _check_int
-from lightning_monitor.functional.gwa import GWA_OFFSET, GWAMoments, gwa_scores
+from lightning_monitor.functional.gwa import GWA_OFFSET, GWAMoments, alignment_from_parts
 
 __all__ = ["GradientWeightAlignmentMonitor", "default_target_fn"]
 
 SUSPECTS_FILENAME = "gwa_suspects.csv"
 _TARGET_KEYS = ("y", "target", "targets", "label", "labels")
 _HIST_BINS = 100
-_FLUSH_ELEMENTS = 1 << 16
+_FLUSH_ELEMENTS = 1 << 20  # kept feature + logit elements before scoring (4 MiB in fp32)
 _MIN_SAMPLES = 4
 
 
@@ -254,8 +254,9 @@ class GradientWeightAlignmentMonitor(Monitor):
         # suspects: score, index, position, target, predicted (float64 keeps integers exact)
         self._top = torch.full((5, k), math.nan, dtype=torch.float64, device=device)
         self._top[0].fill_(math.inf)
-        self._buffer: list[tuple[Tensor, Optional[Tensor]]] = []
-        self._buffered = 0
+        # per step: (features, W z, logits, targets, ||W||_F, indices), scored in one go by _flush
+        self._stash: list[tuple[Any, ...]] = []
+        self._stashed = 0
         self._finished = False
         self._scored_steps = 0
 
@@ -284,22 +285,29 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._handle = None
 
     def _on_head_forward(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+        """Keep what the step's scores need: a few detached tensors, one or two small kernels."""
         self._disarm()
         pending, self._pending = self._pending, None
         if pending is None or not inputs or not isinstance(output, Tensor):
             return
         targets, indices = pending
-        features = inputs[0]
-        with torch.no_grad():
-            targets = self._conform_targets(targets, output)
-            scores = gwa_scores(features, output, targets, module.weight, ignore_index=self.ignore_index)
-        extra = None
-        if self.suspects > 0 and self.index_fn is not None:
-            extra = self._suspect_columns(scores, output, targets, indices)
-        self._buffer.append((scores.reshape(-1), extra))
-        self._buffered += scores.numel()
+        targets = self._conform_targets(targets, output)
+        z, out = inputs[0].detach(), output.detach()
+        w = module.weight.detach()
+        if out.dtype == w.dtype == z.dtype and out.dtype in (torch.float32, torch.float64):
+            # W z from the logits themselves (an nn.Linear: logits = W z + b)
+            wz = out if module.bias is None else out - module.bias.detach()
+            w_norm = w.norm()
+        else:  # reduced precision (autocast): W z again in float32
+            w32 = w.float()
+            wz = z.float() @ w32.T
+            w_norm = w32.norm()
+        if self._stash and self._stash[-1][3].is_floating_point() != targets.is_floating_point():
+            self._flush()
+        self._stash.append((z, wz, out, targets, w_norm, indices))
+        self._stashed += out.numel() + z.numel()
         self._scored_steps += 1
-        if self._buffered >= _FLUSH_ELEMENTS:
+        if self._stashed >= _FLUSH_ELEMENTS:
             self._flush()
 
     def _conform_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
@@ -346,35 +354,28 @@ class GradientWeightAlignmentMonitor(Monitor):
                 f"`{self._head_name}` (ignore_index={self.ignore_index}). Fix `target_fn`, `head` or `ignore_index`."
             )
 
-    def _suspect_columns(self, scores: Tensor, logits: Tensor, targets: Tensor, indices: Optional[Tensor]) -> Tensor:
-        """``[4, N]`` float64: sample index, position (token) or -1, target (-1 if soft), predicted."""
-        shape = scores.shape
-        dev = scores.device
-        if indices is None:
-            idx = torch.full(shape, -1.0, dtype=torch.float64, device=dev)
-        else:
-            idx = indices.to(dev).reshape(-1).double()
-            if idx.numel() != shape[0]:
-                raise ValueError(
-                    f"`index_fn` returned {idx.numel()} indices for a batch of {shape[0]} samples: one index per "
-                    "sample (row of the batch) is needed."
-                )
-            idx = idx.reshape((shape[0],) + (1,) * (len(shape) - 1)).expand(shape)
-        if len(shape) > 1:
-            pos = torch.arange(math.prod(shape[1:]), device=dev, dtype=torch.float64).expand(shape[0], -1).reshape(shape)
-        else:
-            pos = torch.full(shape, -1.0, dtype=torch.float64, device=dev)
-        tgt = targets.double() if not targets.is_floating_point() else torch.full(shape, -1.0, dtype=torch.float64, device=dev)
-        pred = logits.detach().argmax(-1).double()
-        return torch.stack([idx.reshape(-1), pos.reshape(-1), tgt.reshape(-1), pred.reshape(-1)])
-
     def _flush(self) -> None:
-        """Fold buffered scores into the epoch accumulators (on device, no host sync)."""
-        if not self._buffer:
+        """Score the kept steps and fold them into the epoch accumulators (on device, no host sync)."""
+        if not self._stash:
             return
-        scores = torch.cat([s for s, _ in self._buffer]).double()
-        extra = [e for _, e in self._buffer]
-        self._buffer, self._buffered = [], 0
+        stash, self._stash, self._stashed = self._stash, [], 0
+        d, c = stash[0][0].shape[-1], stash[0][2].shape[-1]
+        soft = stash[0][3].is_floating_point()
+        rows = [e[2].numel() // c for e in stash]
+
+        def cat(parts: list[Tensor]) -> Tensor:
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        z = cat([e[0].reshape(-1, d) for e in stash])
+        wz = cat([e[1].reshape(-1, c) for e in stash])
+        logits = cat([e[2].reshape(-1, c) for e in stash])
+        targets = cat([e[3].reshape(-1, c) if soft else e[3].reshape(-1) for e in stash])
+        w_norm = torch.stack([e[4] for e in stash])
+        if len(stash) > 1:
+            w_norm = w_norm.repeat_interleave(
+                torch.tensor(rows, device=w_norm.device), output_size=sum(rows)
+            )
+        scores = alignment_from_parts(z, wz, logits, targets, w_norm, ignore_index=self.ignore_index).double()
         self._moments.update(scores)
         finite = torch.isfinite(scores)
         self._negative += (scores < 0).sum()
@@ -382,12 +383,35 @@ class GradientWeightAlignmentMonitor(Monitor):
         lo = torch.where(finite, scores, math.inf).min()
         hi = torch.where(finite, scores, -math.inf).max()
         self._minmax = torch.stack([torch.minimum(self._minmax[0], lo), torch.maximum(self._minmax[1], hi)])
-        if self.suspects > 0 and all(e is not None for e in extra):
-            cols = torch.cat([torch.where(finite, scores, math.inf).unsqueeze(0), torch.cat(extra, dim=1)])
+        if self.suspects > 0 and all(e[5] is not None for e in stash):
+            extra = self._suspect_columns(stash, logits, targets, soft)
+            cols = torch.cat([torch.where(finite, scores, math.inf).unsqueeze(0), extra])
             merged = torch.cat([self._top, cols], dim=1)
             k = min(self.suspects, merged.shape[1])
-            order = merged[0].topk(k, largest=False).indices
-            self._top = merged[:, order]
+            self._top = merged[:, merged[0].topk(k, largest=False).indices]
+
+    def _suspect_columns(self, stash: list[tuple[Any, ...]], logits: Tensor, targets: Tensor, soft: bool) -> Tensor:
+        """``[4, N]`` float64: sample index, position (token) or -1, target (-1 if soft), predicted."""
+        dev = logits.device
+        idx, pos = [], []
+        for _, _, out, _, _, indices in stash:
+            lead = out.shape[:-1]
+            i = indices.to(dev).reshape(-1)
+            if i.numel() != lead[0]:
+                raise ValueError(
+                    f"`index_fn` returned {i.numel()} indices for a batch of {lead[0]} samples: one index per "
+                    "sample (row of the batch) is needed."
+                )
+            per = math.prod(lead[1:])
+            if per == 1:
+                idx.append(i)
+                pos.append(torch.full_like(i, -1))
+            else:
+                idx.append(i.repeat_interleave(per))
+                pos.append(torch.arange(per, device=dev).repeat(lead[0]))
+        n = logits.shape[0]
+        tgt = torch.full((n,), -1.0, dtype=torch.float64, device=dev) if soft else targets.double()
+        return torch.stack([torch.cat(idx).double(), torch.cat(pos).double(), tgt, logits.argmax(-1).double()])
 
     # ------------------------------------------------------------------ per epoch
     def on_train_batch_end(

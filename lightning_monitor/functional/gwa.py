@@ -39,6 +39,7 @@ __all__ = [
     "GWA_OFFSET",
     "GWAMoments",
     "GWAStatistics",
+    "alignment_from_parts",
     "gwa_aggregate",
     "gwa_scores",
     "gwa_statistics",
@@ -108,29 +109,47 @@ def gwa_scores(
             "GWA needs a softmax head with at least 2 outputs; a single-logit (sigmoid) head has no "
             "softmax gradient. Use a 2-output head with cross-entropy."
         )
-    dtype = torch.promote_types(logits.dtype, torch.float32)  # fp16/bf16 -> fp32, fp64 stays
-    z = features.detach().to(dtype)
-    logits = logits.detach().to(dtype)
-    w = weight.detach().to(dtype)
-    wz = z @ w.T  # [..., C]; equals logits - bias for a plain linear head
     if targets.is_floating_point():
         if targets.shape != logits.shape:
             raise ValueError(
                 f"Soft `targets` must have the logits' shape {tuple(logits.shape)}, got "
                 f"{tuple(targets.shape)}."
             )
+    elif targets.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"Integer `targets` must have the logits' leading shape {tuple(logits.shape[:-1])}, got "
+            f"{tuple(targets.shape)}."
+        )
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # fp16/bf16 -> fp32, fp64 stays
+    z = features.detach().to(dtype)
+    w = weight.detach().to(dtype)
+    return alignment_from_parts(z, z @ w.T, logits, targets, w.norm(), ignore_index=ignore_index, eps=eps)
+
+
+def alignment_from_parts(
+    features: Tensor,
+    wz: Tensor,
+    logits: Tensor,
+    targets: Tensor,
+    weight_norm: Tensor,
+    *,
+    ignore_index: Optional[int] = -100,
+    eps: float = 1e-12,
+) -> Tensor:
+    """:func:`gwa_scores` from ``wz = W z`` (``logits - bias`` for an ``nn.Linear`` head) and
+    ``||W||_F`` (a scalar, or one per row when rows come from different steps); no shape checks.
+    Lets a caller keep a few cheap tensors per step and score many steps at once."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    z = features.detach().to(dtype)
+    wz = wz.detach().to(dtype)
+    logits = logits.detach().to(dtype)
+    valid = None
+    if targets.is_floating_point():
         r = torch.softmax(logits, dim=-1) - targets.detach().to(dtype)
         num = -(r * wz).sum(-1)
         r_norm = r.norm(dim=-1)
-        valid = None
     else:
-        if targets.shape != logits.shape[:-1]:
-            raise ValueError(
-                f"Integer `targets` must have the logits' leading shape {tuple(logits.shape[:-1])}, got "
-                f"{tuple(targets.shape)}."
-            )
         t = targets.detach().long()
-        valid = None
         if ignore_index is not None:
             valid = t != ignore_index
             t = torch.where(valid, t, torch.zeros_like(t))
@@ -143,7 +162,7 @@ def gwa_scores(
         wz_y = wz.gather(-1, t).squeeze(-1)
         num = wz_y - (u * wz).sum(-1)
         r_norm = ((u * u).sum(-1) + 1.0).sqrt()
-    denom = (r_norm * z.norm(dim=-1)).clamp_min(eps) * w.norm().clamp_min(eps)
+    denom = (r_norm * z.norm(dim=-1)).clamp_min(eps) * weight_norm.to(dtype).clamp_min(eps)
     scores = (num / denom).clamp(-1.0, 1.0)
     if valid is not None:
         scores = torch.where(valid, scores, torch.full_like(scores, float("nan")))
