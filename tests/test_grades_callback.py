@@ -1,0 +1,350 @@
+"""GradientEarlyStopping in real Trainer.fit runs (CSV and TensorBoard loggers read back)."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.strategies import DDPStrategy
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+
+from lightning_monitor import GradientEarlyStopping, read_alerts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPTConfig, GPTModule, make_loader  # noqa: E402
+
+N_COMPONENTS = 12  # 2 blocks x (q, k, v, o, up, down)
+
+
+def _module(seed: int = 0) -> GPTModule:
+    pl.seed_everything(seed)
+    return GPTModule(GPTConfig(n_layer=2, n_head=2, d_model=32, block_size=32), lr=3e-3)
+
+
+def _loader() -> Any:
+    return make_loader("arith", block_size=32, batch_size=8, n_samples=512)
+
+
+def _trainer(tmp_path: Path, callbacks: list, max_steps: int, logger: Any = None, **kw: Any) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu", max_steps=max_steps, logger=logger if logger is not None else CSVLogger(tmp_path),
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        callbacks=callbacks, default_root_dir=tmp_path, **kw,
+    )
+
+
+class Recorder(pl.Callback):
+    """Weights at the start of every step, and weight gradients before the optimizer step."""
+
+    def __init__(self) -> None:
+        self.weights: dict[int, dict[str, torch.Tensor]] = {}
+        self.grads: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.weights[trainer.global_step] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        self.grads[trainer.global_step] = {
+            n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None
+        }
+
+
+def _csv_rows(logger: CSVLogger) -> dict[int, dict[str, float]]:
+    rows: dict[int, dict[str, float]] = {}
+    with open(os.path.join(logger.log_dir, "metrics.csv"), encoding="utf-8") as fh:
+        for row in csv.DictReader(fh):
+            step = int(row["step"])
+            rows.setdefault(step, {}).update({k: float(v) for k, v in row.items() if v not in ("", None) and k != "step"})
+    return rows
+
+
+# ----------------------------------------------------------------------------- statistics through Trainer.fit
+
+
+@pytest.mark.parametrize("criterion", ["grad", "update"])
+def test_logged_statistics_match_numpy_oracle(tmp_path: Path, criterion: str) -> None:
+    rec = Recorder()
+    cb = GradientEarlyStopping(tau=1e-9, criterion=criterion, every_n_steps=3, grace_steps=0, reference_checks=2)
+    logger = CSVLogger(tmp_path)
+    _trainer(tmp_path, [rec, cb], max_steps=13, logger=logger).fit(_module(), _loader())
+    assert cb.frozen == {}
+    rows = _csv_rows(logger)
+    checks = [0, 3, 6, 9, 12]
+    names = cb.components
+    assert len(names) == N_COMPONENTS
+    stats: dict[int, np.ndarray] = {}
+    for s in checks:
+        if criterion == "grad":
+            expected = [np.abs(rec.grads[s][f"{n}.weight"].numpy()).mean() for n in names]
+        elif s == 0:
+            assert not any(k.endswith("/stat") for k in rows[0])  # first check: a snapshot only
+            continue
+        else:
+            expected = [np.abs(rec.weights[s][f"{n}.weight"].numpy() - rec.weights[s - 3][f"{n}.weight"].numpy()).mean() / 3
+                        for n in names]
+        stats[s] = np.array(expected)
+        got = [rows[s][f"grades/{n}/stat"] for n in names]
+        np.testing.assert_allclose(got, expected, rtol=1e-4)
+        assert rows[s]["grades/frozen_fraction"] == 0.0
+    first = sorted(stats)[:2]
+    reference = (stats[first[0]] + stats[first[1]]) / 2
+    for s in sorted(stats)[1:]:
+        np.testing.assert_allclose([rows[s][f"grades/{n}/ratio"] for n in names], stats[s] / reference, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- freezing, stopping, resuming
+
+
+def _ratios_at(tmp_path: Path, step: int) -> dict[str, float]:
+    """A first run that freezes nothing: the ratio of every component at ``step``."""
+    cb = GradientEarlyStopping(tau=1e-9, every_n_steps=3, grace_steps=step)
+    logger = CSVLogger(tmp_path / "probe")
+    _trainer(tmp_path / "probe", [cb], max_steps=step + 1, logger=logger).fit(_module(), _loader())
+    row = _csv_rows(logger)[step]
+    return {n: row[f"grades/{n}/ratio"] for n in cb.components}
+
+
+def test_freeze_keeps_frozen_weights_and_resume_restores_the_set(tmp_path: Path) -> None:
+    grace = 6
+    ratios = _ratios_at(tmp_path, grace)
+    ordered = sorted(ratios.values())
+    tau = (ordered[5] + ordered[6]) / 2  # half of the components are under tau at the first decision
+    expected_first = {n for n, r in ratios.items() if r < tau}
+    assert len(expected_first) == 6
+
+    rec = Recorder()
+    cb = GradientEarlyStopping(tau=tau, every_n_steps=3, grace_steps=grace)
+    logger = TensorBoardLogger(tmp_path, name="run")
+    trainer = _trainer(tmp_path, [cb, rec], max_steps=15, logger=logger)
+    module = _module()
+    trainer.fit(module, _loader())
+
+    assert {n for n, s in cb.frozen.items() if s == grace} == expected_first
+    assert all(s >= grace and (s - grace) % 3 == 0 for s in cb.frozen.values())
+    assert len(cb.frozen) < N_COMPONENTS and trainer.global_step == 15
+    final = dict(module.named_parameters())
+    opt = trainer.optimizers[0]
+    for name in cb.components:
+        module_ = module.get_submodule(name)
+        w = f"{name}.weight"
+        if name in cb.frozen:
+            s = cb.frozen[name]
+            assert not module_.weight.requires_grad and not module_.bias.requires_grad
+            assert module_.weight not in opt.state and module_.weight.grad is None
+            torch.testing.assert_close(final[w].detach(), rec.weights[s][w], rtol=0, atol=0)  # unchanged from its freeze step
+            assert not torch.equal(rec.weights[s][w], rec.weights[s - 1][w])  # it trained before
+        else:
+            assert module_.weight.requires_grad and module_.weight in opt.state
+            assert not torch.equal(final[w].detach(), rec.weights[grace][w])
+    # non-components keep training
+    assert not torch.equal(final["model.lm_head.weight"].detach(), rec.weights[14]["model.lm_head.weight"])
+
+    alerts = read_alerts(os.path.join(logger.log_dir, "alerts.jsonl"))
+    frozen_alerts = {a.layer: a.step for a in alerts if a.monitor == "grades" and a.kind == "frozen"}
+    assert frozen_alerts == cb.frozen
+    assert all(a.severity == "info" and a.value < tau for a in alerts if a.kind == "frozen")
+    acc = EventAccumulator(logger.log_dir)
+    acc.Reload()
+    events = acc.Scalars("grades/frozen_fraction")
+    assert [e.step for e in events] == [0, 3, 6, 9, 12]
+    assert events[-1].value == pytest.approx(len(cb.frozen) / N_COMPONENTS)
+    assert events[1].value == 0.0 and events[2].value == pytest.approx(6 / N_COMPONENTS)
+    assert "grades/model.blocks.0.attn.q_proj/stat" in acc.Tags()["scalars"]
+
+    # ---- resume: a fresh model re-freezes exactly the same set before the first step
+    ckpt = str(tmp_path / "grades.ckpt")
+    trainer.save_checkpoint(ckpt)
+    frozen_at_save = dict(cb.frozen)
+    saved = {n: p.detach().clone() for n, p in module.named_parameters()}
+
+    class FrozenAtStart(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+            self.names = {n.rsplit(".", 1)[0] for n, p in pl_module.named_parameters() if not p.requires_grad}
+
+    probe = FrozenAtStart()
+    cb2 = GradientEarlyStopping(tau=tau, every_n_steps=3, grace_steps=grace)
+    module2 = _module(seed=1)
+    _trainer(tmp_path, [cb2, probe], max_steps=21, logger=CSVLogger(tmp_path / "resumed")).fit(module2, _loader(), ckpt_path=ckpt)
+    assert probe.names == set(frozen_at_save)
+    assert {n: s for n, s in cb2.frozen.items() if n in frozen_at_save} == frozen_at_save
+    torch.testing.assert_close(cb2.reference(), cb.reference())
+    for name in frozen_at_save:
+        w = f"{name}.weight"
+        torch.testing.assert_close(dict(module2.named_parameters())[w].detach(), saved[w], rtol=0, atol=0)
+
+
+def test_stops_when_all_components_are_frozen(tmp_path: Path) -> None:
+    cb = GradientEarlyStopping(tau=1e6, every_n_steps=2, grace_steps=4)
+    logger = CSVLogger(tmp_path)
+    trainer = _trainer(tmp_path, [cb], max_steps=40, logger=logger)
+    module = _module()
+    trainer.fit(module, _loader())
+    assert cb.frozen == {n: 4 for n in cb.components} and cb.stopped_at == 4
+    assert trainer.global_step == 5  # the step that froze everything was the last one
+    assert all(not module.get_submodule(n).weight.requires_grad for n in cb.components)
+    alerts = read_alerts(os.path.join(logger.log_dir, "alerts.jsonl"))
+    assert [a.kind for a in alerts if a.kind == "stop"] == ["stop"]
+    assert _csv_rows(logger)[4]["grades/frozen_fraction"] == 1.0
+
+
+def test_max_frozen_ratio_stops_early(tmp_path: Path) -> None:
+    # every component is under an absolute tau of 1e6 at the first decision: 1.0 >= 0.5 stops the run
+    cb = GradientEarlyStopping(tau=1e6, threshold="absolute", every_n_steps=1, grace_steps=2, max_frozen_ratio=0.5)
+    trainer = _trainer(tmp_path, [cb], max_steps=40)
+    trainer.fit(_module(), _loader())
+    assert cb.stopped_at == 2 and trainer.global_step == 3 and len(cb.frozen) == N_COMPONENTS
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tau": 0}, "`tau` must be a finite number > 0"),
+        ({"tau": -1.0}, "`tau` must be a finite number > 0"),
+        ({"tau": float("nan")}, "`tau`"),
+        ({"grace_fraction": 1.0}, r"`grace_fraction` must be a number in \[0.0, 1.0\)"),
+        ({"grace_fraction": -0.1}, "`grace_fraction`"),
+        ({"criterion": "loss"}, "`criterion` must be 'grad'"),
+        ({"threshold": "rel"}, "`threshold`"),
+        ({"max_frozen_ratio": 0.0}, "`max_frozen_ratio`"),
+        ({"smoothing": 1.0}, "`smoothing`"),
+        ({"grace_steps": -1}, "`grace_steps`"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        GradientEarlyStopping(**kwargs)
+
+
+class NoBlocks(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 10)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.head(self.norm(self.emb(x)))
+        return F.cross_entropy(logits.reshape(-1, 10), y.reshape(-1) % 10)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class HeadOnlyOptimizer(GPTModule):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.model.lm_head.parameters(), lr=1e-3)
+
+
+def test_no_component_found_names_the_modules(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"no trainable component of NoBlocks.*Module names seen: 'emb', 'norm', 'head'"):
+        _trainer(tmp_path, [GradientEarlyStopping()], max_steps=2).fit(NoBlocks(), _loader())
+
+
+def test_unknown_length_with_fractional_grace(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, [GradientEarlyStopping(grace_fraction=0.3)], max_steps=-1, max_epochs=-1)
+    with pytest.raises(ValueError, match=r"grace_fraction=0.3.*no end.*max_steps"):
+        trainer.fit(_module(), _loader())
+
+
+def test_optimizer_over_some_parameters(tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    module = HeadOnlyOptimizer(GPTConfig(n_layer=1, n_head=2, d_model=16, block_size=32))
+    with pytest.raises(ValueError, match=r"optimizer does not hold the parameters of 6 component.*exclude"):
+        _trainer(tmp_path, [GradientEarlyStopping()], max_steps=2).fit(module, _loader())
+
+
+@pytest.mark.parametrize(
+    ("strategy", "match"),
+    [
+        (DDPStrategy(), "find_unused_parameters=True"),
+        (DDPStrategy(find_unused_parameters=True, static_graph=True), "static_graph"),
+    ],
+)
+def test_ddp_settings_that_would_fail_are_refused(tmp_path: Path, strategy: DDPStrategy, match: str) -> None:
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=match):
+        GradientEarlyStopping().setup(trainer, _module(), "fit")
+    # the right setting passes setup
+    ok = pl.Trainer(accelerator="cpu", devices=1, strategy="ddp_find_unused_parameters_true", logger=False,
+                    default_root_dir=tmp_path, max_steps=10)
+    cb = GradientEarlyStopping()
+    cb.setup(ok, _module(), "fit")
+    assert len(cb.components) == N_COMPONENTS
+
+
+# ----------------------------------------------------------------------------- DDP (2 ranks, gloo)
+
+
+class DeadBranchLM(pl.LightningModule):
+    """Two blocks; each `gate_proj` feeds the output through a zero factor, so its gradient is exactly
+    zero and it freezes at the first decision, while the live projections never do (tiny tau)."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+        self.emb = nn.Embedding(48, 16)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"q_proj": nn.Linear(16, 16), "up_proj": nn.Linear(16, 16), "gate_proj": nn.Linear(16, 16)})
+            for _ in range(2)
+        )
+        self.head = nn.Linear(16, 48)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.emb(x)
+        for b in self.blocks:
+            h = h + torch.tanh(b["up_proj"](torch.tanh(b["q_proj"](h)))) + 0.0 * b["gate_proj"](h)
+        return F.cross_entropy(self.head(h).reshape(-1, 48), y.reshape(-1))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def on_train_end(self) -> None:
+        cb = next(c for c in self.trainer.callbacks if isinstance(c, GradientEarlyStopping))
+        out = {
+            "frozen": cb.frozen,
+            "global_step": self.trainer.global_step,
+            "requires_grad": {n: p.requires_grad for n, p in self.named_parameters()},
+            "weights": {n: p.detach().double().sum().item() for n, p in self.named_parameters()},
+        }
+        with open(os.path.join(self.out_dir, f"rank{self.global_rank}.json"), "w", encoding="utf-8") as fh:
+            json.dump(out, fh)
+
+
+def test_ddp_two_ranks_freeze_identically(tmp_path: Path) -> None:
+    cb = GradientEarlyStopping(tau=1e-4, every_n_steps=2, grace_steps=4)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn_find_unused_parameters_true", max_steps=12,
+        logger=CSVLogger(tmp_path), enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, callbacks=[cb], default_root_dir=tmp_path,
+    )
+    # tensors cross to the spawned ranks through shared memory; file descriptors cannot be resized in
+    # some sandboxes ("unable to resize file ... Invalid argument"), named files can
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        trainer.fit(DeadBranchLM(str(tmp_path)), make_loader("arith", block_size=16, batch_size=4, n_samples=256))
+    finally:
+        torch.multiprocessing.set_sharing_strategy(previous)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["frozen"] == r1["frozen"] == {"blocks.0.gate_proj": 4, "blocks.1.gate_proj": 4}
+    assert r0["global_step"] == r1["global_step"] == 12  # training went on after the freeze, no DDP error
+    assert r0["requires_grad"] == r1["requires_grad"]
+    assert not r0["requires_grad"]["blocks.0.gate_proj.weight"] and r0["requires_grad"]["blocks.0.q_proj.weight"]
+    assert r0["weights"] == pytest.approx(r1["weights"], rel=1e-6)
