@@ -1,0 +1,62 @@
+"""No host sync on steps where a monitor is not due.
+
+On CPU there is no device to wait for, so we count the calls that *would* sync on an accelerator
+(``Tensor.item``, ``tolist``, ``cpu``, ``numpy``, ``__bool__``, ``__float__``, ``__int__``) made from
+lightning_monitor's own code, and record on which optimizer steps they happen.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from contextlib import contextmanager
+
+import lightning.pytorch as pl
+import torch
+
+import lightning_monitor
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(lightning_monitor.__file__))
+SYNCING = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+
+
+@contextmanager
+def count_package_syncs(trainer_ref: list):
+    """Counts syncing calls made from lightning_monitor's code, keyed by ``trainer.global_step``."""
+    counts: Counter = Counter()
+    originals = {name: getattr(torch.Tensor, name) for name in SYNCING}
+
+    def wrap(name, fn):
+        def wrapped(self, *args, **kwargs):
+            frame = sys._getframe(1)
+            if frame.f_code.co_filename.startswith(PACKAGE_DIR) and trainer_ref:
+                counts[trainer_ref[0].global_step] += 1
+            return fn(self, *args, **kwargs)
+
+        return wrapped
+
+    for name, fn in originals.items():
+        setattr(torch.Tensor, name, wrap(name, fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def run_counting(callbacks, module, loader, steps, tmp_path):
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, callbacks=callbacks,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         default_root_dir=str(tmp_path))
+    ref = [trainer]
+    with count_package_syncs(ref) as counts:
+        trainer.fit(module, loader)
+    return counts
+
+
+def test_guard_syncs_only_on_its_checks(tmp_path, tiny_gpt):
+    module, loader = tiny_gpt()
+    counts = run_counting([lightning_monitor.DivergenceGuard(check_every_n_steps=10)], module, loader, 35, tmp_path)
+    assert sorted(counts) == [0, 10, 20, 30], counts
+    assert max(counts.values()) <= 2  # one transfer per check (and the tolist that reads it)
