@@ -163,7 +163,7 @@ def check(model: nn.Module, loss_fn, x: Tensor, y: Tensor, **kw) -> PerExampleGr
 # ----------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("strategy", ["auto", "gram", "materialize"])
+@pytest.mark.parametrize("strategy", ["auto", "fused", "gram", "materialize"])
 def test_mlp_exact(strategy: str) -> None:
     torch.manual_seed(0)
     model = MLP()
@@ -190,7 +190,7 @@ def test_cnn_exact() -> None:
     assert probe.uncovered == []
 
 
-@pytest.mark.parametrize("strategy", ["gram", "materialize"])
+@pytest.mark.parametrize("strategy", ["auto", "gram", "materialize"])
 def test_transformer_exact(strategy: str) -> None:
     torch.manual_seed(0)
     model = TinyTransformer()
@@ -202,19 +202,25 @@ def test_transformer_exact(strategy: str) -> None:
     assert probe.uncovered == []
 
 
-def test_tied_weights_exact() -> None:
+@pytest.mark.parametrize("strategy", ["auto", "gram"])
+def test_tied_weights_exact(strategy: str) -> None:
     torch.manual_seed(0)
     model = TinyTransformer(tied=True)
     x, y = torch.randint(0, 11, (3, 7)), torch.randint(0, 11, (3, 7))
-    probe = check(model, ce_seq, x, y)
+    probe = check(model, ce_seq, x, y, linear_strategy=strategy)
     assert "tok.weight" in probe.covered
 
 
-def test_module_used_twice_exact() -> None:
+@pytest.mark.parametrize("seq", [False, True])
+def test_module_used_twice_exact(seq: bool) -> None:
     torch.manual_seed(0)
     model = TwiceUsed()
-    x, y = torch.randn(7, 6), torch.randint(0, 3, (7,))
-    probe = check(model, F.cross_entropy, x, y)
+    if seq:  # (B, T, d): the fused path for both uses
+        x, y = torch.randn(5, 4, 6), torch.randint(0, 3, (5, 4))
+        probe = check(model, ce_seq, x, y)
+    else:
+        x, y = torch.randn(7, 6), torch.randint(0, 3, (7,))
+        probe = check(model, F.cross_entropy, x, y)
     assert set(probe.covered) == {n for n, _ in model.named_parameters()}
 
 
@@ -279,13 +285,41 @@ def test_accumulates_over_backward_passes_and_reset() -> None:
         probe.squared_norms()
 
 
+def test_fused_linear_gives_the_same_gradients() -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    x, y = torch.randint(0, 11, (4, 7)), torch.randint(0, 11, (4, 7))
+    ce_seq(model(x), y).backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    probe = probe_run(model, ce_seq, x, y, linear_strategy="fused")
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, plain[n], rtol=1e-5, atol=1e-7)
+    assert "forward" not in model.head.__dict__  # the plain forward is back after the context
+
+
+def test_fused_under_cpu_autocast_close_to_fp32() -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    x, y = torch.randint(0, 11, (4, 7)), torch.randint(0, 11, (4, 7))
+    ref = oracle(model, ce_seq, x, y)
+    model.zero_grad()
+    with PerExampleGradNorms(model) as probe, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = ce_seq(model(x), y)
+    loss.backward()
+    assert probe.squared_norms().dtype == torch.float32
+    total = torch.stack([ref[n] for n in probe.covered]).sum(0)
+    assert rel_err(probe.squared_norms(), total) < 0.05  # bf16 activations: close, not exact
+
+
 def test_hooks_removed_on_exit() -> None:
     model = MLP()
     with PerExampleGradNorms(model) as probe:
         assert probe.active
-        assert model.fc1._forward_hooks
+        assert model.ln._forward_hooks and "forward" in model.fc1.__dict__  # hook / fused forward
     assert not probe.active
-    assert all(not m._forward_hooks for m in model.modules())
+    assert all(not m._forward_hooks and "forward" not in m.__dict__ for m in model.modules())
+    with PerExampleGradNorms(model, linear_strategy="gram"):
+        assert model.fc1._forward_hooks and "forward" not in model.fc1.__dict__
 
 
 def test_ddp_wrapped_model(tmp_path) -> None:
@@ -314,6 +348,8 @@ def test_bad_arguments() -> None:
         PerExampleGradNorms(MLP(), loss_reduction="none")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="linear_strategy"):
         PerExampleGradNorms(MLP(), linear_strategy="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_fused_bytes"):
+        PerExampleGradNorms(MLP(), max_fused_bytes=-1)
     with pytest.raises(TypeError, match="module"):
         PerExampleGradNorms(lambda x: x)  # type: ignore[arg-type]
 

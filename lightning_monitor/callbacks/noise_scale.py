@@ -77,7 +77,8 @@ class GradientNoiseScaleMonitor(Monitor):
         min_checks: checks smoothed before the first batch-size alert.
         loss_reduction: for ``"per_example"``: ``"mean"`` if the training loss is averaged over the
             examples of the batch (Lightning's default losses), ``"sum"`` if summed.
-        linear_strategy: for ``"per_example"``: ``"auto"``, ``"gram"`` or ``"materialize"``.
+        linear_strategy: for ``"per_example"``: see :class:`~lightning_monitor.probes.per_example.PerExampleGradNorms`
+            (``"auto"``, ``"fused"``, ``"gram"``, ``"materialize"``).
     """
 
     name = "gns"
@@ -94,7 +95,7 @@ class GradientNoiseScaleMonitor(Monitor):
         alert_ratio: float = 10.0,
         min_checks: int = 5,
         loss_reduction: Literal["mean", "sum"] = "mean",
-        linear_strategy: Literal["auto", "gram", "materialize"] = "auto",
+        linear_strategy: Literal["auto", "fused", "gram", "materialize"] = "auto",
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
         if method not in _METHODS:
@@ -107,8 +108,10 @@ class GradientNoiseScaleMonitor(Monitor):
             raise ValueError(f"`min_checks` must be an integer >= 1, got {min_checks!r}.")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"`loss_reduction` must be 'mean' or 'sum', got {loss_reduction!r}.")
-        if linear_strategy not in ("auto", "gram", "materialize"):
-            raise ValueError(f"`linear_strategy` must be 'auto', 'gram' or 'materialize', got {linear_strategy!r}.")
+        if linear_strategy not in ("auto", "fused", "gram", "materialize"):
+            raise ValueError(
+                f"`linear_strategy` must be 'auto', 'fused', 'gram' or 'materialize', got {linear_strategy!r}."
+            )
         self.method: Method = method
         self.beta = float(beta)
         self.per_layer = bool(per_layer)

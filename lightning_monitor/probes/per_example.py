@@ -9,7 +9,10 @@ squared norm of each example's gradient for each of the module's parameters, in 
 * ``nn.Linear`` on ``(B, d_in)``: ``||g_i||^2 = ||a_i||^2 ||d_i||^2``. On sequences ``(B, T, d_in)`` the
   per-example weight gradient is ``G_i = D_i^T A_i`` and ``||G_i||_F^2 = <A_i A_i^T, D_i D_i^T>_F``:
   the Gram form costs ``O(B T^2 (d_in + d_out))``, materialising ``G_i`` costs ``O(B T d_in d_out)``;
-  each layer takes the cheaper. Bias: ``||sum_t d_it||^2``.
+  each layer takes the cheaper. Bias: ``||sum_t d_it||^2``. By default (``linear_strategy="auto"``)
+  a Linear on sequences is *fused* instead: while the context is active its backward forms the weight
+  gradient as ``sum_i G_i`` from the materialised ``G_i`` (one batched matmul with the same
+  multiply-adds as the plain backward), so the norms come almost for free.
 * ``nn.Embedding``: the rows an example touches, ``sum_{t: x_t = v} d_t``, summed per distinct token.
 * ``nn.LayerNorm`` / ``nn.RMSNorm``: weight ``sum_t d_t * xhat_t``, bias ``sum_t d_t``.
 * ``nn.Conv2d``: the Linear form on unfolded patches (one group at a time).
@@ -41,7 +44,7 @@ from torch.utils.hooks import RemovableHandle
 
 __all__ = ["PerExampleGradNorms", "HANDLERS", "Handler", "linear_sq_norms"]
 
-LinearStrategy = Literal["auto", "gram", "materialize"]
+LinearStrategy = Literal["auto", "fused", "gram", "materialize"]
 
 
 # ----------------------------------------------------------------------------- core math
@@ -303,6 +306,43 @@ def _unwrap(module: nn.Module) -> nn.Module:
     return module
 
 
+class _FusedLinear(torch.autograd.Function):
+    """``F.linear`` whose backward forms the weight gradient from the per-example gradients
+    ``G_i = D_i^T A_i`` (one batched matmul, the same multiply-adds as autograd's single one) and hands
+    them to ``sink`` before summing them: per-example norms at almost no extra cost, in exchange for
+    ``B d_in d_out`` transient memory."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], sink: Callable[..., None]) -> Tensor:
+        device = x.device.type
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        if torch.is_autocast_enabled(device):
+            dt = torch.get_autocast_dtype(device)
+            x, weight = x.to(dt), weight.to(dt)
+            bias = None if bias is None else bias.to(dt)
+        with torch.autocast(device, enabled=False):
+            out = F.linear(x, weight, bias)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        ctx.sink = sink
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        x, weight = ctx.saved_tensors
+        grad = grad.to(weight.dtype)
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        b = x.shape[0]
+        a = x.reshape(b, -1, x.shape[-1])
+        d = grad.reshape(b, -1, grad.shape[-1])
+        per_w = torch.bmm(d.transpose(1, 2), a)
+        per_b = d.sum(1) if ctx.has_bias else None
+        ctx.sink(per_w, per_b)
+        grad_w = per_w.sum(0).to(ctx.dtypes[0]) if ctx.needs_input_grad[1] else None
+        grad_b = per_b.sum(0).to(ctx.dtypes[1]) if per_b is not None and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None
+
+
 # ----------------------------------------------------------------------------- probe
 
 
@@ -313,12 +353,18 @@ class PerExampleGradNorms:
         module: the model (a DistributedDataParallel wrapper is looked through).
         loss_reduction: ``"mean"`` if the loss is averaged over the batch (the norms are rescaled by
             ``B^2``), ``"sum"`` if it is summed over examples.
-        linear_strategy: ``"auto"`` (per layer, the cheaper of the Gram form and the materialised
-            per-example gradients), ``"gram"`` or ``"materialize"``.
+        linear_strategy: how an ``nn.Linear`` on sequences ``(B, T, d)`` gets its norms.
+            ``"fused"``: its weight gradient is computed from the materialised per-example gradients
+            (one batched matmul, the same multiply-adds as the plain backward), so the norms cost almost
+            nothing extra; ``"gram"``: ``<A_i A_i^T, D_i D_i^T>`` beside the plain backward;
+            ``"materialize"``: ``D_i^T A_i`` beside the plain backward. ``"auto"``: fused while
+            ``4 B d_in d_out <= max_fused_bytes``, else the cheaper of gram and materialize. Inputs
+            ``(B, d)`` always use ``||a_i||^2 ||d_i||^2``.
         include: optional predicate ``(qualified name, module) -> bool`` restricting the modules hooked.
         batch_size: the number of examples expected over the backward passes read together; a module
             whose input's leading dimension does not match (an input broadcast over the batch) is moved to
             :attr:`uncovered`. ``None``: the most common count among the parameters.
+        max_fused_bytes: memory cap of the per-example gradients of one fused Linear (``"auto"``).
 
     Example::
 
@@ -335,6 +381,7 @@ class PerExampleGradNorms:
         linear_strategy: LinearStrategy = "auto",
         include: Optional[Callable[[str, nn.Module], bool]] = None,
         batch_size: Optional[int] = None,
+        max_fused_bytes: int = 256 * 2**20,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"`module` must be a torch.nn.Module, got {type(module).__name__}.")
@@ -342,13 +389,19 @@ class PerExampleGradNorms:
             raise ValueError(
                 f"`loss_reduction` must be 'mean' (loss averaged over the batch) or 'sum', got {loss_reduction!r}."
             )
-        if linear_strategy not in ("auto", "gram", "materialize"):
-            raise ValueError(f"`linear_strategy` must be 'auto', 'gram' or 'materialize', got {linear_strategy!r}.")
+        if linear_strategy not in ("auto", "fused", "gram", "materialize"):
+            raise ValueError(
+                f"`linear_strategy` must be 'auto', 'fused', 'gram' or 'materialize', got {linear_strategy!r}."
+            )
+        if isinstance(max_fused_bytes, bool) or not isinstance(max_fused_bytes, int) or max_fused_bytes < 0:
+            raise ValueError(f"`max_fused_bytes` must be an integer >= 0, got {max_fused_bytes!r}.")
         self.module = _unwrap(module)
         self.loss_reduction = loss_reduction
         self.linear_strategy = linear_strategy
         self.batch_size = batch_size
+        self.max_fused_bytes = max_fused_bytes
         self._handles: list[RemovableHandle] = []
+        self._fused: list[nn.Module] = []
         self._active = False
 
         trainable = {id(p): name for name, p in self.module.named_parameters() if p.requires_grad}
@@ -421,13 +474,18 @@ class PerExampleGradNorms:
         self.detach()
 
     def attach(self) -> None:
-        """Register the forward hooks (idempotent)."""
+        """Arm the hooks (idempotent)."""
         if self._active:
             return
         covered = set(self._covered_ids)
         for mod, handler, params in self._modules.values():
             todo = [(ln, pid) for ln, pid in params if pid in covered]
-            if todo:
+            if not todo:
+                continue
+            if self._can_fuse(mod):
+                mod.forward = self._make_fused_forward(mod, handler, todo)  # type: ignore[method-assign]
+                self._fused.append(mod)
+            else:
                 self._handles.append(mod.register_forward_hook(self._make_forward_hook(handler, todo)))
         self._active = True
 
@@ -436,11 +494,23 @@ class PerExampleGradNorms:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for mod in self._fused:
+            mod.__dict__.pop("forward", None)
+        self._fused.clear()
         self._active = False
 
     @property
     def active(self) -> bool:
         return self._active
+
+    def _can_fuse(self, mod: nn.Module) -> bool:
+        return (
+            self.linear_strategy in ("auto", "fused")
+            and isinstance(mod, nn.Linear)
+            and type(mod).forward is nn.Linear.forward
+            and "forward" not in mod.__dict__
+            and not mod._forward_pre_hooks
+        )
 
     def _make_forward_hook(self, handler: Handler, params: list[tuple[str, int]]) -> Callable[..., None]:
         def forward_hook(mod: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -453,45 +523,85 @@ class PerExampleGradNorms:
                 return
             for _, pid in params:
                 self._outstanding[pid] += 1
-            output.register_hook(self._make_grad_hook(mod, handler, params, args[0].shape[0], ctx))
+            batch = args[0].shape[0]
+            strategy = "auto" if self.linear_strategy == "fused" else self.linear_strategy
+
+            def grad_hook(grad: Tensor) -> None:
+                with torch.no_grad():
+                    self._consume(
+                        params, batch,
+                        lambda: handler.sq_norms(mod, ctx, grad, strategy),
+                        lambda: handler.grads(mod, ctx, grad),
+                    )
+
+            output.register_hook(grad_hook)
 
         return forward_hook
 
-    def _make_grad_hook(
-        self, mod: nn.Module, handler: Handler, params: list[tuple[str, int]], batch: int, ctx: Any
-    ) -> Callable[[Tensor], None]:
-        def grad_hook(grad: Tensor) -> None:
-            with torch.no_grad():
-                scale = float(batch) ** 2 if self.loss_reduction == "mean" else 1.0
-                shared = [pid for _, pid in params if self._outstanding[pid] > 1 or pid in self._pending]
-                if not shared:
-                    for (ln, pid), sq in zip(params, _ordered(handler.sq_norms(mod, ctx, grad, self.linear_strategy), params)):
-                        self._records[pid].append(sq * scale if scale != 1.0 else sq)
-                        self._outstanding[pid] -= 1
-                    return
-                sqs = handler.sq_norms(mod, ctx, grad, self.linear_strategy) if len(shared) < len(params) else {}
-                grads = handler.grads(mod, ctx, grad)
-                factor = float(batch) if self.loss_reduction == "mean" else 1.0
-                for ln, pid in params:
-                    self._outstanding[pid] -= 1
-                    if pid not in shared:
-                        self._records[pid].append(sqs[ln] * scale)
-                        continue
-                    g = grads[ln] * factor
-                    prev = self._pending.get(pid)
-                    if prev is not None and prev.shape != g.shape:
-                        warnings.warn(
-                            f"PerExampleGradNorms: parameter {self._names[pid]!r} is used with different batch "
-                            "sizes in one forward; it is left out.",
-                            stacklevel=2,
-                        )
-                        self._not_reached.append(self._names[pid])
-                        continue
-                    self._pending[pid] = g if prev is None else prev + g
-                    if self._outstanding[pid] == 0:
-                        self._records[pid].append(self._pending.pop(pid).flatten(1).pow(2).sum(1))
+    def _make_fused_forward(self, mod: nn.Linear, handler: Handler, params: list[tuple[str, int]]) -> Callable[[Tensor], Tensor]:
+        hook = self._make_forward_hook(handler, params)
 
-        return grad_hook
+        def fused_forward(x: Tensor) -> Tensor:
+            w, b = mod.weight, mod.bias
+            needs = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
+            if needs and x.dim() >= 2:
+                t = x.numel() // max(x.shape[0] * x.shape[-1], 1)
+                nbytes = 4 * x.shape[0] * mod.in_features * mod.out_features
+                if t > 1 and (self.linear_strategy == "fused" or nbytes <= self.max_fused_bytes):
+                    for _, pid in params:
+                        self._outstanding[pid] += 1
+                    batch = x.shape[0]
+
+                    def sink(g_w: Tensor, g_b: Optional[Tensor]) -> None:
+                        grads = {"weight": g_w} if g_b is None else {"weight": g_w, "bias": g_b}
+                        self._consume(
+                            params, batch,
+                            lambda: {k: torch.linalg.vector_norm(v.flatten(1), dim=1, dtype=torch.float32).pow(2)
+                                     for k, v in grads.items()},
+                            lambda: {k: v.float() for k, v in grads.items()},
+                        )
+
+                    return _FusedLinear.apply(x, w, b, sink)
+            out = F.linear(x, w, b)
+            hook(mod, (x,), out)
+            return out
+
+        return fused_forward
+
+    def _consume(
+        self,
+        params: list[tuple[str, int]],
+        batch: int,
+        sq_fn: Callable[[], dict[str, Tensor]],
+        grads_fn: Callable[[], dict[str, Tensor]],
+    ) -> None:
+        """Record one use's per-example norms; a parameter with several uses in this forward gets its
+        per-example gradients summed over the uses first (exact cross terms)."""
+        scale = float(batch) ** 2 if self.loss_reduction == "mean" else 1.0
+        shared = [pid for _, pid in params if self._outstanding[pid] > 1 or pid in self._pending]
+        sqs = sq_fn() if len(shared) < len(params) else {}
+        grads = grads_fn() if shared else {}
+        factor = float(batch) if self.loss_reduction == "mean" else 1.0
+        for ln, pid in params:
+            self._outstanding[pid] -= 1
+            if pid not in shared:
+                self._records[pid].append(sqs[ln] * scale if scale != 1.0 else sqs[ln])
+                continue
+            g = grads[ln] * factor
+            prev = self._pending.get(pid)
+            if prev is not None and prev.shape != g.shape:
+                warnings.warn(
+                    f"PerExampleGradNorms: parameter {self._names[pid]!r} is used with different batch "
+                    "sizes in one forward; it is left out.",
+                    stacklevel=2,
+                )
+                self._pending.pop(pid, None)
+                self._not_reached.append(self._names[pid])
+                self.reasons[self._names[pid]] = "used with different batch sizes in one forward"
+                continue
+            self._pending[pid] = g if prev is None else prev + g
+            if self._outstanding[pid] == 0:
+                self._records[pid].append(self._pending.pop(pid).flatten(1).pow(2).sum(1))
 
     # -------------------------------------------------------------- results
     def per_parameter(self) -> dict[str, Tensor]:
