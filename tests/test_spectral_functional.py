@@ -206,3 +206,55 @@ def test_functional_does_not_import_lightning():
         "and not m.startswith('lightning_monitor')]; print(bad); assert not bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ----------------------------------------------------------------------------- block iteration
+from lightning_monitor.functional import top_singular_subspace  # noqa: E402
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (40, 100), (120, 30)])
+def test_subspace_cold_start_matches_svd(shape):
+    w = gapped_matrix(*shape, ratio=0.95, seed=20)
+    sigma, u, v, basis = top_singular_subspace(w, n_vectors=4)
+    s, u_ref, v_ref = svd_top(w)
+    assert basis.shape == (shape[1], 4)
+    torch.testing.assert_close(basis.T @ basis, torch.eye(4), atol=1e-5, rtol=0)
+    torch.testing.assert_close(basis[:, 0], v)  # first column is v_1
+    assert abs(float(v.double() @ v_ref)) > 0.999 and abs(float(u.double() @ u_ref)) > 0.999
+    assert float(sigma) == pytest.approx(float(s[0]), rel=1e-5)
+
+
+def test_subspace_finds_a_direction_that_overtakes_the_top_one():
+    """Training can promote the second singular direction past the first between two checks: the
+    warm-started block finds it in a few iterations, a single warm vector does not."""
+    g = torch.Generator().manual_seed(21)
+    u, _ = torch.linalg.qr(torch.randn(80, 80, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(60, 60, generator=g, dtype=torch.float64))
+    s = torch.linspace(1.0, 0.1, 60, dtype=torch.float64)
+    s_before = s.clone()
+    s_before[0], s_before[1] = 1.0, 0.98
+    s_after = s.clone()
+    s_after[0], s_after[1] = 0.98, 1.0  # direction 2 now on top
+    w0 = ((u[:, :60] * s_before) @ v.T).float()
+    w1 = ((u[:, :60] * s_after) @ v.T).float()
+    _, _, v_single = top_singular_pair(w0)
+    _, _, _, basis = top_singular_subspace(w0, n_vectors=4)
+    _, _, v_single = top_singular_pair(w1, v0=v_single, n_iter=4)
+    sigma, _, v_block, _ = top_singular_subspace(w1, basis, n_iter=4)
+    v_ref = v[:, 1]
+    assert abs(float(v_block.double() @ v_ref)) > 0.999
+    assert float(sigma) == pytest.approx(1.0, rel=1e-4)
+    assert abs(float(v_single.double() @ v_ref)) < 0.9  # what a single vector gives in 4 iterations
+
+
+def test_subspace_keeps_the_sign_of_the_previous_vector_and_handles_zero():
+    w = gapped_matrix(30, 20, ratio=0.6, seed=22)
+    _, _, v, basis = top_singular_subspace(w)
+    _, _, v2, _ = top_singular_subspace(w, basis)
+    assert float(v @ v2) > 0.999
+    _, _, v3, _ = top_singular_subspace(w, -basis)
+    assert float(v @ v3) < -0.999
+    sigma, u, v, basis = top_singular_subspace(torch.zeros(5, 6))
+    assert float(sigma) == 0 and torch.isfinite(v).all() and torch.all(u == 0)
+    with pytest.raises(ValueError, match="basis0"):
+        top_singular_subspace(w, torch.randn(7, 4))

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["top_singular_pair", "spectral_alignment", "sign_diversity"]
+__all__ = ["top_singular_pair", "top_singular_subspace", "spectral_alignment", "sign_diversity"]
 
 #: Power iterations used without a warm start (``v0=None``) and with one, unless told otherwise.
 COLD_ITERATIONS = 100
@@ -51,11 +51,17 @@ def _unit(x: Tensor, fallback: Tensor) -> Tensor:
     return torch.where(ok, x / torch.where(ok, norm, torch.ones_like(norm)), fallback)
 
 
-def _start_vector(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+def _start_vector(n: int, dtype: torch.dtype, device: torch.device, k: Optional[int] = None) -> Tensor:
     # deterministic, independent of (and without consuming) the global RNG
     g = torch.Generator().manual_seed(0x5A)
-    v = torch.randn(n, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
-    return v / torch.linalg.vector_norm(v)
+    v = torch.randn(n if k is None else (n, k), generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+    return v / torch.linalg.vector_norm(v, dim=0)
+
+
+def _orthonormalize(basis: Tensor) -> Tensor:
+    """Orthonormal columns spanning ``basis`` (Householder QR: orthonormal even when ``basis`` is rank
+    deficient)."""
+    return torch.linalg.qr(basis, mode="reduced").Q
 
 
 def top_singular_pair(
@@ -112,6 +118,79 @@ def top_singular_pair(
     sigma = torch.linalg.vector_norm(wv)
     u = _unit(wv, zeros_out)
     return sigma, u, v
+
+
+def top_singular_subspace(
+    weight: Tensor, basis0: Optional[Tensor] = None, n_iter: Optional[int] = None, n_vectors: int = 4
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Top singular pair by block (subspace) iteration with a Rayleigh-Ritz step; the robust form of
+    :func:`top_singular_pair` for a weight that changes between calls.
+
+    Keeps an orthonormal basis ``V`` of ``n_vectors`` right singular directions, iterates
+    ``V <- orth(W^T W V)``, then takes the best unit vector of ``span(V)``: the top eigenvector ``q`` of
+    the ``k x k`` Gram matrix ``(W V)^T (W V)`` (by repeated squaring, so no eigensolver and no host
+    sync), ``v = V q``, ``sigma = ||W v||``, ``u = W v / sigma``. The error shrinks by
+    ``(s_{k+1} / s_1)^2`` per iteration instead of ``(s_2 / s_1)^2``: when training promotes a new
+    direction past the old top one, it is already in the basis, and a few warm iterations find it.
+
+    Args:
+        weight: ``(out, in)`` (more dimensions are flattened to ``(out, -1)``); computed in fp32.
+        basis0: ``(in, k)`` basis of the previous call (warm start), or ``(in,)`` a single vector, or
+            ``None``.
+        n_iter: iterations; default ``WARM_ITERATIONS`` with ``basis0``, ``COLD_ITERATIONS`` without.
+        n_vectors: ``k``, the block size (at most ``in``); ignored when ``basis0`` is ``(in, k)``.
+
+    Returns:
+        ``(sigma, u, v, basis)``; pass ``basis`` back as ``basis0`` next time.
+    """
+    w = _as_matrix(weight)
+    n_out, n_in = w.shape
+    if isinstance(n_vectors, bool) or not isinstance(n_vectors, int) or n_vectors < 1:
+        raise ValueError(f"`n_vectors` must be an integer >= 1, got {n_vectors!r}.")
+    if n_iter is None:
+        n_iter = WARM_ITERATIONS if basis0 is not None else COLD_ITERATIONS
+    if isinstance(n_iter, bool) or not isinstance(n_iter, int) or n_iter < 1:
+        raise ValueError(f"`n_iter` must be an integer >= 1, got {n_iter!r}.")
+    k = min(n_vectors, n_in)
+    if basis0 is not None and basis0.dim() == 2:
+        k = basis0.shape[1]
+    start = _start_vector(n_in, w.dtype, w.device, k)
+    if basis0 is None:
+        basis = start
+        previous = None
+    else:
+        b = basis0.detach().to(dtype=w.dtype, device=w.device)
+        if b.dim() == 1:
+            b = torch.cat([b[:, None], start[:, 1:]], dim=1) if b.shape[0] == n_in else b
+        if b.dim() != 2 or b.shape[0] != n_in:
+            raise ValueError(
+                f"`basis0` must have shape ({n_in}, k) or ({n_in},) (the weight's in_features), got "
+                f"{tuple(basis0.shape)}; pass the `basis` returned by the previous call, or None."
+            )
+        b = torch.where(torch.isfinite(b), b, torch.zeros_like(b))
+        previous = _unit(b[:, 0], torch.zeros_like(b[:, 0]))
+        basis = _orthonormalize(b)
+    for _ in range(n_iter):
+        basis = _orthonormalize(w.T @ (w @ basis))
+    # Rayleigh-Ritz: top eigenvector of the k x k Gram matrix by repeated squaring
+    wb = w @ basis
+    gram = wb.T @ wb
+    for _ in range(12):
+        gram = gram / torch.diagonal(gram).sum().clamp_min(torch.finfo(w.dtype).tiny)
+        gram = gram @ gram
+    col = torch.argmax(torch.diagonal(gram))
+    q = _unit(gram.index_select(1, col.reshape(1)).reshape(-1), torch.eye(k, dtype=w.dtype, device=w.device)[0])
+    if previous is not None:  # keep the sign of the previous call's vector where it is defined
+        q = torch.where(previous @ (basis @ q) < 0, -q, q)
+    v = basis @ q
+    wv = w @ v
+    sigma = torch.linalg.vector_norm(wv)
+    u = _unit(wv, torch.zeros(n_out, dtype=w.dtype, device=w.device))
+    # rotate the basis so that its first column is v (the sign reference of the next call)
+    eye = torch.eye(k, dtype=w.dtype, device=w.device)
+    rot = _orthonormalize(torch.cat([q[:, None], eye[:, : k - 1]], dim=1))  # k x k orthogonal, first column +-q
+    rot = rot * torch.where(rot[:, 0] @ q < 0, -1.0, 1.0)
+    return sigma, u, v, basis @ rot
 
 
 def spectral_alignment(inputs: Tensor, v: Tensor) -> Tensor:

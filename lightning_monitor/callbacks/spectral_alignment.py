@@ -1,0 +1,374 @@
+"""SpectralAlignmentMonitor: early warning of loss explosions from the sign diversity of spectral
+alignment (Qiu et al., arXiv 2510.04202).
+
+On every due step the monitor samples the input rows of each selected ``nn.Linear`` during the
+forward pass, and in ``on_before_optimizer_step`` (weights not yet updated, so they are the weights
+that saw those inputs) it computes per layer
+
+* ``sigma``: the top singular value of ``W`` by warm-started power iteration (the singular vectors
+  persist between checks and in the checkpoint);
+* the alignments ``a_t = cos(x_t, v_1)`` of the sampled rows with the top right singular vector;
+* ``sign_diversity`` ``D = 2 min(p, 1 - p)`` (``p``: fraction of positive ``a_t``) and ``mean_abs``.
+
+Collapse rule (model level, relative to each layer's own baseline). A layer's baseline is the median
+of its ``D`` over the last ``baseline_window`` checks at which it was not collapsed (the first
+``baseline_checks`` checks only build it). A layer is *eligible* when its baseline is at least
+``min_baseline``: layers whose inputs share a sign by nature (after GELU/ReLU) sit at ``D ~ 0`` in
+healthy training and are never counted. An eligible layer is *collapsed* when its ``D`` falls to
+``collapse_threshold`` or below. ``collapsed_fraction`` is the share of eligible layers collapsed. A
+``collapse`` condition is raised as a warning once ``collapsed_fraction >= warn_fraction`` has held
+for ``patience`` consecutive checks, and escalated to critical once it has held for
+``critical_patience`` consecutive checks (a critical alert makes a DivergenceGuard stop the run). It
+clears, with one info alert, at the first check below ``warn_fraction``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+
+from lightning_monitor.callbacks.base import Monitor, _check_int
+from lightning_monitor.functional.spectral import (
+    COLD_ITERATIONS,
+    sign_diversity,
+    spectral_alignment,
+    top_singular_subspace,
+)
+from lightning_monitor.probes.inputs import InputCapture
+from lightning_monitor.selection import as_patterns, select_modules
+
+__all__ = ["SpectralAlignmentMonitor", "find_output_head"]
+
+AUTO = "auto"
+
+
+def _check_fraction(name: str, value: Any, low: float = 0.0, high: float = 1.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low <= float(value) <= high):
+        raise ValueError(f"`{name}` must be a number in [{low}, {high}], got {value!r}.")
+    return float(value)
+
+
+def find_output_head(model: nn.Module) -> Optional[str]:
+    """Qualified name of the model's output head, by the rule used for the default selection.
+
+    The head is the ``nn.Linear`` whose weight is shared with an ``nn.Embedding`` (tied input and
+    output embeddings), else the last ``nn.Linear`` registered in the model (``named_modules`` order;
+    ``lm_head`` in the example GPT, ``fc`` / ``classifier`` in most classifiers). ``None`` when the
+    model has no ``nn.Linear``.
+    """
+    linears = [(n, m) for n, m in model.named_modules() if n and isinstance(m, nn.Linear)]
+    if not linears:
+        return None
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for name, mod in linears:
+        if id(mod.weight) in embedding_weights:
+            return name
+    return linears[-1][0]
+
+
+class SpectralAlignmentMonitor(Monitor):
+    """Sign diversity of the alignment between each layer's inputs and its weight's top singular
+    vector; alerts when it collapses across the model.
+
+    Args:
+        every_n_steps: check every this many optimizer steps.
+        warmup_steps: no check before this optimizer step.
+        include: glob pattern(s) of ``nn.Linear`` qualified names to monitor (default: all).
+        exclude: glob pattern(s) to leave out.
+        head: the output head, left out of the selection unless named exactly in ``include``:
+            ``"auto"`` (the rule of :func:`find_output_head`), a qualified module name, or ``None``
+            to keep every ``nn.Linear``.
+        max_rows: input rows (tokens / samples) sampled at random per layer and check.
+        n_iter: block power iterations per check, warm-started from the previous check's basis (the
+            first check runs ``COLD_ITERATIONS``).
+        n_vectors: size of the block of right singular directions tracked per layer (its first
+            column is ``v_1``); a block finds a new top direction that overtakes the old one in a
+            few iterations, where a single vector needs many (see ``top_singular_subspace``).
+        baseline_checks: checks that only build each layer's baseline (no alert before).
+        baseline_window: the baseline is the median ``D`` of this many recent non-collapsed checks.
+        min_baseline: a layer counts only if its baseline ``D`` is at least this.
+        collapse_threshold: an eligible layer with ``D`` at or below this is collapsed.
+        warn_fraction: ``collapsed_fraction`` at or above which the collapse condition holds.
+        patience: consecutive checks the condition must hold before the warning.
+        critical_patience: consecutive checks before the critical alert (>= ``patience``).
+        log_histograms: also send a histogram of each layer's alignments to TensorBoard.
+        seed: seed of the row sampler (its own generator: the global RNG is not touched).
+
+    Logged every check (``<layer>`` is the module's qualified name): ``sa/<layer>/sign_diversity``,
+    ``sa/<layer>/mean_abs``, ``sa/<layer>/sigma``, ``sa/sign_diversity_mean``,
+    ``sa/collapsed_fraction``, ``sa/sigma_max``; with ``log_histograms`` the TensorBoard histogram
+    ``sa/<layer>/alignment``.
+
+    Example::
+
+        trainer = Trainer(callbacks=[SpectralAlignmentMonitor(every_n_steps=50), DivergenceGuard()])
+    """
+
+    name = "sa"
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        warmup_steps: int = 0,
+        include: Optional[Union[str, Sequence[str]]] = None,
+        exclude: Optional[Union[str, Sequence[str]]] = None,
+        head: Optional[str] = AUTO,
+        max_rows: int = 256,
+        n_iter: int = 4,
+        n_vectors: int = 4,
+        baseline_checks: int = 5,
+        baseline_window: int = 20,
+        min_baseline: float = 0.3,
+        collapse_threshold: float = 0.1,
+        warn_fraction: float = 0.5,
+        patience: int = 2,
+        critical_patience: int = 4,
+        log_histograms: bool = False,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
+        self.include = as_patterns(include, "include")
+        self.exclude = as_patterns(exclude, "exclude")
+        if head is not None and (not isinstance(head, str) or not head):
+            raise TypeError(f"`head` must be 'auto', a module name or None, got {head!r}.")
+        self.head = head
+        self.max_rows = _check_int("max_rows", max_rows, 1)
+        self.n_iter = _check_int("n_iter", n_iter, 1)
+        self.n_vectors = _check_int("n_vectors", n_vectors, 1)
+        self.baseline_checks = _check_int("baseline_checks", baseline_checks, 1)
+        self.baseline_window = _check_int("baseline_window", baseline_window, 1)
+        self.min_baseline = _check_fraction("min_baseline", min_baseline)
+        self.collapse_threshold = _check_fraction("collapse_threshold", collapse_threshold)
+        if self.collapse_threshold >= self.min_baseline:
+            raise ValueError(
+                f"`collapse_threshold` ({collapse_threshold}) must be below `min_baseline` ({min_baseline}): "
+                "a layer counts as collapsed only when its sign diversity falls below its usual level."
+            )
+        self.warn_fraction = _check_fraction("warn_fraction", warn_fraction)
+        if self.warn_fraction == 0.0:
+            raise ValueError("`warn_fraction` must be > 0 (0 would alert on every check).")
+        self.patience = _check_int("patience", patience, 1)
+        self.critical_patience = _check_int("critical_patience", critical_patience, 1)
+        if self.critical_patience < self.patience:
+            raise ValueError(
+                f"`critical_patience` ({critical_patience}) must be >= `patience` ({patience}): the critical "
+                "alert follows the warning."
+            )
+        self.log_histograms = bool(log_histograms)
+        self.seed = seed
+
+        self.layers: dict[str, nn.Linear] = {}
+        self._capture: Optional[InputCapture] = None
+        self._armed_step: Optional[int] = None
+        self._last_check: Optional[int] = None
+        # persistent state (state_dict)
+        self._vectors: dict[str, Tensor] = {}
+        self._history: dict[str, list[float]] = {}
+        self._n_checks = 0
+        self._streak = 0
+
+    # ------------------------------------------------------------------ state
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(
+            every_n_steps=self.every_n_steps, warmup_steps=self.warmup_steps, include=self.include,
+            exclude=self.exclude,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.update(
+            vectors={k: v.detach().cpu() for k, v in self._vectors.items()},
+            history={k: list(v) for k, v in self._history.items()},
+            n_checks=self._n_checks,
+            streak=self._streak,
+            sampler=self._capture.state_dict() if self._capture is not None else {},
+        )
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._vectors = {k: torch.as_tensor(v) for k, v in state_dict.get("vectors", {}).items()}
+        self._history = {k: [float(x) for x in v] for k, v in state_dict.get("history", {}).items()}
+        self._n_checks = int(state_dict.get("n_checks", 0))
+        self._streak = int(state_dict.get("streak", 0))
+        self._sampler_state = state_dict.get("sampler", {})
+        if self._capture is not None and self._sampler_state:
+            self._capture.load_state_dict(self._sampler_state)
+
+    # ------------------------------------------------------------------ setup
+    def select_layers(self, model: nn.Module) -> dict[str, nn.Linear]:
+        """The ``nn.Linear`` modules this monitor watches in ``model`` (see ``include``/``exclude``/``head``)."""
+        if not any(isinstance(m, nn.Linear) for m in model.modules()):
+            raise ValueError(
+                f"SpectralAlignmentMonitor: {type(model).__name__} has no nn.Linear layer, and spectral "
+                "alignment is defined for linear layers only. Remove the monitor, or use it on a model with "
+                "nn.Linear projections."
+            )
+        selected = select_modules(model, self.include, self.exclude, (nn.Linear,), owner="SpectralAlignmentMonitor")
+        head = find_output_head(model) if self.head == AUTO else self.head
+        if head is not None and head not in self.include:
+            if self.head != AUTO and head not in dict(model.named_modules()):
+                raise ValueError(
+                    f"SpectralAlignmentMonitor: `head` {head!r} is not a module of {type(model).__name__}; "
+                    "pass its qualified name, 'auto', or None."
+                )
+            selected.pop(head, None)
+        if not selected:
+            raise ValueError(
+                "SpectralAlignmentMonitor: no nn.Linear layer left to monitor after `include`/`exclude` and "
+                f"leaving out the output head {head!r}. Widen `include`, or pass `head=None` to monitor the "
+                "head too."
+            )
+        return selected  # type: ignore[return-value]
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self.layers = self.select_layers(pl_module)
+        self._capture = InputCapture(self.layers, max_rows=self.max_rows, seed=self.seed)
+        state = getattr(self, "_sampler_state", None)
+        if state:
+            self._capture.load_state_dict(state)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._capture is not None:
+            self._capture.release()
+        self._armed_step = None
+
+    # ------------------------------------------------------------------ hooks
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if self._capture is None:
+            return
+        if self._armed_step is not None and self._armed_step != step:
+            self._capture.release()  # a due step whose optimizer step never came (skipped): drop it
+            self._armed_step = None
+        if not self.is_due(step) or self._last_check == step:
+            return
+        self._capture.arm()
+        self._armed_step = step
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        step = trainer.global_step
+        if self._capture is None or self._armed_step != step or self._last_check == step:
+            return
+        self._last_check = step
+        rows = self._capture.take()
+        self._armed_step = None
+        self.check(trainer, step, rows)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._capture is not None:
+            self._capture.release()
+        self._armed_step = None
+
+    # ------------------------------------------------------------------ the check
+    @torch.no_grad()
+    def measure(self, rows: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Per-layer statistics on device (no host sync) and the alignments, from captured rows."""
+        metrics: dict[str, Tensor] = {}
+        alignments: dict[str, Tensor] = {}
+        for name, module in self.layers.items():
+            x = rows.get(name)
+            if x is None:
+                continue  # the layer did not run on this step
+            basis0 = self._vectors.get(name)
+            sigma, _, v, basis = top_singular_subspace(
+                module.weight, basis0, n_iter=self.n_iter if basis0 is not None else COLD_ITERATIONS,
+                n_vectors=self.n_vectors,
+            )
+            self._vectors[name] = basis
+            a = spectral_alignment(x, v)
+            alignments[name] = a
+            metrics[self.key("sign_diversity", name)] = sign_diversity(a)
+            metrics[self.key("mean_abs", name)] = a.abs().nanmean()
+            metrics[self.key("sigma", name)] = sigma
+        return metrics, alignments
+
+    def check(self, trainer: pl.Trainer, step: int, rows: dict[str, Tensor]) -> dict[str, float]:
+        metrics, alignments = self.measure(rows)
+        rows.clear()
+        if not alignments:
+            return {}
+        names = list(alignments)
+        d_all = torch.stack([metrics[self.key("sign_diversity", n)] for n in names])
+        metrics[self.key("sign_diversity_mean")] = d_all.mean()
+        metrics[self.key("sigma_max")] = torch.stack([metrics[self.key("sigma", n)] for n in names]).max()
+        host = self.to_host(metrics)
+        diversity = {n: host[self.key("sign_diversity", n)] for n in names}
+        fraction = self._update_rule(step, diversity)
+        host[self.key("collapsed_fraction")] = fraction
+        self.log_metrics(trainer, host, step)
+        if self.log_histograms:
+            for n, a in alignments.items():
+                self.log_histogram(trainer, self.key("alignment", n), a, step)
+        return host
+
+    # ------------------------------------------------------------------ the rule
+    def baseline(self, layer: str) -> Optional[float]:
+        """Median sign diversity of ``layer`` over its recent non-collapsed checks (``None`` before any)."""
+        hist = self._history.get(layer)
+        return statistics.median(hist) if hist else None
+
+    def collapse_state(self, diversity: dict[str, float]) -> tuple[float, list[str], list[str]]:
+        """``(collapsed_fraction, eligible layers, collapsed layers)`` for one check's ``D`` values,
+        against the current baselines (pure: changes nothing)."""
+        eligible, collapsed = [], []
+        for name, d in diversity.items():
+            base = self.baseline(name)
+            if base is None or base < self.min_baseline:
+                continue
+            eligible.append(name)
+            if not d > self.collapse_threshold:  # NaN counts as collapsed
+                collapsed.append(name)
+        fraction = len(collapsed) / len(eligible) if eligible else 0.0
+        return fraction, eligible, collapsed
+
+    def _update_rule(self, step: int, diversity: dict[str, float]) -> float:
+        self._n_checks += 1
+        building = self._n_checks <= self.baseline_checks
+        fraction, eligible, collapsed = self.collapse_state(diversity) if not building else (0.0, [], [])
+        for name, d in diversity.items():
+            if name in collapsed or d != d:
+                continue
+            hist = self._history.setdefault(name, [])
+            hist.append(d)
+            del hist[: -self.baseline_window]
+        if building:
+            return 0.0
+        active = fraction >= self.warn_fraction
+        self._streak = self._streak + 1 if active else 0
+        mean_d = sum(diversity.values()) / len(diversity)
+        if self._streak >= self.critical_patience:
+            self.condition(
+                step, "collapse", True, "critical",
+                f"Spectral alignment collapsed in {len(collapsed)}/{len(eligible)} layers whose inputs usually "
+                f"have mixed signs, for {self._streak} checks in a row (mean sign diversity {mean_d:.2f}): "
+                "a loss explosion is likely. Lower the learning rate or restore the last good checkpoint.",
+                value=fraction, threshold=self.warn_fraction,
+            )
+        elif self._streak >= self.patience:
+            self.condition(
+                step, "collapse", True, "warning",
+                f"Sign diversity of spectral alignment collapsed in {len(collapsed)}/{len(eligible)} layers "
+                f"({', '.join(collapsed[:4])}{' ...' if len(collapsed) > 4 else ''}) for {self._streak} checks "
+                "in a row: inputs line up with each weight's top singular vector, which precedes loss "
+                "explosions. Watch the loss; consider a lower learning rate.",
+                value=fraction, threshold=self.warn_fraction,
+            )
+        elif not active:
+            self.condition(
+                step, "collapse", False, "warning",
+                f"Sign diversity recovered: {len(collapsed)}/{len(eligible)} layers collapsed.",
+                value=fraction, threshold=self.warn_fraction,
+            )
+        return fraction

@@ -1,0 +1,353 @@
+"""SpectralAlignmentMonitor in real Trainer.fit runs: keys read back from TensorBoard and CSV, values
+against a full-SVD oracle, no work on steps that are not due, alerts, state, bad input."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import os
+import sys
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_monitor import SpectralAlignmentMonitor, read_alerts
+from lightning_monitor.callbacks.spectral_alignment import find_output_head
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from gpt import GPTConfig, GPTModule, make_loader  # noqa: E402
+
+TINY = GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=16)
+LAYERS = ["model.blocks.0.attn.q_proj", "model.blocks.0.attn.k_proj", "model.blocks.0.attn.v_proj",
+          "model.blocks.0.attn.o_proj", "model.blocks.0.mlp.up_proj", "model.blocks.0.mlp.down_proj"]
+
+
+def trainer(tmp_path, callbacks, max_steps, logger=None, **kw):
+    return pl.Trainer(
+        accelerator="cpu", max_steps=max_steps, logger=logger if logger is not None else False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=kw.pop("enable_checkpointing", False),
+        default_root_dir=str(tmp_path), callbacks=callbacks, num_sanity_val_steps=0, limit_val_batches=0, **kw,
+    )
+
+
+def loader(n=64):
+    return make_loader("prose", block_size=16, batch_size=4, n_samples=n, seed=0)
+
+
+class Oracle(pl.Callback):
+    """On due steps: every input row of each layer and the full SVD of its weight, in
+    on_before_optimizer_step (after the monitor, which is listed first)."""
+
+    def __init__(self, layers, every, monitor=None):
+        self.layers, self.every, self.monitor = layers, every, monitor
+        self.inputs, self.expected, self.hooks_seen = {}, {}, {}
+        self._h = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        mods = dict(pl_module.named_modules())
+        # the monitor (listed first) has already armed its hooks, or not
+        self.hooks_seen[trainer.global_step] = sum(len(mods[n]._forward_pre_hooks) for n in self.layers)
+        if trainer.global_step % self.every == 0:
+            for n in self.layers:
+                self._h.append(mods[n].register_forward_hook(
+                    lambda m, a, o, n=n: self.inputs.__setitem__(n, a[0].detach().reshape(-1, a[0].shape[-1]).clone())))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        for h in self._h:
+            h.remove()
+        self._h.clear()
+        step = trainer.global_step
+        if step % self.every:
+            return
+        mods = dict(pl_module.named_modules())
+        for n in self.layers:
+            w = mods[n].weight.detach().double().numpy()
+            _, s, vh = np.linalg.svd(w)
+            x = self.inputs[n].double().numpy()
+            ref = {"sigma": s[0], "gap": s[1] / s[0]}
+            vecs = {"svd": vh[0]}
+            if self.monitor is not None:  # the monitor's own v_1 (first column of its basis)
+                vecs["ours"] = self.monitor._vectors[n][:, 0].double().numpy()
+                ref["cos"] = abs(vecs["ours"] @ vh[0])
+            for tag, v in vecs.items():
+                a = (x @ v) / np.linalg.norm(x, axis=1)
+                p = np.mean(a > 0)
+                ref[f"sign_diversity_{tag}"] = 2 * min(p, 1 - p)
+                ref[f"mean_abs_{tag}"] = np.mean(np.abs(a))
+            self.expected[(step, n)] = ref
+
+
+def test_fit_logs_every_key_to_tensorboard_and_csv_and_matches_svd_oracle(tmp_path):
+    pl.seed_everything(0)
+    every = 3
+    mon = SpectralAlignmentMonitor(every_n_steps=every, max_rows=10_000, log_histograms=True)
+    oracle = Oracle(LAYERS, every, monitor=mon)
+    tb = TensorBoardLogger(str(tmp_path), name="tb")
+    csvl = CSVLogger(str(tmp_path), name="csv")
+    tr = trainer(tmp_path, [mon, oracle], max_steps=10, logger=[tb, csvl])
+    tr.fit(GPTModule(TINY, lr=3e-3), loader())
+
+    assert sorted(mon.layers) == sorted(LAYERS)  # lm_head left out by default
+    files = glob.glob(os.path.join(tb.log_dir, "events.out.tfevents.*"))
+    acc = EventAccumulator(tb.log_dir, size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    due = [0, 3, 6, 9]
+    for layer in LAYERS:
+        for stat in ("sign_diversity", "mean_abs", "sigma"):
+            key = f"sa/{layer}/{stat}"
+            assert key in tags, key
+            events = acc.Scalars(key)
+            assert [e.step for e in events] == due
+            for e in events:
+                ref = oracle.expected[(e.step, layer)]
+                if stat == "sigma":  # ||W v|| <= s_1, equal once v is the top singular vector
+                    assert 0.95 * ref["sigma"] <= e.value <= ref["sigma"] * (1 + 1e-5)
+                    if ref["cos"] > 0.999:
+                        assert e.value == pytest.approx(ref["sigma"], rel=1e-3)
+                else:
+                    # the statistic of the monitor's v_1, recomputed in float64 from every input row
+                    assert e.value == pytest.approx(ref[f"{stat}_ours"], abs=1e-5)
+                    if ref["cos"] > 0.999:  # and the full SVD's v_1 gives the same up to a token
+                        assert e.value == pytest.approx(ref[f"{stat}_svd"], abs=0.07 if stat == "sign_diversity" else 0.01)
+        assert f"sa/{layer}/alignment" in acc.Tags()["histograms"]
+    # after the first few steps of Adam (which reorganise a random init), v_1 is tracked closely
+    cosines = [oracle.expected[(s, n)]["cos"] for s in due for n in LAYERS]
+    assert min(oracle.expected[(s, n)]["cos"] for s in (0, 6, 9) for n in LAYERS) > 0.999, cosines
+    assert not any("lm_head" in t for t in tags)
+    for key in ("sa/sign_diversity_mean", "sa/collapsed_fraction", "sa/sigma_max"):
+        assert [e.step for e in acc.Scalars(key)] == due
+    means = {e.step: e.value for e in acc.Scalars("sa/sign_diversity_mean")}
+    for step in due:
+        per_layer = [e.value for layer in LAYERS for e in acc.Scalars(f"sa/{layer}/sign_diversity") if e.step == step]
+        assert means[step] == pytest.approx(np.mean(per_layer), abs=1e-6)
+        assert all(0.0 <= d <= 1.0 for d in per_layer)
+    assert files
+    # the same values in the CSV logger
+    with open(os.path.join(csvl.log_dir, "metrics.csv")) as fh:
+        rows = [r for r in csv.DictReader(fh) if r.get(f"sa/{LAYERS[0]}/sigma")]
+    assert [int(r["step"]) for r in rows] == due
+    tb_sigma = [e.value for e in acc.Scalars(f"sa/{LAYERS[0]}/sigma")]
+    np.testing.assert_allclose([float(r[f"sa/{LAYERS[0]}/sigma"]) for r in rows], tb_sigma, rtol=1e-5)
+
+
+def test_hooks_only_on_due_steps_and_released(tmp_path):
+    every = 4
+    mon = SpectralAlignmentMonitor(every_n_steps=every, warmup_steps=2, max_rows=8)
+    oracle = Oracle(LAYERS, every=10_000)  # records hook counts only (never due)
+    tr = trainer(tmp_path, [mon, oracle], max_steps=11)
+    tr.fit(GPTModule(TINY), loader())
+    for step, n_hooks in oracle.hooks_seen.items():
+        expected = len(LAYERS) if mon.is_due(step) else 0
+        assert n_hooks == expected, (step, n_hooks)
+    assert [s for s in oracle.hooks_seen if mon.is_due(s)] == [2, 6, 10]
+    # nothing kept after the checks: no hook, no captured rows
+    assert not mon._capture.armed and mon._capture._captured == {}
+    assert all(len(m._forward_pre_hooks) == 0 for m in mon.layers.values())
+
+
+def test_bf16_autocast_run_gives_finite_values(tmp_path):
+    pl.seed_everything(1)
+    mon = SpectralAlignmentMonitor(every_n_steps=2)
+    csvl = CSVLogger(str(tmp_path), name="csv")
+    tr = trainer(tmp_path, [mon], max_steps=5, logger=csvl, precision="bf16-mixed")
+    tr.fit(GPTModule(TINY), loader())
+    with open(os.path.join(csvl.log_dir, "metrics.csv")) as fh:
+        rows = [r for r in csv.DictReader(fh) if r.get("sa/sign_diversity_mean")]
+    assert [int(r["step"]) for r in rows] == [0, 2, 4]
+    for r in rows:
+        for layer in LAYERS:
+            assert np.isfinite(float(r[f"sa/{layer}/sigma"])) and 0 <= float(r[f"sa/{layer}/sign_diversity"]) <= 1
+
+
+# ----------------------------------------------------------------------------- alerts end to end
+class ShiftingModel(pl.LightningModule):
+    """Two Linear layers on centred Gaussian inputs; from ``shift_at`` on, every input is pushed far
+    along one fixed direction (a collapse of sign diversity in both layers)."""
+
+    def __init__(self, shift_at: int = 1000):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2, self.head = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+        self.shift_at = shift_at
+        self.direction = torch.randn(16)
+
+    def forward(self, x):
+        if self.global_step >= self.shift_at:
+            x = x + 20.0 * self.direction
+        return self.head(self.l2(self.l1(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x).squeeze(-1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def gaussian_loader(n=2048, batch=32):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 16, generator=g)
+    return DataLoader(TensorDataset(x, x[:, 0].clone()), batch_size=batch, shuffle=False)
+
+
+def test_collapse_raises_warning_then_critical_through_the_hub(tmp_path):
+    mon = SpectralAlignmentMonitor(every_n_steps=2, patience=2, critical_patience=3, baseline_checks=3)
+    tb = TensorBoardLogger(str(tmp_path), name="tb")
+    tr = trainer(tmp_path, [mon], max_steps=40, logger=tb)
+    tr.fit(ShiftingModel(shift_at=20), gaussian_loader())
+    assert sorted(mon.layers) == ["l1", "l2"]
+    alerts = [a for a in read_alerts(os.path.join(tb.log_dir, "alerts.jsonl")) if a.monitor == "sa"]
+    kinds = [(a.kind, a.severity, a.step) for a in alerts]
+    # shift from step 20: checks at 20, 22 -> warning at 22 (patience 2); 24 -> critical
+    assert kinds == [("collapse", "warning", 22), ("collapse", "critical", 24)], kinds
+    assert alerts[1].value == 1.0 and alerts[1].threshold == mon.warn_fraction
+    acc = EventAccumulator(tb.log_dir)
+    acc.Reload()
+    frac = {e.step: e.value for e in acc.Scalars("sa/collapsed_fraction")}
+    assert all(v == 0.0 for s, v in frac.items() if s < 20) and all(v == 1.0 for s, v in frac.items() if s >= 20)
+
+
+def test_no_alert_on_healthy_training(tmp_path):
+    mon = SpectralAlignmentMonitor(every_n_steps=2, baseline_checks=3)
+    tr = trainer(tmp_path, [mon], max_steps=40)
+    tr.fit(ShiftingModel(shift_at=10_000), gaussian_loader())
+    assert mon._n_checks == 20
+    assert not [a for a in tr.callbacks[0].hub.history if a.monitor == "sa"]
+
+
+def _rule_monitor(**kw):
+    mon = SpectralAlignmentMonitor(every_n_steps=1, **kw)
+    fired = []
+    mon.condition = lambda step, kind, active, severity, *a, **k: fired.append((step, kind, active, severity))
+    return mon, fired
+
+
+def test_rule_ignores_layers_collapsed_by_nature_and_noise():
+    mon, fired = _rule_monitor(baseline_checks=3, patience=2, critical_patience=3)
+    rng = np.random.default_rng(0)
+    for step in range(60):
+        d = {"a": rng.uniform(0.5, 1.0), "b": rng.uniform(0.4, 1.0), "gelu": rng.uniform(0.0, 0.05),
+             "c": rng.uniform(0.3, 1.0) if step != 30 else 0.0}  # one layer dips once
+        mon._update_rule(step, d)
+    assert not [f for f in fired if f[2]]
+    assert mon.baseline("gelu") < mon.min_baseline  # never eligible
+    frac, eligible, collapsed = mon.collapse_state({"a": 0.0, "b": 0.0, "gelu": 0.0, "c": 0.9})
+    assert sorted(eligible) == ["a", "b", "c"] and sorted(collapsed) == ["a", "b"]
+    assert frac == pytest.approx(2 / 3)
+
+
+def test_rule_escalates_and_clears():
+    mon, fired = _rule_monitor(baseline_checks=2, patience=2, critical_patience=4)
+    series = [0.8] * 5 + [0.0] * 5 + [0.8] * 2
+    for step, d in enumerate(series):
+        mon._update_rule(step, {"a": d, "b": d})
+    active = [(s, sev) for s, _, act, sev in fired if act]
+    assert active[0] == (6, "warning") and (8, "critical") in active
+    assert any(not act for s, _, act, _ in fired if s == 10)
+    # collapsed checks never enter the baseline
+    assert mon.baseline("a") == pytest.approx(0.8)
+
+
+# ----------------------------------------------------------------------------- state
+def test_singular_vectors_persist_in_checkpoint_and_resume(tmp_path):
+    pl.seed_everything(0)
+    mon = SpectralAlignmentMonitor(every_n_steps=2)
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=6, save_top_k=-1)
+    tr = trainer(tmp_path, [mon, ckpt], max_steps=6, enable_checkpointing=True)
+    tr.fit(GPTModule(TINY), loader())
+    path = glob.glob(str(tmp_path / "ckpt" / "*.ckpt"))[0]
+    state = torch.load(path, weights_only=False)["callbacks"][mon.state_key]
+    assert sorted(state["vectors"]) == sorted(LAYERS) and state["n_checks"] == 3
+    for name, v in state["vectors"].items():
+        torch.testing.assert_close(v, mon._vectors[name].cpu())
+        assert v.shape == (dict(tr.lightning_module.named_modules())[name].in_features, mon.n_vectors)
+    mon2 = SpectralAlignmentMonitor(every_n_steps=2)
+    tr2 = trainer(tmp_path, [mon2], max_steps=8)
+    tr2.fit(GPTModule(TINY), loader(), ckpt_path=path)
+    assert mon2._n_checks == 4  # 3 restored + the check at step 6
+    assert mon2.baseline(LAYERS[0]) is not None
+
+
+# ----------------------------------------------------------------------------- selection and bad input
+def test_output_head_rule():
+    gpt = GPTModule(TINY).model
+    assert find_output_head(gpt) == "lm_head"
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.out = nn.Linear(4, 10, bias=False)
+            self.out.weight = self.emb.weight
+            self.proj = nn.Linear(4, 4)  # registered last, but the tied one is the head
+
+    assert find_output_head(Tied()) == "out"
+    assert find_output_head(nn.Sequential(nn.Conv2d(1, 1, 1))) is None
+
+
+def test_selection_include_exclude_and_head():
+    model = GPTModule(TINY)
+    assert "model.lm_head" not in SpectralAlignmentMonitor().select_layers(model)
+    assert "model.lm_head" in SpectralAlignmentMonitor(head=None).select_layers(model)
+    assert list(SpectralAlignmentMonitor(include="model.lm_head").select_layers(model)) == ["model.lm_head"]
+    sel = SpectralAlignmentMonitor(include="*.attn.*", exclude="*o_proj").select_layers(model)
+    assert sorted(sel) == sorted(LAYERS[:3])
+    with pytest.raises(ValueError, match="matches no module"):
+        SpectralAlignmentMonitor(include="*.nothing_*").select_layers(model)
+    with pytest.raises(ValueError, match="head"):
+        SpectralAlignmentMonitor(head="model.not_there").select_layers(model)
+
+
+class ConvOnly(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3)
+
+    def training_step(self, batch, batch_idx):
+        return self.conv(batch[0]).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_model_without_linear_fails_at_setup(tmp_path):
+    tr = trainer(tmp_path, [SpectralAlignmentMonitor()], max_steps=1)
+    data = DataLoader(TensorDataset(torch.randn(4, 1, 5, 5)), batch_size=2)
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        tr.fit(ConvOnly(), data)
+
+
+def test_only_head_linear_gives_clear_error():
+    class OnlyHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+    with pytest.raises(ValueError, match="head=None"):
+        SpectralAlignmentMonitor().select_layers(OnlyHead())
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"every_n_steps": 0}, "every_n_steps"),
+        ({"max_rows": 0}, "max_rows"),
+        ({"n_iter": 0}, "n_iter"),
+        ({"min_baseline": 1.5}, "min_baseline"),
+        ({"collapse_threshold": 0.5, "min_baseline": 0.3}, "collapse_threshold"),
+        ({"warn_fraction": 0.0}, "warn_fraction"),
+        ({"patience": 3, "critical_patience": 2}, "critical_patience"),
+        ({"head": 3}, "head"),
+    ],
+)
+def test_bad_arguments_fail_in_constructor(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        SpectralAlignmentMonitor(**kwargs)
