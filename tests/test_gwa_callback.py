@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from conftest import tb_event_accumulator, tb_scalars
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from sklearn.datasets import load_digits
 from torch import nn
@@ -386,3 +386,42 @@ def test_bimodal_scores_alert_and_no_score(tmp_path) -> None:
     assert [a["kind"] for a in alerts] == ["bimodal"]  # a condition: one alert while it lasts
     assert alerts[0]["value"] == pytest.approx(-2.0, abs=1e-6) and alerts[0]["threshold"] == -1.2
     assert ("bimodal", None) in gwa.active_conditions()
+
+
+# ---------------------------------------------------------------------- DDP
+class RankDump(Callback):
+    """Writes, per rank, the module's autograd oracle scores and the monitor's history."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        gwa = next(c for c in trainer.callbacks if isinstance(c, GradientWeightAlignmentMonitor))
+        oracle = {e: torch.cat(v) for e, v in pl_module.oracle.items()}
+        torch.save(
+            {"oracle": oracle, "history": gwa.history, "stopped": gwa.stopped_epoch, "epoch": trainer.current_epoch},
+            os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"),
+        )
+
+
+def test_ddp_moments_and_stop_decision_are_reduced(tmp_path) -> None:
+    torch.manual_seed(5)
+    loader, _ = _loader(400, batch_size=50, shuffle=False)
+    gwa = GradientWeightAlignmentMonitor(stop=True, patience=1, warmup_epochs=0, histogram=False)
+    trainer = _trainer(
+        tmp_path,
+        False,
+        [gwa, RankDump(str(tmp_path))],
+        max_epochs=4,
+        devices=2,
+        strategy="ddp_spawn",
+        enable_checkpointing=False,
+    )
+    trainer.fit(DigitsMLP(lr=0.5), loader)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0["history"] == r1["history"] and r0["stopped"] == r1["stopped"] and r0["epoch"] == r1["epoch"]
+    for rec in r0["history"]:
+        both = torch.cat([r0["oracle"][rec["epoch"]], r1["oracle"][rec["epoch"]]]).numpy()
+        assert rec["count"] == len(both) == 400
+        assert rec["score"] == pytest.approx(_scipy_gwa(both), rel=1e-4, abs=1e-6)
+        assert rec["negative"] == int((both < 0).sum())

@@ -312,8 +312,11 @@ class GradientWeightAlignmentMonitor(Monitor):
 
     def _conform_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
         """Targets on the logits' device with their leading shape; checks once with one host sync."""
-        targets = targets.to(logits.device, non_blocking=True)
+        if targets.device != logits.device:
+            targets = targets.to(logits.device, non_blocking=True)
         rows = logits.shape[:-1]
+        if self._checked and targets.shape == rows and not targets.is_floating_point():
+            return targets  # the common case, after the first batch
         if targets.is_floating_point():
             if targets.shape != logits.shape:
                 raise ValueError(
@@ -379,10 +382,11 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._moments.update(scores)
         finite = torch.isfinite(scores)
         self._negative += (scores < 0).sum()
-        self._hist += torch.histc(torch.where(finite, scores, 2.0), _HIST_BINS, -1.0, 1.0)  # 2.0: out of range
-        lo = torch.where(finite, scores, math.inf).min()
-        hi = torch.where(finite, scores, -math.inf).max()
-        self._minmax = torch.stack([torch.minimum(self._minmax[0], lo), torch.maximum(self._minmax[1], hi)])
+        if self.histogram:
+            self._hist += torch.histc(torch.where(finite, scores, 2.0), _HIST_BINS, -1.0, 1.0)  # 2: out of range
+            lo = torch.where(finite, scores, math.inf).min()
+            hi = torch.where(finite, scores, -math.inf).max()
+            self._minmax = torch.stack([torch.minimum(self._minmax[0], lo), torch.maximum(self._minmax[1], hi)])
         if self.suspects > 0 and all(e[5] is not None for e in stash):
             extra = self._suspect_columns(stash, logits, targets, soft)
             cols = torch.cat([torch.where(finite, scores, math.inf).unsqueeze(0), extra])
@@ -393,25 +397,26 @@ class GradientWeightAlignmentMonitor(Monitor):
     def _suspect_columns(self, stash: list[tuple[Any, ...]], logits: Tensor, targets: Tensor, soft: bool) -> Tensor:
         """``[4, N]`` float64: sample index, position (token) or -1, target (-1 if soft), predicted."""
         dev = logits.device
-        idx, pos = [], []
         for _, _, out, _, _, indices in stash:
-            lead = out.shape[:-1]
-            i = indices.to(dev).reshape(-1)
-            if i.numel() != lead[0]:
+            if indices.numel() != out.shape[0]:
                 raise ValueError(
-                    f"`index_fn` returned {i.numel()} indices for a batch of {lead[0]} samples: one index per "
-                    "sample (row of the batch) is needed."
+                    f"`index_fn` returned {indices.numel()} indices for a batch of {out.shape[0]} samples: one "
+                    "index per sample (row of the batch) is needed."
                 )
-            per = math.prod(lead[1:])
-            if per == 1:
-                idx.append(i)
-                pos.append(torch.full_like(i, -1))
-            else:
-                idx.append(i.repeat_interleave(per))
-                pos.append(torch.arange(per, device=dev).repeat(lead[0]))
         n = logits.shape[0]
+        if all(e[2].dim() == 2 for e in stash):  # one row per sample
+            idx = torch.cat([e[5].reshape(-1) for e in stash]).to(dev, torch.float64)
+            pos = torch.full((n,), -1.0, dtype=torch.float64, device=dev)
+        else:  # tokens: sample index repeated, position within the sample
+            idx_parts, pos_parts = [], []
+            for _, _, out, _, _, indices in stash:
+                per = out.numel() // (out.shape[0] * out.shape[-1])
+                idx_parts.append(indices.to(dev).reshape(-1).repeat_interleave(per))
+                pos_parts.append(torch.arange(per, device=dev).repeat(out.shape[0]))
+            idx = torch.cat(idx_parts).double()
+            pos = torch.cat(pos_parts).double()
         tgt = torch.full((n,), -1.0, dtype=torch.float64, device=dev) if soft else targets.double()
-        return torch.stack([torch.cat(idx).double(), torch.cat(pos).double(), tgt, logits.argmax(-1).double()])
+        return torch.stack([idx, pos, tgt, logits.argmax(-1).double()])
 
     # ------------------------------------------------------------------ per epoch
     def on_train_batch_end(
