@@ -320,7 +320,9 @@ class _FusedLinear(torch.autograd.Function):
             dt = torch.get_autocast_dtype(device)
             x, weight = x.to(dt), weight.to(dt)
             bias = None if bias is None else bias.to(dt)
-        with torch.autocast(device, enabled=False):
+            with torch.autocast(device, enabled=False):
+                out = F.linear(x, weight, bias)
+        else:
             out = F.linear(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
