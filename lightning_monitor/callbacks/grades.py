@@ -92,7 +92,7 @@ class GradientEarlyStopping(Monitor):
 
     def __init__(
         self,
-        tau: float = 0.5,
+        tau: float = 0.4,
         criterion: Criterion = "grad",
         threshold: Threshold = "relative",
         grace_fraction: float = 0.3,
@@ -101,9 +101,9 @@ class GradientEarlyStopping(Monitor):
         components: Optional[Union[str, Sequence[str]]] = None,
         exclude: Optional[Union[str, Sequence[str]]] = None,
         reference_checks: int = 3,
-        smoothing: float = 0.0,
+        smoothing: float = 0.9,
         log_stats: bool = True,
-        every_n_steps: int = 10,
+        every_n_steps: int = 5,
         warmup_steps: int = 0,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)

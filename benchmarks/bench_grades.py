@@ -1,0 +1,211 @@
+"""GradES fine-tuning benchmark on CPU: wall-clock, final validation quality, time per step as
+components freeze, and the cost of the statistic before any freeze.
+
+1. Pre-train the example GPT (4 layers, d_model 128) on the "prose" corpus (cached in a temp dir).
+2. Fine-tune it on "arith" (``"17 plus 25 is 42."``) for the same step budget, same seed, with and
+   without :class:`~lightning_monitor.GradientEarlyStopping`; report wall-clock of ``fit``, final
+   validation loss and accuracy on the answer digits, and the median time per step by frozen fraction.
+3. Overhead: runs with a tau that never freezes, interleaved with baseline runs in the same process;
+   the ratio of median step times.
+
+Run: ``/work/venv/bin/python benchmarks/bench_grades.py`` (``--quick`` for a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT))
+from gpt import STOI, GPTConfig, GPTModule, make_loader  # noqa: E402
+
+from lightning_monitor import GradientEarlyStopping  # noqa: E402
+
+DIGITS = {STOI[c] for c in "0123456789"}
+
+
+class StepTimer(pl.Callback):
+    """Wall time of every training batch (forward, backward, optimizer step, callbacks)."""
+
+    def __init__(self) -> None:
+        self.times: list[tuple[int, float]] = []
+        self._t0 = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.times.append((trainer.global_step - 1, time.perf_counter() - self._t0))
+
+
+def answer_mask(x: torch.Tensor) -> torch.Tensor:
+    """Positions whose *target* (the next character) is an answer digit: after "is " and before "."."""
+    s_id, i_id, sp, dot = STOI["s"], STOI["i"], STOI[" "], STOI["."]
+    mask = torch.zeros_like(x, dtype=torch.bool)
+    for b in range(x.shape[0]):
+        row = x[b].tolist()
+        inside = False
+        for t in range(len(row)):
+            if t >= 2 and row[t] == sp and row[t - 1] == s_id and row[t - 2] == i_id:
+                inside = True
+            elif row[t] == dot:
+                inside = False
+            mask[b, t] = inside
+    return mask
+
+
+@torch.no_grad()
+def evaluate(module: GPTModule, loader: Any) -> tuple[float, float]:
+    """Validation loss (all tokens) and accuracy on the answer digits."""
+    module.eval()
+    losses, hits, total = [], 0, 0
+    for x, y in loader:
+        logits = module(x)
+        losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).item())
+        m = answer_mask(x) & torch.isin(y, torch.tensor(sorted(DIGITS)))
+        hits += int((logits.argmax(-1)[m] == y[m]).sum())
+        total += int(m.sum())
+    module.train()
+    return statistics.fmean(losses), hits / max(total, 1)
+
+
+def _trainer(steps: int, callbacks: list, root: str) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=callbacks, default_root_dir=root, num_sanity_val_steps=0,
+    )
+
+
+def pretrain(cfg: GPTConfig, steps: int, root: str) -> dict[str, torch.Tensor]:
+    key = hashlib.sha1(json.dumps([vars(cfg), steps]).encode()).hexdigest()[:10]
+    path = Path(tempfile.gettempdir()) / f"lm_bench_grades_pretrained_{key}.pt"
+    if path.exists():
+        print(f"pre-trained weights: {path} (cached)")
+        return torch.load(path)
+    pl.seed_everything(0)
+    module = GPTModule(cfg, lr=3e-3)
+    t0 = time.perf_counter()
+    _trainer(steps, [], root).fit(module, make_loader("prose", block_size=cfg.block_size, batch_size=16))
+    print(f"pre-trained {steps} steps on prose in {time.perf_counter() - t0:.0f} s -> {path}")
+    state = module.state_dict()
+    torch.save(state, path)
+    return state
+
+
+def finetune(
+    cfg: GPTConfig, state: dict[str, torch.Tensor], steps: int, lr: float, root: str,
+    grades: Optional[GradientEarlyStopping], val: Any, seed: int = 1,
+) -> dict[str, Any]:
+    pl.seed_everything(seed)
+    module = GPTModule(cfg, lr=lr)
+    module.load_state_dict(state)
+    timer = StepTimer()
+    callbacks: list = [timer] + ([grades] if grades is not None else [])
+    trainer = _trainer(steps, callbacks, root)
+    loader = make_loader("arith", block_size=cfg.block_size, batch_size=16, seed=seed)
+    t0 = time.perf_counter()
+    trainer.fit(module, loader)
+    wall = time.perf_counter() - t0
+    loss, acc = evaluate(module, val) if val is not None else (float("nan"), float("nan"))
+    frozen = dict(grades.frozen) if grades is not None else {}
+    n = len(grades.components) if grades is not None else 1
+    by_fraction: dict[str, list[float]] = {}
+    for step, dt in timer.times[3:]:  # the first steps warm up allocators
+        frac = sum(1 for s in frozen.values() if s < step) / n
+        bucket = "0%" if frac == 0 else ("1-50%" if frac <= 0.5 else ("51-99%" if frac < 1 else "100%"))
+        by_fraction.setdefault(bucket, []).append(dt)
+    return {
+        "wall": wall, "steps": trainer.global_step, "val_loss": loss, "val_acc": acc, "frozen": frozen,
+        "step_ms": {k: 1000 * statistics.median(v) for k, v in by_fraction.items()},
+        "step_n": {k: len(v) for k, v in by_fraction.items()},
+        "median_ms": 1000 * statistics.median(dt for _, dt in timer.times[3:]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small model and few steps (smoke run)")
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--pretrain-steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=600, help="fine-tuning step budget")
+    parser.add_argument("--lr", type=float, default=1e-3, help="fine-tuning learning rate")
+    parser.add_argument("--tau", type=float, default=0.4)
+    parser.add_argument("--criterion", default="grad", choices=["grad", "update"])
+    parser.add_argument("--grace", type=float, default=0.3)
+    parser.add_argument("--smoothing", type=float, default=0.9)
+    parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--overhead-reps", type=int, default=3)
+    parser.add_argument("--overhead-steps", type=int, default=40)
+    args = parser.parse_args()
+    if args.quick:
+        args.d_model, args.layers, args.pretrain_steps, args.steps = 64, 2, 60, 80
+        args.overhead_reps, args.overhead_steps = 2, 20
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("lightning_monitor").setLevel(logging.ERROR)
+
+    cfg = GPTConfig(n_layer=args.layers, n_head=4, d_model=args.d_model, block_size=64)
+    root = tempfile.mkdtemp(prefix="bench_grades_")
+    state = pretrain(cfg, args.pretrain_steps, root)
+    val = make_loader("arith", block_size=64, batch_size=32, n_samples=512, seed=100, shuffle=False)
+
+    def make_cb(tau: float, every: int) -> GradientEarlyStopping:
+        return GradientEarlyStopping(tau=tau, criterion=args.criterion, grace_fraction=args.grace,
+                                     smoothing=args.smoothing, every_n_steps=every, log_stats=True)
+
+    # --- 1. fine-tuning: baseline vs GradES, same seed, same budget
+    base = finetune(cfg, state, args.steps, args.lr, root, None, val)
+    grades = finetune(cfg, state, args.steps, args.lr, root, make_cb(args.tau, args.every), val)
+    print("\n| run | steps | wall-clock (s) | speedup | val loss | val loss vs baseline | answer-digit acc |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in (("full fine-tuning", base), (f"GradES (tau={args.tau:g}, {args.criterion})", grades)):
+        print(f"| {name} | {r['steps']} | {r['wall']:.1f} | {base['wall'] / r['wall']:.2f}x | {r['val_loss']:.4f} | "
+              f"{100 * (r['val_loss'] / base['val_loss'] - 1):+.2f}% | {100 * r['val_acc']:.1f}% |")
+    print("\n| frozen fraction at the step | steps | median ms/step | vs no freeze |")
+    print("|---|---|---|---|")
+    ref = grades["step_ms"].get("0%", base["median_ms"])
+    for bucket in ("0%", "1-50%", "51-99%", "100%"):
+        if bucket in grades["step_ms"]:
+            ms = grades["step_ms"][bucket]
+            print(f"| {bucket} | {grades['step_n'][bucket]} | {ms:.1f} | {ms / ref:.2f}x |")
+    freeze_steps = sorted(set(grades["frozen"].values()))
+    print(f"\nfreeze steps: {freeze_steps}; {len(grades['frozen'])} components frozen; baseline median "
+          f"{base['median_ms']:.1f} ms/step")
+
+    # --- 2. overhead before any freeze: tau that never freezes, interleaved with baseline runs
+    rows = []
+    for every in (args.every, 1):
+        ratios, b_ms, g_ms = [], [], []
+        for _ in range(args.overhead_reps):
+            b = finetune(cfg, state, args.overhead_steps, args.lr, root, None, None)
+            g = finetune(cfg, state, args.overhead_steps, args.lr, root, make_cb(1e-12, every), None)
+            b_ms.append(b["median_ms"])
+            g_ms.append(g["median_ms"])
+            ratios.append(g["median_ms"] / b["median_ms"])
+        rows.append((every, statistics.median(b_ms), statistics.median(g_ms), statistics.median(ratios)))
+    print("\n| statistic every n steps | baseline ms/step | GradES ms/step (no freeze) | overhead |")
+    print("|---|---|---|---|")
+    for every, b, g, r in rows:
+        print(f"| {every} | {b:.1f} | {g:.1f} | {100 * (r - 1):+.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
