@@ -151,12 +151,13 @@ def main() -> None:
     parser.add_argument("--grace", type=float, default=0.3)
     parser.add_argument("--smoothing", type=float, default=0.9)
     parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=2, help="interleaved repetitions of each fine-tuning run")
     parser.add_argument("--overhead-reps", type=int, default=3)
     parser.add_argument("--overhead-steps", type=int, default=40)
     args = parser.parse_args()
     if args.quick:
         args.d_model, args.layers, args.pretrain_steps, args.steps = 64, 2, 60, 80
-        args.overhead_reps, args.overhead_steps = 2, 20
+        args.overhead_reps, args.overhead_steps, args.reps = 2, 20, 1
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -171,24 +172,34 @@ def main() -> None:
         return GradientEarlyStopping(tau=tau, criterion=args.criterion, grace_fraction=args.grace,
                                      smoothing=args.smoothing, every_n_steps=every, log_stats=True)
 
-    # --- 1. fine-tuning: baseline vs GradES, same seed, same budget
-    base = finetune(cfg, state, args.steps, args.lr, root, None, val)
-    grades = finetune(cfg, state, args.steps, args.lr, root, make_cb(args.tau, args.every), val)
+    # --- 1. fine-tuning: baseline vs GradES, same seed, same budget; repetitions interleaved
+    base_runs, grades_runs = [], []
+    for _ in range(args.reps):
+        base_runs.append(finetune(cfg, state, args.steps, args.lr, root, None, val))
+        grades_runs.append(finetune(cfg, state, args.steps, args.lr, root, make_cb(args.tau, args.every), val))
+    base, grades = base_runs[-1], grades_runs[-1]
+    base_wall = statistics.median(r["wall"] for r in base_runs)
+    grades_wall = statistics.median(r["wall"] for r in grades_runs)
+    speedups = [b["wall"] / g["wall"] for b, g in zip(base_runs, grades_runs)]
+    print(f"\nfine-tuning budget {args.steps} steps, lr {args.lr:g}, {args.reps} interleaved repetitions "
+          f"(wall-clock: median; speedup: median of per-pair ratios {', '.join(f'{x:.2f}' for x in speedups)})")
     print("\n| run | steps | wall-clock (s) | speedup | val loss | val loss vs baseline | answer-digit acc |")
     print("|---|---|---|---|---|---|---|")
-    for name, r in (("full fine-tuning", base), (f"GradES (tau={args.tau:g}, {args.criterion})", grades)):
-        print(f"| {name} | {r['steps']} | {r['wall']:.1f} | {base['wall'] / r['wall']:.2f}x | {r['val_loss']:.4f} | "
+    name = f"GradES (tau={args.tau:g}, {args.criterion}, EMA {args.smoothing:g}, every {args.every})"
+    for label, r, wall, sp in (("full fine-tuning", base, base_wall, 1.0),
+                               (name, grades, grades_wall, statistics.median(speedups))):
+        print(f"| {label} | {r['steps']} | {wall:.1f} | {sp:.2f}x | {r['val_loss']:.4f} | "
               f"{100 * (r['val_loss'] / base['val_loss'] - 1):+.2f}% | {100 * r['val_acc']:.1f}% |")
     print("\n| frozen fraction at the step | steps | median ms/step | vs no freeze |")
     print("|---|---|---|---|")
-    ref = grades["step_ms"].get("0%", base["median_ms"])
+    ref = statistics.median(r["step_ms"].get("0%", r["median_ms"]) for r in grades_runs)
     for bucket in ("0%", "1-50%", "51-99%", "100%"):
         if bucket in grades["step_ms"]:
-            ms = grades["step_ms"][bucket]
+            ms = statistics.median(r["step_ms"][bucket] for r in grades_runs if bucket in r["step_ms"])
             print(f"| {bucket} | {grades['step_n'][bucket]} | {ms:.1f} | {ms / ref:.2f}x |")
-    freeze_steps = sorted(set(grades["frozen"].values()))
-    print(f"\nfreeze steps: {freeze_steps}; {len(grades['frozen'])} components frozen; baseline median "
-          f"{base['median_ms']:.1f} ms/step")
+    freeze_steps = sorted(grades["frozen"].values())
+    print(f"\nfreeze steps of the {len(grades['frozen'])} frozen components: {freeze_steps}; baseline median "
+          f"{statistics.median(r['median_ms'] for r in base_runs):.1f} ms/step")
 
     # --- 2. overhead before any freeze: tau that never freezes, interleaved with baseline runs
     rows = []

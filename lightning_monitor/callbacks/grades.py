@@ -305,7 +305,8 @@ class GradientEarlyStopping(Monitor):
         if trainer.world_size > 1:
             stat = trainer.strategy.reduce(stat, reduce_op="mean")
         n = len(self._names)
-        index = torch.tensor([self._names.index(a) for a in active], device=device)
+        position = {name: i for i, name in enumerate(self._names)}
+        index = torch.tensor([position[a] for a in active], device=device)
         full = torch.full((n,), float("nan"), device=device).index_copy(0, index, stat)
         finite = torch.isfinite(full)
         self._move_state(device, n)
