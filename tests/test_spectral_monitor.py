@@ -199,7 +199,8 @@ def gaussian_loader(n=2048, batch=32):
 
 
 def test_collapse_raises_warning_then_critical_through_the_hub(tmp_path):
-    mon = SpectralAlignmentMonitor(every_n_steps=2, patience=2, critical_patience=3, baseline_checks=3)
+    mon = SpectralAlignmentMonitor(every_n_steps=2, patience=2, critical_patience=3, baseline_checks=3,
+                                   max_sigma_growth=None)
     tb = TensorBoardLogger(str(tmp_path), name="tb")
     tr = trainer(tmp_path, [mon], max_steps=40, logger=tb)
     tr.fit(ShiftingModel(shift_at=20), gaussian_loader())
@@ -234,12 +235,12 @@ def test_rule_ignores_layers_collapsed_by_nature_and_noise():
     mon, fired = _rule_monitor(baseline_checks=3, patience=2, critical_patience=3)
     rng = np.random.default_rng(0)
     for step in range(60):
-        d = {"a": rng.uniform(0.5, 1.0), "b": rng.uniform(0.4, 1.0), "gelu": rng.uniform(0.0, 0.05),
-             "c": rng.uniform(0.3, 1.0) if step != 30 else 0.0}  # one layer dips once
+        d = {"a": rng.uniform(0.7, 1.0), "b": rng.uniform(0.6, 1.0), "gelu": rng.uniform(0.0, 0.05),
+             "c": rng.uniform(0.6, 1.0) if step != 30 else 0.0}  # one layer dips once
         mon._update_rule(step, d)
     assert not [f for f in fired if f[2]]
     assert mon.baseline("gelu") < mon.min_baseline  # never eligible
-    frac, eligible, collapsed = mon.collapse_state({"a": 0.0, "b": 0.0, "gelu": 0.0, "c": 0.9})
+    frac, ratio, eligible, collapsed = mon.collapse_state({"a": 0.0, "b": 0.0, "gelu": 0.0, "c": 0.9})
     assert sorted(eligible) == ["a", "b", "c"] and sorted(collapsed) == ["a", "b"]
     assert frac == pytest.approx(2 / 3)
 
@@ -248,12 +249,41 @@ def test_rule_escalates_and_clears():
     mon, fired = _rule_monitor(baseline_checks=2, patience=2, critical_patience=4)
     series = [0.8] * 5 + [0.0] * 5 + [0.8] * 2
     for step, d in enumerate(series):
-        mon._update_rule(step, {"a": d, "b": d})
+        out = mon._update_rule(step, {"a": d, "b": d}, {"a": 1.0, "b": 2.0})
+        assert out["sigma_growth"] == 1.0  # constant sigma
     active = [(s, sev) for s, _, act, sev in fired if act]
     assert active[0] == (6, "warning") and (8, "critical") in active
     assert any(not act for s, _, act, _ in fired if s == 10)
     # collapsed checks never enter the baseline
     assert mon.baseline("a") == pytest.approx(0.8)
+
+
+def test_partial_drop_against_baseline_counts_as_collapse():
+    """No layer below the threshold, but the eligible layers' mean diversity falls by more than max_drop."""
+    mon, fired = _rule_monitor(baseline_checks=3, patience=2, max_drop=0.2, max_sigma_growth=None)
+    for step in range(3):
+        mon._update_rule(step, {"a": 0.9, "b": 0.8, "gelu": 0.0})
+    out = mon._update_rule(3, {"a": 0.6, "b": 0.6, "gelu": 0.0})
+    assert out["collapsed_fraction"] == 0.0 and out["diversity_ratio"] == pytest.approx(1.2 / 1.7)
+    mon._update_rule(4, {"a": 0.6, "b": 0.6, "gelu": 0.0})
+    assert [(s, sev) for s, kind, act, sev in fired if act] == [(4, "warning")]
+
+
+def test_sigma_growth_rule_against_a_geometric_series():
+    mon, fired = _rule_monitor(baseline_checks=1, growth_window=10, max_sigma_growth=1.5, patience=2)
+    d = {"a": 0.9, "b": 0.9}
+    for step in range(0, 40, 5):  # sigma_max grows 1.2x per 10 steps: below 1.5
+        out = mon._update_rule(step, d, {"a": 1.2 ** (step / 10), "b": 0.1})
+        if step >= 10:
+            assert out["sigma_growth"] == pytest.approx(1.2)
+    assert not [f for f in fired if f[2]]
+    for step in range(40, 70, 5):  # then 2x per 10 steps
+        out = mon._update_rule(step, d, {"a": 1.2 ** 4 * 2.0 ** ((step - 35) / 10), "b": 0.1})
+    assert out["sigma_growth"] == pytest.approx(2.0)
+    growth = [(s, kind, sev) for s, kind, act, sev in fired if act]
+    assert growth[0][1:] == ("sigma_growth", "warning") and growth[0][0] == 45  # 1.69x from step 30 to 40 already
+    nan = mon._update_rule(70, d, {"a": float("nan"), "b": 0.1})
+    assert nan["sigma_growth"] == float("inf")
 
 
 # ----------------------------------------------------------------------------- state

@@ -121,13 +121,17 @@ class SpectralAlignmentMonitor(Monitor):
         max_rows: int = 256,
         n_iter: int = 4,
         n_vectors: int = 4,
-        baseline_checks: int = 5,
+        baseline_checks: int = 10,
         baseline_window: int = 20,
         min_baseline: float = 0.3,
         collapse_threshold: float = 0.1,
         warn_fraction: float = 0.5,
-        patience: int = 2,
-        critical_patience: int = 4,
+        max_drop: float = 0.2,
+        patience: int = 3,
+        critical_patience: int = 6,
+        growth_window: int = 25,
+        max_sigma_growth: Optional[float] = 1.35,
+        sigma_growth_severity: str = "warning",
         log_histograms: bool = False,
         seed: int = 0,
     ) -> None:
@@ -152,6 +156,18 @@ class SpectralAlignmentMonitor(Monitor):
         self.warn_fraction = _check_fraction("warn_fraction", warn_fraction)
         if self.warn_fraction == 0.0:
             raise ValueError("`warn_fraction` must be > 0 (0 would alert on every check).")
+        self.max_drop = _check_fraction("max_drop", max_drop)
+        if self.max_drop == 0.0:
+            raise ValueError("`max_drop` must be > 0 (0 would alert on every check below the baseline).")
+        self.growth_window = _check_int("growth_window", growth_window, 1)
+        if max_sigma_growth is not None and (
+            isinstance(max_sigma_growth, bool) or not isinstance(max_sigma_growth, (int, float)) or not max_sigma_growth > 1.0
+        ):
+            raise ValueError(f"`max_sigma_growth` must be a number > 1 or None (no sigma_1 growth alert), got {max_sigma_growth!r}.")
+        self.max_sigma_growth = None if max_sigma_growth is None else float(max_sigma_growth)
+        if sigma_growth_severity not in ("info", "warning", "critical"):
+            raise ValueError(f"`sigma_growth_severity` must be 'info', 'warning' or 'critical', got {sigma_growth_severity!r}.")
+        self.sigma_growth_severity = sigma_growth_severity
         self.patience = _check_int("patience", patience, 1)
         self.critical_patience = _check_int("critical_patience", critical_patience, 1)
         if self.critical_patience < self.patience:
@@ -171,6 +187,8 @@ class SpectralAlignmentMonitor(Monitor):
         self._history: dict[str, list[float]] = {}
         self._n_checks = 0
         self._streak = 0
+        self._growth_streak = 0
+        self._sigma_history: list[tuple[int, dict[str, float]]] = []
 
     # ------------------------------------------------------------------ state
     @property
@@ -187,6 +205,8 @@ class SpectralAlignmentMonitor(Monitor):
             history={k: list(v) for k, v in self._history.items()},
             n_checks=self._n_checks,
             streak=self._streak,
+            growth_streak=self._growth_streak,
+            sigma_history=[[t, dict(sig)] for t, sig in self._sigma_history],
             sampler=self._capture.state_dict() if self._capture is not None else {},
         )
         return state
@@ -197,6 +217,8 @@ class SpectralAlignmentMonitor(Monitor):
         self._history = {k: [float(x) for x in v] for k, v in state_dict.get("history", {}).items()}
         self._n_checks = int(state_dict.get("n_checks", 0))
         self._streak = int(state_dict.get("streak", 0))
+        self._growth_streak = int(state_dict.get("growth_streak", 0))
+        self._sigma_history = [(int(t), {k: float(v) for k, v in sig.items()}) for t, sig in state_dict.get("sigma_history", [])]
         self._sampler_state = state_dict.get("sampler", {})
         if self._capture is not None and self._sampler_state:
             self._capture.load_state_dict(self._sampler_state)
@@ -305,8 +327,9 @@ class SpectralAlignmentMonitor(Monitor):
         metrics[self.key("sigma_max")] = torch.stack([metrics[self.key("sigma", n)] for n in names]).max()
         host = self.to_host(metrics)
         diversity = {n: host[self.key("sign_diversity", n)] for n in names}
-        fraction = self._update_rule(step, diversity)
-        host[self.key("collapsed_fraction")] = fraction
+        sigma = {n: host[self.key("sigma", n)] for n in names}
+        for stat, value in self._update_rule(step, diversity, sigma).items():
+            host[self.key(stat)] = value
         self.log_metrics(trainer, host, step)
         if self.log_histograms:
             for n, a in alignments.items():
@@ -315,60 +338,113 @@ class SpectralAlignmentMonitor(Monitor):
 
     # ------------------------------------------------------------------ the rule
     def baseline(self, layer: str) -> Optional[float]:
-        """Median sign diversity of ``layer`` over its recent non-collapsed checks (``None`` before any)."""
+        """Median sign diversity of ``layer`` over its recent checks outside a collapse (``None``
+        before any)."""
         hist = self._history.get(layer)
         return statistics.median(hist) if hist else None
 
-    def collapse_state(self, diversity: dict[str, float]) -> tuple[float, list[str], list[str]]:
-        """``(collapsed_fraction, eligible layers, collapsed layers)`` for one check's ``D`` values,
-        against the current baselines (pure: changes nothing)."""
+    def collapse_state(self, diversity: dict[str, float]) -> tuple[float, float, list[str], list[str]]:
+        """``(collapsed_fraction, diversity_ratio, eligible layers, collapsed layers)`` for one check's
+        ``D`` values against the current baselines (pure: changes nothing). ``diversity_ratio`` is the
+        mean ``D`` of the eligible layers over the mean of their baselines (1 with none eligible)."""
         eligible, collapsed = [], []
+        now, base = 0.0, 0.0
         for name, d in diversity.items():
-            base = self.baseline(name)
-            if base is None or base < self.min_baseline:
+            b = self.baseline(name)
+            if b is None or b < self.min_baseline:
                 continue
             eligible.append(name)
             if not d > self.collapse_threshold:  # NaN counts as collapsed
                 collapsed.append(name)
-        fraction = len(collapsed) / len(eligible) if eligible else 0.0
-        return fraction, eligible, collapsed
+            now += d if d == d else 0.0
+            base += b
+        if not eligible:
+            return 0.0, 1.0, eligible, collapsed
+        return len(collapsed) / len(eligible), now / base, eligible, collapsed
 
-    def _update_rule(self, step: int, diversity: dict[str, float]) -> float:
+    def sigma_growth(self, step: int, sigma: dict[str, float]) -> float:
+        """Growth of the largest top singular value over the monitored layers, ``sigma_max``, per
+        ``growth_window`` steps, measured from the latest stored check at least ``growth_window`` steps
+        back: ``(sigma_max(t) / sigma_max(t0)) ** (growth_window / (t - t0))``; 1 while no check lies
+        that far back. A non-finite ``sigma_1`` gives ``inf``."""
+        far = [(t, sig) for t, sig in self._sigma_history if t <= step - self.growth_window]
+        if not far:
+            return 1.0
+        t0, ref = far[-1]
+        now = max(sigma.values())
+        if not (now == now and abs(now) != float("inf")):
+            return float("inf")
+        before = max(ref.values())
+        if not before > 0:
+            return 1.0
+        return (now / before) ** (self.growth_window / (step - t0))
+
+    def _update_rule(self, step: int, diversity: dict[str, float], sigma: Optional[dict[str, float]] = None) -> dict[str, float]:
+        """Advance the alert rules by one check; returns the model-level values to log."""
         self._n_checks += 1
         building = self._n_checks <= self.baseline_checks
-        fraction, eligible, collapsed = self.collapse_state(diversity) if not building else (0.0, [], [])
-        for name, d in diversity.items():
-            if name in collapsed or d != d:
-                continue
-            hist = self._history.setdefault(name, [])
-            hist.append(d)
-            del hist[: -self.baseline_window]
+        growth = self.sigma_growth(step, sigma) if sigma else 1.0
+        if sigma:
+            self._sigma_history.append((step, dict(sigma)))
+            keep = [i for i, (t, _) in enumerate(self._sigma_history) if t <= step - self.growth_window]
+            if len(keep) > 1:
+                del self._sigma_history[: keep[-1]]
         if building:
-            return 0.0
-        active = fraction >= self.warn_fraction
+            fraction, ratio, eligible, collapsed = 0.0, 1.0, [], []
+        else:
+            fraction, ratio, eligible, collapsed = self.collapse_state(diversity)
+        active = not building and (fraction >= self.warn_fraction or ratio <= 1.0 - self.max_drop)
+        if not active:
+            for name, d in diversity.items():
+                if d == d:
+                    hist = self._history.setdefault(name, [])
+                    hist.append(d)
+                    del hist[: -self.baseline_window]
+        out = {"collapsed_fraction": fraction, "diversity_ratio": ratio, "sigma_growth": growth}
+        if building:
+            return out
         self._streak = self._streak + 1 if active else 0
         mean_d = sum(diversity.values()) / len(diversity)
+        what = (
+            f"{len(collapsed)}/{len(eligible)} layers whose inputs usually have mixed signs collapsed "
+            f"(sign diversity <= {self.collapse_threshold}); mean sign diversity of those layers at "
+            f"{ratio:.0%} of its baseline (mean over all layers {mean_d:.2f})"
+        )
         if self._streak >= self.critical_patience:
             self.condition(
                 step, "collapse", True, "critical",
-                f"Spectral alignment collapsed in {len(collapsed)}/{len(eligible)} layers whose inputs usually "
-                f"have mixed signs, for {self._streak} checks in a row (mean sign diversity {mean_d:.2f}): "
-                "a loss explosion is likely. Lower the learning rate or restore the last good checkpoint.",
+                f"Spectral alignment collapse for {self._streak} checks in a row: {what}. A loss explosion is "
+                "likely: lower the learning rate or restore the last good checkpoint.",
                 value=fraction, threshold=self.warn_fraction,
             )
         elif self._streak >= self.patience:
             self.condition(
                 step, "collapse", True, "warning",
-                f"Sign diversity of spectral alignment collapsed in {len(collapsed)}/{len(eligible)} layers "
-                f"({', '.join(collapsed[:4])}{' ...' if len(collapsed) > 4 else ''}) for {self._streak} checks "
-                "in a row: inputs line up with each weight's top singular vector, which precedes loss "
-                "explosions. Watch the loss; consider a lower learning rate.",
+                f"Spectral alignment is collapsing ({self._streak} checks in a row): {what}. Inputs line up "
+                "with each weight's top singular vector, which precedes loss explosions. Watch the loss; "
+                "consider a lower learning rate.",
                 value=fraction, threshold=self.warn_fraction,
             )
         elif not active:
             self.condition(
-                step, "collapse", False, "warning",
-                f"Sign diversity recovered: {len(collapsed)}/{len(eligible)} layers collapsed.",
+                step, "collapse", False, "warning", f"Sign diversity recovered: {what}.",
                 value=fraction, threshold=self.warn_fraction,
             )
-        return fraction
+        if self.max_sigma_growth is not None:
+            growing = growth >= self.max_sigma_growth
+            self._growth_streak = self._growth_streak + 1 if growing else 0
+            if self._growth_streak >= self.patience:
+                self.condition(
+                    step, "sigma_growth", True, self.sigma_growth_severity,
+                    f"The top singular value of a monitored weight grows {growth:.2f}x per {self.growth_window} "
+                    f"steps (threshold {self.max_sigma_growth}) for {self._growth_streak} checks in a row: "
+                    "weights are being pushed along one direction, as before a loss explosion.",
+                    value=growth, threshold=self.max_sigma_growth,
+                )
+            elif not growing:
+                self.condition(
+                    step, "sigma_growth", False, self.sigma_growth_severity,
+                    f"Growth of the top singular values back to {growth:.2f}x per {self.growth_window} steps.",
+                    value=growth, threshold=self.max_sigma_growth,
+                )
+        return out
