@@ -1,0 +1,298 @@
+"""GWA on scikit-learn's digits: checkpoint choice without a validation set, mislabelled samples, cost.
+
+For each seed and label-noise level (0% and 20% of the training labels flipped to another class):
+
+* trains a small CNN (or ``--model mlp``) on 55% of ``load_digits``; 15% is a clean validation set,
+  30% a clean test set;
+* **selection**: the epoch GradientWeightAlignmentMonitor predicts (max GWA after the 10% warm-up,
+  from training data only) vs the epoch of best validation accuracy; test accuracy of both epochs'
+  weights (what ``ModelCheckpoint`` on either key restores), and of the last epoch;
+* **suspects**: precision / recall of the ``k`` most negative samples (``k`` = number of flipped
+  labels) of the predicted best epoch against the flipped labels;
+* **overhead**: the same training with and without the monitor, interleaved in this process
+  (``--reps`` pairs, alternating order), median of the per-pair time ratio; plus the time spent
+  inside the monitor's hooks as a fraction of the baseline's training time.
+
+Run: ``python benchmarks/bench_gwa.py`` (about 10 minutes on 1 CPU thread) or ``--quick``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.loggers import CSVLogger
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lightning_monitor import GradientWeightAlignmentMonitor  # noqa: E402
+from lightning_monitor.callbacks.gradient_weight_alignment import SUSPECTS_FILENAME  # noqa: E402
+
+
+def split_digits(seed: int, flip: float) -> dict[str, Any]:
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x / 16.0, dtype=torch.float32)
+    y = torch.tensor(y)
+    g = np.random.default_rng(seed)
+    order = torch.from_numpy(g.permutation(len(y)))
+    n_tr, n_va = int(0.55 * len(y)), int(0.15 * len(y))
+    tr, va, te = order[:n_tr], order[n_tr : n_tr + n_va], order[n_tr + n_va :]
+    y_tr = y[tr].clone()
+    flipped = torch.zeros(n_tr, dtype=torch.bool)
+    k = int(round(flip * n_tr))
+    if k:
+        which = torch.from_numpy(g.choice(n_tr, k, replace=False))
+        y_tr[which] = (y_tr[which] + torch.from_numpy(g.integers(1, 10, k))) % 10
+        flipped[which] = True
+    return {
+        "train": TensorDataset(x[tr], y_tr, torch.arange(n_tr)),
+        "val": (x[va], y[va]),
+        "test": (x[te], y[te]),
+        "flipped": flipped,
+    }
+
+
+class Net(LightningModule):
+    def __init__(self, kind: str = "cnn", opt: str = "adam") -> None:
+        super().__init__()
+        if kind == "cnn":
+            self.body = nn.Sequential(
+                nn.Unflatten(1, (1, 8, 8)),
+                nn.Conv2d(1, 32, 3, padding=1),
+                nn.ReLU(),
+                nn.Conv2d(32, 64, 3, padding=1),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+                nn.Flatten(),
+                nn.Linear(64 * 16, 128),
+                nn.ReLU(),
+            )
+        else:
+            self.body = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU())
+        self.head = nn.Linear(128, 10)
+        self.opt = opt
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        if self.opt == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class EpochEval(Callback):
+    """Validation and test accuracy of the weights at the end of every training epoch."""
+
+    def __init__(self, val, test) -> None:
+        self.val, self.test = val, test
+        self.acc: list[tuple[float, float]] = []
+
+    @torch.no_grad()
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        pl_module.eval()
+        out = []
+        for x, y in (self.val, self.test):
+            out.append(float((pl_module(x).argmax(-1) == y).float().mean()))
+        pl_module.train()
+        self.acc.append((out[0], out[1]))
+
+
+class TimedGWA(GradientWeightAlignmentMonitor):
+    """The monitor with the wall time spent in its hooks added up."""
+
+    spent = 0.0
+
+    def _timed(name: str):  # type: ignore[misc]
+        def method(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return getattr(GradientWeightAlignmentMonitor, name)(self, *args, **kwargs)
+            finally:
+                self.spent += time.perf_counter() - t0
+
+        return method
+
+    on_train_batch_start = _timed("on_train_batch_start")
+    _on_head_forward = _timed("_on_head_forward")
+    on_train_batch_end = _timed("on_train_batch_end")
+    on_train_epoch_end = _timed("on_train_epoch_end")
+    on_train_epoch_start = _timed("on_train_epoch_start")
+
+
+def trainer(callbacks, epochs: int, logger=False, root: str = ".") -> Trainer:
+    return Trainer(
+        accelerator="cpu",
+        max_epochs=epochs,
+        logger=logger,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        num_sanity_val_steps=0,
+    )
+
+
+def selection_run(seed: int, flip: float, args) -> dict[str, Any]:
+    data = split_digits(seed, flip)
+    n_flip = int(data["flipped"].sum())
+    seed_everything(seed, verbose=False)
+    model = Net(args.model, args.opt)
+    loader = DataLoader(data["train"], batch_size=args.batch_size, shuffle=True)
+    gwa = GradientWeightAlignmentMonitor(index_fn=lambda b: b[2], suspects=max(n_flip, 50))
+    ev = EpochEval(data["val"], data["test"])
+    with tempfile.TemporaryDirectory() as root:
+        logger = CSVLogger(root, name="gwa")
+        trainer([gwa, ev], args.epochs, logger, root).fit(model, loader)
+        with open(os.path.join(logger.log_dir, SUSPECTS_FILENAME)) as fh:
+            rows = list(csv.DictReader(fh))
+    val = [a for a, _ in ev.acc]
+    test = [t for _, t in ev.acc]
+    e_gwa = gwa.best_epoch
+    e_val = int(np.argmax(val))
+    # the stop=True rule replayed on the same scores (same code path as the callback)
+    rule = GradientWeightAlignmentMonitor(patience=args.patience)
+    rule._warmup_resolved = gwa._warmup_resolved
+    e_stopped = None
+    for rec in gwa.history:
+        rule._select(rec["epoch"], rec["score"])
+        if rule.best_epoch is not None and rule.wait >= rule.patience:
+            e_stopped = rec["epoch"]
+            break
+    e_stop = rule.best_epoch
+    out = {
+        "seed": seed,
+        "flip": flip,
+        "epoch_gwa": e_gwa,
+        "epoch_stop": e_stop,
+        "stopped_at": e_stopped,
+        "epoch_val": e_val,
+        "test_gwa": test[e_gwa],
+        "test_stop": test[e_stop],
+        "test_val": test[e_val],
+        "test_last": test[-1],
+        "test_best": max(test),
+        "n_flip": n_flip,
+        "negative_at_best": gwa.history[e_gwa]["negative"],
+        "n_train": len(data["train"]),
+    }
+    if n_flip:
+        for tag, epoch in (("gwa", e_gwa), ("val", e_val), ("last", len(test) - 1)):
+            ranked = sorted((float(r["score"]), int(r["index"])) for r in rows if int(r["epoch"]) == epoch)
+            flagged = torch.tensor([i for _, i in ranked[:n_flip]], dtype=torch.long)
+            hits = int(data["flipped"][flagged].sum())
+            out[f"precision_{tag}"] = hits / max(len(flagged), 1)
+    return out
+
+
+def overhead(args) -> dict[str, float]:
+    data = split_digits(0, 0.2)
+    ratios, fractions = [], []
+    for rep in range(args.reps):
+        times = {}
+        spent = 0.0
+        for mode in (("base", "gwa") if rep % 2 == 0 else ("gwa", "base")):
+            seed_everything(rep, verbose=False)
+            model = Net(args.model, args.opt)
+            loader = DataLoader(data["train"], batch_size=args.batch_size, shuffle=True)
+            cbs = [TimedGWA(index_fn=lambda b: b[2], suspects=200, histogram=False)] if mode == "gwa" else []
+            with tempfile.TemporaryDirectory() as root:
+                t0 = time.perf_counter()
+                trainer(cbs, args.overhead_epochs, root=root).fit(model, loader)
+                times[mode] = time.perf_counter() - t0
+            if cbs:
+                spent = cbs[0].spent
+        ratios.append(times["gwa"] / times["base"])
+        fractions.append(spent / times["base"])
+    return {"ratio_median": statistics.median(ratios), "hook_fraction_median": statistics.median(fractions),
+            "ratios": ratios, "fractions": fractions}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="1 seed, fewer epochs and repetitions")
+    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
+    p.add_argument("--opt", choices=["adam", "sgd"], default="adam", help="adam (lr 1e-3) or sgd (lr 0.05, momentum 0.9, wd 5e-4)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--epochs", type=int, default=40)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--patience", type=int, default=5, help="patience of the replayed stop=True rule")
+    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--overhead-epochs", type=int, default=2)
+    args = p.parse_args()
+    if args.quick:
+        args.seeds, args.epochs, args.reps, args.overhead_epochs = args.seeds[:1], 20, 3, 1
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("lightning_monitor").setLevel(logging.ERROR)
+
+    print(f"model={args.model} opt={args.opt} epochs={args.epochs} batch={args.batch_size} seeds={args.seeds}")
+    print(
+        "\n| flip | seed | GWA epoch (max) | GWA stop: best / stopped | val epoch | test @GWA max | test @GWA stop "
+        "| test @val | GWA max - val (pt) | test @last | best test | negative @GWA | P@k GWA epoch | P@k val epoch "
+        "| P@k last |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    results = []
+
+    def fmt(r: dict[str, Any], key: str) -> str:
+        return f"{r[key]:.3f}" if key in r else "-"
+
+    for flip in (0.0, 0.2):
+        for seed in args.seeds:
+            r = selection_run(seed, flip, args)
+            results.append(r)
+            stopped = "-" if r["stopped_at"] is None else r["stopped_at"]
+            print(
+                f"| {flip:.0%} | {seed} | {r['epoch_gwa']} | {r['epoch_stop']} / {stopped} | {r['epoch_val']} | "
+                f"{100 * r['test_gwa']:.2f} | {100 * r['test_stop']:.2f} | {100 * r['test_val']:.2f} | "
+                f"{100 * (r['test_gwa'] - r['test_val']):+.2f} | {100 * r['test_last']:.2f} | {100 * r['test_best']:.2f} | "
+                f"{int(r['negative_at_best'])} | {fmt(r, 'precision_gwa')} | {fmt(r, 'precision_val')} | "
+                f"{fmt(r, 'precision_last')} |",
+                flush=True,
+            )
+    for flip in (0.0, 0.2):
+        sel = [r for r in results if r["flip"] == flip]
+        d_max = statistics.mean(100 * (r["test_gwa"] - r["test_val"]) for r in sel)
+        d_stop = statistics.mean(100 * (r["test_stop"] - r["test_val"]) for r in sel)
+        line = (
+            f"flip {flip:.0%}: mean test accuracy GWA max - val = {d_max:+.2f} pt, GWA stop - val = {d_stop:+.2f} pt "
+            "(target >= -1)"
+        )
+        if flip:
+            line += (
+                f"; mean precision@k at the GWA epoch = {statistics.mean(r['precision_gwa'] for r in sel):.3f}, "
+                f"at the val epoch = {statistics.mean(r['precision_val'] for r in sel):.3f} (target >= 0.8)"
+            )
+        print(line)
+    o = overhead(args)
+    print(
+        f"\noverhead ({args.reps} interleaved pairs, {args.overhead_epochs} epochs each): median time ratio "
+        f"monitored/baseline = {o['ratio_median']:.4f}; time inside the monitor's hooks = "
+        f"{100 * o['hook_fraction_median']:.2f}% of the baseline training time (target <= 1%)"
+    )
+    print("ratios:", " ".join(f"{x:.4f}" for x in o["ratios"]), " hook fractions:", " ".join(f"{x:.4f}" for x in o["fractions"]))
+
+
+if __name__ == "__main__":
+    main()
