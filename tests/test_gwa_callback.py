@@ -179,13 +179,25 @@ def test_checkpoint_with_validation_loop_sees_this_epochs_score(tmp_path) -> Non
                 assert math.isfinite(float(v))
 
 
+class SeenScores(Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.values.append(float(trainer.callback_metrics["gwa/score"]))
+
+
 def test_warmup_masks_checkpoint_and_early_stopping_stops(tmp_path) -> None:
     torch.manual_seed(2)
     model = DigitsMLP(record=False, lr=0.3)
     loader, _ = _loader(400, batch_size=50)
     gwa = GradientWeightAlignmentMonitor(stop=True, patience=2, warmup_fraction=0.1, histogram=False)
-    trainer = _trainer(tmp_path, TensorBoardLogger(str(tmp_path), name="tb"), [gwa], max_epochs=30)
+    seen = SeenScores()
+    trainer = _trainer(tmp_path, TensorBoardLogger(str(tmp_path), name="tb"), [gwa, seen], max_epochs=30)
     trainer.fit(model, loader)
+    # what checkpoint callbacks see: -inf during the warm-up, the epoch's own score after it
+    assert seen.values[:3] == [-math.inf] * 3
+    assert seen.values[3:] == pytest.approx([r["score"] for r in gwa.history[3:]], rel=1e-5)
     assert gwa._warmup_resolved == 3  # ceil(10% of 30)
     assert gwa.stopped_epoch is not None and trainer.current_epoch < 29
     scores = {r["epoch"]: r["score"] for r in gwa.history}
@@ -204,8 +216,6 @@ def test_warmup_masks_checkpoint_and_early_stopping_stops(tmp_path) -> None:
         gwa.wait,
         gwa.history,
     )
-    # before the window callback_metrics publishes -inf, so a checkpoint never picks a warm-up epoch
-    assert float(trainer.callback_metrics["gwa/score"]) == pytest.approx(gwa.history[-1]["score"], rel=1e-5)
 
 
 def test_selection_rule_scratch_and_finetune() -> None:
@@ -306,10 +316,16 @@ def test_bad_constructor_and_setup_arguments(tmp_path) -> None:
     for model, kw, match in cases:
         with pytest.raises(ValueError, match=match):
             _trainer(tmp_path, False, [GradientWeightAlignmentMonitor(**kw)], max_epochs=1).fit(model, loader)
-    with pytest.raises(ValueError, match="warmup_epochs"):
-        _trainer(tmp_path, False, [GradientWeightAlignmentMonitor()], max_epochs=-1, max_steps=3).fit(
+    with pytest.raises(ValueError, match="warmup_epochs"):  # an endless run has no 10%
+        _trainer(tmp_path, False, [GradientWeightAlignmentMonitor()], max_epochs=-1).fit(
             DigitsMLP(record=False), loader
         )
+    # max_steps instead of max_epochs: 10% of the planned epochs (40 steps of 4 per epoch = 10 epochs)
+    gwa = GradientWeightAlignmentMonitor(histogram=False)
+    _trainer(tmp_path, False, [gwa], max_epochs=-1, max_steps=40).fit(
+        DigitsMLP(record=False), _loader(100, batch_size=25)[0]
+    )
+    assert gwa._warmup_resolved == 1 and len(gwa.history) == 10
 
 
 @pytest.mark.parametrize(

@@ -87,7 +87,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         stop: stop training on GWA (see above).
         patience: windowed epochs without improvement before stopping.
         min_delta: improvement smaller than this does not count.
-        warmup_fraction: fraction of ``max_epochs`` outside the selection window (paper: 10%).
+        warmup_fraction: fraction of the planned epochs (``max_epochs``, or ``max_steps`` in epochs)
+            outside the selection window (paper: 10%).
         warmup_epochs: number of epochs outside the window; overrides ``warmup_fraction``.
         finetune: open the window only after GWA's first dip (fine-tuning a pre-trained model).
         mask_warmup: publish ``-inf`` as ``gwa/score`` in ``callback_metrics`` outside the window.
@@ -198,19 +199,38 @@ class GradientWeightAlignmentMonitor(Monitor):
             return
         self._head_name, self._head = self._find_head(pl_module)
         self._checked = False
+        unbounded = (trainer.max_epochs is None or trainer.max_epochs < 0) and (
+            trainer.max_steps is None or trainer.max_steps < 0
+        )
+        if self.warmup_epochs is None and self.warmup_fraction > 0 and unbounded:
+            raise ValueError(
+                "GradientWeightAlignmentMonitor cannot take `warmup_fraction` of an unbounded run (neither "
+                "max_epochs nor max_steps is set): pass `warmup_epochs=` explicitly."
+            )
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._warmup_resolved = self._resolve_warmup(trainer)
+
+    def _resolve_warmup(self, trainer: pl.Trainer) -> int:
+        """``warmup_epochs``, else ``ceil(warmup_fraction * planned epochs)``; the planned epochs come
+        from ``max_epochs``, or from ``max_steps`` and the optimizer steps per epoch."""
         if self.warmup_epochs is not None:
-            self._warmup_resolved = self.warmup_epochs
-        else:
-            max_epochs = trainer.max_epochs
-            if max_epochs is None or max_epochs < 0:
-                if self.stop or self.warmup_fraction > 0:
-                    raise ValueError(
-                        "GradientWeightAlignmentMonitor cannot take `warmup_fraction` of an unbounded run "
-                        "(max_epochs is -1/None): pass `warmup_epochs=` explicitly."
-                    )
-                self._warmup_resolved = 0
-            else:
-                self._warmup_resolved = int(math.ceil(self.warmup_fraction * max_epochs - 1e-9))
+            return self.warmup_epochs
+        if self.warmup_fraction == 0:
+            return 0
+        epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else None
+        if trainer.max_steps is not None and trainer.max_steps >= 0:
+            batches = trainer.num_training_batches
+            if math.isfinite(batches) and batches > 0:
+                per_epoch = max(1, math.ceil(batches / trainer.accumulate_grad_batches))
+                by_steps = math.ceil(trainer.max_steps / per_epoch)
+                epochs = by_steps if epochs is None else min(epochs, by_steps)
+        if epochs is None:
+            raise ValueError(
+                "GradientWeightAlignmentMonitor cannot tell the length of this run (max_steps with an iterable "
+                "of unknown length): pass `warmup_epochs=` explicitly."
+            )
+        return int(math.ceil(self.warmup_fraction * epochs - 1e-9))
 
     def _find_head(self, pl_module: pl.LightningModule) -> tuple[str, nn.Linear]:
         modules = dict(pl_module.named_modules())
