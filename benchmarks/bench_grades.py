@@ -41,17 +41,19 @@ DIGITS = {STOI[c] for c in "0123456789"}
 
 
 class StepTimer(pl.Callback):
-    """Wall time of every training batch (forward, backward, optimizer step, callbacks)."""
+    """Wall and CPU time of every training batch (forward, backward, optimizer step, callbacks)."""
 
     def __init__(self) -> None:
         self.times: list[tuple[int, float]] = []
-        self._t0 = 0.0
+        self.cpu: list[float] = []
+        self._t0 = self._c0 = 0.0
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._t0 = time.perf_counter()
+        self._t0, self._c0 = time.perf_counter(), time.process_time()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.times.append((trainer.global_step - 1, time.perf_counter() - self._t0))
+        self.cpu.append(time.process_time() - self._c0)
 
 
 def answer_mask(x: torch.Tensor) -> torch.Tensor:
@@ -119,22 +121,26 @@ def finetune(
     callbacks: list = [timer] + ([grades] if grades is not None else [])
     trainer = _trainer(steps, callbacks, root)
     loader = make_loader("arith", block_size=cfg.block_size, batch_size=16, seed=seed)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     trainer.fit(module, loader)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     loss, acc = evaluate(module, val) if val is not None else (float("nan"), float("nan"))
     frozen = dict(grades.frozen) if grades is not None else {}
     n = len(grades.components) if grades is not None else 1
     by_fraction: dict[str, list[float]] = {}
-    for step, dt in timer.times[3:]:  # the first steps warm up allocators
+    cpu_by_fraction: dict[str, list[float]] = {}
+    for (step, dt), ct in list(zip(timer.times, timer.cpu))[3:]:  # the first steps warm up allocators
         frac = sum(1 for s in frozen.values() if s < step) / n
         bucket = "0%" if frac == 0 else ("1-50%" if frac <= 0.5 else ("51-99%" if frac < 1 else "100%"))
         by_fraction.setdefault(bucket, []).append(dt)
+        cpu_by_fraction.setdefault(bucket, []).append(ct)
     return {
-        "wall": wall, "steps": trainer.global_step, "val_loss": loss, "val_acc": acc, "frozen": frozen,
+        "wall": wall, "cpu": cpu, "steps": trainer.global_step, "val_loss": loss, "val_acc": acc, "frozen": frozen,
         "step_ms": {k: 1000 * statistics.median(v) for k, v in by_fraction.items()},
+        "step_cpu_ms": {k: 1000 * statistics.median(v) for k, v in cpu_by_fraction.items()},
         "step_n": {k: len(v) for k, v in by_fraction.items()},
         "median_ms": 1000 * statistics.median(dt for _, dt in timer.times[3:]),
+        "median_cpu_ms": 1000 * statistics.median(timer.cpu[3:]),
     }
 
 
@@ -151,9 +157,9 @@ def main() -> None:
     parser.add_argument("--grace", type=float, default=0.3)
     parser.add_argument("--smoothing", type=float, default=0.9)
     parser.add_argument("--every", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=2, help="interleaved repetitions of each fine-tuning run")
-    parser.add_argument("--overhead-reps", type=int, default=3)
-    parser.add_argument("--overhead-steps", type=int, default=40)
+    parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions of each fine-tuning run")
+    parser.add_argument("--overhead-reps", type=int, default=5)
+    parser.add_argument("--overhead-steps", type=int, default=30)
     args = parser.parse_args()
     if args.quick:
         args.d_model, args.layers, args.pretrain_steps, args.steps = 64, 2, 60, 80
@@ -178,45 +184,56 @@ def main() -> None:
         base_runs.append(finetune(cfg, state, args.steps, args.lr, root, None, val))
         grades_runs.append(finetune(cfg, state, args.steps, args.lr, root, make_cb(args.tau, args.every), val))
     base, grades = base_runs[-1], grades_runs[-1]
-    base_wall = statistics.median(r["wall"] for r in base_runs)
-    grades_wall = statistics.median(r["wall"] for r in grades_runs)
+    med = statistics.median
     speedups = [b["wall"] / g["wall"] for b, g in zip(base_runs, grades_runs)]
-    print(f"\nfine-tuning budget {args.steps} steps, lr {args.lr:g}, {args.reps} interleaved repetitions "
-          f"(wall-clock: median; speedup: median of per-pair ratios {', '.join(f'{x:.2f}' for x in speedups)})")
-    print("\n| run | steps | wall-clock (s) | speedup | val loss | val loss vs baseline | answer-digit acc |")
-    print("|---|---|---|---|---|---|---|")
+    cpu_speedups = [b["cpu"] / g["cpu"] for b, g in zip(base_runs, grades_runs)]
+    print(f"\nfine-tuning budget {args.steps} steps, lr {args.lr:g}, {args.reps} interleaved repetitions; times are "
+          f"medians, speedups medians of the per-pair ratios (wall: {', '.join(f'{x:.2f}' for x in speedups)}; "
+          f"CPU: {', '.join(f'{x:.2f}' for x in cpu_speedups)})")
+    print("\n| run | steps | wall-clock (s) | wall speedup | CPU time (s) | CPU speedup | val loss | vs baseline "
+          "| answer-digit acc |")
+    print("|---|---|---|---|---|---|---|---|---|")
     name = f"GradES (tau={args.tau:g}, {args.criterion}, EMA {args.smoothing:g}, every {args.every})"
-    for label, r, wall, sp in (("full fine-tuning", base, base_wall, 1.0),
-                               (name, grades, grades_wall, statistics.median(speedups))):
-        print(f"| {label} | {r['steps']} | {wall:.1f} | {sp:.2f}x | {r['val_loss']:.4f} | "
+    for label, r, runs, sp, csp in (("full fine-tuning", base, base_runs, 1.0, 1.0),
+                                    (name, grades, grades_runs, med(speedups), med(cpu_speedups))):
+        print(f"| {label} | {r['steps']} | {med(x['wall'] for x in runs):.1f} | {sp:.2f}x | "
+              f"{med(x['cpu'] for x in runs):.1f} | {csp:.2f}x | {r['val_loss']:.4f} | "
               f"{100 * (r['val_loss'] / base['val_loss'] - 1):+.2f}% | {100 * r['val_acc']:.1f}% |")
-    print("\n| frozen fraction at the step | steps | median ms/step | vs no freeze |")
-    print("|---|---|---|---|")
-    ref = statistics.median(r["step_ms"].get("0%", r["median_ms"]) for r in grades_runs)
+    print("\n| frozen fraction at the step | steps | median wall ms/step | vs no freeze | median CPU ms/step | vs no freeze |")
+    print("|---|---|---|---|---|---|")
+    ref = med(r["step_ms"]["0%"] for r in grades_runs)
+    cref = med(r["step_cpu_ms"]["0%"] for r in grades_runs)
     for bucket in ("0%", "1-50%", "51-99%", "100%"):
         if bucket in grades["step_ms"]:
-            ms = statistics.median(r["step_ms"][bucket] for r in grades_runs if bucket in r["step_ms"])
-            print(f"| {bucket} | {grades['step_n'][bucket]} | {ms:.1f} | {ms / ref:.2f}x |")
+            ms = med(r["step_ms"][bucket] for r in grades_runs if bucket in r["step_ms"])
+            cms = med(r["step_cpu_ms"][bucket] for r in grades_runs if bucket in r["step_cpu_ms"])
+            print(f"| {bucket} | {grades['step_n'][bucket]} | {ms:.1f} | {ms / ref:.2f}x | {cms:.1f} | {cms / cref:.2f}x |")
     freeze_steps = sorted(grades["frozen"].values())
     print(f"\nfreeze steps of the {len(grades['frozen'])} frozen components: {freeze_steps}; baseline median "
-          f"{statistics.median(r['median_ms'] for r in base_runs):.1f} ms/step")
+          f"{med(r['median_ms'] for r in base_runs):.1f} ms/step wall, {med(r['median_cpu_ms'] for r in base_runs):.1f} CPU")
+    same = all(r["val_loss"] == base["val_loss"] for r in base_runs) and all(
+        r["val_loss"] == grades["val_loss"] for r in grades_runs)
+    print(f"repetitions give identical validation results: {same}")
 
     # --- 2. overhead before any freeze: tau that never freezes, interleaved with baseline runs
     rows = []
     for every in (args.every, 1):
-        ratios, b_ms, g_ms = [], [], []
+        ratios, cpu_ratios, b_ms, g_ms = [], [], [], []
         for _ in range(args.overhead_reps):
             b = finetune(cfg, state, args.overhead_steps, args.lr, root, None, None)
             g = finetune(cfg, state, args.overhead_steps, args.lr, root, make_cb(1e-12, every), None)
             b_ms.append(b["median_ms"])
             g_ms.append(g["median_ms"])
             ratios.append(g["median_ms"] / b["median_ms"])
-        rows.append((every, statistics.median(b_ms), statistics.median(g_ms), statistics.median(ratios)))
-    print("\n| statistic every n steps | baseline ms/step | GradES ms/step (no freeze) | overhead |")
-    print("|---|---|---|---|")
-    for every, b, g, r in rows:
-        print(f"| {every} | {b:.1f} | {g:.1f} | {100 * (r - 1):+.1f}% |")
-
+            cpu_ratios.append(g["median_cpu_ms"] / b["median_cpu_ms"])
+        rows.append((every, statistics.median(b_ms), statistics.median(g_ms), statistics.median(ratios),
+                     statistics.median(cpu_ratios)))
+    print(f"\n{args.overhead_reps} interleaved pairs of {args.overhead_steps}-step runs, tau=1e-12 (nothing freezes); "
+          "overhead = median over pairs of the ratio of median step times")
+    print("\n| statistic every n steps | baseline ms/step | GradES ms/step (no freeze) | wall overhead | CPU overhead |")
+    print("|---|---|---|---|---|")
+    for every, b, g, r, c in rows:
+        print(f"| {every} | {b:.1f} | {g:.1f} | {100 * (r - 1):+.1f}% | {100 * (c - 1):+.1f}% |")
 
 if __name__ == "__main__":
     main()
