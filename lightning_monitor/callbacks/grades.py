@@ -320,37 +320,32 @@ class GradientEarlyStopping(Monitor):
         reference = self.reference() if self.threshold == "relative" else None
         decide = step >= (self.grace_end or 0) and (
             self.threshold == "absolute" or self._n_ref_checks >= self.reference_checks)
-        values: dict[str, Any] = {}
+        ratio = relative_ratio(smoothed, reference) if reference is not None else torch.full_like(full, float("nan"))
+        judged = smoothed if reference is None else ratio
+        mask = freeze_mask(smoothed, reference, self.tau) if decide else torch.zeros_like(finite)
+        # every value this check needs on the host, in one transfer
+        stat_h, ratio_h, judged_h, mask_h = torch.stack([full, ratio, judged, mask.float()]).cpu().tolist()
+        newly = [n for n in active if mask_h[position[n]] > 0.5]
+        metrics: dict[str, float] = {}
         if self.log_stats:
-            ratio = relative_ratio(smoothed, reference) if reference is not None else None
-            for i, name in enumerate(self._names):
-                if name in self.frozen:
-                    continue
-                values[self.key("stat", name)] = full[i]
-                if ratio is not None:
-                    values[self.key("ratio", name)] = ratio[i]
-        if decide:
-            mask = freeze_mask(smoothed, reference, self.tau).float()
-            judged = smoothed if reference is None else relative_ratio(smoothed, reference)
-            for i, name in enumerate(self._names):
-                if name not in self.frozen:
-                    values[f"_freeze/{name}"] = mask[i]
-                    values[f"_value/{name}"] = judged[i]
-        host = self.to_host(values)
-        newly = [n for n in active if host.get(f"_freeze/{n}", 0.0) > 0.5]
+            for name in active:
+                if not math.isfinite(stat_h[position[name]]):
+                    continue  # no gradient this step (module unused)
+                metrics[self.key("stat", name)] = stat_h[position[name]]
+                if reference is not None:
+                    metrics[self.key("ratio", name)] = ratio_h[position[name]]
         for name in newly:
             freeze_parameters(self._components[name].params, trainer.optimizers)
             self.frozen[name] = step
             self._snapshot.pop(name, None)
-        metrics = {k: v for k, v in host.items() if not k.startswith("_")}
         metrics[self.key("frozen_fraction")] = self.frozen_fraction
         self.log_metrics(trainer, metrics, step)
         for name in newly:
-            value = host[f"_value/{name}"]
-            what = "of its early value" if self.threshold == "relative" else ""
+            value = judged_h[position[name]]
+            how = f"fell to {value:.3g} of its early value" if reference is not None else f"is {value:.3g}"
             self.alert(
                 step, "frozen", "info",
-                f"Froze {name}: its {self.criterion} statistic is {value:.3g} {what} (< tau={self.tau:g}); "
+                f"Froze {name}: its smoothed {self.criterion} statistic {how} (< tau={self.tau:g}); "
                 f"{len(self.frozen)}/{len(self._names)} components frozen.",
                 value=value, threshold=self.tau, layer=name,
             )
