@@ -270,6 +270,33 @@ def test_parameter_used_outside_its_module_is_reported() -> None:
     assert "b.weight" in probe.uncovered and "b.weight" not in probe.covered
 
 
+class FunctionalTie(nn.Module):
+    """GPT-2 style tying: the embedding matrix is reused by a functional call outside its module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(11, 8)
+        self.ln = nn.LayerNorm(8)
+        self.mix = nn.Linear(8, 8)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        h = self.mix(self.ln(self.tok(idx)))
+        return F.linear(h, self.tok.weight)
+
+
+def test_functional_reuse_of_a_covered_parameter_is_detected() -> None:
+    torch.manual_seed(0)
+    model = FunctionalTie()
+    x, y = torch.randint(0, 11, (4, 5)), torch.randint(0, 11, (4, 5))
+    probe = check(model, ce_seq, x, y)  # the remaining parameters stay exact
+    assert probe.uncovered == ["tok.weight"]
+    assert "outside its module" in probe.reasons["tok.weight"]
+    # without the check the embedding's norms would be silently wrong
+    unchecked = probe_run(model, ce_seq, x, y, verify=False)
+    ref = oracle(model, ce_seq, x, y)
+    assert rel_err(unchecked.per_parameter()["tok.weight"], ref["tok.weight"]) > 0.01
+
+
 def test_accumulates_over_backward_passes_and_reset() -> None:
     torch.manual_seed(0)
     model = MLP()

@@ -88,13 +88,25 @@ class Handler:
         sq_norms: ``(module, ctx, grad_output, strategy) -> {local param name: Tensor[B]}`` (fp32).
         grads: ``(module, ctx, grad_output) -> {local param name: Tensor[B, *param.shape]}``, the
             materialised per-example gradients, used for parameters with several uses in one forward.
+        project: ``(module, ctx, grad_output, {local name: (u, v)}) -> {local name: Tensor[k]}``:
+            ``u_j^T C v_j`` for the module's contribution ``C`` to each parameter's batch gradient (as a
+            ``(shape[0], -1)`` matrix), without forming ``C``. Compared with the same projection of the
+            parameter's full gradient, it reveals uses of the parameter that the hooks did not see.
         unsupported: ``module -> reason`` when this instance cannot be covered, else ``None``.
     """
 
     capture: Callable[[nn.Module, Tensor], Any]
     sq_norms: Callable[[nn.Module, Any, Tensor, str], dict[str, Tensor]]
     grads: Callable[[nn.Module, Any, Tensor], dict[str, Tensor]]
+    project: Callable[[nn.Module, Any, Tensor, dict[str, tuple[Tensor, Tensor]]], dict[str, Tensor]]
     unsupported: Callable[[nn.Module], Optional[str]] = lambda m: None
+
+
+def project_matrix(c: Tensor, u: Tensor, v: Tensor) -> Tensor:
+    """``u_j^T C v_j`` for each row ``j`` of ``u`` (``k x rows``) and ``v`` (``k x cols``), with ``C`` the
+    tensor ``c`` viewed as ``(shape[0], -1)`` (a 1-D ``c`` as a column)."""
+    c2 = c.float().reshape(c.shape[0], -1)
+    return ((u @ c2) * v).sum(1)
 
 
 def _as_seq(x: Tensor, d: int) -> Tensor:
@@ -128,6 +140,19 @@ def _linear_grads(m: nn.Module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
     out = {"weight": torch.bmm(d.transpose(1, 2), a)}
     if m.bias is not None:
         out["bias"] = d.sum(1)
+    return out
+
+
+def _linear_project(m: nn.Module, x: Tensor, g: Tensor, uv: dict[str, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+    a = x.reshape(-1, m.in_features).float()
+    d = g.reshape(-1, m.out_features).float()
+    out = {}
+    if "weight" in uv:
+        u, v = uv["weight"]
+        out["weight"] = ((d @ u.T) * (a @ v.T)).sum(0)
+    if "bias" in uv:
+        u, v = uv["bias"]
+        out["bias"] = project_matrix(d.sum(0), u, v)
     return out
 
 
@@ -174,6 +199,16 @@ def _embedding_grads(m: nn.Module, idx: Tensor, g: Tensor) -> dict[str, Tensor]:
     return {"weight": out}
 
 
+def _embedding_project(m: nn.Module, idx: Tensor, g: Tensor, uv: dict[str, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+    u, v = uv["weight"]
+    ids = idx.reshape(-1)
+    d = g.reshape(-1, m.embedding_dim).float()
+    if m.padding_idx is not None:
+        keep = ids != m.padding_idx
+        ids, d = ids[keep], d[keep]
+    return {"weight": (u[:, ids] * (d @ v.T).T).sum(1)}
+
+
 # LayerNorm / RMSNorm -------------------------------------------------------------------------
 
 
@@ -210,6 +245,11 @@ def _norm_per_example(m: nn.Module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
 
 def _norm_sq(m: nn.Module, x: Tensor, g: Tensor, strategy: str) -> dict[str, Tensor]:
     return {k: v.pow(2).flatten(1).sum(1) for k, v in _norm_per_example(m, x, g).items()}
+
+
+def _norm_project(m: nn.Module, x: Tensor, g: Tensor, uv: dict[str, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+    per = _norm_per_example(m, x, g)
+    return {k: project_matrix(per[k].sum(0), *uv[k]) for k in uv}
 
 
 # Conv2d --------------------------------------------------------------------------------------
@@ -270,15 +310,31 @@ def _conv_grads(m: nn.Module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
     return out
 
 
+def _conv_project(m: nn.Module, x: Tensor, g: Tensor, uv: dict[str, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+    out = {}
+    if "weight" in uv:
+        u, v = uv["weight"]
+        b, grp, k = x.shape[0], m.groups, u.shape[0]
+        a, d = _conv_patches(m, x, g)
+        a = a.reshape(b, grp, a.shape[1], -1)
+        d = d.reshape(b, grp, d.shape[1], -1)
+        du = torch.einsum("bglo,kgo->bglk", d, u.reshape(k, grp, -1))
+        av = torch.einsum("bglc,kc->bglk", a, v)
+        out["weight"] = (du * av).sum((0, 1, 2))
+    if "bias" in uv:
+        out["bias"] = project_matrix(g.float().sum((0, 2, 3)), *uv["bias"])
+    return out
+
+
 #: Module type -> handler. Subclasses use their nearest registered base class.
 HANDLERS: dict[type[nn.Module], Handler] = {
-    nn.Linear: Handler(_linear_capture, _linear_sq, _linear_grads, _linear_unsupported),
-    nn.Embedding: Handler(_embedding_capture, _embedding_sq, _embedding_grads, _embedding_unsupported),
-    nn.LayerNorm: Handler(_norm_capture, _norm_sq, _norm_per_example, _norm_unsupported),
-    nn.Conv2d: Handler(_conv_capture, _conv_sq, _conv_grads, _conv_unsupported),
+    nn.Linear: Handler(_linear_capture, _linear_sq, _linear_grads, _linear_project, _linear_unsupported),
+    nn.Embedding: Handler(_embedding_capture, _embedding_sq, _embedding_grads, _embedding_project, _embedding_unsupported),
+    nn.LayerNorm: Handler(_norm_capture, _norm_sq, _norm_per_example, _norm_project, _norm_unsupported),
+    nn.Conv2d: Handler(_conv_capture, _conv_sq, _conv_grads, _conv_project, _conv_unsupported),
 }
 if hasattr(nn, "RMSNorm"):
-    HANDLERS[nn.RMSNorm] = Handler(_norm_capture, _norm_sq, _norm_per_example, _norm_unsupported)
+    HANDLERS[nn.RMSNorm] = Handler(_norm_capture, _norm_sq, _norm_per_example, _norm_project, _norm_unsupported)
 
 #: Container types whose submodules' parameters are used without calling those submodules.
 _OPAQUE: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
@@ -339,9 +395,11 @@ class _FusedLinear(torch.autograd.Function):
         d = grad.reshape(b, -1, grad.shape[-1])
         per_w = torch.bmm(d.transpose(1, 2), a)
         per_b = d.sum(1) if ctx.has_bias else None
-        ctx.sink(per_w, per_b)
-        grad_w = per_w.sum(0).to(ctx.dtypes[0]) if ctx.needs_input_grad[1] else None
-        grad_b = per_b.sum(0).to(ctx.dtypes[1]) if per_b is not None and ctx.needs_input_grad[2] else None
+        sum_w = per_w.sum(0)
+        sum_b = per_b.sum(0) if per_b is not None else None
+        ctx.sink(per_w, per_b, sum_w, sum_b)
+        grad_w = sum_w.to(ctx.dtypes[0]) if ctx.needs_input_grad[1] else None
+        grad_b = sum_b.to(ctx.dtypes[1]) if sum_b is not None and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None
 
 
@@ -367,6 +425,10 @@ class PerExampleGradNorms:
             whose input's leading dimension does not match (an input broadcast over the batch) is moved to
             :attr:`uncovered`. ``None``: the most common count among the parameters.
         max_fused_bytes: memory cap of the per-example gradients of one fused Linear (``"auto"``).
+        verify: check, for every covered parameter, that the hooked modules account for its whole
+            gradient (two random projections of both, compared when the norms are read; one small host
+            sync). A parameter also used outside its module (``x @ emb.weight.T``) is then moved to
+            :attr:`uncovered` instead of being silently wrong.
 
     Example::
 
@@ -384,6 +446,7 @@ class PerExampleGradNorms:
         include: Optional[Callable[[str, nn.Module], bool]] = None,
         batch_size: Optional[int] = None,
         max_fused_bytes: int = 256 * 2**20,
+        verify: bool = True,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"`module` must be a torch.nn.Module, got {type(module).__name__}.")
@@ -402,6 +465,8 @@ class PerExampleGradNorms:
         self.linear_strategy = linear_strategy
         self.batch_size = batch_size
         self.max_fused_bytes = max_fused_bytes
+        self.verify = bool(verify)
+        self._proj: dict[int, tuple[Tensor, Tensor]] = {}
         self._handles: list[RemovableHandle] = []
         self._fused: list[nn.Module] = []
         self._active = False
@@ -446,6 +511,9 @@ class PerExampleGradNorms:
         self._records: dict[int, list[Tensor]] = defaultdict(list)
         self._outstanding: dict[int, int] = defaultdict(int)
         self._pending: dict[int, Tensor] = {}
+        self._fp_mod: dict[int, Tensor] = {}
+        self._fp_total: dict[int, Tensor] = {}
+        self._verified = True
 
     def reset(self) -> None:
         """Forget the norms of previous backward passes. Parameters found uncoverable at run time (used
@@ -489,6 +557,9 @@ class PerExampleGradNorms:
                 self._fused.append(mod)
             else:
                 self._handles.append(mod.register_forward_hook(self._make_forward_hook(handler, todo)))
+        if self.verify:
+            for pid in self._covered_ids:
+                self._handles.append(self._params[pid].register_hook(self._make_leaf_hook(pid)))
         self._active = True
 
     def detach(self) -> None:
@@ -534,6 +605,7 @@ class PerExampleGradNorms:
                         params, batch,
                         lambda: handler.sq_norms(mod, ctx, grad, strategy),
                         lambda: handler.grads(mod, ctx, grad),
+                        lambda uv: handler.project(mod, ctx, grad, uv),
                     )
 
             output.register_hook(grad_hook)
@@ -554,13 +626,15 @@ class PerExampleGradNorms:
                         self._outstanding[pid] += 1
                     batch = x.shape[0]
 
-                    def sink(g_w: Tensor, g_b: Optional[Tensor]) -> None:
+                    def sink(g_w: Tensor, g_b: Optional[Tensor], s_w: Tensor, s_b: Optional[Tensor]) -> None:
                         grads = {"weight": g_w} if g_b is None else {"weight": g_w, "bias": g_b}
+                        sums = {"weight": s_w} if s_b is None else {"weight": s_w, "bias": s_b}
                         self._consume(
                             params, batch,
                             lambda: {k: torch.linalg.vector_norm(v.flatten(1), dim=1, dtype=torch.float32).pow(2)
                                      for k, v in grads.items()},
                             lambda: {k: v.float() for k, v in grads.items()},
+                            lambda uv: {k: project_matrix(sums[k], *uv[k]) for k in uv},
                         )
 
                     return _FusedLinear.apply(x, w, b, sink)
@@ -576,9 +650,16 @@ class PerExampleGradNorms:
         batch: int,
         sq_fn: Callable[[], dict[str, Tensor]],
         grads_fn: Callable[[], dict[str, Tensor]],
+        proj_fn: Callable[[dict[str, tuple[Tensor, Tensor]]], dict[str, Tensor]],
     ) -> None:
         """Record one use's per-example norms; a parameter with several uses in this forward gets its
         per-example gradients summed over the uses first (exact cross terms)."""
+        if self.verify:
+            self._verified = False
+            fps = proj_fn({ln: self._uv(pid) for ln, pid in params})
+            for ln, pid in params:
+                prev = self._fp_mod.get(pid)
+                self._fp_mod[pid] = fps[ln] if prev is None else prev + fps[ln]
         scale = float(batch) ** 2 if self.loss_reduction == "mean" else 1.0
         shared = [pid for _, pid in params if self._outstanding[pid] > 1 or pid in self._pending]
         sqs = sq_fn() if len(shared) < len(params) else {}
@@ -605,10 +686,55 @@ class PerExampleGradNorms:
             if self._outstanding[pid] == 0:
                 self._records[pid].append(self._pending.pop(pid).flatten(1).pow(2).sum(1))
 
+    def _uv(self, pid: int) -> tuple[Tensor, Tensor]:
+        """Two fixed random projections for parameter ``pid`` (rows and columns of its matrix view)."""
+        uv = self._proj.get(pid)
+        if uv is None:
+            p = self._params[pid]
+            rows = p.shape[0] if p.dim() else 1
+            cols = p.numel() // max(rows, 1)
+            gen = torch.Generator().manual_seed(len(self._proj) + 1)
+            u = torch.randn(2, rows, generator=gen).to(p.device)
+            v = torch.randn(2, cols, generator=gen).to(p.device) if p.dim() > 1 else torch.ones(2, 1, device=p.device)
+            uv = self._proj[pid] = (u, v)
+        return uv
+
+    def _make_leaf_hook(self, pid: int) -> Callable[[Tensor], None]:
+        def leaf_hook(grad: Tensor) -> None:
+            with torch.no_grad():
+                fp = project_matrix(grad.detach(), *self._uv(pid))
+                prev = self._fp_total.get(pid)
+                self._fp_total[pid] = fp if prev is None else prev + fp
+
+        return leaf_hook
+
+    def _check_projections(self) -> None:
+        """Move to :attr:`uncovered` every parameter whose gradient the hooked modules do not account for."""
+        self._verified = True
+        pids = [pid for pid in self._covered_ids if pid in self._fp_mod and pid in self._fp_total]
+        if not pids:
+            return
+        mod = torch.stack([self._fp_mod[pid] for pid in pids])
+        tot = torch.stack([self._fp_total[pid].to(mod.device) for pid in pids])
+        diff = (mod - tot).norm(dim=1)
+        ref = mod.norm(dim=1) + tot.norm(dim=1)
+        # relative mismatch, floored for gradients that are zero in exact arithmetic (rounding noise only)
+        bad = diff > 1e-2 * ref + 1e-5 * ref.max()
+        for pid, flag in zip(pids, bad.tolist()):
+            name = self._names[pid]
+            if flag and name not in self._not_reached:
+                self._not_reached.append(name)
+                self.reasons[name] = (
+                    "its gradient has contributions the hooks did not see (used outside its module, "
+                    "e.g. x @ emb.weight.T)"
+                )
+
     # -------------------------------------------------------------- results
     def per_parameter(self) -> dict[str, Tensor]:
         """Per covered parameter name, the squared norm of each example's gradient (``Tensor[N]``, fp32,
         ``N`` examples over every backward pass since the last :meth:`reset`)."""
+        if self.verify and not self._verified and not self._pending:
+            self._check_projections()
         out: dict[str, Tensor] = {}
         for pid in self._covered_ids:
             name = self._names[pid]
