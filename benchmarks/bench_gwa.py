@@ -115,25 +115,35 @@ class EpochEval(Callback):
 
 
 class TimedGWA(GradientWeightAlignmentMonitor):
-    """The monitor with the wall time spent in its hooks added up."""
+    """The monitor with the wall time spent in its hooks added up: per step, and at epoch end."""
 
-    spent = 0.0
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.spent = {"step": 0.0, "epoch": 0.0}
+        self.epochs = 0
 
-    def _timed(name: str):  # type: ignore[misc]
+    def _timed(name: str, part: str):  # type: ignore[misc]
         def method(self, *args, **kwargs):
             t0 = time.perf_counter()
             try:
                 return getattr(GradientWeightAlignmentMonitor, name)(self, *args, **kwargs)
             finally:
-                self.spent += time.perf_counter() - t0
+                self.spent[part] += time.perf_counter() - t0
 
         return method
 
-    on_train_batch_start = _timed("on_train_batch_start")
-    _on_head_forward = _timed("_on_head_forward")
-    on_train_batch_end = _timed("on_train_batch_end")
-    on_train_epoch_end = _timed("on_train_epoch_end")
-    on_train_epoch_start = _timed("on_train_epoch_start")
+    on_train_batch_start = _timed("on_train_batch_start", "step")
+    _on_head_forward = _timed("_on_head_forward", "step")
+    on_train_epoch_start = _timed("on_train_epoch_start", "epoch")
+    on_train_epoch_end = _timed("on_train_epoch_end", "epoch")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        t0 = time.perf_counter()
+        finished = self._finished
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        part = "epoch" if self._finished and not finished else "step"
+        self.epochs += part == "epoch"
+        self.spent[part] += time.perf_counter() - t0
 
 
 def trainer(callbacks, epochs: int, logger=False, root: str = ".") -> Trainer:
@@ -194,7 +204,7 @@ def selection_run(seed: int, flip: float, args) -> dict[str, Any]:
         "n_train": len(data["train"]),
     }
     if n_flip:
-        for tag, epoch in (("gwa", e_gwa), ("val", e_val), ("last", len(test) - 1)):
+        for tag, epoch in (("gwa", e_gwa), ("stop", e_stop), ("val", e_val), ("last", len(test) - 1)):
             ranked = sorted((float(r["score"]), int(r["index"])) for r in rows if int(r["epoch"]) == epoch)
             flagged = torch.tensor([i for _, i in ranked[:n_flip]], dtype=torch.long)
             hits = int(data["flipped"][flagged].sum())
@@ -202,57 +212,57 @@ def selection_run(seed: int, flip: float, args) -> dict[str, Any]:
     return out
 
 
-def overhead(args) -> dict[str, float]:
+class LoopTimer(Callback):
+    """Wall time of the training loop itself (on_train_start to on_train_end), optimizer steps."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.t0 = time.perf_counter()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.elapsed = time.perf_counter() - self.t0
+        self.steps = trainer.global_step
+
+
+def overhead(args, batch_size: int) -> dict[str, Any]:
+    """Interleaved pairs (alternating order) of the same training with and without the monitor."""
     data = split_digits(0, 0.2)
-    ratios, fractions = [], []
+    ratios, fractions, step_us, epoch_ms, base_step = [], [], [], [], []
     for rep in range(args.reps):
-        times = {}
-        spent = 0.0
+        times: dict[str, float] = {}
         for mode in (("base", "gwa") if rep % 2 == 0 else ("gwa", "base")):
             seed_everything(rep, verbose=False)
             model = Net(args.model, args.opt)
-            loader = DataLoader(data["train"], batch_size=args.batch_size, shuffle=True)
-            cbs = [TimedGWA(index_fn=lambda b: b[2], suspects=200, histogram=False)] if mode == "gwa" else []
+            loader = DataLoader(data["train"], batch_size=batch_size, shuffle=True)
+            timer = LoopTimer()
+            gwa = TimedGWA(index_fn=lambda b: b[2], suspects=200, histogram=False) if mode == "gwa" else None
             with tempfile.TemporaryDirectory() as root:
-                t0 = time.perf_counter()
-                trainer(cbs, args.overhead_epochs, root=root).fit(model, loader)
-                times[mode] = time.perf_counter() - t0
-            if cbs:
-                spent = cbs[0].spent
+                trainer([gwa, timer] if gwa else [timer], args.overhead_epochs, root=root).fit(model, loader)
+            times[mode] = timer.elapsed
+            if gwa is not None:
+                step_us.append(1e6 * gwa.spent["step"] / timer.steps)
+                epoch_ms.append(1e3 * gwa.spent["epoch"] / max(gwa.epochs, 1))
+                spent = gwa.spent["step"] + gwa.spent["epoch"]
+            else:
+                base_step.append(timer.elapsed / timer.steps)
         ratios.append(times["gwa"] / times["base"])
         fractions.append(spent / times["base"])
-    return {"ratio_median": statistics.median(ratios), "hook_fraction_median": statistics.median(fractions),
-            "ratios": ratios, "fractions": fractions}
+    return {
+        "ratio": statistics.median(ratios),
+        "fraction": statistics.median(fractions),
+        "step_us": statistics.median(step_us),
+        "epoch_ms": statistics.median(epoch_ms),
+        "ms_base_step": 1e3 * statistics.median(base_step),
+        "ratios": ratios,
+    }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="1 seed, fewer epochs and repetitions")
-    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
-    p.add_argument("--opt", choices=["adam", "sgd"], default="adam", help="adam (lr 1e-3) or sgd (lr 0.05, momentum 0.9, wd 5e-4)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--epochs", type=int, default=40)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--patience", type=int, default=5, help="patience of the replayed stop=True rule")
-    p.add_argument("--reps", type=int, default=9)
-    p.add_argument("--overhead-epochs", type=int, default=2)
-    args = p.parse_args()
-    if args.quick:
-        args.seeds, args.epochs, args.reps, args.overhead_epochs = args.seeds[:1], 20, 3, 1
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    import logging
-
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("lightning_monitor").setLevel(logging.ERROR)
-
-    print(f"model={args.model} opt={args.opt} epochs={args.epochs} batch={args.batch_size} seeds={args.seeds}")
+def selection_table(args) -> None:
     print(
         "\n| flip | seed | GWA epoch (max) | GWA stop: best / stopped | val epoch | test @GWA max | test @GWA stop "
-        "| test @val | GWA max - val (pt) | test @last | best test | negative @GWA | P@k GWA epoch | P@k val epoch "
-        "| P@k last |"
+        "| test @val | GWA max - val (pt) | GWA stop - val (pt) | test @last | best test | negative @GWA max "
+        "| P@k @GWA max | P@k @GWA stop | P@k @val | P@k @last |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     results = []
 
     def fmt(r: dict[str, Any], key: str) -> str:
@@ -266,8 +276,9 @@ def main() -> None:
             print(
                 f"| {flip:.0%} | {seed} | {r['epoch_gwa']} | {r['epoch_stop']} / {stopped} | {r['epoch_val']} | "
                 f"{100 * r['test_gwa']:.2f} | {100 * r['test_stop']:.2f} | {100 * r['test_val']:.2f} | "
-                f"{100 * (r['test_gwa'] - r['test_val']):+.2f} | {100 * r['test_last']:.2f} | {100 * r['test_best']:.2f} | "
-                f"{int(r['negative_at_best'])} | {fmt(r, 'precision_gwa')} | {fmt(r, 'precision_val')} | "
+                f"{100 * (r['test_gwa'] - r['test_val']):+.2f} | {100 * (r['test_stop'] - r['test_val']):+.2f} | "
+                f"{100 * r['test_last']:.2f} | {100 * r['test_best']:.2f} | {int(r['negative_at_best'])} | "
+                f"{fmt(r, 'precision_gwa')} | {fmt(r, 'precision_stop')} | {fmt(r, 'precision_val')} | "
                 f"{fmt(r, 'precision_last')} |",
                 flush=True,
             )
@@ -281,17 +292,58 @@ def main() -> None:
         )
         if flip:
             line += (
-                f"; mean precision@k at the GWA epoch = {statistics.mean(r['precision_gwa'] for r in sel):.3f}, "
-                f"at the val epoch = {statistics.mean(r['precision_val'] for r in sel):.3f} (target >= 0.8)"
+                f"; mean precision@k at the GWA max epoch = {statistics.mean(r['precision_gwa'] for r in sel):.3f}, "
+                f"GWA stop epoch = {statistics.mean(r['precision_stop'] for r in sel):.3f}, "
+                f"val epoch = {statistics.mean(r['precision_val'] for r in sel):.3f} (target >= 0.8)"
             )
         print(line)
-    o = overhead(args)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="1 seed, fewer epochs and repetitions")
+    p.add_argument("--overhead-only", action="store_true", help="skip the selection runs")
+    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
+    p.add_argument("--opt", choices=["adam", "sgd"], default="adam", help="adam (lr 1e-3) or sgd (lr 0.05, momentum 0.9, wd 5e-4)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--epochs", type=int, default=40)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--patience", type=int, default=5, help="patience of the replayed stop=True rule")
+    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--overhead-epochs", type=int, default=3)
+    p.add_argument("--overhead-batch-sizes", type=int, nargs="+", default=[32, 256])
+    args = p.parse_args()
+    if args.quick:
+        args.seeds, args.epochs, args.reps, args.overhead_epochs = args.seeds[:1], 20, 3, 2
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("lightning_monitor").setLevel(logging.ERROR)
+
+    print(f"model={args.model} opt={args.opt} epochs={args.epochs} batch={args.batch_size} seeds={args.seeds}")
+    if not args.overhead_only:
+        selection_table(args)
+
     print(
-        f"\noverhead ({args.reps} interleaved pairs, {args.overhead_epochs} epochs each): median time ratio "
-        f"monitored/baseline = {o['ratio_median']:.4f}; time inside the monitor's hooks = "
-        f"{100 * o['hook_fraction_median']:.2f}% of the baseline training time (target <= 1%)"
+        f"\noverhead: {args.reps} interleaved pairs per batch size, {args.overhead_epochs} epochs each, training loop "
+        "time only; index_fn on, 200 suspects (target <= 1%)\n"
     )
-    print("ratios:", " ".join(f"{x:.4f}" for x in o["ratios"]), " hook fractions:", " ".join(f"{x:.4f}" for x in o["fractions"]))
+    print(
+        "| batch size | steps/epoch | baseline ms/step | monitor us/step | monitor ms/epoch end | per-step part "
+        "| all hooks / baseline | median time ratio monitored / baseline | ratios |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for bs in args.overhead_batch_sizes:
+        o = overhead(args, bs)
+        steps = -(-int(0.55 * 1797) // bs)
+        print(
+            f"| {bs} | {steps} | {o['ms_base_step']:.2f} | {o['step_us']:.0f} | {o['epoch_ms']:.2f} | "
+            f"{o['step_us'] / (10 * o['ms_base_step']):.2f}% | {100 * o['fraction']:.2f}% | {o['ratio']:.4f} | "
+            f"{' '.join(f'{x:.3f}' for x in o['ratios'])} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
