@@ -351,3 +351,48 @@ def test_ddp_two_ranks_freeze_identically(tmp_path: Path) -> None:
     assert r0["requires_grad"] == r1["requires_grad"]
     assert not r0["requires_grad"]["blocks.0.gate_proj.weight"] and r0["requires_grad"]["blocks.0.q_proj.weight"]
     assert r0["weights"] == pytest.approx(r1["weights"], rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- cost and scale
+
+
+def test_statistic_only_on_due_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_monitor.callbacks.grades as grades_module
+
+    calls: list[int] = []
+    original = grades_module.mean_abs
+
+    def counting(tensors: Any) -> torch.Tensor:
+        calls.append(len(tensors))
+        return original(tensors)
+
+    monkeypatch.setattr(grades_module, "mean_abs", counting)
+    cb = GradientEarlyStopping(tau=1e-9, every_n_steps=4, warmup_steps=2, grace_steps=0)
+    _trainer(tmp_path, [cb], max_steps=15).fit(_module(), _loader())
+    assert calls == [N_COMPONENTS] * 4  # steps 2, 6, 10, 14
+
+
+class ScaledLoss(GPTModule):
+    """The same model with its loss multiplied by a constant (AdamW's updates barely change)."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__(GPTConfig(n_layer=2, n_head=2, d_model=32, block_size=32), lr=3e-3)
+        self.scale = scale
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) * self.scale
+
+
+def test_relative_threshold_is_free_of_the_loss_scale(tmp_path: Path) -> None:
+    results = {}
+    for scale in (1.0, 1000.0):
+        for threshold, tau in (("relative", 0.85), ("absolute", 2e-3)):
+            pl.seed_everything(0)
+            cb = GradientEarlyStopping(tau=tau, threshold=threshold, every_n_steps=2, grace_steps=10)
+            _trainer(tmp_path / f"{scale}{threshold}", [cb], max_steps=24).fit(ScaledLoss(scale), _loader())
+            results[scale, threshold] = (cb.frozen, cb.reference())
+    rel1, rel1000 = results[1.0, "relative"], results[1000.0, "relative"]
+    assert rel1[0] == rel1000[0] and 0 < len(rel1[0])
+    torch.testing.assert_close(rel1000[1], 1000 * rel1[1], rtol=1e-3, atol=0)
+    # the absolute rule's tau means something else at another loss scale
+    assert results[1.0, "absolute"][0] != results[1000.0, "absolute"][0]
