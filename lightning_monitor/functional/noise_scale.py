@@ -104,7 +104,8 @@ class NoiseScaleEMA:
     """Smoothed ``|G|^2`` and ``tr(Sigma)`` (separately, bias-corrected) and their ratio ``B_simple``.
 
     >>> ema = NoiseScaleEMA(beta=0.5)
-    >>> ema.update(g2=1.0, trace_sigma=30.0); ema.update(g2=3.0, trace_sigma=10.0)
+    >>> ema.update(g2=1.0, trace_sigma=30.0), ema.update(g2=3.0, trace_sigma=10.0)
+    (True, True)
     >>> round(ema.b_simple, 4)  # (30 + 2 * 10) / (1 + 2 * 3): ratio of the smoothed values
     7.1429
 

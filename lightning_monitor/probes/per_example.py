@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["PerExampleGradNorms", "HANDLERS", "Handler", "linear_sq_norms"]
+__all__ = ["PerExampleGradNorms", "HANDLERS", "Handler", "linear_sq_norms", "project_matrix"]
 
 LinearStrategy = Literal["auto", "fused", "gram", "materialize"]
 
