@@ -20,6 +20,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 import weakref
 from types import SimpleNamespace
@@ -176,7 +177,31 @@ def cost(reps: int) -> tuple[list[list[str]], str]:
         F.mse_loss(model(x), y).backward()
         mon.on_before_optimizer_step(trainer_stub, None, None)  # type: ignore[arg-type]
 
-    fns: dict[str, Callable[[], None]] = {"plain fwd+bwd": plain, "callback, step not due": not_due}
+    # the callback on a due step: arm, forward, backward, read the norms, estimate, one host transfer
+    class TrainerStub:
+        global_step = 0
+        world_size = 1
+        global_rank = 0
+        accumulate_grad_batches = 1
+        loggers: list = []
+        precision_plugin = SimpleNamespace()
+        default_root_dir = tempfile.mkdtemp(prefix="bench_noise_scale_")
+
+    stub = TrainerStub()
+    due_mon = GradientNoiseScaleMonitor(every_n_steps=1)
+    due_mon.setup(stub, model, "fit")  # type: ignore[arg-type]
+
+    def due() -> None:
+        due_mon.on_train_batch_start(stub, model, (x,), 0)  # type: ignore[arg-type]
+        model.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        due_mon.on_before_optimizer_step(stub, model, None)  # type: ignore[arg-type]
+
+    fns: dict[str, Callable[[], None]] = {
+        "plain fwd+bwd": plain,
+        "callback, step not due": not_due,
+        "callback, due step (per_example, per-layer keys)": due,
+    }
     for s in ("auto", "gram", "materialize"):
         label = {"auto": "PerExampleGradNorms auto (fused Linear)", "gram": "PerExampleGradNorms gram",
                  "materialize": "PerExampleGradNorms materialize"}[s]
