@@ -163,6 +163,7 @@ def test_checkpoint_with_validation_loop_sees_this_epochs_score(tmp_path) -> Non
     csv_logger = CSVLogger(str(tmp_path), name="csv")
     trainer = _trainer(tmp_path, csv_logger, [gwa, ckpt], max_epochs=4, num_sanity_val_steps=0)
     trainer.fit(model, loader, val)
+    assert [rec["count"] for rec in gwa.history] == [600] * 4  # validation forwards are not scored
     for rec in gwa.history:
         state = torch.load(tmp_path / "ckpt" / f"epoch={rec['epoch']}.ckpt", weights_only=False)
         saved = state["callbacks"][ckpt.state_key]["current_score"]
@@ -367,6 +368,25 @@ def test_soft_targets_and_too_few_samples(tmp_path) -> None:
     assert [r["score"] for r in few.history] == [None, None]
     path = os.path.join(logger.log_dir, "metrics.csv")
     assert not os.path.exists(path) or "gwa/score" not in open(path).read()
+
+
+class UnusedLast(DigitsMLP):
+    def __init__(self) -> None:
+        super().__init__(record=False)
+        self.aux = nn.Linear(10, 10)  # registered last, never called: the default head pick is wrong
+
+
+def test_head_never_called_warns_and_logs_nothing(tmp_path) -> None:
+    loader, _ = _loader(100, batch_size=50)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    with pytest.warns(UserWarning) as record:
+        _trainer(tmp_path, False, [gwa], max_epochs=1).fit(UnusedLast(), loader)
+    messages = " ".join(str(w.message) for w in record)
+    assert "`aux` was not called" in messages and "0 < 4 samples" in messages
+    assert gwa.history[0]["score"] is None and gwa._handle is None
+    gwa_ok = GradientWeightAlignmentMonitor(head="fc", warmup_epochs=0)
+    _trainer(tmp_path, False, [gwa_ok], max_epochs=1).fit(UnusedLast(), loader)
+    assert gwa_ok.history[0]["count"] == 100
 
 
 class FrozenTwoClass(LightningModule):

@@ -306,8 +306,9 @@ class GradientWeightAlignmentMonitor(Monitor):
 
     def _on_head_forward(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
         """Keep what the step's scores need: a few detached tensors, one or two small kernels."""
-        self._disarm()
         pending, self._pending = self._pending, None
+        if self.every_n_steps > 1:  # every step is due otherwise: the hook stays until the epoch's last batch
+            self._disarm()
         if pending is None or not inputs or not isinstance(output, Tensor):
             return
         targets, indices = pending
@@ -442,7 +443,7 @@ class GradientWeightAlignmentMonitor(Monitor):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._handle is not None:  # the head did not run in this batch's forward
+        if self._pending is not None:  # the head did not run in this batch's forward
             self._disarm()
             self._pending = None
             rank_zero_warn(
@@ -459,6 +460,10 @@ class GradientWeightAlignmentMonitor(Monitor):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._disarm()
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._disarm()
+        self._pending = None
+
     def _gather(self, trainer: pl.Trainer, packed: Tensor) -> Tensor:
         if trainer.world_size <= 1:
             return packed.unsqueeze(0)
@@ -468,6 +473,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         if self._finished or self._head is None or trainer.sanity_checking:
             return
         self._finished = True
+        self._disarm()  # no scoring in a validation loop that follows
         self._flush()
         epoch, step = trainer.current_epoch, trainer.global_step
         k = self.suspects
