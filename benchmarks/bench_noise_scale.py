@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -254,10 +255,13 @@ def cost(reps: int) -> tuple[list[list[str]], str]:
     for f in fns.values():  # warm up
         f()
     times: dict[str, list[float]] = {k: [] for k in fns}
+    order = list(fns)
+    rng = random.Random(0)
     for _ in range(reps):
-        for k, f in fns.items():
+        rng.shuffle(order)  # no step always runs right after another
+        for k in order:
             t0 = time.perf_counter()
-            f()
+            fns[k]()
             times[k].append(time.perf_counter() - t0)
     base_times = times["plain fwd+bwd"]
     base = statistics.median(base_times)
@@ -291,7 +295,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and steps")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    reps = 7 if args.quick else 21
+    reps = 7 if args.quick else 41
     steps, seeds = (300, 2) if args.quick else (600, 4)
 
     print("## 1. Exactness vs torch.func (max relative error per example, fp32)\n")
