@@ -229,6 +229,11 @@ def test_selection_rule_scratch_and_finetune() -> None:
     assert elig_s == [False] + [True] * 7 and scratch.best_epoch == 6  # 0.9 at epoch 0 is warm-up
     assert tune.dip_epoch == 2 and elig_t == [False] * 3 + [True] * 5 and tune.best_epoch == 6
     assert tune.wait == 1
+    # an undefined epoch (None) inside the dip: the minimum is the last defined epoch before the rise
+    gap = GradientWeightAlignmentMonitor(warmup_epochs=0, finetune=True)
+    for e, sc in enumerate([0.9, 0.5, None, 0.7]):
+        gap._select(e, sc)
+    assert gap.dip_epoch == 1 and gap.best_epoch == 3
     plain = GradientWeightAlignmentMonitor(warmup_epochs=0)
     plain._warmup_resolved = 0
     for e, s in enumerate(series):

@@ -152,6 +152,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         self.stopped_epoch: Optional[int] = None
         self._fell = False
         self._prev_score: Optional[float] = None
+        self._prev_epoch: Optional[int] = None
 
         # run state
         self._head_name: Optional[str] = None
@@ -178,6 +179,7 @@ class GradientWeightAlignmentMonitor(Monitor):
             stopped_epoch=self.stopped_epoch,
             fell=self._fell,
             prev_score=self._prev_score,
+            prev_epoch=self._prev_epoch,
         )
         return state
 
@@ -191,6 +193,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         self.stopped_epoch = state_dict.get("stopped_epoch")
         self._fell = bool(state_dict.get("fell", False))
         self._prev_score = state_dict.get("prev_score")
+        self._prev_epoch = state_dict.get("prev_epoch")
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -549,8 +552,8 @@ class GradientWeightAlignmentMonitor(Monitor):
                 if score < self._prev_score:
                     self._fell = True
                 elif score > self._prev_score and self._fell and self.dip_epoch is None:
-                    self.dip_epoch = epoch - 1
-            self._prev_score = score
+                    self.dip_epoch = self._prev_epoch
+            self._prev_score, self._prev_epoch = score, epoch
         eligible = epoch >= self._warmup_resolved and (not self.finetune or self.dip_epoch is not None)
         if not eligible:
             return False
