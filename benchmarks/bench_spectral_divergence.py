@@ -20,8 +20,14 @@ Definitions (all steps are optimizer steps, ``trainer.global_step`` of the batch
   rtol 2.0, atol None, finite_only True) re-implemented on the logged loss series: a non-finite loss, or
   a loss that is not below the previous accepted one and is >= 3x the running mean of the last 10
   accepted losses.
-* **grad-norm z-score step**: first step ``t >= 50`` (the monitor's warm-up) whose total gradient norm (before clipping) is more
-  than 5 standard deviations above the mean of the previous 50 steps' norms.
+* **grad-norm z-score step**: first step ``t >= 50`` (the monitor's warm-up) whose total gradient norm
+  (before clipping) is more than ``z`` standard deviations above the mean of the previous 50 steps'
+  norms; reported for ``z = 5`` (a common choice) and ``z = 8`` (the smallest integer without a false
+  alarm on the healthy runs here).
+* **loss-creep step** (a signal for DivergenceGuard to combine): first step ``t >= 50`` at which the
+  EMA of the loss (decay 0.9) exceeds 1.1x its lowest value since step 50.
+* **suite step**: the first of the SA monitor's alerts (any kind), the ``z = 8`` gradient-norm rule and
+  the loss-creep rule.
 * **lead**: explosion step minus alert step (positive: the alert came first).
 
 Run: ``/work/venv/bin/python benchmarks/bench_spectral_divergence.py`` (``--quick``: fewer settings).
@@ -221,6 +227,21 @@ def grad_z_step(gn: list[float], steps: list[int], window: int = 50, z: float = 
     return None
 
 
+def loss_creep_step(loss: list[float], steps: list[int], rise: float = 1.1, start: int = 50,
+                    decay: float = 0.9) -> Optional[int]:
+    ema: Optional[float] = None
+    low = float("inf")
+    for s, x in zip(steps, loss):
+        if not math.isfinite(x):
+            return s
+        ema = x if ema is None else decay * ema + (1 - decay) * x
+        if s >= start:
+            if ema > rise * low:
+                return s
+            low = min(low, ema)
+    return None
+
+
 def sa_replay(rows: list[dict], layers: list[str], stat: str, every: int, warmup: int,
               **kw: Any) -> dict[str, Optional[int]]:
     """The monitor's rules replayed offline on a recorded per-layer ``stat`` (a sign diversity) and
@@ -296,7 +317,11 @@ def analyse(res: dict[str, Any], every: int) -> dict[str, Any]:
     out["steps_run"] = len(rows)
     out["explosion"] = explosion_step(loss, steps)
     out["spike_detection"] = spike_detection_step(loss, steps)
-    out["grad_z"] = grad_z_step(gn, steps)
+    out["grad_z"] = grad_z_step(gn, steps, z=5.0, start=WARMUP)
+    out["grad_z8"] = grad_z_step(gn, steps, z=8.0, start=WARMUP)
+    out["loss_creep"] = loss_creep_step(loss, steps, start=WARMUP)
+    firsts = [x for x in (res["sa_first"], out["grad_z8"], out["loss_creep"]) if x is not None]
+    out["suite"] = min(firsts) if firsts else None
     out["final_loss"] = loss[-1]
     # variants, replayed at the monitor's cadence with the monitor's default rule
     for stat in ("D_out", "D_grad"):
@@ -350,7 +375,7 @@ def main() -> None:
             print(json.dumps({k: v for k, v in a.items() if k != "series"}), flush=True)
     print(f"\ntotal wall {time.perf_counter() - t0:.0f} s (monitor and recorder every step included)\n")
     cols = ["setting", "seed", "explosion", "sa_first", "sa_warning", "sa_critical", "sa_sigma", "spike_detection",
-            "grad_z", "collapse[D_out]", "collapse[D_grad]", "update_align"]
+            "grad_z", "grad_z8", "loss_creep", "suite", "collapse[D_out]", "collapse[D_grad]", "update_align"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for a, _ in results:

@@ -258,3 +258,21 @@ def test_subspace_keeps_the_sign_of_the_previous_vector_and_handles_zero():
     assert float(sigma) == 0 and torch.isfinite(v).all() and torch.all(u == 0)
     with pytest.raises(ValueError, match="basis0"):
         top_singular_subspace(w, torch.randn(7, 4))
+
+
+def test_batched_subspaces_equal_one_at_a_time():
+    from lightning_monitor.functional import top_singular_subspaces
+
+    ws = [gapped_matrix(32, 16, 0.8, seed=30), gapped_matrix(32, 16, 0.7, seed=31), gapped_matrix(16, 48, 0.9, seed=32),
+          gapped_matrix(32, 16, 0.6, seed=33).to(torch.bfloat16)]
+    bases = [None, top_singular_subspace(ws[1] + 0.01)[3], None, None]
+    batched = top_singular_subspaces(ws, bases, n_iter=4)
+    for w, b, (sigma, u, v, basis) in zip(ws, bases, batched):
+        s1, u1, v1, basis1 = top_singular_subspace(w, b, n_iter=4 if b is not None else None)
+        torch.testing.assert_close(sigma, s1, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v, v1, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(basis, basis1, rtol=1e-4, atol=1e-5)
+        s_ref, _, v_ref = svd_top(w.float())
+        assert abs(float(v.double() @ v_ref)) > 0.999
+    with pytest.raises(ValueError, match="basis0"):
+        top_singular_subspaces([ws[0]], [torch.randn(17, 4)], n_iter=2)

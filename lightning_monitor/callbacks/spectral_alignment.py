@@ -10,16 +10,23 @@ that saw those inputs) it computes per layer
 * the alignments ``a_t = cos(x_t, v_1)`` of the sampled rows with the top right singular vector;
 * ``sign_diversity`` ``D = 2 min(p, 1 - p)`` (``p``: fraction of positive ``a_t``) and ``mean_abs``.
 
-Collapse rule (model level, relative to each layer's own baseline). A layer's baseline is the median
-of its ``D`` over the last ``baseline_window`` checks at which it was not collapsed (the first
-``baseline_checks`` checks only build it). A layer is *eligible* when its baseline is at least
-``min_baseline``: layers whose inputs share a sign by nature (after GELU/ReLU) sit at ``D ~ 0`` in
-healthy training and are never counted. An eligible layer is *collapsed* when its ``D`` falls to
-``collapse_threshold`` or below. ``collapsed_fraction`` is the share of eligible layers collapsed. A
-``collapse`` condition is raised as a warning once ``collapsed_fraction >= warn_fraction`` has held
-for ``patience`` consecutive checks, and escalated to critical once it has held for
-``critical_patience`` consecutive checks (a critical alert makes a DivergenceGuard stop the run). It
-clears, with one info alert, at the first check below ``warn_fraction``.
+Rules (model level; every threshold is relative to the run's own history):
+
+* **collapse.** A layer's baseline is the median of its ``D`` over the last ``baseline_window``
+  checks outside a collapse; the first ``baseline_checks`` checks (after ``warmup_steps``) only build
+  it. A layer is *eligible* when its baseline is at least ``min_baseline``: layers whose inputs share
+  a sign by nature (after GELU/ReLU) sit at ``D ~ 0`` in healthy training and never count. The
+  condition holds at a check when ``collapsed_fraction`` (the share of eligible layers with
+  ``D <= collapse_threshold``) is at least ``warn_fraction``, or when ``diversity_ratio`` (the eligible
+  layers' mean ``D`` over the mean of their baselines) is at most ``1 - max_drop``. Held for
+  ``patience`` consecutive checks it raises a warning, held for ``critical_patience`` a critical alert
+  (which makes a DivergenceGuard stop the run); it clears, with one info alert, at the first check
+  where it does not hold.
+* **sigma_growth.** ``sigma_growth`` is the growth of the largest ``sigma_1`` over the monitored layers
+  per ``growth_window`` steps; at or above ``max_sigma_growth`` for ``patience`` consecutive checks it
+  raises a ``sigma_growth`` alert (``sigma_growth_severity``, a warning by default). Coherent inputs
+  make ``sigma_1`` grow step after step; in our benchmark this rule warned earliest on runs with
+  LayerNorm (see ``docs/spectral_alignment.md``).
 """
 
 from __future__ import annotations
@@ -34,10 +41,9 @@ from torch import Tensor, nn
 
 from lightning_monitor.callbacks.base import Monitor, _check_int
 from lightning_monitor.functional.spectral import (
-    COLD_ITERATIONS,
     sign_diversity,
     spectral_alignment,
-    top_singular_subspace,
+    top_singular_subspaces,
 )
 from lightning_monitor.probes.inputs import InputCapture
 from lightning_monitor.selection import as_patterns, select_modules
@@ -85,24 +91,29 @@ class SpectralAlignmentMonitor(Monitor):
             to keep every ``nn.Linear``.
         max_rows: input rows (tokens / samples) sampled at random per layer and check.
         n_iter: block power iterations per check, warm-started from the previous check's basis (the
-            first check runs ``COLD_ITERATIONS``).
+            first check runs ``COLD_BLOCK_ITERATIONS``, 30).
         n_vectors: size of the block of right singular directions tracked per layer (its first
             column is ``v_1``); a block finds a new top direction that overtakes the old one in a
             few iterations, where a single vector needs many (see ``top_singular_subspace``).
         baseline_checks: checks that only build each layer's baseline (no alert before).
-        baseline_window: the baseline is the median ``D`` of this many recent non-collapsed checks.
+        baseline_window: the baseline is the median ``D`` of this many recent checks outside a collapse.
         min_baseline: a layer counts only if its baseline ``D`` is at least this.
         collapse_threshold: an eligible layer with ``D`` at or below this is collapsed.
         warn_fraction: ``collapsed_fraction`` at or above which the collapse condition holds.
-        patience: consecutive checks the condition must hold before the warning.
-        critical_patience: consecutive checks before the critical alert (>= ``patience``).
+        max_drop: the collapse condition also holds when ``diversity_ratio <= 1 - max_drop``.
+        patience: consecutive checks a condition must hold before its (first) alert.
+        critical_patience: consecutive checks before the critical collapse alert (>= ``patience``).
+        growth_window: steps over which ``sigma_growth`` is expressed.
+        max_sigma_growth: ``sigma_growth`` at or above which the sigma_growth condition holds
+            (``None``: no such alert; ``sigma_growth`` is still logged).
+        sigma_growth_severity: severity of the sigma_growth alert.
         log_histograms: also send a histogram of each layer's alignments to TensorBoard.
         seed: seed of the row sampler (its own generator: the global RNG is not touched).
 
     Logged every check (``<layer>`` is the module's qualified name): ``sa/<layer>/sign_diversity``,
     ``sa/<layer>/mean_abs``, ``sa/<layer>/sigma``, ``sa/sign_diversity_mean``,
-    ``sa/collapsed_fraction``, ``sa/sigma_max``; with ``log_histograms`` the TensorBoard histogram
-    ``sa/<layer>/alignment``.
+    ``sa/collapsed_fraction``, ``sa/diversity_ratio``, ``sa/sigma_max``, ``sa/sigma_growth``; with
+    ``log_histograms`` the TensorBoard histogram ``sa/<layer>/alignment``.
 
     Example::
 
@@ -299,17 +310,14 @@ class SpectralAlignmentMonitor(Monitor):
         """Per-layer statistics on device (no host sync) and the alignments, from captured rows."""
         metrics: dict[str, Tensor] = {}
         alignments: dict[str, Tensor] = {}
-        for name, module in self.layers.items():
-            x = rows.get(name)
-            if x is None:
-                continue  # the layer did not run on this step
-            basis0 = self._vectors.get(name)
-            sigma, _, v, basis = top_singular_subspace(
-                module.weight, basis0, n_iter=self.n_iter if basis0 is not None else COLD_ITERATIONS,
-                n_vectors=self.n_vectors,
-            )
+        names = [n for n in self.layers if n in rows]  # layers that did not run this step are skipped
+        pairs = top_singular_subspaces(
+            [self.layers[n].weight for n in names], [self._vectors.get(n) for n in names],
+            n_iter=self.n_iter, n_vectors=self.n_vectors,
+        )
+        for name, (sigma, _, v, basis) in zip(names, pairs):
             self._vectors[name] = basis
-            a = spectral_alignment(x, v)
+            a = spectral_alignment(rows[name], v)
             alignments[name] = a
             metrics[self.key("sign_diversity", name)] = sign_diversity(a)
             metrics[self.key("mean_abs", name)] = a.abs().nanmean()

@@ -22,11 +22,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["top_singular_pair", "top_singular_subspace", "spectral_alignment", "sign_diversity"]
+__all__ = ["top_singular_pair", "top_singular_subspace", "top_singular_subspaces", "spectral_alignment", "sign_diversity"]
 
 #: Power iterations used without a warm start (``v0=None``) and with one, unless told otherwise.
 COLD_ITERATIONS = 100
 WARM_ITERATIONS = 4
+#: Block iterations without a warm start in :func:`top_singular_subspace` (the block converges faster).
+COLD_BLOCK_ITERATIONS = 30
+#: :func:`top_singular_subspaces` stacks at most this many weight elements per batch (64 MB in fp32).
+MAX_BATCH_ELEMENTS = 1 << 24
 
 
 def _as_matrix(weight: Tensor) -> Tensor:
@@ -113,7 +117,7 @@ def top_singular_pair(
     zeros_out = torch.zeros(n_out, dtype=w.dtype, device=w.device)
     for _ in range(n_iter):
         u = _unit(w @ v, zeros_out)
-        v = _unit(w.T @ u, v)
+        v = _unit(u @ w, v)  # = W^T u, without a transposed BLAS call (much slower on CPU)
     wv = w @ v
     sigma = torch.linalg.vector_norm(wv)
     u = _unit(wv, zeros_out)
@@ -137,7 +141,8 @@ def top_singular_subspace(
         weight: ``(out, in)`` (more dimensions are flattened to ``(out, -1)``); computed in fp32.
         basis0: ``(in, k)`` basis of the previous call (warm start), or ``(in,)`` a single vector, or
             ``None``.
-        n_iter: iterations; default ``WARM_ITERATIONS`` with ``basis0``, ``COLD_ITERATIONS`` without.
+        n_iter: iterations; default ``WARM_ITERATIONS`` (4) with ``basis0``, ``COLD_BLOCK_ITERATIONS`` (30)
+            without.
         n_vectors: ``k``, the block size (at most ``in``); ignored when ``basis0`` is ``(in, k)``.
 
     Returns:
@@ -148,20 +153,19 @@ def top_singular_subspace(
     if isinstance(n_vectors, bool) or not isinstance(n_vectors, int) or n_vectors < 1:
         raise ValueError(f"`n_vectors` must be an integer >= 1, got {n_vectors!r}.")
     if n_iter is None:
-        n_iter = WARM_ITERATIONS if basis0 is not None else COLD_ITERATIONS
+        n_iter = WARM_ITERATIONS if basis0 is not None else COLD_BLOCK_ITERATIONS
     if isinstance(n_iter, bool) or not isinstance(n_iter, int) or n_iter < 1:
         raise ValueError(f"`n_iter` must be an integer >= 1, got {n_iter!r}.")
     k = min(n_vectors, n_in)
     if basis0 is not None and basis0.dim() == 2:
         k = basis0.shape[1]
-    start = _start_vector(n_in, w.dtype, w.device, k)
     if basis0 is None:
-        basis = start
+        basis = _start_vector(n_in, w.dtype, w.device, k)
         previous = None
     else:
         b = basis0.detach().to(dtype=w.dtype, device=w.device)
-        if b.dim() == 1:
-            b = torch.cat([b[:, None], start[:, 1:]], dim=1) if b.shape[0] == n_in else b
+        if b.dim() == 1 and b.shape[0] == n_in:
+            b = torch.cat([b[:, None], _start_vector(n_in, w.dtype, w.device, k)[:, 1:]], dim=1)
         if b.dim() != 2 or b.shape[0] != n_in:
             raise ValueError(
                 f"`basis0` must have shape ({n_in}, k) or ({n_in},) (the weight's in_features), got "
@@ -170,27 +174,97 @@ def top_singular_subspace(
         b = torch.where(torch.isfinite(b), b, torch.zeros_like(b))
         previous = _unit(b[:, 0], torch.zeros_like(b[:, 0]))
         basis = _orthonormalize(b)
+    sigma, u, v, basis = _block_iteration(w[None], basis[None], None if previous is None else previous[None], n_iter)
+    return sigma[0], u[0], v[0], basis[0]
+
+
+def _unit_rows(x: Tensor, fallback: Tensor) -> Tensor:
+    """Each row of ``x`` (``(B, n)``) normalised, or the row of ``fallback`` where it is zero/non-finite."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    ok = torch.isfinite(norm) & (norm > torch.finfo(x.dtype).tiny)
+    return torch.where(ok, x / torch.where(ok, norm, torch.ones_like(norm)), fallback)
+
+
+def _block_iteration(
+    w: Tensor, basis: Tensor, previous: Optional[Tensor], n_iter: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Batched core of :func:`top_singular_subspace`: ``w`` ``(B, out, in)``, ``basis`` ``(B, in, k)``
+    orthonormal, ``previous`` ``(B, in)`` sign references or ``None``. Returns ``sigma (B,)``,
+    ``u (B, out)``, ``v (B, in)`` and the rotated basis ``(B, in, k)`` whose first column is ``v``."""
+    n_batch, n_out, _ = w.shape
+    k = basis.shape[-1]
     for _ in range(n_iter):
-        basis = _orthonormalize(w.T @ (w @ basis))
-    # Rayleigh-Ritz: top eigenvector of the k x k Gram matrix by repeated squaring
+        # W^T W V, written (W V)^T W: a transposed BLAS call is much slower on CPU
+        basis = _orthonormalize(((w @ basis).transpose(1, 2) @ w).transpose(1, 2))
+    # Rayleigh-Ritz: top eigenvector of the k x k Gram matrix by repeated squaring (no eigensolver)
     wb = w @ basis
-    gram = wb.T @ wb
+    gram = wb.transpose(1, 2) @ wb
+    tiny = torch.finfo(w.dtype).tiny
     for _ in range(12):
-        gram = gram / torch.diagonal(gram).sum().clamp_min(torch.finfo(w.dtype).tiny)
+        gram = gram / torch.diagonal(gram, dim1=1, dim2=2).sum(-1).clamp_min(tiny)[:, None, None]
         gram = gram @ gram
-    col = torch.argmax(torch.diagonal(gram))
-    q = _unit(gram.index_select(1, col.reshape(1)).reshape(-1), torch.eye(k, dtype=w.dtype, device=w.device)[0])
-    if previous is not None:  # keep the sign of the previous call's vector where it is defined
-        q = torch.where(previous @ (basis @ q) < 0, -q, q)
-    v = basis @ q
-    wv = w @ v
-    sigma = torch.linalg.vector_norm(wv)
-    u = _unit(wv, torch.zeros(n_out, dtype=w.dtype, device=w.device))
-    # rotate the basis so that its first column is v (the sign reference of the next call)
+    col = torch.argmax(torch.diagonal(gram, dim1=1, dim2=2), dim=-1)  # (B,)
     eye = torch.eye(k, dtype=w.dtype, device=w.device)
-    rot = _orthonormalize(torch.cat([q[:, None], eye[:, : k - 1]], dim=1))  # k x k orthogonal, first column +-q
-    rot = rot * torch.where(rot[:, 0] @ q < 0, -1.0, 1.0)
+    q = torch.gather(gram, 2, col[:, None, None].expand(n_batch, k, 1))[..., 0]
+    q = _unit_rows(q, eye[0].expand(n_batch, k))
+    if previous is not None:  # keep the sign of the previous call's vector where it is defined
+        flip = ((basis @ q[..., None])[..., 0] * previous).sum(-1, keepdim=True) < 0
+        q = torch.where(flip, -q, q)
+    v = (basis @ q[..., None])[..., 0]
+    wv = (w @ v[..., None])[..., 0]
+    sigma = torch.linalg.vector_norm(wv, dim=-1)
+    u = _unit_rows(wv, torch.zeros(n_batch, n_out, dtype=w.dtype, device=w.device))
+    # rotate the basis so that its first column is v (the sign reference of the next call)
+    rot = _orthonormalize(torch.cat([q[..., None], eye[:, : k - 1].expand(n_batch, k, k - 1)], dim=2))
+    rot = rot * torch.where((rot[:, :, 0] * q).sum(-1) < 0, -1.0, 1.0)[:, None, None]
     return sigma, u, v, basis @ rot
+
+
+def top_singular_subspaces(
+    weights: list[Tensor], bases0: list[Optional[Tensor]], n_iter: int, n_vectors: int = 4
+) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """:func:`top_singular_subspace` of several weights, batched: weights of one shape, dtype and
+    device whose ``basis0`` are all given (or all ``None``) run as one batch of matrix products
+    (``max_batch_elements`` bounds the stacked copy). Same results as calling it one weight at a time.
+
+    Args:
+        weights: list of ``(out, in)`` weights.
+        bases0: for each weight, its previous basis ``(in, k)`` or ``None``.
+        n_iter: iterations for warm-started weights (cold ones run ``COLD_BLOCK_ITERATIONS``).
+        n_vectors: block size for cold starts.
+    """
+    if len(weights) != len(bases0):
+        raise ValueError("`weights` and `bases0` must have the same length.")
+    mats = [_as_matrix(w) for w in weights]
+    groups: dict[tuple, list[int]] = {}
+    for i, (w, b) in enumerate(zip(mats, bases0)):
+        k = b.shape[-1] if b is not None and b.dim() == 2 else min(n_vectors, w.shape[1])
+        groups.setdefault((tuple(w.shape), w.dtype, w.device, b is None, k), []).append(i)
+    out: list[Optional[tuple[Tensor, Tensor, Tensor, Tensor]]] = [None] * len(mats)
+    for (shape, dtype, device, cold, k), idx in groups.items():
+        per = max(1, MAX_BATCH_ELEMENTS // (shape[0] * shape[1]))
+        for start in range(0, len(idx), per):
+            chunk = idx[start : start + per]
+            w = torch.stack([mats[i] for i in chunk])
+            if cold:
+                basis = _start_vector(shape[1], dtype, device, k).expand(len(chunk), shape[1], k)
+                previous = None
+                iters = COLD_BLOCK_ITERATIONS
+            else:
+                b = torch.stack([bases0[i].detach().to(dtype=dtype, device=device) for i in chunk])  # type: ignore[union-attr]
+                if b.shape[1] != shape[1]:
+                    raise ValueError(
+                        f"a `basis0` of shape {tuple(b.shape[1:])} does not fit a weight of shape {shape}; pass "
+                        "the basis returned for that weight, or None."
+                    )
+                b = torch.where(torch.isfinite(b), b, torch.zeros_like(b))
+                previous = _unit_rows(b[:, :, 0], torch.zeros_like(b[:, :, 0]))
+                basis = _orthonormalize(b)
+                iters = n_iter
+            sigma, u, v, basis = _block_iteration(w, basis, previous, iters)
+            for j, i in enumerate(chunk):
+                out[i] = (sigma[j], u[j], v[j], basis[j])
+    return out  # type: ignore[return-value]
 
 
 def spectral_alignment(inputs: Tensor, v: Tensor) -> Tensor:
