@@ -312,6 +312,18 @@ def test_accumulates_over_backward_passes_and_reset() -> None:
         probe.squared_norms()
 
 
+def test_memory_cap_falls_back_to_gram_and_stays_exact() -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    x, y = torch.randint(0, 11, (4, 7)), torch.randint(0, 11, (4, 7))
+    with PerExampleGradNorms(model, max_fused_bytes=0):
+        assert all("forward" in m.__dict__ for m in model.modules() if isinstance(m, nn.Linear))
+    probe = check(model, ce_seq, x, y, max_fused_bytes=0)  # no fused layer, no materialised copy
+    assert probe.uncovered == []
+    cnn = CNN()
+    check(cnn, F.cross_entropy, torch.randn(5, 3, 8, 8), torch.randint(0, 5, (5,)), max_fused_bytes=0)
+
+
 def test_fused_linear_gives_the_same_gradients() -> None:
     torch.manual_seed(0)
     model = TinyTransformer()

@@ -598,6 +598,9 @@ class PerExampleGradNorms:
                 self._outstanding[pid] += 1
             batch = args[0].shape[0]
             strategy = "auto" if self.linear_strategy == "fused" else self.linear_strategy
+            weight = getattr(mod, "weight", None)
+            if strategy == "auto" and isinstance(weight, Tensor) and 4 * batch * weight.numel() > self.max_fused_bytes:
+                strategy = "gram"  # materialising B copies of the weight would exceed the memory cap
 
             def grad_hook(grad: Tensor) -> None:
                 with torch.no_grad():
