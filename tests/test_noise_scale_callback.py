@@ -10,7 +10,6 @@ import sys
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
@@ -99,6 +98,19 @@ def test_gpt_fit_logs_keys_to_tensorboard(tmp_path) -> None:
     # the position embedding's input is broadcast over the batch: reported, not mixed in
     assert "model.pos_emb.weight" in mon._probe.uncovered
     assert not any(m._forward_hooks for m in module.modules())  # detached after the run
+
+
+def test_include_restricts_hooks_and_layer_keys(tmp_path) -> None:
+    from gpt import GPTConfig, GPTModule, make_loader
+
+    torch.manual_seed(0)
+    module = GPTModule(GPTConfig(n_layer=1, n_head=2, d_model=16, block_size=8), lr=1e-3)
+    loader = make_loader("prose", block_size=8, batch_size=4, n_samples=16, seed=0)
+    mon = GradientNoiseScaleMonitor(every_n_steps=1, include="model.blocks.0.mlp.*")
+    trainer, lg = fit(module, [mon], tmp_path, loader, max_steps=2)
+    assert set(mon._probe.modules()) == {"model.blocks.0.mlp.up_proj", "model.blocks.0.mlp.down_proj"}
+    layer_keys = {k for k in scalars(lg.log_dir) if k.startswith("gns/") and k.count("/") == 2}
+    assert layer_keys == {"gns/model.blocks.0.mlp.up_proj/b_simple", "gns/model.blocks.0.mlp.down_proj/b_simple"}
 
 
 def test_regression_b_simple_and_alerts(tmp_path) -> None:
