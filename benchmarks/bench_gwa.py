@@ -282,7 +282,8 @@ def isolated_step_cost(args, batch_size: int, blocks: int = 15, n: int = 400) ->
     diffs = []
     for block in range(blocks):
         t = {}
-        for name, fn in ((("plain", plain), ("armed", armed)) if block % 2 == 0 else (("armed", armed), ("plain", plain))):
+        order = (("plain", plain), ("armed", armed))
+        for name, fn in order if block % 2 == 0 else order[::-1]:
             gwa._disarm()
             t0 = time.perf_counter()
             for _ in range(n):
@@ -340,7 +341,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="1 seed, fewer epochs and repetitions")
     p.add_argument("--overhead-only", action="store_true", help="skip the selection runs")
     p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
-    p.add_argument("--opt", choices=["adam", "sgd"], default="adam", help="adam (lr 1e-3) or sgd (lr 0.05, momentum 0.9, wd 5e-4)")
+    p.add_argument(
+        "--opt", choices=["adam", "sgd"], default="adam", help="adam (lr 1e-3) or sgd (lr 0.05, momentum 0.9, wd 5e-4)"
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=32)

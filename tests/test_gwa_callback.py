@@ -159,7 +159,9 @@ def test_checkpoint_with_validation_loop_sees_this_epochs_score(tmp_path) -> Non
     loader, _ = _loader()
     val, _ = _loader(200, shuffle=False)
     gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, histogram=False)
-    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor="gwa/score", mode="max", filename="{epoch}", save_top_k=-1)
+    ckpt = ModelCheckpoint(
+        dirpath=str(tmp_path / "ckpt"), monitor="gwa/score", mode="max", filename="{epoch}", save_top_k=-1
+    )
     csv_logger = CSVLogger(str(tmp_path), name="csv")
     trainer = _trainer(tmp_path, csv_logger, [gwa, ckpt], max_epochs=4, num_sanity_val_steps=0)
     trainer.fit(model, loader, val)

@@ -52,11 +52,12 @@ class GradientWeightAlignmentMonitor(Monitor):
 
     **Per step** (every due step, see ``every_n_steps``): a forward hook on the classifier head
     (the ``nn.Linear`` producing the logits) reads its input features ``z`` and logits from the
-    step's own forward pass (no extra pass) and scores each sample (each token for ``[B, T, C]``
-    logits) by :math:`\gamma_i = \cos(-\nabla_W \ell_i, W)`
-    (:func:`~lightning_monitor.functional.gwa_scores`, closed form, a few small kernels). Scores
-    stay on the device; they are folded into float64 moments, a fixed-bin histogram, a count of
-    negative scores and the ``suspects`` most negative ones every 65k scores and at epoch end.
+    step's own forward pass (no extra pass) and keeps them with ``W z = logits - bias`` and
+    ``||W||_F`` of that step (two small kernels). Every 2^20 kept elements and at epoch end, on the
+    device and without a host sync, each sample (each token for ``[B, T, C]`` logits) is scored by
+    :math:`\gamma_i = \cos(-\nabla_W \ell_i, W)` (closed form, see
+    :func:`~lightning_monitor.functional.gwa_scores`) and folded into float64 moments, a fixed-bin
+    histogram, a count of negative scores and the ``suspects`` most negative samples.
 
     **Per epoch** (at the end of the last training batch, so before an end-of-epoch validation and
     its checkpoint): the moments are reduced across ranks, ``GWA = mean / (excess kurtosis + 1.2)``
@@ -287,7 +288,9 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._reset_epoch(pl_module.device)
 
     # ------------------------------------------------------------------ per step
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._head is None or not self.is_due(trainer.global_step):
             return
         targets = self.target_fn(batch)
