@@ -381,3 +381,17 @@ def test_only_head_linear_gives_clear_error():
 def test_bad_arguments_fail_in_constructor(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         SpectralAlignmentMonitor(**kwargs)
+
+
+@pytest.mark.parametrize("escalate", [True, False])
+def test_collapse_with_sigma_growth_escalates_early(escalate):
+    mon, fired = _rule_monitor(baseline_checks=2, patience=2, critical_patience=10, growth_window=1,
+                               max_sigma_growth=1.5, escalate_on_growth=escalate)
+    for step in range(4):
+        mon._update_rule(step, {"a": 0.9, "b": 0.9}, {"a": 1.0, "b": 1.0})
+    for step in range(4, 8):  # collapse and sigma doubling every step, together
+        mon._update_rule(step, {"a": 0.0, "b": 0.0}, {"a": 2.0 ** (step - 3), "b": 1.0})
+    collapse = [(s, sev) for s, kind, act, sev in fired if act and kind == "collapse"]  # every active check
+    assert collapse[0] == ((5, "critical") if escalate else (5, "warning"))
+    assert {sev for _, sev in collapse} == ({"critical"} if escalate else {"warning"})
+    assert [s for s, kind, act, sev in fired if act and kind == "sigma_growth"][0] == 5

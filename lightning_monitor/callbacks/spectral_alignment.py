@@ -107,6 +107,9 @@ class SpectralAlignmentMonitor(Monitor):
         max_sigma_growth: ``sigma_growth`` at or above which the sigma_growth condition holds
             (``None``: no such alert; ``sigma_growth`` is still logged).
         sigma_growth_severity: severity of the sigma_growth alert.
+        escalate_on_growth: raise the critical collapse alert as soon as the collapse and the
+            sigma_growth conditions have both held ``patience`` checks (two SA signals agreeing),
+            without waiting for ``critical_patience``.
         log_histograms: also send a histogram of each layer's alignments to TensorBoard.
         seed: seed of the row sampler (its own generator: the global RNG is not touched).
 
@@ -143,6 +146,7 @@ class SpectralAlignmentMonitor(Monitor):
         growth_window: int = 25,
         max_sigma_growth: Optional[float] = 1.35,
         sigma_growth_severity: str = "warning",
+        escalate_on_growth: bool = True,
         log_histograms: bool = False,
         seed: int = 0,
     ) -> None:
@@ -179,6 +183,7 @@ class SpectralAlignmentMonitor(Monitor):
         if sigma_growth_severity not in ("info", "warning", "critical"):
             raise ValueError(f"`sigma_growth_severity` must be 'info', 'warning' or 'critical', got {sigma_growth_severity!r}.")
         self.sigma_growth_severity = sigma_growth_severity
+        self.escalate_on_growth = bool(escalate_on_growth)
         self.patience = _check_int("patience", patience, 1)
         self.critical_patience = _check_int("critical_patience", critical_patience, 1)
         if self.critical_patience < self.patience:
@@ -418,10 +423,14 @@ class SpectralAlignmentMonitor(Monitor):
             f"(sign diversity <= {self.collapse_threshold}); mean sign diversity of those layers at "
             f"{ratio:.0%} of its baseline (mean over all layers {mean_d:.2f})"
         )
-        if self._streak >= self.critical_patience:
+        if self.max_sigma_growth is not None:
+            self._growth_streak = self._growth_streak + 1 if growth >= self.max_sigma_growth else 0
+        both = self._streak >= self.patience and self._growth_streak >= self.patience
+        if self._streak >= self.critical_patience or (self.escalate_on_growth and both):
+            growing = f" while the top singular value grows {growth:.2f}x per {self.growth_window} steps" if both else ""
             self.condition(
                 step, "collapse", True, "critical",
-                f"Spectral alignment collapse for {self._streak} checks in a row: {what}. A loss explosion is "
+                f"Spectral alignment collapse for {self._streak} checks in a row{growing}: {what}. A loss explosion is "
                 "likely: lower the learning rate or restore the last good checkpoint.",
                 value=fraction, threshold=self.warn_fraction,
             )
@@ -440,7 +449,6 @@ class SpectralAlignmentMonitor(Monitor):
             )
         if self.max_sigma_growth is not None:
             growing = growth >= self.max_sigma_growth
-            self._growth_streak = self._growth_streak + 1 if growing else 0
             if self._growth_streak >= self.patience:
                 self.condition(
                     step, "sigma_growth", True, self.sigma_growth_severity,
