@@ -142,6 +142,7 @@ class GradientEarlyStopping(Monitor):
         self._snapshot: dict[str, Tensor] = {}
         self._snapshot_step: Optional[int] = None
         self._last_step: Optional[int] = None
+        self._saved_names: list[str] = []
 
     # ------------------------------------------------------------------ identity / state
     @property
@@ -196,7 +197,7 @@ class GradientEarlyStopping(Monitor):
             self._apply_frozen(optimizers=())
 
     def _check_saved_names(self) -> None:
-        saved = getattr(self, "_saved_names", None)
+        saved = self._saved_names
         if saved and saved != self._names:
             raise ValueError(
                 "GradientEarlyStopping: the checkpoint was written for other components "
@@ -314,8 +315,11 @@ class GradientEarlyStopping(Monitor):
             self._ref_sum = self._ref_sum + torch.where(finite, full, torch.zeros_like(full))
             self._ref_cnt = self._ref_cnt + finite.float()
             self._n_ref_checks += 1
-        smoothed = full if self._smoothed is None else torch.where(
-            finite, ema_update(self._smoothed, full, self.smoothing), self._smoothed)
+        if self._smoothed is None:
+            smoothed = full
+        else:  # a component without a value yet starts its EMA at its first finite value
+            ema = torch.where(torch.isfinite(self._smoothed), ema_update(self._smoothed, full, self.smoothing), full)
+            smoothed = torch.where(finite, ema, self._smoothed)
         self._smoothed = smoothed
         reference = self.reference() if self.threshold == "relative" else None
         decide = step >= (self.grace_end or 0) and (
