@@ -363,9 +363,22 @@ def test_default_target_fn_rejects_unknown_batch(tmp_path) -> None:
 
 def test_soft_targets_and_too_few_samples(tmp_path) -> None:
     loader, _ = _loader(100, batch_size=50)
-    soft = GradientWeightAlignmentMonitor(target_fn=lambda b: F.one_hot(b[1], 10).float() * 0.9 + 0.01, warmup_epochs=0)
-    _trainer(tmp_path, False, [soft], max_epochs=1).fit(DigitsMLP(record=False), loader)
+    soft = GradientWeightAlignmentMonitor(
+        target_fn=lambda b: F.one_hot(b[1], 10).float() * 0.9 + 0.01,
+        warmup_epochs=0,
+        index_fn=lambda b: b[2],
+        suspects=3,
+    )
+    logger = CSVLogger(str(tmp_path), name="soft")
+    _trainer(tmp_path, logger, [soft], max_epochs=1).fit(DigitsMLP(record=False), loader)
     assert soft.history[0]["count"] == 100 and math.isfinite(soft.history[0]["score"])
+    with open(os.path.join(logger.log_dir, SUSPECTS_FILENAME)) as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 3 and all(r["target"] == "" and r["position"] == "" for r in rows)
+    # suspects=0 with an index_fn: nothing kept, nothing written
+    none = GradientWeightAlignmentMonitor(warmup_epochs=0, index_fn=lambda b: b[2], suspects=0)
+    _trainer(tmp_path, False, [none], max_epochs=1).fit(DigitsMLP(record=False), loader)
+    assert math.isfinite(none.history[0]["score"])
 
     tiny, _ = _loader(3, batch_size=3)
     few = GradientWeightAlignmentMonitor(warmup_epochs=0)

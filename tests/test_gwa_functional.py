@@ -217,3 +217,12 @@ def test_undefined_cases_are_nan_never_garbage() -> None:
     acc = GWAMoments()
     acc.update(x)
     assert int(acc.count) == 5
+
+
+def test_docstring_examples() -> None:
+    import doctest
+
+    import lightning_monitor.functional.gwa as module
+
+    result = doctest.testmod(module)
+    assert result.attempted >= 3 and result.failed == 0

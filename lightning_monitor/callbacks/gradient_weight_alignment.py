@@ -491,7 +491,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         negative = float(rows[:, 5].sum())
         lo, hi = float(rows[:, 6].min()), float(rows[:, 7].max())
         hist = rows[:, 8 : 8 + _HIST_BINS].sum(0)
-        top = rows[:, 8 + _HIST_BINS :].reshape(-1, 5, k).permute(1, 0, 2).reshape(5, -1)
+        top = rows[:, 8 + _HIST_BINS :].reshape(rows.shape[0], 5, k).permute(1, 0, 2).reshape(5, -1)
         acc = GWAMoments(torch.device("cpu"))
         acc.merge(state)
         stats = acc.compute(GWA_OFFSET, min_count=_MIN_SAMPLES)
