@@ -481,3 +481,22 @@ def test_ddp_moments_and_stop_decision_are_reduced(tmp_path) -> None:
         assert rec["count"] == len(both) == 400
         assert rec["score"] == pytest.approx(_scipy_gwa(both), rel=1e-4, abs=1e-6)
         assert rec["negative"] == int((both < 0).sum())
+
+
+def test_bf16_autocast_recomputes_wz_in_fp32(tmp_path) -> None:
+    torch.manual_seed(6)
+    model = DigitsMLP(record=False)
+    loader, _ = _loader(200, batch_size=50)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, histogram=False)
+    _trainer(tmp_path, False, [gwa], max_epochs=1, precision="bf16-mixed").fit(model, loader)
+    rec = gwa.history[0]
+    assert rec["count"] == 200 and math.isfinite(rec["score"]) and -1 <= rec["mean"] <= 1
+    # the kept W z is float32 even though the head ran in bfloat16
+    x = torch.randn(4, 64)
+    gwa._reset_epoch(None)
+    gwa._pending = (torch.zeros(4, dtype=torch.long), None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        gwa._handle = model.fc.register_forward_hook(gwa._on_head_forward)
+        out = model(x)
+    assert out.dtype == torch.bfloat16 and gwa._stash[0][1].dtype == torch.float32
+    gwa._disarm()

@@ -226,3 +226,17 @@ def test_docstring_examples() -> None:
 
     result = doctest.testmod(module)
     assert result.attempted >= 3 and result.failed == 0
+
+
+def test_scores_under_autocast_stay_float32() -> None:
+    torch.manual_seed(7)
+    head = torch.nn.Linear(16, 5)
+    z = torch.randn(20, 16)
+    y = torch.randint(0, 5, (20,))
+    with torch.no_grad():
+        logits = head(z)
+    expected = gwa_scores(z, logits, y, head.weight)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = gwa_scores(z, logits, y, head.weight)
+    assert inside.dtype == torch.float32
+    torch.testing.assert_close(inside, expected)

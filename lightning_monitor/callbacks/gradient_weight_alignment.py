@@ -325,17 +325,19 @@ class GradientWeightAlignmentMonitor(Monitor):
             # W z from the logits themselves (an nn.Linear: logits = W z + b)
             wz = out if module.bias is None else out - module.bias.detach()
             w_norm = w.norm()
-        else:  # reduced precision (autocast): W z again in float32
-            w32 = w.float()
-            wz = z.float() @ w32.T
-            w_norm = w32.norm()
+        else:  # reduced precision (autocast): W z again in float32, with autocast off
+            with torch.autocast(device_type=z.device.type, enabled=False):
+                w32 = w.float()
+                wz = z.float() @ w32.T
+                w_norm = w32.norm()
         if self._stash and self._stash[-1][3].is_floating_point() != targets.is_floating_point():
             self._flush()
         self._stash.append((z, wz, out, targets, w_norm, indices))
         self._stashed += out.numel() + z.numel()
         self._scored_steps += 1
         if self._stashed >= _FLUSH_ELEMENTS:
-            self._flush()
+            with torch.autocast(device_type=z.device.type, enabled=False):
+                self._flush()
 
     def _conform_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
         """Targets on the logits' device with their leading shape; checks once with one host sync."""

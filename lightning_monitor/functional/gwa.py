@@ -130,9 +130,10 @@ def gwa_scores(
             f"{tuple(targets.shape)}."
         )
     dtype = torch.promote_types(logits.dtype, torch.float32)  # fp16/bf16 -> fp32, fp64 stays
-    z = features.detach().to(dtype)
-    w = weight.detach().to(dtype)
-    return alignment_from_parts(z, z @ w.T, logits, targets, w.norm(), ignore_index=ignore_index, eps=eps)
+    with torch.autocast(device_type=features.device.type, enabled=False):  # W z in fp32 under autocast too
+        z = features.detach().to(dtype)
+        w = weight.detach().to(dtype)
+        return alignment_from_parts(z, z @ w.T, logits, targets, w.norm(), ignore_index=ignore_index, eps=eps)
 
 
 def alignment_from_parts(
