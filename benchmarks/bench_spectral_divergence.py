@@ -304,7 +304,7 @@ def run(setting: Setting, seed: int, every: int, steps_override: Optional[int] =
                      and (severity is None or a.severity == severity)), None)
 
     return {"setting": setting.name, "healthy": setting.healthy, "seed": seed, "rows": rec.rows,
-            "layers": list(layers), "sa_first": first(), "sa_warning": first("collapse", "warning"),
+            "layers": list(layers), "sa_first": first(), "sa_warning": first("collapse"),
             "sa_critical": first("collapse", "critical"), "sa_sigma": first("sigma_growth"), "wall_s": wall}
 
 

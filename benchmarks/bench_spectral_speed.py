@@ -142,6 +142,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, 1024x4096 only")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=None, help="training repetitions of each kind [3; 2 with --quick]")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -154,10 +155,10 @@ def main() -> None:
         r = bench_svd(shape, reps, n_iter=4)
         m = r["med"]
         print(f"| {shape[0]}x{shape[1]} | {r['gap']:.2f} | {m['svd']:.3f} | {m['pair']:.4f} | {m['svd'] / m['pair']:.0f}x | "
-              f"{1 - r['cos']['pair']:.1e} | {m['block']:.4f} | {m['svd'] / m['block']:.0f}x | {1 - r['cos']['block']:.1e} |", flush=True)
+              f"{abs(1 - r['cos']['pair']):.1e} | {m['block']:.4f} | {m['svd'] / m['block']:.0f}x | {abs(1 - r['cos']['block']):.1e} |", flush=True)
 
     steps, every = (200, 50) if args.quick else (400, 50)
-    reps = 2 if args.quick else 3
+    reps = args.reps or (2 if args.quick else 3)
     base, with_mon, inside, warm_checks, cold_checks = [], [], [], [], []
     mon = None
     for rep in range(reps):  # interleaved, alternating which goes first
