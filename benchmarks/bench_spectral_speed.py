@@ -37,7 +37,6 @@ from gpt import GPTConfig, GPTModule, make_loader  # noqa: E402
 
 from lightning_monitor import SpectralAlignmentMonitor  # noqa: E402
 from lightning_monitor.functional.spectral import top_singular_pair, top_singular_subspace  # noqa: E402
-from lightning_monitor.probes.inputs import InputCapture  # noqa: E402
 
 warnings.filterwarnings("ignore")
 

@@ -395,3 +395,36 @@ def test_collapse_with_sigma_growth_escalates_early(escalate):
     assert collapse[0] == ((5, "critical") if escalate else (5, "warning"))
     assert {sev for _, sev in collapse} == ({"critical"} if escalate else {"warning"})
     assert [s for s, kind, act, sev in fired if act and kind == "sigma_growth"][0] == 5
+
+
+# ----------------------------------------------------------------------------- input capture probe
+def test_input_capture_bounded_detached_first_call_only_and_global_rng_untouched():
+    from lightning_monitor.probes.inputs import InputCapture
+
+    lin = nn.Linear(6, 3)
+    cap = InputCapture({"lin": lin}, max_rows=10, seed=1)
+    x = torch.randn(4, 7, 6, requires_grad=True)
+    lin(x)
+    assert cap.take() == {}  # not armed: nothing recorded, no hook
+    assert len(lin._forward_pre_hooks) == 0
+    cap.arm()
+    cap.arm()  # idempotent
+    assert len(lin._forward_pre_hooks) == 1
+    state = torch.get_rng_state()
+    lin(x)
+    assert torch.equal(state, torch.get_rng_state())  # the sampler has its own generator
+    assert len(lin._forward_pre_hooks) == 0  # one-shot
+    lin(x + 100.0)  # a second call (accumulation, recomputation) is not recorded
+    rows = cap.take()["lin"]
+    assert rows.shape == (10, 6) and not rows.requires_grad
+    flat = x.detach().reshape(-1, 6)
+    # every sampled row is a distinct row of the first call's input
+    matches = [(flat == r).all(dim=1).nonzero().flatten().tolist() for r in rows]
+    assert all(len(m) == 1 for m in matches) and len({m[0] for m in matches}) == 10
+    assert cap.take() == {}  # released after use
+    small = InputCapture({"lin": lin}, max_rows=100)
+    small.arm()
+    lin(x)
+    torch.testing.assert_close(small.take()["lin"], flat)  # fewer rows than max_rows: all of them
+    with pytest.raises(ValueError, match="max_rows"):
+        InputCapture({"lin": lin}, max_rows=0)
