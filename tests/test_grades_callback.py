@@ -202,6 +202,14 @@ def test_stops_when_all_components_are_frozen(tmp_path: Path) -> None:
     assert _csv_rows(logger)[4]["grades/frozen_fraction"] == 1.0
 
 
+def test_grace_fraction_of_the_planned_steps(tmp_path: Path) -> None:
+    cb = GradientEarlyStopping(tau=1e6, every_n_steps=2, grace_fraction=0.25)
+    trainer = _trainer(tmp_path, [cb], max_steps=20)
+    trainer.fit(_module(), _loader())
+    assert cb.grace_end == 5  # 25% of max_steps=20
+    assert set(cb.frozen.values()) == {6} and trainer.global_step == 7  # first check at or after step 5
+
+
 def test_max_frozen_ratio_stops_early(tmp_path: Path) -> None:
     # every component is under an absolute tau of 1e6 at the first decision: 1.0 >= 0.5 stops the run
     cb = GradientEarlyStopping(tau=1e6, threshold="absolute", every_n_steps=1, grace_steps=2, max_frozen_ratio=0.5)
