@@ -70,7 +70,11 @@ class DivergenceGuard(Monitor):
     * a non-finite loss or gradient -> ``nonfinite`` (critical);
     * a loss above its recent history -> ``loss_spike`` (warning), and ``loss_explosion`` (critical)
       when ``patience`` consecutive steps stay above;
-    * the same for :math:`\log` of the gradient norm -> ``grad_spike`` / ``grad_explosion``.
+    * the same for :math:`\log` of the gradient norm -> ``grad_spike`` / ``grad_explosion``;
+    * the loss EMA (``creep_beta``) risen ``creep`` (relative) above its lowest value -> ``loss_creep``
+      (warning): the slow road to an explosion that no single step reveals;
+    * one of these warnings of the guard's own while another monitor's warning holds (e.g. a
+      spectral-alignment collapse or a sigma_1 growth) -> ``corroborated`` (critical).
 
     "Above its history" is a robust z-score (median and MAD of the last ``window`` normal values, see
     :func:`lightning_monitor.functional.robust.robust_zscore`) over ``z_threshold``, after ``warmup_steps``
@@ -98,8 +102,12 @@ class DivergenceGuard(Monitor):
         loss_rel_floor: the loss deviation scale is at least this fraction of its median (so a loss
             that plateaus perfectly does not alarm on a 0.1% wobble).
         grad_rel_floor: the same floor for log gradient norm deviations (absolute, in log units).
+        creep: relative rise of the loss EMA over its minimum that raises ``loss_creep`` (``None``: off).
+        creep_beta: decay of that EMA, per step.
         zero_nonfinite_grads: zero non-finite gradients on the device every step.
         act_on_alerts: stop on critical alerts of other monitors too.
+        corroborate: raise ``corroborated`` (critical) when a warning of the guard and a warning of another
+            monitor hold at the same time.
         dirpath: where the stop checkpoint goes (default: the ModelCheckpoint's ``dirpath`` if any,
             else ``<log_dir>/checkpoints``).
     """
@@ -116,8 +124,11 @@ class DivergenceGuard(Monitor):
         patience: int = 3,
         loss_rel_floor: float = 0.02,
         grad_rel_floor: float = 0.05,
+        creep: Optional[float] = 0.1,
+        creep_beta: float = 0.9,
         zero_nonfinite_grads: bool = True,
         act_on_alerts: bool = True,
+        corroborate: bool = True,
         dirpath: Optional[str] = None,
     ) -> None:
         super().__init__(every_n_steps=check_every_n_steps, warmup_steps=0)
@@ -130,6 +141,10 @@ class DivergenceGuard(Monitor):
             raise ValueError(f"`warmup_steps` ({warmup_steps}) must not exceed `window` ({window}).")
         if not (z_threshold > 0 and math.isfinite(z_threshold)):
             raise ValueError(f"`z_threshold` must be a positive number, got {z_threshold!r}.")
+        if creep is not None and not (creep > 0 and math.isfinite(creep)):
+            raise ValueError(f"`creep` must be a positive number or None, got {creep!r}.")
+        if not 0.0 <= creep_beta < 1.0:
+            raise ValueError(f"`creep_beta` must be in [0, 1), got {creep_beta!r}.")
         self.action = action
         self.check_every_n_steps = check_every_n_steps
         self.spike_warmup = warmup_steps
@@ -138,8 +153,11 @@ class DivergenceGuard(Monitor):
         self.patience = patience
         self.loss_rel_floor = float(loss_rel_floor)
         self.grad_rel_floor = float(grad_rel_floor)
+        self.creep = creep
+        self.creep_beta = float(creep_beta)
         self.zero_nonfinite_grads = zero_nonfinite_grads
         self.act_on_alerts = act_on_alerts
+        self.corroborate = corroborate
         self.dirpath = dirpath
 
         self._loss_watch = _SeriesWatch(window, warmup_steps, z_threshold, loss_rel_floor)
@@ -150,6 +168,13 @@ class DivergenceGuard(Monitor):
         self._restored: list[tuple[int, Optional[float], float]] = []
         self._loss_acc: Optional[Tensor] = None
         self._external: list[Alert] = []
+        # active warnings of other monitors: (monitor, kind, layer) -> alert
+        self._external_warnings: dict[tuple[str, str, Optional[str]], Alert] = {}
+        # loss EMA (bias-corrected) and its lowest value after the warm-up, for the creep rule
+        self._ema = 0.0
+        self._ema_weight = 0.0
+        self._ema_min = math.inf
+        self._n_loss = 0
         self._warned_no_loss = False
         #: path of the checkpoint written when the guard stopped the run, else None
         self.stop_checkpoint: Optional[str] = None
@@ -180,8 +205,14 @@ class DivergenceGuard(Monitor):
             self._hub.unsubscribe(self._on_alert)
 
     def _on_alert(self, alert: Alert) -> None:
-        if alert.severity == "critical" and alert.monitor != self.name:
+        if alert.monitor == self.name:
+            return
+        if alert.severity == "critical":
             self._external.append(alert)
+        elif alert.severity == "warning":
+            self._external_warnings[(alert.monitor, alert.kind, alert.layer)] = alert
+        elif alert.kind.endswith("_cleared"):
+            self._external_warnings.pop((alert.monitor, alert.kind[: -len("_cleared")], alert.layer), None)
 
     # ------------------------------------------------------------------ every step, on device
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -266,9 +297,45 @@ class DivergenceGuard(Monitor):
             reasons.append(f"non-finite {what} at step {step}")
         if loss is not None and math.isfinite(loss):
             reasons += self._series(step, "loss", self._loss_watch, loss, loss)
+            self._creep(step, loss)
         if math.isfinite(gnorm) and gnorm > 0:
             reasons += self._series(step, "grad", self._grad_watch, math.log(gnorm), gnorm)
+        if self.corroborate:
+            reasons += self._corroborate(step)
         return reasons
+
+    def _creep(self, step: int, loss: float) -> None:
+        """Warn when the smoothed loss has risen ``creep`` (relative) above its lowest value."""
+        if self.creep is None:
+            return
+        self._n_loss += 1
+        self._ema = self.creep_beta * self._ema + (1.0 - self.creep_beta) * loss
+        self._ema_weight = self.creep_beta * self._ema_weight + (1.0 - self.creep_beta)
+        if self._n_loss <= self.spike_warmup:
+            return
+        ema = self._ema / self._ema_weight
+        self._ema_min = min(self._ema_min, ema)
+        limit = (1.0 + self.creep) * self._ema_min
+        self.condition(
+            step, "loss_creep", ema > limit, "warning",
+            f"The smoothed loss ({ema:.4g}) has risen {100 * (ema / self._ema_min - 1):.0f}% above its lowest value "
+            f"({self._ema_min:.4g}) at step {step}: training may be starting to diverge.",
+            value=ema, threshold=limit,
+            clear_message="The smoothed loss is back near its lowest value.",
+        )
+
+    def _corroborate(self, step: int) -> list[str]:
+        """Critical when one of the guard's own warnings and another monitor's warning hold together."""
+        own = sorted(kind for (kind, _), sev in self.active_conditions().items() if sev == "warning")
+        others = sorted(f"{m}/{k}" + (f"[{layer}]" if layer else "") for m, k, layer in self._external_warnings)
+        both = bool(own) and bool(others)
+        raised = self.condition(
+            step, "corroborated", both, "critical",
+            f"Independent signals agree at step {step}: {', '.join(own)} (guard) and {', '.join(others)}. "
+            "The run is likely diverging: lower the learning rate or resume from an earlier checkpoint.",
+            clear_message="The guard's warnings and the other monitors' warnings no longer coincide.",
+        )
+        return [f"{', '.join(own)} corroborated by {', '.join(others)} at step {step}"] if raised else []
 
     def _series(self, step: int, prefix: str, watch: _SeriesWatch, x: float, shown: float) -> list[str]:
         anomalous, z = watch.update(x)
@@ -319,6 +386,7 @@ class DivergenceGuard(Monitor):
             loss=self._loss_watch.state_dict(),
             grad=self._grad_watch.state_dict(),
             pending=self._restored + self._to_host(self._pending),
+            creep={"ema": self._ema, "weight": self._ema_weight, "min": self._ema_min, "n": self._n_loss},
             stop_checkpoint=self.stop_checkpoint,
             stopped_step=self.stopped_step,
         )
@@ -329,6 +397,9 @@ class DivergenceGuard(Monitor):
         self._loss_watch.load_state_dict(state_dict.get("loss", {}))
         self._grad_watch.load_state_dict(state_dict.get("grad", {}))
         self._restored = [(int(s), loss, g) for s, loss, g in state_dict.get("pending", [])]
+        creep = state_dict.get("creep", {})
+        self._ema, self._ema_weight = creep.get("ema", 0.0), creep.get("weight", 0.0)
+        self._ema_min, self._n_loss = creep.get("min", math.inf), creep.get("n", 0)
         self._pending = []
         self.stop_checkpoint = state_dict.get("stop_checkpoint")
         self.stopped_step = state_dict.get("stopped_step")
