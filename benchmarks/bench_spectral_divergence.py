@@ -28,6 +28,12 @@ Definitions (all steps are optimizer steps, ``trainer.global_step`` of the batch
   EMA of the loss (decay 0.9) exceeds 1.1x its lowest value since step 50.
 * **suite step**: the first of the SA monitor's alerts (any kind), the ``z = 8`` gradient-norm rule and
   the loss-creep rule.
+* **guard_warning / guard_critical**: first warning / critical alert of a ``DivergenceGuard(action="warn",
+  check_every_n_steps=<every>)`` attached to the same run (defaults otherwise: robust loss and
+  gradient-norm spikes, loss creep, corroboration of its warnings by SA's warnings).
+* **suite_first / suite_critical**: first warning-or-critical / first critical alert of any monitor in
+  the run (SA and the guard together): what a user of the suite sees, and when a guard with
+  ``action="stop"`` would stop.
 * **lead**: explosion step minus alert step (positive: the alert came first).
 
 Run: ``/work/venv/bin/python benchmarks/bench_spectral_divergence.py`` (``--quick``: fewer settings).
@@ -57,7 +63,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 import lightning.pytorch as pl  # noqa: E402
 from gpt import GPTConfig, GPTModule, make_loader  # noqa: E402
 
-from lightning_monitor import SpectralAlignmentMonitor  # noqa: E402
+from lightning_monitor import DivergenceGuard, SpectralAlignmentMonitor  # noqa: E402
 from lightning_monitor.alerts import AlertHub  # noqa: E402
 from lightning_monitor.functional.spectral import sign_diversity, spectral_alignment, top_singular_subspace  # noqa: E402
 
@@ -283,6 +289,8 @@ def run(setting: Setting, seed: int, every: int, steps_override: Optional[int] =
     cfg = GPTConfig(n_layer=2, d_model=64, n_head=4, block_size=64, layernorm=setting.layernorm)
     module = GPTModule(cfg, lr=setting.lr, lr_end=setting.lr_end, ramp_steps=setting.ramp_steps)
     monitor = SpectralAlignmentMonitor(every_n_steps=every, warmup_steps=WARMUP)
+    # the suite as a user runs it: the guard (warn only, so the run goes on to its explosion) beside SA
+    guard = DivergenceGuard(action="warn", check_every_n_steps=every)
     layers = monitor.select_layers(module)
     rec = Recorder(layers)
     steps = steps_override or setting.steps
@@ -290,13 +298,15 @@ def run(setting: Setting, seed: int, every: int, steps_override: Optional[int] =
         trainer = pl.Trainer(
             max_steps=steps, accelerator="cpu", precision=setting.precision, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=tmp, callbacks=[rec, monitor], num_sanity_val_steps=0,
+            default_root_dir=tmp, callbacks=[rec, monitor, guard], num_sanity_val_steps=0,
         )
         t0 = time.perf_counter()
         trainer.fit(module, make_loader("prose", block_size=64, batch_size=16, seed=seed, n_samples=16 * steps))
         wall = time.perf_counter() - t0
         alerts = list(AlertHub.for_trainer(trainer).history)
     sa_alerts = [a for a in alerts if a.monitor == "sa" and not a.kind.endswith("_cleared")]
+    guard_alerts = [a for a in alerts if a.monitor == "guard" and not a.kind.endswith("_cleared")]
+    suite_alerts = [a for a in alerts if a.severity in ("warning", "critical") and not a.kind.endswith("_cleared")]
 
     def first(kind: Optional[str] = None, severity: Optional[str] = None) -> Optional[int]:
         return next((a.step for a in sa_alerts if (kind is None or a.kind == kind)
@@ -304,7 +314,12 @@ def run(setting: Setting, seed: int, every: int, steps_override: Optional[int] =
 
     return {"setting": setting.name, "healthy": setting.healthy, "seed": seed, "rows": rec.rows,
             "layers": list(layers), "sa_first": first(), "sa_warning": first("collapse"),
-            "sa_critical": first("collapse", "critical"), "sa_sigma": first("sigma_growth"), "wall_s": wall}
+            "sa_critical": first("collapse", "critical"), "sa_sigma": first("sigma_growth"), "wall_s": wall,
+            "guard_warning": next((a.step for a in guard_alerts if a.severity == "warning"), None),
+            "guard_critical": next((a.step for a in guard_alerts if a.severity == "critical"), None),
+            "guard_critical_kind": next((a.kind for a in guard_alerts if a.severity == "critical"), None),
+            "suite_first": next((a.step for a in suite_alerts), None),
+            "suite_critical": next((a.step for a in suite_alerts if a.severity == "critical"), None)}
 
 
 def analyse(res: dict[str, Any], every: int) -> dict[str, Any]:
@@ -312,7 +327,9 @@ def analyse(res: dict[str, Any], every: int) -> dict[str, Any]:
     steps = [r["step"] for r in rows]
     loss = [r.get("loss", float("nan")) for r in rows]
     gn = [r["grad_norm"] for r in rows]
-    out = {k: res[k] for k in ("setting", "healthy", "seed", "sa_first", "sa_warning", "sa_critical", "sa_sigma", "wall_s")}
+    out = {k: res[k] for k in ("setting", "healthy", "seed", "sa_first", "sa_warning", "sa_critical", "sa_sigma", "wall_s",
+                               "guard_warning", "guard_critical", "guard_critical_kind", "suite_first",
+                               "suite_critical")}
     out["steps_run"] = len(rows)
     out["explosion"] = explosion_step(loss, steps)
     out["spike_detection"] = spike_detection_step(loss, steps)
@@ -374,13 +391,17 @@ def main() -> None:
             print(json.dumps({k: v for k, v in a.items() if k != "series"}), flush=True)
     print(f"\ntotal wall {time.perf_counter() - t0:.0f} s (monitor and recorder every step included)\n")
     cols = ["setting", "seed", "explosion", "sa_first", "sa_warning", "sa_critical", "sa_sigma", "spike_detection",
-            "grad_z", "grad_z8", "loss_creep", "suite", "collapse[D_out]", "collapse[D_grad]", "update_align"]
+            "grad_z", "grad_z8", "loss_creep", "suite", "guard_warning", "guard_critical", "suite_first",
+            "suite_critical", "collapse[D_out]", "collapse[D_grad]", "update_align"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for a, _ in results:
         cells = [a["setting"], str(a["seed"]), fmt(a["explosion"])]
         for c in cols[3:]:
             v = a[c]
+            if c == "guard_critical" and v is not None:
+                cells.append(f"{v} {a['guard_critical_kind']} ({lead(a['explosion'], v)})")
+                continue
             if isinstance(v, tuple):
                 cells.append(f"{fmt(v)} ({lead(a['explosion'], v[0])})")
             else:
