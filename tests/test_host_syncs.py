@@ -60,3 +60,35 @@ def test_guard_syncs_only_on_its_checks(tmp_path, tiny_gpt):
     counts = run_counting([lightning_monitor.DivergenceGuard(check_every_n_steps=10)], module, loader, 35, tmp_path)
     assert sorted(counts) == [0, 10, 20, 30], counts
     assert max(counts.values()) <= 2  # one transfer per check (and the tolist that reads it)
+
+
+def _due(monitor, steps):
+    return [s for s in range(steps) if monitor.is_due(s)]
+
+
+def test_step_monitors_sync_only_on_due_steps(tmp_path, tiny_gpt):
+    """SA, GNS and GradES together: every syncing call from the package happens on a due step."""
+    from lightning_monitor import GradientEarlyStopping, GradientNoiseScaleMonitor, SpectralAlignmentMonitor
+
+    module, loader = tiny_gpt()
+    monitors = [
+        SpectralAlignmentMonitor(every_n_steps=7, warmup_steps=3),
+        GradientNoiseScaleMonitor(every_n_steps=6),
+        GradientEarlyStopping(every_n_steps=5, grace_steps=1000),
+    ]
+    steps = 40
+    counts = run_counting(monitors, module, loader, steps, tmp_path)
+    due = set().union(*(_due(m, steps) for m in monitors))
+    off_steps = sorted(set(counts) - due)
+    assert off_steps == [], f"host syncs on steps where no monitor was due: {off_steps}"
+    assert set(counts) >= set(_due(monitors[0], steps))  # the counter does see the checks
+
+
+def test_gwa_scores_every_step_without_syncing_until_epoch_end(tmp_path, tiny_gpt):
+    """GWA accumulates on the device every step; values cross to the host only when the epoch ends."""
+    from lightning_monitor import GradientWeightAlignmentMonitor
+
+    module, loader = tiny_gpt(n_samples=8 * 12)  # 12 steps per epoch
+    counts = run_counting([GradientWeightAlignmentMonitor(histogram=False)], module, loader, 36, tmp_path)
+    assert counts, "the epoch-end report should transfer values"
+    assert all(step % 12 == 0 for step in counts), sorted(counts)  # global_step after each epoch: 12, 24, 36
