@@ -231,11 +231,12 @@ class DivergenceGuard(Monitor):
         step = trainer.global_step
         loss, self._loss_acc = self._loss_acc, None
         if grads:
-            norms = torch._foreach_norm(grads)
-            gnorm = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+            gnorm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
         else:
             gnorm = torch.zeros((), device=pl_module.device)
-        if self.zero_nonfinite_grads and grads:
+        # checking every step with action="stop", a non-finite step is dropped by the check itself
+        neutralise = self.zero_nonfinite_grads and not (self.every_n_steps == 1 and self.action == "stop")
+        if neutralise and grads:
             bad = ~torch.isfinite(gnorm) if loss is None else ~(torch.isfinite(gnorm) & torch.isfinite(loss))
             for g in grads:
                 g.masked_fill_(bad, 0.0)
