@@ -237,7 +237,8 @@ class DivergenceGuard(Monitor):
         # checking every step with action="stop", a non-finite step is dropped by the check itself
         neutralise = self.zero_nonfinite_grads and not (self.every_n_steps == 1 and self.action == "stop")
         if neutralise and grads:
-            bad = ~torch.isfinite(gnorm) if loss is None else ~(torch.isfinite(gnorm) & torch.isfinite(loss))
+            # the sum is non-finite when either term is (inf - inf is nan): one check instead of two
+            bad = torch.isfinite(gnorm if loss is None else gnorm + loss).logical_not_()
             for g in grads:
                 g.masked_fill_(bad, 0.0)
         self._pending.append((step, loss, gnorm))
