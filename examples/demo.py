@@ -2,8 +2,9 @@
 
 1. A healthy run: the monitors log their health metrics (spectral alignment, gradient noise scale,
    gradient-weight alignment of the output head, loss and gradient norm); nothing alarms.
-2. A deliberately diverging run (no LayerNorm, learning rate ramped past the edge of stability):
-   the DivergenceGuard stops it, with a checkpoint of the last good state.
+2. A deliberately diverging run (learning rate ramped from 1e-3 to 1.0, past the edge of stability):
+   spectral alignment and the guard warn while the loss still looks fine, and the DivergenceGuard
+   stops the run, with a checkpoint of the last good state.
 
 Everything lands in ``runs/demo`` (TensorBoard event files, ``alerts.jsonl``, checkpoints).
 Run: ``python examples/demo.py`` (a few minutes on a laptop CPU; ``--quick`` for a shorter run).
@@ -31,10 +32,10 @@ import lightning_monitor as lm  # noqa: E402
 def suite() -> list[pl.Callback]:
     """The monitors attached to both runs (the guard last, so it sees the others' alerts of a step)."""
     return [
-        lm.SpectralAlignmentMonitor(every_n_steps=10, warmup_steps=50),
+        lm.SpectralAlignmentMonitor(every_n_steps=5, warmup_steps=50),
         lm.GradientNoiseScaleMonitor(every_n_steps=20),
         lm.GradientWeightAlignmentMonitor(every_n_steps=5, histogram=True),  # tokens are the samples
-        lm.DivergenceGuard(check_every_n_steps=10),
+        lm.DivergenceGuard(check_every_n_steps=5),
     ]
 
 
@@ -88,6 +89,11 @@ def report(run: dict[str, Any]) -> None:
         print("   no alerts")
     for alert in run["alerts"]:
         print(f"   {alert}")
+    warnings = [a for a in run["alerts"] if a.severity != "info"]
+    if warnings:
+        print(f"   first warning at step {warnings[0].step} ({warnings[0].monitor}/{warnings[0].kind}); "
+              f"first spectral-alignment warning: "
+              + next((f"step {a.step} (sa/{a.kind})" for a in warnings if a.monitor == "sa"), "none"))
     if run["stopped_step"] is not None:
         print(f"   stopped by the DivergenceGuard at step {run['stopped_step']}; last good state: {run['checkpoint']}")
     print(f"   alerts file: {os.path.join(run['log_dir'], 'alerts.jsonl')}")
@@ -106,9 +112,8 @@ def main() -> None:
 
     print("Training a healthy run (AdamW, lr 3e-3, LayerNorm) ...")
     healthy = train("healthy", args.root, steps, base, lr=3e-3)
-    print("Training a diverging run (no LayerNorm, lr ramped 1e-3 -> 0.1) ...")
-    diverging = train("diverging", args.root, steps, {**base, "layernorm": False}, lr=1e-3, lr_end=0.1,
-                      ramp_steps=steps)
+    print("Training a diverging run (lr ramped 1e-3 -> 1.0) ...")
+    diverging = train("diverging", args.root, steps, base, lr=1e-3, lr_end=1.0, ramp_steps=steps)
     report(healthy)
     report(diverging)
     ok = healthy["stopped_step"] is None and diverging["stopped_step"] is not None
