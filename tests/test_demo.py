@@ -1,0 +1,26 @@
+"""The README's first command runs examples/demo.py: keep it working (short run)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from lightning_monitor import read_alerts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_demo_quick_runs_and_the_guard_stops_the_diverging_run(tmp_path):
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "demo.py"), "--quick", "--root", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "The healthy run ran clean and the diverging run was stopped." in out.stdout
+    assert f"tensorboard --logdir {tmp_path}" in out.stdout
+    assert not os.path.exists(tmp_path / "healthy" / "alerts.jsonl")  # no alert at all on the healthy run
+    alerts = read_alerts(str(tmp_path / "diverging" / "alerts.jsonl"))
+    stop = [a for a in alerts if a.kind == "stopped"]
+    assert len(stop) == 1 and any(a.severity == "critical" for a in alerts)
+    assert os.path.isfile(tmp_path / "diverging" / "checkpoints" / f"guard-step={stop[0].step}.ckpt")
