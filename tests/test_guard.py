@@ -286,3 +286,29 @@ def test_ddp_stop_decision_is_reduced_across_ranks(tmp_path):
     results = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
     assert results[0] == results[1] == {"global_step": 13, "stopped_step": 12}
     assert os.path.isfile(tmp_path / "ck" / "guard-step=12.ckpt")
+
+
+def test_a_condition_clearing_never_stops_the_run(tmp_path, tiny_gpt):
+    # a run resumed while a critical condition was active: the condition clears, the run goes on
+    module, loader = tiny_gpt()
+    guard = DivergenceGuard(check_every_n_steps=5)
+    guard.load_state_dict({"conditions": [["nonfinite", None, "critical"], ["loss_explosion", None, "critical"]]})
+    trainer = _trainer(tmp_path, [guard], steps=30, logger=False)
+    trainer.fit(module, loader)
+    assert guard.stopped_step is None and trainer.global_step == 30
+    assert {a.kind for a in guard.hub.history} == {"nonfinite_cleared", "loss_explosion_cleared"}
+
+
+def test_fp16_loss_scaler_nan_loss_is_caught(tmp_path, tiny_gpt):
+    # under a dynamic loss scaler the loss the hook sees is scaled: the guard divides the scale out
+    from lightning.pytorch.plugins import MixedPrecision
+
+    pl.seed_everything(0)
+    module, loader = tiny_gpt(nan_at_step=12)
+    guard = DivergenceGuard(check_every_n_steps=5)
+    plugin = MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=65536.0))
+    _trainer(tmp_path, [guard], steps=40, logger=False, plugins=[plugin]).fit(module, loader)
+    assert guard.stopped_step == 15 and _finite(module)
+    assert [(a.step, a.kind) for a in guard.hub.history if a.severity == "critical"] == [(12, "nonfinite")]
+    losses = list(guard._loss_watch.history)
+    assert 1.0 < min(losses) and max(losses) < 6.0  # unscaled (a scaled loss would be ~65536x larger)

@@ -19,6 +19,11 @@ from lightning_monitor.functional.robust import robust_zscore
 __all__ = ["DivergenceGuard"]
 
 
+def _is_critical(alert: Optional[Alert]) -> bool:
+    """Whether ``condition`` just raised a critical alert (it returns the clearing alert too)."""
+    return alert is not None and alert.severity == "critical"
+
+
 class _SeriesWatch:
     """Robust spike detector over one scalar series, judged against its own recent history.
 
@@ -288,14 +293,14 @@ class DivergenceGuard(Monitor):
         bad_grad = not math.isfinite(gnorm) and not scaler_on
         what = " and ".join(n for n, b in (("loss", bad_loss), ("gradient norm", bad_grad)) if b)
         value = loss if bad_loss else gnorm
-        if self.condition(
+        if _is_critical(self.condition(
             step, "nonfinite", bool(what), "critical",
             f"Non-finite {what} ({value}) at step {step}; the step's gradients were "
             f"{'zeroed' if self.zero_nonfinite_grads else 'left as they are'}. Lower the learning rate, "
             "clip gradients, or check the batch and the precision settings.",
             value=value,
             clear_message="Loss and gradient norm are finite again.",
-        ):
+        )):
             reasons.append(f"non-finite {what} at step {step}")
         if loss is not None and math.isfinite(loss):
             reasons += self._series(step, "loss", self._loss_watch, loss, loss)
@@ -337,7 +342,7 @@ class DivergenceGuard(Monitor):
             "The run is likely diverging: lower the learning rate or resume from an earlier checkpoint.",
             clear_message="The guard's warnings and the other monitors' warnings no longer coincide.",
         )
-        return [f"{', '.join(own)} corroborated by {', '.join(others)} at step {step}"] if raised else []
+        return [f"{', '.join(own)} corroborated by {', '.join(others)} at step {step}"] if _is_critical(raised) else []
 
     def _series(self, step: int, prefix: str, watch: _SeriesWatch, x: float, shown: float) -> list[str]:
         anomalous, z = watch.update(x)
@@ -357,7 +362,7 @@ class DivergenceGuard(Monitor):
             value=shown, threshold=self.z_threshold,
             clear_message=f"{label} is back within its recent history.",
         )
-        return [f"{label} explosion at step {step}"] if raised else []
+        return [f"{label} explosion at step {step}"] if _is_critical(raised) else []
 
     def _stop(self, trainer: pl.Trainer, params: list[Tensor], step: int, reasons: list[str]) -> None:
         for p in params:  # skip this step's update: optimizers ignore parameters without a gradient
