@@ -336,7 +336,11 @@ def test_fused_linear_gives_the_same_gradients() -> None:
     assert "forward" not in model.head.__dict__  # the plain forward is back after the context
 
 
-def test_fused_under_cpu_autocast_close_to_fp32() -> None:
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 20])  # one example at a time, or one batched matmul
+def test_fused_under_cpu_autocast_close_to_fp32(monkeypatch, chunk_bytes: int) -> None:
+    from lightning_monitor.probes import per_example
+
+    monkeypatch.setattr(per_example, "CPU_CHUNK_BYTES", chunk_bytes)
     torch.manual_seed(0)
     model = TinyTransformer()
     x, y = torch.randint(0, 11, (4, 7)), torch.randint(0, 11, (4, 7))
@@ -399,6 +403,45 @@ def test_no_grad_forward_records_nothing() -> None:
         model(torch.randn(3, 12))
     with pytest.raises(RuntimeError, match="recorded nothing"):
         probe.squared_norms()
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 2500])
+def test_fused_linear_in_chunks_of_examples_exact(monkeypatch, chunk_bytes: int) -> None:
+    """The CPU path forms the per-example gradients a chunk of examples at a time (1 here, or 1 to 3 per
+    layer with a partial last chunk): norms and the weight gradient stay exact, tied weights included."""
+    from lightning_monitor.probes import per_example
+
+    monkeypatch.setattr(per_example, "CPU_CHUNK_BYTES", chunk_bytes)
+    for tied in (False, True):
+        torch.manual_seed(0)
+        model = TinyTransformer(tied=tied)
+        x, y = torch.randint(0, 11, (5, 7)), torch.randint(0, 11, (5, 7))
+        ce_seq(model(x), y).backward()
+        plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+        probe = check(model, ce_seq, x, y, linear_strategy="fused")
+        assert probe.uncovered == []
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, plain[n], rtol=1e-5, atol=1e-6)
+    torch.manual_seed(0)
+    model = TwiceUsed()
+    check(model, ce_seq, torch.randn(5, 4, 6), torch.randint(0, 3, (5, 4)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("chunk_bytes", [1, 3000, 1 << 20])
+def test_per_example_linear_against_einsum(monkeypatch, dtype: torch.dtype, chunk_bytes: int) -> None:
+    from lightning_monitor.probes import per_example
+
+    monkeypatch.setattr(per_example, "CPU_CHUNK_BYTES", chunk_bytes)
+    torch.manual_seed(0)
+    a, d = torch.randn(7, 9, 12).to(dtype), torch.randn(7, 9, 20).to(dtype)
+    total, sq = per_example.per_example_linear(a, d)
+    g = torch.einsum("bto,bti->boi", d.double(), a.double())
+    assert sq.dtype == torch.float32 and sq.shape == (7,)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16: each G_i is rounded to 8 bits of mantissa
+    assert rel_err(sq, g.pow(2).sum((1, 2))) <= tol
+    err = (total.double() - g.sum(0)).abs().max() / g.sum(0).abs().max()
+    assert float(err) <= tol
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["PerExampleGradNorms", "HANDLERS", "Handler", "linear_sq_norms", "project_matrix"]
+__all__ = ["PerExampleGradNorms", "HANDLERS", "Handler", "linear_sq_norms", "per_example_linear", "project_matrix"]
 
 LinearStrategy = Literal["auto", "fused", "gram", "materialize"]
 
@@ -362,11 +362,66 @@ def _unwrap(module: nn.Module) -> nn.Module:
     return module
 
 
+#: On CPU the per-example weight gradients of a fused Linear are formed a chunk of examples at a time,
+#: into a buffer of about this size (the L2 cache of one core), and reduced to their norms and their sum
+#: while still in cache: the sum and norm passes then cost almost nothing and the transient memory is
+#: one chunk. Elsewhere (GPU) the whole batch is one batched matmul.
+CPU_CHUNK_BYTES = 1 << 20
+
+
+def per_example_linear(a: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+    """``(sum_i G_i, ||G_i||_F^2)`` for ``G_i = D_i^T A_i``, ``a`` ``(B, T, d_in)``, ``d`` ``(B, T, d_out)``.
+
+    The sum has the inputs' dtype (accumulated in fp32 for half types), the squared norms are fp32.
+
+    >>> a, d = torch.randn(3, 5, 4), torch.randn(3, 5, 2)
+    >>> s, sq = per_example_linear(a, d)
+    >>> g = torch.einsum("bto,bti->boi", d, a)
+    >>> torch.allclose(s, g.sum(0), atol=1e-5) and torch.allclose(sq, g.pow(2).sum((1, 2)), rtol=1e-5)
+    True
+    """
+    b, _, d_in = a.shape
+    d_out = d.shape[-1]
+    dt = d.transpose(1, 2)
+    per = d_in * d_out * a.element_size()
+    chunk = max(1, min(b, CPU_CHUNK_BYTES // max(per, 1))) if a.device.type == "cpu" else b
+    half = a.dtype in (torch.float16, torch.bfloat16)
+    acc = torch.float32 if half else None  # squared norms accumulated in fp32 (or wider)
+    if chunk >= b:
+        p = torch.bmm(dt, a)
+        return p.sum(0), torch.linalg.vector_norm(p.flatten(1), dim=1, dtype=acc).pow(2).float()
+    # half types: the sum is accumulated in fp32 from zero; otherwise the first chunk is written into it
+    total = (torch.zeros if half else torch.empty)(d_out, d_in, dtype=torch.float32 if half else a.dtype,
+                                                   device=a.device)
+    buf = torch.empty(chunk, d_out, d_in, dtype=a.dtype, device=a.device)
+    sqs: list[Tensor] = []
+    for i in range(0, b, chunk):
+        n = min(chunk, b - i)
+        first = i == 0 and not half
+        if n == 1:
+            g = total if first else buf[0]
+            torch.mm(dt[i], a[i], out=g)
+            flat = g.reshape(-1)
+            sq = torch.linalg.vector_norm(flat, dtype=acc).pow(2) if half else torch.dot(flat, flat)
+            sqs.append(sq.reshape(1))
+            if not first:
+                total.add_(g)
+        else:
+            p = torch.bmm(dt[i:i + n], a[i:i + n], out=buf[:n])
+            sqs.append(torch.linalg.vector_norm(p.flatten(1), dim=1, dtype=acc).pow(2))
+            if first:
+                torch.sum(p, 0, out=total)
+            else:
+                total.add_(p.sum(0))
+    sq = sqs[0] if len(sqs) == 1 else torch.cat(sqs)
+    return total, sq.float()
+
+
 class _FusedLinear(torch.autograd.Function):
-    """``F.linear`` whose backward forms the weight gradient from the per-example gradients
-    ``G_i = D_i^T A_i`` (one batched matmul, the same multiply-adds as autograd's single one) and hands
-    them to ``sink`` before summing them: per-example norms at almost no extra cost, in exchange for
-    ``B d_in d_out`` transient memory."""
+    """``F.linear`` whose backward forms the weight gradient as the sum of the per-example gradients
+    ``G_i = D_i^T A_i`` (the same multiply-adds as autograd's single matmul), taking each example's
+    squared norm on the way (:func:`per_example_linear`), and hands the norms to ``sink``: per-example
+    norms at almost no extra cost."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], sink: Callable[..., None]) -> Tensor:
@@ -393,11 +448,18 @@ class _FusedLinear(torch.autograd.Function):
         b = x.shape[0]
         a = x.reshape(b, -1, x.shape[-1])
         d = grad.reshape(b, -1, grad.shape[-1])
-        per_w = torch.bmm(d.transpose(1, 2), a)
+        sum_w, sq_w = per_example_linear(a, d)
         per_b = d.sum(1) if ctx.has_bias else None
-        sum_w = per_w.sum(0)
         sum_b = per_b.sum(0) if per_b is not None else None
-        ctx.sink(per_w, per_b, sum_w, sum_b)
+        sq_b = per_b.float().pow(2).sum(1) if per_b is not None else None
+
+        def grads() -> dict[str, Tensor]:  # only for a parameter used several times in one forward
+            out = {"weight": torch.bmm(d.transpose(1, 2), a).float()}
+            if per_b is not None:
+                out["bias"] = per_b.float()
+            return out
+
+        ctx.sink(sq_w, sq_b, sum_w, sum_b, grads)
         grad_w = sum_w.to(ctx.dtypes[0]) if ctx.needs_input_grad[1] else None
         grad_b = sum_b.to(ctx.dtypes[1]) if sum_b is not None and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None
@@ -629,14 +691,14 @@ class PerExampleGradNorms:
                         self._outstanding[pid] += 1
                     batch = x.shape[0]
 
-                    def sink(g_w: Tensor, g_b: Optional[Tensor], s_w: Tensor, s_b: Optional[Tensor]) -> None:
-                        grads = {"weight": g_w} if g_b is None else {"weight": g_w, "bias": g_b}
+                    def sink(sq_w: Tensor, sq_b: Optional[Tensor], s_w: Tensor, s_b: Optional[Tensor],
+                             grads: Callable[[], dict[str, Tensor]]) -> None:
+                        sqs = {"weight": sq_w} if sq_b is None else {"weight": sq_w, "bias": sq_b}
                         sums = {"weight": s_w} if s_b is None else {"weight": s_w, "bias": s_b}
                         self._consume(
                             params, batch,
-                            lambda: {k: torch.linalg.vector_norm(v.flatten(1), dim=1, dtype=torch.float32).pow(2)
-                                     for k, v in grads.items()},
-                            lambda: {k: v.float() for k, v in grads.items()},
+                            lambda: sqs,
+                            grads,
                             lambda uv: {k: project_matrix(sums[k], *uv[k]) for k in uv},
                         )
 
