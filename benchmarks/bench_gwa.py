@@ -13,7 +13,11 @@ For each seed and label-noise level (0% and 20% of the training labels flipped t
   (``--reps`` pairs, alternating order), median of the per-pair time ratio; plus the time spent
   inside the monitor's hooks as a fraction of the baseline's training time.
 
-Run: ``python benchmarks/bench_gwa.py`` (about 10 minutes on 1 CPU thread) or ``--quick``.
+* **realistic overhead**: the same pairs on a wide MLP (256-1024-1024-10, batch 256, ~30 ms steps,
+  one epoch of 200 steps per run) on synthetic Gaussian classes: the monitor's cost where a training
+  step is not a toy (``--realistic-only`` runs just this, about 2 minutes).
+
+Run: ``python benchmarks/bench_gwa.py`` (about 12 minutes on 1 CPU thread) or ``--quick``.
 """
 
 from __future__ import annotations
@@ -257,6 +261,97 @@ def overhead(args, batch_size: int) -> dict[str, Any]:
     }
 
 
+class WideMLP(LightningModule):
+    """A classifier whose step is not a toy: ``d_in -> width -> width -> classes`` (ReLU), Adam."""
+
+    def __init__(self, d_in: int, width: int, classes: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(d_in, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU())
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def synthetic_classes(n: int, d_in: int, classes: int, flip: float = 0.2, seed: int = 0) -> TensorDataset:
+    """Gaussian classes (unit noise around random means of norm ~2) with ``flip`` of the labels flipped."""
+    g = torch.Generator().manual_seed(seed)
+    means = torch.randn(classes, d_in, generator=g) * (2.0 / d_in**0.5)
+    y = torch.randint(0, classes, (n,), generator=g)
+    x = means[y] + torch.randn(n, d_in, generator=g)
+    flipped = torch.rand(n, generator=g) < flip
+    y = torch.where(flipped, (y + torch.randint(1, classes, (n,), generator=g)) % classes, y)
+    return TensorDataset(x, y, torch.arange(n))
+
+
+def realistic_overhead(args) -> dict[str, Any]:
+    """The overhead on a realistically sized step: interleaved pairs (alternating order) of one epoch of
+    ``--real-steps`` steps of a wide MLP with and without the monitor; batches are gathered by index
+    (a BatchSampler), so the loader costs what a real in-memory loader costs."""
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    bs = args.real_batch_size
+    data = synthetic_classes(args.real_steps * bs, args.real_d_in, args.real_classes)
+    ratios, fractions, step_us, epoch_ms, base_step, steps = [], [], [], [], [], 0
+    for rep in range(args.real_reps):
+        times: dict[str, float] = {}
+        for mode in (("base", "gwa") if rep % 2 == 0 else ("gwa", "base")):
+            seed_everything(rep, verbose=False)
+            model = WideMLP(args.real_d_in, args.real_width, args.real_classes)
+            sampler = BatchSampler(RandomSampler(data), batch_size=bs, drop_last=False)
+            loader = DataLoader(data, sampler=sampler, batch_size=None)
+            timer = LoopTimer()
+            gwa = TimedGWA(index_fn=lambda b: b[2], suspects=200, histogram=False) if mode == "gwa" else None
+            with tempfile.TemporaryDirectory() as root:
+                trainer([gwa, timer] if gwa else [timer], 1, root=root).fit(model, loader)
+            times[mode] = timer.elapsed
+            steps = timer.steps
+            if gwa is not None:
+                step_us.append(1e6 * gwa.spent["step"] / timer.steps)
+                epoch_ms.append(1e3 * gwa.spent["epoch"] / max(gwa.epochs, 1))
+                spent = gwa.spent["step"] + gwa.spent["epoch"]
+            else:
+                base_step.append(timer.elapsed / timer.steps)
+        ratios.append(times["gwa"] / times["base"])
+        fractions.append(spent / times["base"])
+    return {
+        "steps": steps,
+        "ratio": statistics.median(ratios),
+        "fraction": statistics.median(fractions),
+        "step_us": statistics.median(step_us),
+        "epoch_ms": statistics.median(epoch_ms),
+        "ms_base_step": 1e3 * statistics.median(base_step),
+        "ratios": ratios,
+    }
+
+
+def realistic_table(args) -> None:
+    print(
+        f"\nrealistic overhead: WideMLP {args.real_d_in}-{args.real_width}-{args.real_width}-{args.real_classes}, "
+        f"Adam, batch {args.real_batch_size}, one epoch of {args.real_steps} steps per run, {args.real_reps} "
+        "interleaved pairs; synthetic Gaussian classes, 20% flipped labels; index_fn on, 200 suspects, no logger "
+        "(target <= 1%)\n"
+    )
+    print(
+        "| steps/epoch | baseline ms/step | monitor us/step (in fit) | monitor ms/epoch end | per-step part "
+        "| all hooks / baseline | median time ratio monitored / baseline | ratios |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    o = realistic_overhead(args)
+    print(
+        f"| {o['steps']} | {o['ms_base_step']:.2f} | {o['step_us']:.0f} | {o['epoch_ms']:.2f} | "
+        f"{o['step_us'] / (10 * o['ms_base_step']):.3f}% | {100 * o['fraction']:.3f}% | {o['ratio']:.4f} | "
+        f"{' '.join(f'{x:.3f}' for x in o['ratios'])} |",
+        flush=True,
+    )
+
+
 def isolated_step_cost(args, batch_size: int, blocks: int = 15, n: int = 400) -> float:
     """Median extra microseconds per step of the monitor's per-step work: the head's forward with the
     monitor armed (targets, indices, hook, kept tensors) minus the plain forward, in interleaved blocks."""
@@ -340,6 +435,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="1 seed, fewer epochs and repetitions")
     p.add_argument("--overhead-only", action="store_true", help="skip the selection runs")
+    p.add_argument(
+        "--realistic-only", action="store_true", help="only the overhead on the wide MLP (about 2 minutes)"
+    )
     p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
     p.add_argument(
         "--opt", choices=["adam", "sgd"], default="adam", help="adam (lr 1e-3) or sgd (lr 0.05, momentum 0.9, wd 5e-4)"
@@ -351,9 +449,16 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--overhead-epochs", type=int, default=5)
     p.add_argument("--overhead-batch-sizes", type=int, nargs="+", default=[32, 128])
+    p.add_argument("--real-reps", type=int, default=7, help="pairs of the wide-MLP overhead runs")
+    p.add_argument("--real-steps", type=int, default=200, help="steps per epoch of the wide-MLP runs")
+    p.add_argument("--real-batch-size", type=int, default=256)
+    p.add_argument("--real-width", type=int, default=1024)
+    p.add_argument("--real-d-in", type=int, default=256)
+    p.add_argument("--real-classes", type=int, default=10)
     args = p.parse_args()
     if args.quick:
         args.seeds, args.epochs, args.reps, args.overhead_epochs = args.seeds[:1], 20, 3, 2
+        args.real_reps = min(args.real_reps, 3)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     import logging
@@ -361,6 +466,11 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("lightning_monitor").setLevel(logging.ERROR)
 
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
+    if args.realistic_only:
+        realistic_table(args)
+        print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        return
     print(f"model={args.model} opt={args.opt} epochs={args.epochs} batch={args.batch_size} seeds={args.seeds}")
     if not args.overhead_only:
         selection_table(args)
@@ -386,6 +496,8 @@ def main() -> None:
             f"{' '.join(f'{x:.3f}' for x in o['ratios'])} |",
             flush=True,
         )
+    realistic_table(args)
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

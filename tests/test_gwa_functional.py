@@ -12,6 +12,7 @@ from torch.func import functional_call, grad, vmap
 from lightning_monitor.functional import (
     GWA_OFFSET,
     GWAMoments,
+    alignment_from_parts,
     gwa_aggregate,
     gwa_scores,
     gwa_statistics,
@@ -240,3 +241,21 @@ def test_scores_under_autocast_stay_float32() -> None:
         inside = gwa_scores(z, logits, y, head.weight)
     assert inside.dtype == torch.float32
     torch.testing.assert_close(inside, expected)
+
+
+def test_alignment_from_parts_with_feature_norms_matches_features() -> None:
+    """The monitor keeps ||z|| per row instead of z: both inputs give the same scores as gwa_scores."""
+    torch.manual_seed(11)
+    z, w, b = torch.randn(37, 16), torch.randn(5, 16), torch.randn(5)
+    logits = z @ w.T + b
+    targets = torch.randint(0, 5, (37,))
+    targets[3] = -100
+    ref = gwa_scores(z, logits, targets, w)
+    wz, w_norm = logits - b, torch.linalg.vector_norm(w)
+    from_z = alignment_from_parts(z, wz, logits, targets, w_norm)
+    from_norms = alignment_from_parts(None, wz, logits, targets, w_norm, feature_norm=z.norm(dim=-1))
+    torch.testing.assert_close(from_z, ref, equal_nan=True)
+    torch.testing.assert_close(from_norms, ref, equal_nan=True)
+    assert torch.isnan(from_norms[3]) and torch.isfinite(from_norms[torch.arange(37) != 3]).all()
+    with pytest.raises(ValueError, match="feature_norm"):
+        alignment_from_parts(None, wz, logits, targets, w_norm)

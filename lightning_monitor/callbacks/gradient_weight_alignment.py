@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
@@ -26,7 +27,7 @@ __all__ = ["GradientWeightAlignmentMonitor", "default_target_fn"]
 SUSPECTS_FILENAME = "gwa_suspects.csv"
 _TARGET_KEYS = ("y", "target", "targets", "label", "labels")
 _HIST_BINS = 100
-_FLUSH_ELEMENTS = 1 << 20  # kept feature + logit elements before scoring (4 MiB in fp32)
+_FLUSH_ELEMENTS = 1 << 20  # kept logit + W z elements before scoring (4 MiB in fp32)
 _MIN_SAMPLES = 4
 
 
@@ -52,8 +53,9 @@ class GradientWeightAlignmentMonitor(Monitor):
 
     **Per step** (every due step, see ``every_n_steps``): a forward hook on the classifier head
     (the ``nn.Linear`` producing the logits) reads its input features ``z`` and logits from the
-    step's own forward pass (no extra pass) and keeps them with ``W z = logits - bias`` and
-    ``||W||_F`` of that step (two small kernels). Every 2^20 kept elements and at epoch end, on the
+    step's own forward pass (no extra pass) and keeps the logits with ``W z = logits - bias``,
+    ``||z||`` per sample and ``||W||_F`` of that step (three small kernels; the features themselves
+    are not kept). Every 2^20 kept elements and at epoch end, on the
     device and without a host sync, each sample (each token for ``[B, T, C]`` logits) is scored by
     :math:`\gamma_i = \cos(-\nabla_W \ell_i, W)` (closed form, see
     :func:`~lightning_monitor.functional.gwa_scores`) and folded into float64 moments, a fixed-bin
@@ -162,6 +164,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._pending: Optional[tuple[Tensor, Optional[Tensor]]] = None
         self._checked = False
         self._warmup_resolved = 0
+        self._every_step = self.every_n_steps == 1 and self.warmup_steps == 0  # is_due() is always true
+        self._want_histogram = self.histogram
         self._reset_epoch(None)
 
     # ------------------------------------------------------------------ identity / state
@@ -203,6 +207,8 @@ class GradientWeightAlignmentMonitor(Monitor):
             return
         self._head_name, self._head = self._find_head(pl_module)
         self._checked = False
+        # the same on every rank (the loggers are), so the gathered layout agrees
+        self._want_histogram = self.histogram and any(isinstance(lg, TensorBoardLogger) for lg in trainer.loggers)
         unbounded = (trainer.max_epochs is None or trainer.max_epochs < 0) and (
             trainer.max_steps is None or trainer.max_steps < 0
         )
@@ -278,7 +284,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         # suspects: score, index, position, target, predicted (float64 keeps integers exact)
         self._top = torch.full((5, k), math.nan, dtype=torch.float64, device=device)
         self._top[0].fill_(math.inf)
-        # per step: (features, W z, logits, targets, ||W||_F, indices), scored in one go by _flush
+        # per step: (||z|| per row, W z, logits, targets, ||W||_F, indices), scored in one go by _flush
         self._stash: list[tuple[Any, ...]] = []
         self._stashed = 0
         self._finished = False
@@ -291,7 +297,7 @@ class GradientWeightAlignmentMonitor(Monitor):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._head is None or not self.is_due(trainer.global_step):
+        if self._head is None or (not self._every_step and not self.is_due(trainer.global_step)):
             return
         targets = self.target_fn(batch)
         if not isinstance(targets, Tensor):
@@ -318,22 +324,32 @@ class GradientWeightAlignmentMonitor(Monitor):
         if pending is None or not inputs or not isinstance(output, Tensor):
             return
         targets, indices = pending
-        targets = self._conform_targets(targets, output)
-        z, out = inputs[0].detach(), output.detach()
+        out = output.detach()
+        if not (
+            self._checked
+            and targets.shape == out.shape[:-1]
+            and targets.device == out.device
+            and not targets.is_floating_point()
+        ):  # the common case needs none of _conform_targets' work after the first batch
+            targets = self._conform_targets(targets, out)
+        z = inputs[0].detach()
         w = module.weight.detach()
         if out.dtype == w.dtype == z.dtype and out.dtype in (torch.float32, torch.float64):
             # W z from the logits themselves (an nn.Linear: logits = W z + b)
-            wz = out if module.bias is None else out - module.bias.detach()
-            w_norm = w.norm()
+            wz = out if module.bias is None else torch.sub(out, module.bias.detach())
+            w_norm = torch.linalg.vector_norm(w)
+            z_norm = torch.linalg.vector_norm(z, dim=-1)  # the features enter the score only by their norm
         else:  # reduced precision (autocast): W z again in float32, with autocast off
             with torch.autocast(device_type=z.device.type, enabled=False):
                 w32 = w.float()
-                wz = z.float() @ w32.T
-                w_norm = w32.norm()
+                z32 = z.float()
+                wz = z32 @ w32.T
+                w_norm = torch.linalg.vector_norm(w32)
+                z_norm = torch.linalg.vector_norm(z32, dim=-1)
         if self._stash and self._stash[-1][3].is_floating_point() != targets.is_floating_point():
             self._flush()
-        self._stash.append((z, wz, out, targets, w_norm, indices))
-        self._stashed += out.numel() + z.numel()
+        self._stash.append((z_norm, wz, out, targets, w_norm, indices))
+        self._stashed += 2 * out.numel()
         self._scored_steps += 1
         if self._stashed >= _FLUSH_ELEMENTS:
             with torch.autocast(device_type=z.device.type, enabled=False):
@@ -391,27 +407,33 @@ class GradientWeightAlignmentMonitor(Monitor):
         if not self._stash:
             return
         stash, self._stash, self._stashed = self._stash, [], 0
-        d, c = stash[0][0].shape[-1], stash[0][2].shape[-1]
+        c = stash[0][2].shape[-1]
         soft = stash[0][3].is_floating_point()
         rows = [e[2].numel() // c for e in stash]
 
         def cat(parts: list[Tensor]) -> Tensor:
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-        z = cat([e[0].reshape(-1, d) for e in stash])
-        wz = cat([e[1].reshape(-1, c) for e in stash])
-        logits = cat([e[2].reshape(-1, c) for e in stash])
-        targets = cat([e[3].reshape(-1, c) if soft else e[3].reshape(-1) for e in stash])
+        if all(e[2].dim() == 2 for e in stash):  # [B, C] logits: rows already flat, no reshapes
+            z_norm, wz, logits, targets = (cat([e[i] for e in stash]) for i in range(4))
+        else:
+            z_norm = cat([e[0].reshape(-1) for e in stash])
+            wz = cat([e[1].reshape(-1, c) for e in stash])
+            logits = cat([e[2].reshape(-1, c) for e in stash])
+            targets = cat([e[3].reshape(-1, c) if soft else e[3].reshape(-1) for e in stash])
         w_norm = torch.stack([e[4] for e in stash])
         if len(stash) > 1:
-            w_norm = w_norm.repeat_interleave(
-                torch.tensor(rows, device=w_norm.device), output_size=sum(rows)
-            )
-        scores = alignment_from_parts(z, wz, logits, targets, w_norm, ignore_index=self.ignore_index).double()
+            if rows.count(rows[0]) == len(rows):  # equal batches: no repeat tensor
+                w_norm = w_norm.repeat_interleave(rows[0])
+            else:
+                w_norm = w_norm.repeat_interleave(torch.tensor(rows, device=w_norm.device), output_size=sum(rows))
+        scores = alignment_from_parts(
+            None, wz, logits, targets, w_norm, ignore_index=self.ignore_index, feature_norm=z_norm
+        ).double()
         self._moments.update(scores)
         finite = torch.isfinite(scores)
         self._negative += (scores < 0).sum()
-        if self.histogram:
+        if self._want_histogram:
             self._hist += torch.histc(torch.where(finite, scores, 2.0), _HIST_BINS, -1.0, 1.0)  # 2: out of range
             lo = torch.where(finite, scores, math.inf).min()
             hi = torch.where(finite, scores, -math.inf).max()
@@ -494,9 +516,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         lo, hi = float(rows[:, 6].min()), float(rows[:, 7].max())
         hist = rows[:, 8 : 8 + _HIST_BINS].sum(0)
         top = rows[:, 8 + _HIST_BINS :].reshape(rows.shape[0], 5, k).permute(1, 0, 2).reshape(5, -1)
-        acc = GWAMoments(torch.device("cpu"))
-        acc.merge(state)
-        stats = acc.compute(GWA_OFFSET, min_count=_MIN_SAMPLES)
+        stats = GWAMoments.from_state(state).compute(GWA_OFFSET, min_count=_MIN_SAMPLES)
         count = int(stats.count)
         score, mean, kurtosis = float(stats.score), float(stats.mean), float(stats.kurtosis)
 
@@ -543,7 +563,7 @@ class GradientWeightAlignmentMonitor(Monitor):
             published[self.key("score")] = -math.inf
         for key, value in published.items():
             trainer.callback_metrics[key] = torch.tensor(value, dtype=torch.float32)
-        if count >= _MIN_SAMPLES and self.histogram and trainer.global_rank == 0:
+        if count >= _MIN_SAMPLES and self._want_histogram and trainer.global_rank == 0:
             self._write_histogram(trainer, hist, lo, hi, count, state, step)
         if self.suspects > 0 and self.index_fn is not None and trainer.global_rank == 0 and count > 0:
             self._write_suspects(trainer, top, epoch, step)
@@ -612,20 +632,12 @@ class GradientWeightAlignmentMonitor(Monitor):
         path = os.path.join(alerts_dir(trainer), SUSPECTS_FILENAME)
         new = not os.path.exists(path)
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        rows = [
+            (epoch, step, i, int(idx), "" if pos < 0 else int(pos), f"{s:.6g}", "" if tgt < 0 else int(tgt), int(pred))
+            for i, (s, idx, pos, tgt, pred) in enumerate(top.T.tolist())
+        ]
         with open(path, "a", newline="", encoding="utf-8") as fh:
             writer = csv.writer(fh)
             if new:
                 writer.writerow(["epoch", "step", "order", "index", "position", "score", "target", "predicted"])
-            for order_i, (s, idx, pos, tgt, pred) in enumerate(top.T.tolist()):
-                writer.writerow(
-                    [
-                        epoch,
-                        step,
-                        order_i,
-                        int(idx),
-                        "" if pos < 0 else int(pos),
-                        f"{s:.6g}",
-                        "" if tgt < 0 else int(tgt),
-                        int(pred),
-                    ]
-                )
+            writer.writerows(rows)

@@ -137,7 +137,7 @@ def gwa_scores(
 
 
 def alignment_from_parts(
-    features: Tensor,
+    features: Optional[Tensor],
     wz: Tensor,
     logits: Tensor,
     targets: Tensor,
@@ -145,12 +145,22 @@ def alignment_from_parts(
     *,
     ignore_index: Optional[int] = -100,
     eps: float = 1e-12,
+    feature_norm: Optional[Tensor] = None,
 ) -> Tensor:
     """:func:`gwa_scores` from ``wz = W z`` (``logits - bias`` for an ``nn.Linear`` head) and
     ``||W||_F`` (a scalar, or one per row when rows come from different steps); no shape checks.
-    Lets a caller keep a few cheap tensors per step and score many steps at once."""
+    Lets a caller keep a few cheap tensors per step and score many steps at once.
+
+    The features enter only through their norms: pass ``feature_norm`` (``||z||`` per row, the
+    logits' leading shape) instead of ``features`` (then ``None``) to keep ``[..]`` instead of
+    ``[.., D]`` per sample."""
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    z = features.detach().to(dtype)
+    if feature_norm is None:
+        if features is None:
+            raise ValueError("alignment_from_parts needs `features` or `feature_norm`.")
+        z_norm = torch.linalg.vector_norm(features.detach().to(dtype), dim=-1)
+    else:
+        z_norm = feature_norm.detach().to(dtype)
     wz = wz.detach().to(dtype)
     logits = logits.detach().to(dtype)
     valid = None
@@ -172,7 +182,7 @@ def alignment_from_parts(
         wz_y = wz.gather(-1, t).squeeze(-1)
         num = wz_y - (u * wz).sum(-1)
         r_norm = ((u * u).sum(-1) + 1.0).sqrt()
-    denom = (r_norm * z.norm(dim=-1)).clamp_min(eps) * weight_norm.to(dtype).clamp_min(eps)
+    denom = (r_norm * z_norm).clamp_min(eps) * weight_norm.to(dtype).clamp_min(eps)
     scores = (num / denom).clamp(-1.0, 1.0)
     if valid is not None:
         scores = torch.where(valid, scores, torch.full_like(scores, float("nan")))
@@ -264,14 +274,34 @@ class GWAMoments:
 
     def __init__(self, device: Optional[torch.device] = None) -> None:
         self.state = torch.zeros(5, dtype=torch.float64, device=device)
+        self._empty = True
+
+    @property
+    def state(self) -> Tensor:
+        """``[count, mean, M2, M3, M4]`` (float64)."""
+        return self._state
+
+    @state.setter
+    def state(self, value: Tensor) -> None:
+        self._state = value
+        self._empty = False  # set from outside: always merge into it
+
+    @classmethod
+    def from_state(cls, state: Tensor) -> GWAMoments:
+        """An accumulator holding ``state`` (``[5]``, e.g. one row of :meth:`combine`)."""
+        acc = cls(state.device)
+        acc.state = state.reshape(5).double()
+        return acc
 
     def reset(self, device: Optional[torch.device] = None) -> None:
         self.state = torch.zeros(5, dtype=torch.float64, device=device or self.state.device)
+        self._empty = True
 
     def update(self, scores: Tensor) -> None:
         """Add the finite entries of ``scores`` (any shape)."""
         batch = _batch_moments(scores.to(self.state.device))
-        self.state = merge_moments(self.state, batch)
+        # into a fresh accumulator the batch's moments are the state (the merge would only round)
+        self.state = batch if self._empty else merge_moments(self.state, batch)
 
     def merge(self, other: GWAMoments | Tensor) -> None:
         """Add the samples of another accumulator (or its ``state``)."""
