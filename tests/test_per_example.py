@@ -427,6 +427,22 @@ def test_fused_linear_in_chunks_of_examples_exact(monkeypatch, chunk_bytes: int)
     check(model, ce_seq, torch.randn(5, 4, 6), torch.randint(0, 3, (5, 4)))
 
 
+
+@pytest.mark.parametrize("chunk_bytes, fused", [(1, True), (1 << 20, False)])
+def test_memory_cap_counts_the_chunk_held_at_once(monkeypatch, chunk_bytes: int, fused: bool) -> None:
+    """The cap applies to the per-example gradients held at once: one example's fits, five do not."""
+    from lightning_monitor.probes import per_example
+
+    monkeypatch.setattr(per_example, "CPU_CHUNK_BYTES", chunk_bytes)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 3))
+    x, y = torch.randn(5, 4, 16), torch.randint(0, 3, (5, 4))
+    cap = 2 * 4 * 16 * 64  # two examples of the first layer
+    with PerExampleGradNorms(model, max_fused_bytes=cap):
+        out = model[0](x)
+    assert (type(out.grad_fn).__name__ == "_FusedLinearBackward") == fused
+    check(model, ce_seq, x, y, max_fused_bytes=cap)
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("chunk_bytes", [1, 3000, 1 << 20])
 def test_per_example_linear_against_einsum(monkeypatch, dtype: torch.dtype, chunk_bytes: int) -> None:

@@ -369,6 +369,13 @@ def _unwrap(module: nn.Module) -> nn.Module:
 CPU_CHUNK_BYTES = 1 << 20
 
 
+def _chunk(device_type: str, b: int, per_example_bytes: int) -> int:
+    """Examples per chunk of the fused Linear's per-example gradients (all of them off CPU)."""
+    if device_type != "cpu":
+        return b
+    return max(1, min(b, CPU_CHUNK_BYTES // max(per_example_bytes, 1)))
+
+
 def per_example_linear(a: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
     """``(sum_i G_i, ||G_i||_F^2)`` for ``G_i = D_i^T A_i``, ``a`` ``(B, T, d_in)``, ``d`` ``(B, T, d_out)``.
 
@@ -383,8 +390,7 @@ def per_example_linear(a: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
     b, _, d_in = a.shape
     d_out = d.shape[-1]
     dt = d.transpose(1, 2)
-    per = d_in * d_out * a.element_size()
-    chunk = max(1, min(b, CPU_CHUNK_BYTES // max(per, 1))) if a.device.type == "cpu" else b
+    chunk = _chunk(a.device.type, b, d_in * d_out * a.element_size())
     half = a.dtype in (torch.float16, torch.bfloat16)
     acc = torch.float32 if half else None  # squared norms accumulated in fp32 (or wider)
     if chunk >= b:
@@ -393,28 +399,33 @@ def per_example_linear(a: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
     # half types: the sum is accumulated in fp32 from zero; otherwise the first chunk is written into it
     total = (torch.zeros if half else torch.empty)(d_out, d_in, dtype=torch.float32 if half else a.dtype,
                                                    device=a.device)
+    sq = torch.empty(b, dtype=torch.float32 if half else a.dtype, device=a.device)
+    if chunk == 1:  # one example at a time: few Python-level ops per example
+        buf = torch.empty(d_out, d_in, dtype=a.dtype, device=a.device)
+        flat_buf, flat_total, outs = buf.view(-1), total.view(-1), sq.unbind(0)
+        for i, (dt_i, a_i) in enumerate(zip(dt.unbind(0), a.unbind(0))):
+            into_total = i == 0 and not half
+            g, flat = (total, flat_total) if into_total else (buf, flat_buf)
+            torch.mm(dt_i, a_i, out=g)
+            if half:
+                torch.linalg.vector_norm(flat, dtype=torch.float32, out=outs[i])
+            else:
+                torch.dot(flat, flat, out=outs[i])
+            if not into_total:
+                total.add_(buf)
+        if half:
+            sq.pow_(2)
+        return total, sq.float()
     buf = torch.empty(chunk, d_out, d_in, dtype=a.dtype, device=a.device)
-    sqs: list[Tensor] = []
     for i in range(0, b, chunk):
         n = min(chunk, b - i)
-        first = i == 0 and not half
-        if n == 1:
-            g = total if first else buf[0]
-            torch.mm(dt[i], a[i], out=g)
-            flat = g.reshape(-1)
-            sq = torch.linalg.vector_norm(flat, dtype=acc).pow(2) if half else torch.dot(flat, flat)
-            sqs.append(sq.reshape(1))
-            if not first:
-                total.add_(g)
+        p = torch.bmm(dt[i:i + n], a[i:i + n], out=buf[:n])
+        torch.linalg.vector_norm(p.flatten(1), dim=1, dtype=acc, out=sq[i:i + n])
+        if i == 0 and not half:
+            torch.sum(p, 0, out=total)
         else:
-            p = torch.bmm(dt[i:i + n], a[i:i + n], out=buf[:n])
-            sqs.append(torch.linalg.vector_norm(p.flatten(1), dim=1, dtype=acc).pow(2))
-            if first:
-                torch.sum(p, 0, out=total)
-            else:
-                total.add_(p.sum(0))
-    sq = sqs[0] if len(sqs) == 1 else torch.cat(sqs)
-    return total, sq.float()
+            total.add_(p.sum(0))
+    return total, sq.pow_(2).float()
 
 
 class _FusedLinear(torch.autograd.Function):
@@ -476,17 +487,20 @@ class PerExampleGradNorms:
         loss_reduction: ``"mean"`` if the loss is averaged over the batch (the norms are rescaled by
             ``B^2``), ``"sum"`` if it is summed over examples.
         linear_strategy: how an ``nn.Linear`` on sequences ``(B, T, d)`` gets its norms.
-            ``"fused"``: its weight gradient is computed from the materialised per-example gradients
-            (one batched matmul, the same multiply-adds as the plain backward), so the norms cost almost
-            nothing extra; ``"gram"``: ``<A_i A_i^T, D_i D_i^T>`` beside the plain backward;
+            ``"fused"``: its weight gradient is computed as the sum of the materialised per-example
+            gradients (the same multiply-adds as the plain backward; on CPU a chunk of examples at a time,
+            reduced while in cache), so the norms cost almost nothing extra; ``"gram"``: ``<A_i A_i^T, D_i D_i^T>`` beside the plain backward;
             ``"materialize"``: ``D_i^T A_i`` beside the plain backward. ``"auto"``: fused while
-            ``4 B d_in d_out <= max_fused_bytes``, else the cheaper of gram and materialize. Inputs
+            the per-example gradients held at once fit ``max_fused_bytes`` (``4 c d_in d_out`` bytes
+            for a chunk of ``c`` examples: on CPU the examples that fit :data:`CPU_CHUNK_BYTES`, at least
+            one; elsewhere the whole batch), else the cheaper of gram and materialize. Inputs
             ``(B, d)`` always use ``||a_i||^2 ||d_i||^2``.
         include: optional predicate ``(qualified name, module) -> bool`` restricting the modules hooked.
         batch_size: the number of examples expected over the backward passes read together; a module
             whose input's leading dimension does not match (an input broadcast over the batch) is moved to
             :attr:`uncovered`. ``None``: the most common count among the parameters.
-        max_fused_bytes: memory cap of the per-example gradients of one fused Linear (``"auto"``).
+        max_fused_bytes: memory cap of the per-example gradients one fused Linear holds at once
+            (``"auto"``).
         verify: check, for every covered parameter, that the hooked modules account for its whole
             gradient (two random projections of both, compared when the norms are read; one small host
             sync). A parameter also used outside its module (``x @ emb.weight.T``) is then moved to
@@ -685,7 +699,8 @@ class PerExampleGradNorms:
             needs = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
             if needs and x.dim() >= 2:
                 t = x.numel() // max(x.shape[0] * x.shape[-1], 1)
-                nbytes = 4 * x.shape[0] * mod.in_features * mod.out_features
+                per = 4 * mod.in_features * mod.out_features  # one example's weight gradient, fp32
+                nbytes = per * _chunk(x.device.type, x.shape[0], per)  # held at once in the backward
                 if t > 1 and (self.linear_strategy == "fused" or nbytes <= self.max_fused_bytes):
                     for _, pid in params:
                         self._outstanding[pid] += 1
