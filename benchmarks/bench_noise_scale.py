@@ -10,7 +10,8 @@ Run: /work/venv/bin/python benchmarks/bench_noise_scale.py [--quick]
    in the same process, interleaved, median over repetitions, one thread: a token-wise model
    (B=8, T=128, d=256, hidden 1024, 4 Linear layers); BackPACK's BatchL2Grad side by side when
    installed (optional: pip install --no-deps backpack-for-pytorch einops unfoldNd); torch.func for
-   reference; the callback's hooks on a step that is not due.
+   reference; the callback's hooks on a step that is not due; the fused Linear path as it was before it
+   worked a chunk of examples at a time (whole batch in one batched matmul).
 4. Peak memory of the same step (tensor allocations made by the step, tracked by a dispatch mode).
 """
 
@@ -39,6 +40,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from lightning_monitor import GradientNoiseScaleMonitor, PerExampleGradNorms  # noqa: E402
 from lightning_monitor.functional import NoiseScaleEMA, noise_scale_estimates  # noqa: E402
+from lightning_monitor.probes import per_example  # noqa: E402
 
 STRATEGIES = ("auto", "gram", "materialize")
 
@@ -156,15 +158,21 @@ def cost(reps: int) -> tuple[list[list[str]], str]:
         model.zero_grad(set_to_none=True)
         F.mse_loss(model(x), y).backward()
 
-    def ours(strategy: str, verify: bool = False) -> Callable[[], None]:
+    def ours(strategy: str, verify: bool = False, chunk_bytes: int | None = None) -> Callable[[], None]:
         probe = PerExampleGradNorms(model, linear_strategy=strategy, verify=verify)
 
         def step() -> None:
-            model.zero_grad(set_to_none=True)
-            probe.reset()
-            with probe:
-                F.mse_loss(model(x), y).backward()
-            probe.squared_norms().sum().item()
+            saved = per_example.CPU_CHUNK_BYTES
+            if chunk_bytes is not None:
+                per_example.CPU_CHUNK_BYTES = chunk_bytes
+            try:
+                model.zero_grad(set_to_none=True)
+                probe.reset()
+                with probe:
+                    F.mse_loss(model(x), y).backward()
+                probe.squared_norms().sum().item()
+            finally:
+                per_example.CPU_CHUNK_BYTES = saved
 
         return step
 
@@ -209,6 +217,9 @@ def cost(reps: int) -> tuple[list[list[str]], str]:
         fns[label] = ours(s)
         if s == "auto":  # with the projection check (the callback runs it on its first check only)
             fns[label + ", verify=True"] = ours(s, verify=True)
+            # the fused path as it was before chunking: the whole batch's per-example gradients in one
+            # batched matmul, then one pass for their sum and one for their norms
+            fns["PerExampleGradNorms fused, whole batch in one bmm (before chunking)"] = ours(s, chunk_bytes=2**62)
 
     from torch.func import functional_call, grad, vmap
 

@@ -436,12 +436,24 @@ def test_memory_cap_counts_the_chunk_held_at_once(monkeypatch, chunk_bytes: int,
     monkeypatch.setattr(per_example, "CPU_CHUNK_BYTES", chunk_bytes)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 3))
-    x, y = torch.randn(5, 4, 16), torch.randint(0, 3, (5, 4))
+    x, y = torch.randn(5, 32, 16), torch.randint(0, 3, (5, 32))  # T = 32: fused is the cheaper form
     cap = 2 * 4 * 16 * 64  # two examples of the first layer
     with PerExampleGradNorms(model, max_fused_bytes=cap):
         out = model[0](x)
     assert (type(out.grad_fn).__name__ == "_FusedLinearBackward") == fused
     check(model, ce_seq, x, y, max_fused_bytes=cap)
+
+
+@pytest.mark.parametrize("t, fused", [(3, False), (40, True)])
+def test_auto_prefers_gram_on_short_sequences(t: int, fused: bool) -> None:
+    """auto: Gram form when T^2 (d_in + d_out) < 8 d_in d_out (here 32 x 64: T <= 13), else fused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 3))
+    x, y = torch.randn(4, t, 32), torch.randint(0, 3, (4, t))
+    with PerExampleGradNorms(model):
+        out = model[0](x)
+    assert (type(out.grad_fn).__name__ == "_FusedLinearBackward") == fused
+    check(model, ce_seq, x, y)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("chunk_bytes", [1, 3000, 1 << 20])

@@ -369,6 +369,19 @@ def _unwrap(module: nn.Module) -> nn.Module:
 CPU_CHUNK_BYTES = 1 << 20
 
 
+#: ``"auto"`` prefers the Gram form to the fused Linear when ``T^2 (d_in + d_out) < GRAM_OVER_FUSED d_in d_out``.
+#: The fused path adds a few memory passes over each example's ``d_in x d_out`` gradient (and its matmuls
+#: run at inner size ``T``), the Gram form ``T^2 (d_in + d_out)`` multiply-adds per example; measured on
+#: CPU (one thread, B=8, d from 256 to 1024, T from 2 to 128) the two cost the same near a ratio of 8:
+#: e.g. T=48, 1024x1024 (ratio 4.5): Gram 1.05x, fused 1.10x a plain step; T=128, 256x1024 (ratio 80):
+#: Gram 1.25x, fused 1.06x.
+GRAM_OVER_FUSED = 8
+
+
+def _gram_beats_fused(t: int, mod: nn.Linear) -> bool:
+    return t * t * (mod.in_features + mod.out_features) < GRAM_OVER_FUSED * mod.in_features * mod.out_features
+
+
 def _chunk(device_type: str, b: int, per_example_bytes: int) -> int:
     """Examples per chunk of the fused Linear's per-example gradients (all of them off CPU)."""
     if device_type != "cpu":
@@ -490,10 +503,12 @@ class PerExampleGradNorms:
             ``"fused"``: its weight gradient is computed as the sum of the materialised per-example
             gradients (the same multiply-adds as the plain backward; on CPU a chunk of examples at a time,
             reduced while in cache), so the norms cost almost nothing extra; ``"gram"``: ``<A_i A_i^T, D_i D_i^T>`` beside the plain backward;
-            ``"materialize"``: ``D_i^T A_i`` beside the plain backward. ``"auto"``: fused while
-            the per-example gradients held at once fit ``max_fused_bytes`` (``4 c d_in d_out`` bytes
-            for a chunk of ``c`` examples: on CPU the examples that fit :data:`CPU_CHUNK_BYTES`, at least
-            one; elsewhere the whole batch), else the cheaper of gram and materialize. Inputs
+            ``"materialize"``: ``D_i^T A_i`` beside the plain backward. ``"auto"``: gram when it is
+            the cheaper, ``T^2 (d_in + d_out) < 8 d_in d_out`` (:data:`GRAM_OVER_FUSED`, short sequences);
+            else fused while the per-example gradients held at once fit ``max_fused_bytes``
+            (``4 c d_in d_out`` bytes for a chunk of ``c`` examples: on CPU the examples that fit
+            :data:`CPU_CHUNK_BYTES`, at least one; elsewhere the whole batch); else the cheaper of gram
+            and materialize. Inputs
             ``(B, d)`` always use ``||a_i||^2 ||d_i||^2``.
         include: optional predicate ``(qualified name, module) -> bool`` restricting the modules hooked.
         batch_size: the number of examples expected over the backward passes read together; a module
@@ -701,7 +716,8 @@ class PerExampleGradNorms:
                 t = x.numel() // max(x.shape[0] * x.shape[-1], 1)
                 per = 4 * mod.in_features * mod.out_features  # one example's weight gradient, fp32
                 nbytes = per * _chunk(x.device.type, x.shape[0], per)  # held at once in the backward
-                if t > 1 and (self.linear_strategy == "fused" or nbytes <= self.max_fused_bytes):
+                fits = nbytes <= self.max_fused_bytes
+                if t > 1 and (self.linear_strategy == "fused" or (fits and not _gram_beats_fused(t, mod))):
                     for _, pid in params:
                         self._outstanding[pid] += 1
                     batch = x.shape[0]
