@@ -3,7 +3,8 @@
 Run: /work/venv/bin/python benchmarks/bench_noise_scale.py [--quick]
 
 1. Exactness of PerExampleGradNorms.squared_norms() against torch.func (vmap over grad), fp32, on an MLP,
-   a CNN and a small transformer, for every Linear strategy.
+   a CNN and a small transformer, for every Linear strategy (fused: the whole batch in one batched
+   matmul, and one example at a time as on CPU for large layers).
 2. Closed-form check: linear regression with Gaussian inputs at fixed weights, where
    tr(Sigma) = (d + 1)|e|^2 + d s^2 and |G|^2 = |e|^2; smoothed B_simple against the truth.
 3. Cost of a due step (forward + backward + norms, read on the host) against a plain forward + backward
@@ -42,7 +43,10 @@ from lightning_monitor import GradientNoiseScaleMonitor, PerExampleGradNorms  # 
 from lightning_monitor.functional import NoiseScaleEMA, noise_scale_estimates  # noqa: E402
 from lightning_monitor.probes import per_example  # noqa: E402
 
-STRATEGIES = ("auto", "gram", "materialize")
+#: (label, linear_strategy, CPU_CHUNK_BYTES or None for the default)
+STRATEGIES = (("auto", "auto", None), ("fused, whole batch", "fused", 2**62),
+              ("fused, one example at a time", "fused", 1), ("gram", "gram", None),
+              ("materialize", "materialize", None))
 
 
 # ----------------------------------------------------------------------------- 1. exactness
@@ -67,10 +71,15 @@ def exactness() -> list[list[str]]:
         x, y = data()
         ref = oracle(model, loss_fn, x, y)
         errs = []
-        for strategy in STRATEGIES:
+        for _, strategy, chunk_bytes in STRATEGIES:
             model.zero_grad()
-            with PerExampleGradNorms(model, linear_strategy=strategy) as probe:
-                loss_fn(model(x), y).backward()
+            saved = per_example.CPU_CHUNK_BYTES
+            per_example.CPU_CHUNK_BYTES = chunk_bytes or saved
+            try:
+                with PerExampleGradNorms(model, linear_strategy=strategy) as probe:
+                    loss_fn(model(x), y).backward()
+            finally:
+                per_example.CPU_CHUNK_BYTES = saved
             total = torch.stack([ref[n] for n in probe.covered]).sum(0)
             errs.append(float(((probe.squared_norms().double() - total).abs() / total).max()))
         n_all = len(list(model.parameters()))
@@ -310,7 +319,7 @@ def main() -> None:
     steps, seeds = (300, 2) if args.quick else (600, 4)
 
     print("## 1. Exactness vs torch.func (max relative error per example, fp32)\n")
-    print(table(["model", "covered params", "auto (fused)", "gram", "materialize"], exactness()))
+    print(table(["model", "covered params"] + [label for label, _, _ in STRATEGIES], exactness()))
     print("\n## 2. Closed-form linear regression (d=8, B=64, noise 0.5, EMA beta 0.995, "
           f"{steps} steps at fixed weights)\n")
     print(table(["seed", "true B_simple", "per-example", "error", "two batch sizes (8 vs 64)", "error"],
