@@ -1,6 +1,6 @@
 """Gradient noise scale and per-example gradient norms: exactness, estimate correctness, cost, memory.
 
-Run: /work/venv/bin/python benchmarks/bench_noise_scale.py [--quick]
+Run: /work/venv/bin/python benchmarks/bench_noise_scale.py [--quick] [--crossover]
 
 1. Exactness of PerExampleGradNorms.squared_norms() against torch.func (vmap over grad), fp32, on an MLP,
    a CNN and a small transformer, for every Linear strategy (fused: the whole batch in one batched
@@ -14,6 +14,9 @@ Run: /work/venv/bin/python benchmarks/bench_noise_scale.py [--quick]
    reference; the callback's hooks on a step that is not due; the fused Linear path as it was before it
    worked a chunk of examples at a time (whole batch in one batched matmul).
 4. Peak memory of the same step (tensor allocations made by the step, tracked by a dispatch mode).
+
+--crossover: only the fused Linear against the Gram form over sequence lengths and widths (the
+measurements behind GRAM_OVER_FUSED, the rule of linear_strategy="auto").
 """
 
 from __future__ import annotations
@@ -304,6 +307,52 @@ def cost(reps: int) -> tuple[list[list[str]], str]:
     return rows, backpack_note
 
 
+def crossover(reps: int) -> list[list[str]]:
+    """Fused Linear against the Gram form (each vs a plain step of the same model, interleaved), over
+    sequence lengths and widths: the measurements behind ``GRAM_OVER_FUSED``."""
+    rows = []
+    for b, t, d_in, d_out in [(8, 4, 1024, 1024), (8, 16, 1024, 1024), (8, 48, 1024, 1024), (8, 96, 1024, 1024),
+                              (8, 16, 256, 1024), (8, 40, 256, 1024), (8, 64, 256, 1024), (8, 128, 256, 1024),
+                              (32, 16, 128, 512), (8, 128, 256, 256)]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(d_in, d_out), nn.Tanh(), nn.Linear(d_out, d_in))
+        x = torch.randn(b, t, d_in)
+
+        def plain() -> None:
+            model.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+
+        def probe_step(strategy: str) -> Callable[[], None]:
+            probe = PerExampleGradNorms(model, linear_strategy=strategy, verify=False)
+
+            def step() -> None:
+                model.zero_grad(set_to_none=True)
+                probe.reset()
+                with probe:
+                    model(x).square().mean().backward()
+                probe.squared_norms().sum().item()
+
+            return step
+
+        fns = {"plain": plain, "fused": probe_step("fused"), "gram": probe_step("gram")}
+        for f in fns.values():
+            f()
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        order = list(fns)
+        rng = random.Random(0)
+        for _ in range(reps):
+            rng.shuffle(order)
+            for k in order:
+                t0 = time.perf_counter()
+                fns[k]()
+                times[k].append(time.perf_counter() - t0)
+        ratio = {k: statistics.median(a / p for a, p in zip(times[k], times["plain"])) for k in fns}
+        rule = t * t * (d_in + d_out) / (d_in * d_out)
+        auto = "gram" if rule < per_example.GRAM_OVER_FUSED else "fused"
+        rows.append([f"{b}, {t}, {d_in}x{d_out}", f"{rule:.1f}", f"{ratio['fused']:.3f}x", f"{ratio['gram']:.3f}x", auto])
+    return rows
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -313,8 +362,17 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and steps")
+    parser.add_argument("--crossover", action="store_true",
+                        help="only the fused-vs-Gram measurements behind linear_strategy='auto'")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.crossover:
+        reps = 5 if args.quick else 15
+        print("## Fused Linear vs Gram form: B, T, d_in x d_out (two Linear layers, d_in -> d_out -> d_in); "
+              f"1 thread, median of {reps} interleaved paired ratios to a plain step\n")
+        print(table(["B, T, layer", "T^2 (d_in + d_out) / (d_in d_out)", "fused", "gram", "auto picks"],
+                    crossover(reps)))
+        return
     reps = 7 if args.quick else 41
     steps, seeds = (300, 2) if args.quick else (600, 4)
 
