@@ -318,11 +318,11 @@ def crossover(reps: int) -> list[list[str]]:
         model = nn.Sequential(nn.Linear(d_in, d_out), nn.Tanh(), nn.Linear(d_out, d_in))
         x = torch.randn(b, t, d_in)
 
-        def plain() -> None:
+        def plain(model: nn.Module = model, x: torch.Tensor = x) -> None:
             model.zero_grad(set_to_none=True)
             model(x).square().mean().backward()
 
-        def probe_step(strategy: str) -> Callable[[], None]:
+        def probe_step(strategy: str, model: nn.Module = model, x: torch.Tensor = x) -> Callable[[], None]:
             probe = PerExampleGradNorms(model, linear_strategy=strategy, verify=False)
 
             def step() -> None:

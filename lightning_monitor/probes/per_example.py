@@ -10,9 +10,11 @@ squared norm of each example's gradient for each of the module's parameters, in 
   per-example weight gradient is ``G_i = D_i^T A_i`` and ``||G_i||_F^2 = <A_i A_i^T, D_i D_i^T>_F``:
   the Gram form costs ``O(B T^2 (d_in + d_out))``, materialising ``G_i`` costs ``O(B T d_in d_out)``;
   each layer takes the cheaper. Bias: ``||sum_t d_it||^2``. By default (``linear_strategy="auto"``)
-  a Linear on sequences is *fused* instead: while the context is active its backward forms the weight
-  gradient as ``sum_i G_i`` from the materialised ``G_i`` (one batched matmul with the same
-  multiply-adds as the plain backward), so the norms come almost for free.
+  a Linear on sequences is *fused* instead unless its sequences are short enough for the Gram form to
+  be cheaper (:data:`GRAM_OVER_FUSED`): while the context is active its backward forms the weight
+  gradient as ``sum_i G_i`` from the materialised ``G_i`` (the same multiply-adds as the plain
+  backward; on CPU a cache-sized chunk of examples at a time, reduced to norms and sum while in cache),
+  so the norms come almost for free.
 * ``nn.Embedding``: the rows an example touches, ``sum_{t: x_t = v} d_t``, summed per distinct token.
 * ``nn.LayerNorm`` / ``nn.RMSNorm``: weight ``sum_t d_t * xhat_t``, bias ``sum_t d_t``.
 * ``nn.Conv2d``: the Linear form on unfolded patches (one group at a time).
@@ -502,14 +504,14 @@ class PerExampleGradNorms:
         linear_strategy: how an ``nn.Linear`` on sequences ``(B, T, d)`` gets its norms.
             ``"fused"``: its weight gradient is computed as the sum of the materialised per-example
             gradients (the same multiply-adds as the plain backward; on CPU a chunk of examples at a time,
-            reduced while in cache), so the norms cost almost nothing extra; ``"gram"``: ``<A_i A_i^T, D_i D_i^T>`` beside the plain backward;
+            reduced while in cache), so the norms cost almost nothing extra; ``"gram"``:
+            ``<A_i A_i^T, D_i D_i^T>`` beside the plain backward;
             ``"materialize"``: ``D_i^T A_i`` beside the plain backward. ``"auto"``: gram when it is
             the cheaper, ``T^2 (d_in + d_out) < 8 d_in d_out`` (:data:`GRAM_OVER_FUSED`, short sequences);
             else fused while the per-example gradients held at once fit ``max_fused_bytes``
             (``4 c d_in d_out`` bytes for a chunk of ``c`` examples: on CPU the examples that fit
             :data:`CPU_CHUNK_BYTES`, at least one; elsewhere the whole batch); else the cheaper of gram
-            and materialize. Inputs
-            ``(B, d)`` always use ``||a_i||^2 ||d_i||^2``.
+            and materialize. Inputs ``(B, d)`` always use ``||a_i||^2 ||d_i||^2``.
         include: optional predicate ``(qualified name, module) -> bool`` restricting the modules hooked.
         batch_size: the number of examples expected over the backward passes read together; a module
             whose input's leading dimension does not match (an input broadcast over the batch) is moved to
