@@ -287,7 +287,6 @@ def cost(reps: int) -> tuple[list[list[str]], str]:
             fns[k]()
             times[k].append(time.perf_counter() - t0)
     base_times = times["plain fwd+bwd"]
-    base = statistics.median(base_times)
     mems: dict[str, int] = {}
     for k, f in fns.items():
         if k.startswith("torch.func"):

@@ -330,7 +330,7 @@ def test_fused_linear_gives_the_same_gradients() -> None:
     x, y = torch.randint(0, 11, (4, 7)), torch.randint(0, 11, (4, 7))
     ce_seq(model(x), y).backward()
     plain = {n: p.grad.clone() for n, p in model.named_parameters()}
-    probe = probe_run(model, ce_seq, x, y, linear_strategy="fused")
+    probe_run(model, ce_seq, x, y, linear_strategy="fused")
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, plain[n], rtol=1e-5, atol=1e-7)
     assert "forward" not in model.head.__dict__  # the plain forward is back after the context
