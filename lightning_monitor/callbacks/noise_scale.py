@@ -185,10 +185,11 @@ class GradientNoiseScaleMonitor(Monitor):
                     f"GradientNoiseScaleMonitor(method='ddp') needs a DDP strategy ('ddp' or 'ddp_spawn'), got "
                     f"{type(trainer.strategy).__name__}; use method='per_example' (works under any strategy)."
                 )
-            if getattr(trainer.strategy, "_ddp_comm_hook", None) is not None:
+            if accumulate > 1 and getattr(trainer.strategy, "_ddp_comm_hook", None) is not None:
                 raise ValueError(
-                    "GradientNoiseScaleMonitor(method='ddp') registers its own DDP communication hook, but the "
-                    "strategy already has `ddp_comm_hook`; remove it or use method='per_example'."
+                    "GradientNoiseScaleMonitor(method='ddp') with gradient accumulation registers its own DDP "
+                    "communication hook, but the strategy already has `ddp_comm_hook`; remove it or use "
+                    "method='per_example'."
                 )
         if method == "accumulation" and accumulate < 2:
             raise ValueError(
@@ -249,7 +250,9 @@ class GradientNoiseScaleMonitor(Monitor):
         return out
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.resolved_method == "ddp" and not self._ddp_registered:
+        # with one micro-batch per step, tensor hooks on the parameters see this rank's gradient before
+        # DDP reduces it; a communication hook is needed only to read the accumulated local gradient
+        if self.resolved_method == "ddp" and trainer.accumulate_grad_batches > 1 and not self._ddp_registered:
             from torch.nn.parallel import DistributedDataParallel
 
             model = trainer.strategy.model
@@ -288,7 +291,7 @@ class GradientNoiseScaleMonitor(Monitor):
             assert self._probe is not None
             self._probe.reset()
             self._probe.attach()
-        elif self.resolved_method == "accumulation":
+        elif self.resolved_method == "accumulation" or (self.resolved_method == "ddp" and not self._ddp_registered):
             for name, p in self._params.items():
                 self._leaf_handles.append(p.register_hook(self._make_leaf_hook(name)))
 
