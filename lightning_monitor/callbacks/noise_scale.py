@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from fnmatch import fnmatchcase
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
@@ -34,7 +33,7 @@ from torch import Tensor, nn
 from lightning_monitor.callbacks.base import Monitor
 from lightning_monitor.functional.noise_scale import NoiseScaleEMA, noise_scale_estimates
 from lightning_monitor.probes.per_example import PerExampleGradNorms
-from lightning_monitor.selection import Patterns, as_patterns
+from lightning_monitor.selection import Patterns, as_patterns, select_modules
 
 __all__ = ["GradientNoiseScaleMonitor"]
 
@@ -231,23 +230,9 @@ class GradientNoiseScaleMonitor(Monitor):
             self._layers = dict(layers)
 
     def _selected_layers(self, pl_module: pl.LightningModule) -> set[str]:
-        named = [n for n, m in pl_module.named_modules() if n and any(p.requires_grad for p in m.parameters(recurse=False))]
-        all_names = [n for n, _ in pl_module.named_modules() if n]
-        for argument, patterns in (("include", self.include), ("exclude", self.exclude)):
-            for pattern in patterns:
-                if not any(fnmatchcase(n, pattern) for n in all_names):
-                    raise ValueError(
-                        f"GradientNoiseScaleMonitor: `{argument}` pattern {pattern!r} matches no module of "
-                        f"{type(pl_module).__name__}; module names look like {all_names[:6]}."
-                    )
-        out = set()
-        for n in named:
-            if self.include and not any(fnmatchcase(n, p) for p in self.include):
-                continue
-            if any(fnmatchcase(n, p) for p in self.exclude):
-                continue
-            out.add(n)
-        return out
+        """Modules with trainable parameters of their own, filtered by ``include`` / ``exclude``."""
+        selected = select_modules(pl_module, self.include, self.exclude, (nn.Module,), owner="GradientNoiseScaleMonitor")
+        return {n for n, m in selected.items() if any(p.requires_grad for p in m.parameters(recurse=False))}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # with one micro-batch per step, tensor hooks on the parameters see this rank's gradient before
