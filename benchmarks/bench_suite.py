@@ -1,0 +1,124 @@
+"""The whole suite left on, at its default cadences, against the same training without it.
+
+Example GPT on CPU (one thread), two sizes. Each repetition trains the same seeded run twice, with no
+callback and with SpectralAlignmentMonitor (every 50 steps), GradientNoiseScaleMonitor (every 10,
+per-example norms), GradientWeightAlignmentMonitor (every step, on the lm_head: tokens are the samples)
+and DivergenceGuard (checks every 10), alternating which goes first. Reported: median seconds per step
+(first 20 steps excluded), the median of the per-pair ratios, and the time spent inside the suite's
+callback hooks (its on_* methods; the probes' forward and backward hooks are not included) as a share
+of the monitored run's training time. GradientEarlyStopping is left out: it changes the training it
+measures (see bench_grades.py).
+
+Run: python benchmarks/bench_suite.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import time
+import types
+import warnings
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from gpt import GPTModule, make_loader  # noqa: E402
+
+import lightning_monitor as lm  # noqa: E402
+
+SIZES = {
+    "GPT 2x64 (0.2 M params)": {"n_layer": 2, "n_head": 4, "d_model": 64, "block_size": 64},
+    "GPT 4x128 (0.8 M params)": {"n_layer": 4, "n_head": 4, "d_model": 128, "block_size": 64},
+}
+
+
+class StepTimer(Callback):
+    def __init__(self, skip: int = 20) -> None:
+        self.skip, self.start, self.end, self.steps = skip, 0.0, 0.0, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.skip:
+            self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.end, self.steps = time.perf_counter(), trainer.global_step - self.skip
+
+
+def timed(callback: Callback, clock: list) -> Callback:
+    """Wrap every ``on_*`` hook the callback overrides with a timer adding to ``clock[0]``."""
+    for name in dir(type(callback)):
+        if not name.startswith("on_") or getattr(type(callback), name) is getattr(Callback, name, None):
+            continue
+        original = getattr(callback, name)
+
+        def wrapper(self, *args, _original=original, **kwargs):
+            t = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                clock[0] += time.perf_counter() - t
+
+        setattr(callback, name, types.MethodType(wrapper, callback))
+    return callback
+
+
+def suite(clock: list) -> list[Callback]:
+    return [timed(cb, clock) for cb in (
+        lm.SpectralAlignmentMonitor(),
+        lm.GradientNoiseScaleMonitor(),
+        lm.GradientWeightAlignmentMonitor(histogram=False),
+        lm.DivergenceGuard(),
+    )]
+
+
+def run(config: dict, steps: int, callbacks: list[Callback], root: str) -> float:
+    pl.seed_everything(0, verbose=False)
+    timer = StepTimer()
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=pl.loggers.CSVLogger(root, name="suite"),
+                         callbacks=callbacks + [timer], enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, log_every_n_steps=50)
+    trainer.fit(GPTModule(config, lr=3e-3), make_loader("prose", block_size=config["block_size"], batch_size=16,
+                                                         n_samples=16 * steps))
+    return (timer.end - timer.start) / timer.steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--root", default="benchmarks/out/suite")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning_monitor"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    steps, reps = (120, 2) if args.quick else (220, 4)
+    print(f"torch {torch.__version__}, 1 thread, {steps} steps per run, {reps} pairs, load {os.getloadavg()[0]:.1f}")
+    print("\n| model | ms/step without | ms/step with the suite | ratio (median of pairs) | time in the suite's callback hooks |")
+    print("|---|---|---|---|---|")
+    for label, config in SIZES.items():
+        base, mon, ratios, shares = [], [], [], []
+        for rep in range(reps):
+            order = ("base", "suite") if rep % 2 == 0 else ("suite", "base")
+            result = {}
+            for which in order:
+                clock = [0.0]
+                per_step = run(config, steps, suite(clock) if which == "suite" else [], args.root)
+                result[which] = per_step
+                if which == "suite":
+                    shares.append(clock[0] / (per_step * steps))
+            base.append(result["base"])
+            mon.append(result["suite"])
+            ratios.append(result["suite"] / result["base"])
+        print(f"| {label} | {1e3 * statistics.median(base):.2f} | {1e3 * statistics.median(mon):.2f} | "
+              f"{statistics.median(ratios):.3f} | {100 * statistics.median(shares):.2f}% |", flush=True)
+    print(f"\nload at the end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
