@@ -53,3 +53,25 @@ def tiny_gpt():
         return module, loader
 
     return make
+
+
+def fit_ddp_spawn(trainer: Any, *args: Any, **kwargs: Any) -> None:
+    """``trainer.fit`` under ``ddp_spawn``, tolerating a rank that aborts while its process *exits*.
+
+    On this 2-core sandbox a spawned gloo rank occasionally died with SIGABRT ("terminate called without
+    an active exception") in interpreter shutdown, after ``fit`` and ``on_train_end`` had completed: in the
+    GradES DDP test, and in the noise-scale DDP test while it used a DDP communication hook (a plain DDP
+    model without our callbacks did not abort in 15 runs; the cause is not found). The DDP tests judge the
+    results every rank writes in ``on_train_end`` and fail if a rank did not get that far; a SIGABRT is
+    reported as a warning, any other failure is re-raised.
+    """
+    import warnings
+
+    from torch.multiprocessing.spawn import ProcessExitedException
+
+    try:
+        trainer.fit(*args, **kwargs)
+    except ProcessExitedException as err:
+        if err.signal_name != "SIGABRT":
+            raise
+        warnings.warn(f"a spawned rank aborted at process exit after training: {err}")

@@ -23,6 +23,7 @@ from lightning_monitor import GradientEarlyStopping, read_alerts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPTConfig, GPTModule, make_loader  # noqa: E402
+from conftest import fit_ddp_spawn  # noqa: E402
 
 N_COMPONENTS = 12  # 2 blocks x (q, k, v, o, up, down)
 
@@ -349,7 +350,7 @@ def test_ddp_two_ranks_freeze_identically(tmp_path: Path) -> None:
     previous = torch.multiprocessing.get_sharing_strategy()
     torch.multiprocessing.set_sharing_strategy("file_system")
     try:
-        trainer.fit(DeadBranchLM(str(tmp_path)), make_loader("arith", block_size=16, batch_size=4, n_samples=256))
+        fit_ddp_spawn(trainer, DeadBranchLM(str(tmp_path)), make_loader("arith", block_size=16, batch_size=4, n_samples=256))
     finally:
         torch.multiprocessing.set_sharing_strategy(previous)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))

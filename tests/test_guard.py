@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_monitor import DivergenceGuard, Monitor, read_alerts
+from conftest import fit_ddp_spawn  # noqa: E402
 
 
 def _trainer(tmp_path, callbacks, steps, logger=True, **kw):
@@ -282,7 +283,7 @@ def test_ddp_stop_decision_is_reduced_across_ranks(tmp_path):
         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         default_root_dir=str(tmp_path),
     )
-    trainer.fit(_DDPModule(str(tmp_path)))
+    fit_ddp_spawn(trainer, _DDPModule(str(tmp_path)))
     results = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
     assert results[0] == results[1] == {"global_step": 13, "stopped_step": 12}
     assert os.path.isfile(tmp_path / "ck" / "guard-step=12.ckpt")

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_monitor import GradientWeightAlignmentMonitor
 from lightning_monitor.callbacks.gradient_weight_alignment import SUSPECTS_FILENAME
+from conftest import fit_ddp_spawn  # noqa: E402
 
 
 def _digits(n: int = 600, flip: float = 0.0, seed: int = 0):
@@ -473,7 +474,7 @@ def test_ddp_moments_and_stop_decision_are_reduced(tmp_path) -> None:
         strategy="ddp_spawn",
         enable_checkpointing=False,
     )
-    trainer.fit(DigitsMLP(lr=0.5), loader)
+    fit_ddp_spawn(trainer, DigitsMLP(lr=0.5), loader)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert r0["history"] == r1["history"] and r0["stopped"] == r1["stopped"] and r0["epoch"] == r1["epoch"]
     for rec in r0["history"]:

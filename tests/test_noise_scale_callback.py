@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_monitor import GradientNoiseScaleMonitor, read_alerts
+from conftest import fit_ddp_spawn  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
@@ -254,7 +255,7 @@ def test_ddp_method_agrees_with_per_example(tmp_path) -> None:
         accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=150, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=[mon],
     )
-    trainer.fit(model, DataLoader(data, batch_size=16))
+    fit_ddp_spawn(trainer, model, DataLoader(data, batch_size=16))
     res = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
     assert [r["method"] for r in res] == ["ddp", "ddp"]
     assert res[0]["b_simple"] == pytest.approx(res[1]["b_simple"])  # all ranks agree
