@@ -58,7 +58,7 @@ def tiny_gpt():
 def fit_ddp_spawn(trainer: Any, *args: Any, **kwargs: Any) -> None:
     """``trainer.fit`` under ``ddp_spawn``, tolerating a rank that aborts while its process *exits*.
 
-    On this 2-core sandbox a spawned gloo rank occasionally died with SIGABRT ("terminate called without
+    On our 2-core test machine a spawned gloo rank occasionally died with SIGABRT ("terminate called without
     an active exception") in interpreter shutdown, after ``fit`` and ``on_train_end`` had completed: in the
     GradES DDP test, and in the noise-scale DDP test while it used a DDP communication hook (a plain DDP
     model without our callbacks did not abort in 15 runs; the cause is not found). The DDP tests judge the
