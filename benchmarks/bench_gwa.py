@@ -228,21 +228,20 @@ class LoopTimer(Callback):
         self.steps = trainer.global_step
 
 
-def overhead(args, batch_size: int) -> dict[str, Any]:
+def paired_overhead(reps: int, epochs: int, make_model: Any, make_loader: Any) -> dict[str, Any]:
     """Interleaved pairs (alternating order) of the same training with and without the monitor."""
-    data = split_digits(0, 0.2)
-    ratios, fractions, step_us, epoch_ms, base_step = [], [], [], [], []
-    for rep in range(args.reps):
+    ratios, fractions, step_us, epoch_ms, base_step, steps = [], [], [], [], [], 0
+    for rep in range(reps):
         times: dict[str, float] = {}
         for mode in (("base", "gwa") if rep % 2 == 0 else ("gwa", "base")):
             seed_everything(rep, verbose=False)
-            model = Net(args.model, args.opt)
-            loader = DataLoader(data["train"], batch_size=batch_size, shuffle=True)
+            model, loader = make_model(), make_loader()
             timer = LoopTimer()
             gwa = TimedGWA(index_fn=lambda b: b[2], suspects=200, histogram=False) if mode == "gwa" else None
             with tempfile.TemporaryDirectory() as root:
-                trainer([gwa, timer] if gwa else [timer], args.overhead_epochs, root=root).fit(model, loader)
+                trainer([gwa, timer] if gwa else [timer], epochs, root=root).fit(model, loader)
             times[mode] = timer.elapsed
+            steps = timer.steps
             if gwa is not None:
                 step_us.append(1e6 * gwa.spent["step"] / timer.steps)
                 epoch_ms.append(1e3 * gwa.spent["epoch"] / max(gwa.epochs, 1))
@@ -252,6 +251,7 @@ def overhead(args, batch_size: int) -> dict[str, Any]:
         ratios.append(times["gwa"] / times["base"])
         fractions.append(spent / times["base"])
     return {
+        "steps": steps,
         "ratio": statistics.median(ratios),
         "fraction": statistics.median(fractions),
         "step_us": statistics.median(step_us),
@@ -259,6 +259,15 @@ def overhead(args, batch_size: int) -> dict[str, Any]:
         "ms_base_step": 1e3 * statistics.median(base_step),
         "ratios": ratios,
     }
+
+
+def overhead(args, batch_size: int) -> dict[str, Any]:
+    """The overhead on the digits model (the selection benchmark's network)."""
+    data = split_digits(0, 0.2)
+    return paired_overhead(
+        args.reps, args.overhead_epochs, lambda: Net(args.model, args.opt),
+        lambda: DataLoader(data["train"], batch_size=batch_size, shuffle=True),
+    )
 
 
 class WideMLP(LightningModule):
@@ -298,37 +307,11 @@ def realistic_overhead(args) -> dict[str, Any]:
 
     bs = args.real_batch_size
     data = synthetic_classes(args.real_steps * bs, args.real_d_in, args.real_classes)
-    ratios, fractions, step_us, epoch_ms, base_step, steps = [], [], [], [], [], 0
-    for rep in range(args.real_reps):
-        times: dict[str, float] = {}
-        for mode in (("base", "gwa") if rep % 2 == 0 else ("gwa", "base")):
-            seed_everything(rep, verbose=False)
-            model = WideMLP(args.real_d_in, args.real_width, args.real_classes)
-            sampler = BatchSampler(RandomSampler(data), batch_size=bs, drop_last=False)
-            loader = DataLoader(data, sampler=sampler, batch_size=None)
-            timer = LoopTimer()
-            gwa = TimedGWA(index_fn=lambda b: b[2], suspects=200, histogram=False) if mode == "gwa" else None
-            with tempfile.TemporaryDirectory() as root:
-                trainer([gwa, timer] if gwa else [timer], 1, root=root).fit(model, loader)
-            times[mode] = timer.elapsed
-            steps = timer.steps
-            if gwa is not None:
-                step_us.append(1e6 * gwa.spent["step"] / timer.steps)
-                epoch_ms.append(1e3 * gwa.spent["epoch"] / max(gwa.epochs, 1))
-                spent = gwa.spent["step"] + gwa.spent["epoch"]
-            else:
-                base_step.append(timer.elapsed / timer.steps)
-        ratios.append(times["gwa"] / times["base"])
-        fractions.append(spent / times["base"])
-    return {
-        "steps": steps,
-        "ratio": statistics.median(ratios),
-        "fraction": statistics.median(fractions),
-        "step_us": statistics.median(step_us),
-        "epoch_ms": statistics.median(epoch_ms),
-        "ms_base_step": 1e3 * statistics.median(base_step),
-        "ratios": ratios,
-    }
+    return paired_overhead(
+        args.real_reps, 1, lambda: WideMLP(args.real_d_in, args.real_width, args.real_classes),
+        lambda: DataLoader(data, sampler=BatchSampler(RandomSampler(data), batch_size=bs, drop_last=False),
+                           batch_size=None),
+    )
 
 
 def realistic_table(args) -> None:
