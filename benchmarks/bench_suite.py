@@ -31,23 +31,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from gpt import GPTModule, make_loader  # noqa: E402
 
 import lightning_monitor as lm  # noqa: E402
+from bench_guard import StepTimer  # noqa: E402
 
 SIZES = {
     "GPT 2x64 (0.2 M params)": {"n_layer": 2, "n_head": 4, "d_model": 64, "block_size": 64},
     "GPT 4x128 (0.8 M params)": {"n_layer": 4, "n_head": 4, "d_model": 128, "block_size": 64},
 }
-
-
-class StepTimer(Callback):
-    def __init__(self, skip: int = 20) -> None:
-        self.skip, self.start, self.end, self.steps = skip, 0.0, 0.0, 0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.skip:
-            self.start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.end, self.steps = time.perf_counter(), trainer.global_step - self.skip
 
 
 def timed(callback: Callback, clock: list) -> Callback:
@@ -85,7 +74,7 @@ def run(config: dict, steps: int, callbacks: list[Callback], root: str) -> float
                          enable_checkpointing=False, log_every_n_steps=50)
     trainer.fit(GPTModule(config, lr=3e-3), make_loader("prose", block_size=config["block_size"], batch_size=16,
                                                          n_samples=16 * steps))
-    return (timer.end - timer.start) / timer.steps
+    return timer.per_step()
 
 
 def main() -> None:
