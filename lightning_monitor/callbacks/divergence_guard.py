@@ -231,8 +231,7 @@ class DivergenceGuard(Monitor):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         step = trainer.global_step
         loss, self._loss_acc = self._loss_acc, None
         if grads:
@@ -248,10 +247,10 @@ class DivergenceGuard(Monitor):
                 g.masked_fill_(bad, 0.0)
         self._pending.append((step, loss, gnorm))
         if self.is_due(step):
-            self._check(trainer, pl_module, params, step)
+            self._check(trainer, optimizer, step)
 
     # ------------------------------------------------------------------ every check, on host
-    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, params: list[Tensor], step: int) -> None:
+    def _check(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, step: int) -> None:
         pending, self._pending = self._pending, []
         values = self._restored + self._to_host(pending)
         self._restored = []
@@ -273,7 +272,7 @@ class DivergenceGuard(Monitor):
             return
         stop = trainer.strategy.reduce_boolean_decision(bool(critical), all=False)
         if stop:
-            self._stop(trainer, params, step, critical)
+            self._stop(trainer, optimizer, step, critical)
 
     @staticmethod
     def _to_host(pending: list[tuple[int, Optional[Tensor], Tensor]]) -> list[tuple[int, Optional[float], float]]:
@@ -364,9 +363,9 @@ class DivergenceGuard(Monitor):
         )
         return [f"{label} explosion at step {step}"] if _is_critical(raised) else []
 
-    def _stop(self, trainer: pl.Trainer, params: list[Tensor], step: int, reasons: list[str]) -> None:
-        for p in params:  # skip this step's update: optimizers ignore parameters without a gradient
-            p.grad = None
+    def _stop(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, step: int, reasons: list[str]) -> None:
+        # skip this step's update: optimizers ignore parameters without a gradient
+        optimizer.zero_grad(set_to_none=True)
         path = os.path.join(self._checkpoint_dir(trainer), f"guard-step={step}.ckpt")
         trainer.save_checkpoint(path)
         trainer.should_stop = True
