@@ -58,6 +58,7 @@ class Alert:
         value: the measured value behind the alert, if any (``nan``/``inf`` are kept as such).
         threshold: the threshold it crossed, if any.
         layer: the module's qualified name for a per-layer alert, else ``None``.
+        details: structured facts behind an action, if any (e.g. the steps and batches of a rollback).
     """
 
     step: int
@@ -68,6 +69,7 @@ class Alert:
     value: Optional[float] = None
     threshold: Optional[float] = None
     layer: Optional[str] = None
+    details: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITY_LEVELS:

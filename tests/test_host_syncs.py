@@ -57,7 +57,7 @@ def run_counting(callbacks, module, loader, steps, tmp_path):
 
 def test_guard_syncs_only_on_its_checks(tmp_path, tiny_gpt):
     module, loader = tiny_gpt()
-    counts = run_counting([lightning_monitor.DivergenceGuard(check_every_n_steps=10)], module, loader, 35, tmp_path)
+    counts = run_counting([lightning_monitor.DivergenceGuard(action="stop", every_n_steps=10)], module, loader, 35, tmp_path)
     assert sorted(counts) == [0, 10, 20, 30], counts
     assert max(counts.values()) <= 2  # one transfer per check (and the tolist that reads it)
 

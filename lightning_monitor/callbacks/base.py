@@ -127,9 +127,10 @@ class Monitor(Callback):
         value: Optional[float] = None,
         threshold: Optional[float] = None,
         layer: Optional[str] = None,
+        details: Optional[dict[str, Any]] = None,
     ) -> Alert:
         """Raise a one-off alert now."""
-        record = Alert(step, self.name, kind, severity, message, value, threshold, layer)
+        record = Alert(step, self.name, kind, severity, message, value, threshold, layer, details)
         self.hub.emit(record)
         return record
 

@@ -1,11 +1,13 @@
-"""DivergenceGuard: catch a diverging run early, keep its weights finite, stop it without losing work."""
+"""DivergenceGuard: catch a diverging run early and take it back to its last good state."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import warnings
 from collections import deque
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -14,173 +16,253 @@ from torch import Tensor
 
 from lightning_monitor.alerts import Alert, alerts_dir
 from lightning_monitor.callbacks.base import Monitor, _check_int
-from lightning_monitor.functional.robust import robust_zscore
+from lightning_monitor.functional.robust import median, robust_zscore
+from lightning_monitor.snapshot import TrainingSnapshot, scale_learning_rates
 
 __all__ = ["DivergenceGuard"]
 
+Action = Literal["rollback", "stop", "warn"]
+
 
 def _is_critical(alert: Optional[Alert]) -> bool:
-    """Whether ``condition`` just raised a critical alert (it returns the clearing alert too)."""
     return alert is not None and alert.severity == "critical"
 
 
-class _SeriesWatch:
-    """Robust spike detector over one scalar series, judged against its own recent history.
+def _positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"`{name}` must be a positive number, got {value!r}.")
+    return float(value)
 
-    Only values judged normal enter the history, so a sustained explosion stays anomalous instead of
-    becoming the new normal; a slow drift passes (each step is normal against the last) and is followed.
+
+class _SeriesWatch:
+    """A scalar series judged against its own recent normal history (robust z-score).
+
+    A value is *anomalous* when its robust z-score exceeds ``threshold`` (once ``min_history`` normal
+    values are in), or when it exceeds ``ceiling`` (an absolute bound; judged from the first value on).
+    Only normal values enter the history, so a sustained explosion stays anomalous instead of becoming the
+    new normal, while a slow drift is followed. ``run`` counts consecutive anomalous values, ``start`` is the
+    step of the first of them.
     """
 
-    def __init__(self, window: int, warmup: int, threshold: float, rel_floor: float) -> None:
+    def __init__(self, window: int, min_history: int, threshold: float, rel_floor: float) -> None:
         self.history: deque[float] = deque(maxlen=window)
-        self.warmup = warmup
+        self.min_history = min_history
         self.threshold = threshold
         self.rel_floor = rel_floor
-        self.run = 0  # consecutive anomalous values
+        self.run = 0
+        self.start: Optional[int] = None
 
-    def update(self, x: float) -> tuple[bool, float]:
-        """Feed a finite value; returns (anomalous, z)."""
-        if len(self.history) < self.warmup:
-            self.history.append(x)
-            return False, 0.0
-        z = robust_zscore(x, list(self.history), rel_floor=self.rel_floor)
-        anomalous = z > self.threshold
+    @property
+    def ready(self) -> bool:
+        return len(self.history) >= self.min_history
+
+    def zscore(self, x: float, abs_floor: float = 1e-12) -> float:
+        if not self.ready:
+            return 0.0
+        return robust_zscore(x, list(self.history), rel_floor=self.rel_floor, abs_floor=abs_floor)
+
+    def update(self, step: int, x: float, abs_floor: float = 1e-12, ceiling: float = math.inf) -> tuple[bool, float]:
+        """Feed one finite value; returns (anomalous, z)."""
+        z = self.zscore(x, abs_floor)
+        anomalous = z > self.threshold or x > ceiling
         if anomalous:
+            self.start = step if self.run == 0 else self.start
             self.run += 1
         else:
-            self.run = 0
+            self.run, self.start = 0, None
             self.history.append(x)
         return anomalous, z
 
+    def reseed(self, values: list[float]) -> None:
+        """Make ``values`` the new normal (after a data shift)."""
+        self.history.clear()
+        self.history.extend(values)
+        self.run, self.start = 0, None
+
     def state_dict(self) -> dict[str, Any]:
-        return {"history": list(self.history), "run": self.run}
+        return {"history": list(self.history), "run": self.run, "start": self.start}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history.clear()
         self.history.extend(state.get("history", []))
-        self.run = int(state.get("run", 0))
+        self.run, self.start = int(state.get("run", 0)), state.get("start")
 
 
 class DivergenceGuard(Monitor):
-    r"""Watches the training loss and the global gradient norm, and acts on critical alerts.
+    r"""Watches the training loss and gradient norm; rolls a diverging run back to its last good state.
 
-    **Every optimizer step, on the device, with no host sync:** the step's loss (summed over
-    accumulated micro-batches, unscaled under AMP) and the global L2 norm of the gradients
-    (fp32, unscaled, before clipping) are written to a small on-device buffer. If either is
-    non-finite, the gradients are zeroed in place (``zero_nonfinite_grads``), so a NaN/Inf never reaches
-    the weights, even between checks.
+    **Every optimizer step, on the device, with no host sync:** the step's loss (unscaled under AMP) and
+    the fp32 global gradient norm (before clipping) go into a small buffer; non-finite gradients are
+    zeroed in place (``zero_nonfinite_grads``), so a NaN/Inf never reaches the weights between checks.
 
-    **Every ``check_every_n_steps`` steps (one host transfer):** the buffered values are judged:
+    **Every ``every_n_steps`` steps (one host transfer), the rules:**
 
-    * a non-finite loss or gradient -> ``nonfinite`` (critical);
-    * a loss above its recent history -> ``loss_spike`` (warning), and ``loss_explosion`` (critical)
-      when ``patience`` consecutive steps stay above;
-    * the same for :math:`\log` of the gradient norm -> ``grad_spike`` / ``grad_explosion``;
-    * the loss EMA (``creep_beta``) risen ``creep`` (relative) above its lowest value -> ``loss_creep``
-      (warning): the slow road to an explosion that no single step reveals;
-    * one of these warnings of the guard's own while another monitor's warning holds (e.g. a
-      spectral-alignment collapse or a sigma_1 growth) -> ``corroborated`` (critical).
+    * ``nonfinite`` (critical): a NaN/Inf loss or gradient norm (not an overflow an AMP scaler skips), or
+      a parameter or buffer (BatchNorm statistics) found non-finite when a snapshot is due;
+    * ``loss_explosion`` (critical): the loss stays ``patience`` consecutive steps above its own recent
+      history (robust z-score over ``z_threshold``, with a deviation floor of ``initial_floor`` times the
+      initial loss, so near-zero losses do not alarm on tiny wobbles) or above ``blowup`` times the initial
+      loss (this catches a blow-up before any history exists), **and** the rise is the weights' doing:
+      the current batch is evaluated again with the last good snapshot's weights; if those weights find
+      the batch about as hard (``data_shift``, a warning: the data changed, not the run), nothing acts;
+    * ``loss_creep`` (warning): the smoothed loss risen ``creep`` (relative to its lowest value, and at
+      least ``initial_floor`` of the initial loss) above its lowest value;
+    * ``grad_explosion`` (warning): the log gradient norm above its history for ``patience`` steps;
+    * critical alerts of the suite's other monitors (``act_on_alerts``) and, with ``corroborate=True``,
+      a guard warning and another monitor's active divergence warning together (``corroborated``).
+    Only critical alerts act. Single-step spikes raise nothing: noisy small batches are normal.
 
-    "Above its history" is a robust z-score (median and MAD of the last ``window`` normal values, see
-    :func:`lightning_monitor.functional.robust.robust_zscore`) over ``z_threshold``, after ``warmup_steps``
-    values: no absolute threshold, so the same settings fit any loss scale.
-    Critical alerts raised by any other monitor of the suite count too (``act_on_alerts``).
+    **Actions** on a critical decision (reduced across ranks: every rank acts on the same step):
 
-    With ``action="stop"``, on a critical condition (on any rank) the guard, at that check and before
-    the optimizer applies the step: drops this step's gradients (the update is skipped), saves a
-    checkpoint (``guard-step=<step>.ckpt``), and sets ``trainer.should_stop``. The decision is
-    reduced across ranks, so every rank stops on the same step and none hangs.
-    With ``action="warn"`` it only raises the alerts.
+    * ``"rollback"`` (default): restore the newest snapshot that predates the first anomalous step
+      (parameters, buffers, optimizers, LR schedulers, AMP scaler, the monitors' states), skip the batches
+      seen since (recorded in the ``rolled_back`` alert, in ``alerts.jsonl`` and in the checkpoint state),
+      scale every learning rate by ``lr_factor`` and go on. After ``max_rollbacks`` rollbacks within
+      ``rollback_window`` steps, or without a snapshot to go back to, it stops instead.
+    * ``"stop"``: restore that snapshot, save a checkpoint ``guard-step=<step>.ckpt`` (so the file holds
+      the last good state, never the diverged weights) and stop.
+    * ``"warn"``: raise the alerts only.
 
-    **Latency against syncs.** A non-finite value is neutralised on the step it occurs; alerts and the
-    stop come at the next check, at most ``check_every_n_steps - 1`` steps later, at the cost of one
-    device-to-host transfer (a few floats) per check. ``check_every_n_steps=1`` stops on the very step
-    (one sync per step); the default 10 costs one sync per 10 steps.
+    **Snapshots** are taken every ``snapshot_every_n_checks`` checks at a check that found every step since
+    the last check normal and every parameter and buffer finite, in host memory (``snapshot_dir=None``)
+    or in files; the newest ``keep_snapshots`` are kept. The trainer's step counter is not rewound: logged
+    steps stay monotonic, ``max_steps`` keeps counting, and the skipped batches are simply not learned from.
 
     Args:
-        action: ``"stop"`` or ``"warn"``.
-        check_every_n_steps: steps between host checks (the detection latency bound).
-        warmup_steps: values a series needs before spikes are judged.
-        window: length of the history each series is judged against.
+        action: ``"rollback"``, ``"stop"`` or ``"warn"``.
+        every_n_steps: steps between host checks (the detection latency bound).
+        warmup_steps: no check before this step.
+        snapshot_every_n_checks: checks between snapshots (a snapshot every ``snapshot_every_n_checks *
+            every_n_steps`` steps, 50 by default); ``None``: no snapshots (a stop then saves the current
+            state, no data-shift test, no rollback).
+        keep_snapshots: snapshots kept (>= 1).
+        snapshot_dir: directory for snapshot files; ``None`` keeps them in host memory.
+        lr_factor: learning-rate factor applied at each rollback (in (0, 1]; 1 keeps the rate).
+        max_rollbacks: rollbacks within ``rollback_window`` steps before the guard stops instead.
+        rollback_window: steps over which rollbacks are counted.
+        skip_batches: ``(epoch, batch_idx)`` pairs whose update to skip, or the path of an ``alerts.jsonl``
+            whose ``rolled_back`` alerts list them (a run restarted from an earlier checkpoint then skips
+            the batches an earlier attempt rolled back over).
+        min_history: normal values a series needs before its z-score is judged.
+        window: length of that history.
         z_threshold: robust z-score above which a value is anomalous.
-        patience: consecutive anomalous steps that turn a spike into an explosion (critical).
-        loss_rel_floor: the loss deviation scale is at least this fraction of its median (so a loss
-            that plateaus perfectly does not alarm on a 0.1% wobble).
-        grad_rel_floor: the same floor for log gradient norm deviations (absolute, in log units).
-        creep: relative rise of the loss EMA over its minimum that raises ``loss_creep`` (``None``: off).
-        creep_beta: decay of that EMA, per step.
+        patience: consecutive anomalous steps that make an explosion.
+        loss_rel_floor / grad_rel_floor: the deviation floor as a fraction of the median (loss) or in log
+            units (gradient norm).
+        initial_floor: the loss deviation floor, and the creep floor, as a fraction of the initial loss.
+        blowup: a loss above ``blowup`` times the initial loss is anomalous whatever its history.
+        creep: relative rise of the smoothed loss over its minimum that warns (``None``: off).
+        smoothing: decay of that moving average, per step.
+        attribute: test whether a loss explosion is the weights' doing before acting (see above).
         zero_nonfinite_grads: zero non-finite gradients on the device every step.
-        act_on_alerts: stop on critical alerts of other monitors too.
-        corroborate: raise ``corroborated`` (critical) when a warning of the guard and a warning of another
-            monitor hold at the same time.
-        dirpath: where the stop checkpoint goes (default: the ModelCheckpoint's ``dirpath`` if any,
-            else ``<log_dir>/checkpoints``).
+        act_on_alerts: act on critical alerts of other monitors too.
+        corroborate: a guard warning and another monitor's active warning together are critical.
+        dirpath: where a stop checkpoint goes (default: the ModelCheckpoint's ``dirpath``, else
+            ``<log_dir>/checkpoints``).
     """
 
     name = "guard"
 
     def __init__(
         self,
-        action: Literal["stop", "warn"] = "stop",
-        check_every_n_steps: int = 10,
-        warmup_steps: int = 20,
+        action: Action = "rollback",
+        every_n_steps: int = 10,
+        warmup_steps: int = 0,
+        snapshot_every_n_checks: Optional[int] = 5,
+        keep_snapshots: int = 2,
+        snapshot_dir: Optional[str] = None,
+        lr_factor: float = 0.5,
+        max_rollbacks: int = 3,
+        rollback_window: int = 1000,
+        skip_batches: Union[None, str, list[tuple[int, int]]] = None,
+        min_history: int = 20,
         window: int = 100,
         z_threshold: float = 6.0,
         patience: int = 3,
         loss_rel_floor: float = 0.02,
         grad_rel_floor: float = 0.05,
+        initial_floor: float = 0.05,
+        blowup: float = 1.5,
         creep: Optional[float] = 0.1,
-        creep_beta: float = 0.9,
+        smoothing: float = 0.9,
+        attribute: bool = True,
         zero_nonfinite_grads: bool = True,
         act_on_alerts: bool = True,
-        corroborate: bool = True,
+        corroborate: bool = False,
         dirpath: Optional[str] = None,
+        check_every_n_steps: Optional[int] = None,
     ) -> None:
-        super().__init__(every_n_steps=check_every_n_steps, warmup_steps=0)
-        if action not in ("stop", "warn"):
-            raise ValueError(f"`action` must be 'stop' or 'warn', got {action!r}.")
-        _check_int("warmup_steps", warmup_steps, 1)
+        if check_every_n_steps is not None:
+            warnings.warn("`check_every_n_steps` is deprecated: use `every_n_steps`.", DeprecationWarning, stacklevel=2)
+            every_n_steps = check_every_n_steps
+        super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
+        if action not in ("rollback", "stop", "warn"):
+            raise ValueError(f"`action` must be 'rollback', 'stop' or 'warn', got {action!r}.")
+        if snapshot_every_n_checks is not None:
+            _check_int("snapshot_every_n_checks", snapshot_every_n_checks, 1)
+        elif action == "rollback":
+            raise ValueError("`action='rollback'` needs snapshots: set `snapshot_every_n_checks`.")
+        _check_int("keep_snapshots", keep_snapshots, 1)
+        _check_int("max_rollbacks", max_rollbacks, 1)
+        _check_int("rollback_window", rollback_window, 1)
+        _check_int("min_history", min_history, 1)
         _check_int("window", window, 3)
         _check_int("patience", patience, 1)
-        if warmup_steps > window:
-            raise ValueError(f"`warmup_steps` ({warmup_steps}) must not exceed `window` ({window}).")
-        if not (z_threshold > 0 and math.isfinite(z_threshold)):
-            raise ValueError(f"`z_threshold` must be a positive number, got {z_threshold!r}.")
-        if creep is not None and not (creep > 0 and math.isfinite(creep)):
-            raise ValueError(f"`creep` must be a positive number or None, got {creep!r}.")
-        if not 0.0 <= creep_beta < 1.0:
-            raise ValueError(f"`creep_beta` must be in [0, 1), got {creep_beta!r}.")
+        if min_history > window:
+            raise ValueError(f"`min_history` ({min_history}) must not exceed `window` ({window}).")
+        if not (0.0 < lr_factor <= 1.0):
+            raise ValueError(f"`lr_factor` must be in (0, 1], got {lr_factor!r}.")
+        if creep is not None:
+            _positive("creep", creep)
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"`smoothing` must be in [0, 1), got {smoothing!r}.")
+        if blowup <= 1.0 or not math.isfinite(blowup):
+            raise ValueError(f"`blowup` must be a number > 1, got {blowup!r}.")
         self.action = action
-        self.check_every_n_steps = check_every_n_steps
-        self.spike_warmup = warmup_steps
+        self.snapshot_every_n_checks = snapshot_every_n_checks
+        #: steps between snapshots (``None``: no snapshots)
+        self.snapshot_every_n_steps = None if snapshot_every_n_checks is None else snapshot_every_n_checks * self.every_n_steps
+        self.keep_snapshots = keep_snapshots
+        self.snapshot_dir = snapshot_dir
+        self.lr_factor = float(lr_factor)
+        self.max_rollbacks = max_rollbacks
+        self.rollback_window = rollback_window
+        self.min_history = min_history
         self.window = window
-        self.z_threshold = float(z_threshold)
+        self.z_threshold = _positive("z_threshold", z_threshold)
         self.patience = patience
-        self.loss_rel_floor = float(loss_rel_floor)
-        self.grad_rel_floor = float(grad_rel_floor)
+        self.initial_floor = float(initial_floor)
+        self.blowup = float(blowup)
         self.creep = creep
-        self.creep_beta = float(creep_beta)
+        self.smoothing = float(smoothing)
+        self.attribute = attribute
         self.zero_nonfinite_grads = zero_nonfinite_grads
         self.act_on_alerts = act_on_alerts
         self.corroborate = corroborate
         self.dirpath = dirpath
+        self._skip: set[tuple[int, int]] = set(self._read_skip(skip_batches))
 
-        self._loss_watch = _SeriesWatch(window, warmup_steps, z_threshold, loss_rel_floor)
-        self._grad_watch = _SeriesWatch(window, warmup_steps, z_threshold, grad_rel_floor)
-        # per-step device values since the last check: (step, loss or None, grad norm)
-        self._pending: list[tuple[int, Optional[Tensor], Tensor]] = []
-        # values buffered at checkpoint time, restored on resume: (step, loss or None, grad norm)
-        self._restored: list[tuple[int, Optional[float], float]] = []
-        self._loss_acc: Optional[Tensor] = None
-        self._external: list[Alert] = []
-        # active warnings of other monitors: (monitor, kind, layer) -> alert
-        self._external_warnings: dict[tuple[str, str, Optional[str]], Alert] = {}
-        # loss EMA (bias-corrected) and its lowest value after the warm-up, for the creep rule
+        self._loss_watch = _SeriesWatch(window, min_history, z_threshold, loss_rel_floor)
+        self._grad_watch = _SeriesWatch(window, min_history, z_threshold, grad_rel_floor)
+        self._initial: list[float] = []  # the first losses: the initial level
         self._ema = 0.0
         self._ema_weight = 0.0
         self._ema_min = math.inf
-        self._n_loss = 0
+        # per-step device values since the last check: (step, loss or None, grad norm)
+        self._pending: list[tuple[int, Optional[Tensor], Tensor]] = []
+        self._restored: list[tuple[int, Optional[float], float]] = []  # buffered values restored from a checkpoint
+        self._loss_acc: Optional[Tensor] = None
+        self._batch: Any = None
+        self._batch_idx = 0
+        self._drop_step = False
+        self._seen: list[tuple[int, int, int]] = []  # (step, epoch, batch_idx) since the oldest snapshot
+        self._snapshots: list[TrainingSnapshot] = []
+        self._lr_scale = 1.0
+        self._external: list[Alert] = []
+        self._external_warnings: dict[tuple[str, str, Optional[str]], Alert] = {}
         self._warned_no_loss = False
+        #: every rollback: dicts with ``step``, ``to_step``, ``skipped`` (count), ``batches``, ``lr_factor``, ``reasons``
+        self.rollbacks: list[dict[str, Any]] = []
         #: path of the checkpoint written when the guard stopped the run, else None
         self.stop_checkpoint: Optional[str] = None
         #: step at which the guard stopped the run, else None
@@ -188,26 +270,47 @@ class DivergenceGuard(Monitor):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(action=self.action, check_every_n_steps=self.check_every_n_steps)
+        return self._generate_state_key(action=self.action, every_n_steps=self.every_n_steps)
+
+    @staticmethod
+    def _read_skip(skip: Union[None, str, list[tuple[int, int]]]) -> list[tuple[int, int]]:
+        if skip is None:
+            return []
+        if isinstance(skip, str):
+            if not os.path.isfile(skip):
+                raise FileNotFoundError(f"`skip_batches` names {skip!r}, which is not a file (an alerts.jsonl).")
+            out: list[tuple[int, int]] = []
+            with open(skip, encoding="utf-8") as fh:
+                for line in fh:
+                    record = json.loads(line) if line.strip() else {}
+                    if record.get("kind") == "rolled_back" and record.get("details"):
+                        out += [(int(e), int(b)) for e, b in record["details"].get("batches", [])]
+            return out
+        return [(int(e), int(b)) for e, b in skip]
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
-        if self.act_on_alerts:
-            self.hub.subscribe(self._on_alert)
-        if self.action == "stop" and self.dirpath is not None:
+        self.hub.subscribe(self._on_alert)
+        for directory, what in ((self.dirpath, "dirpath"), (self.snapshot_dir, "snapshot_dir")):
+            if directory is None:
+                continue
             try:
-                os.makedirs(self.dirpath, exist_ok=True)
+                os.makedirs(directory, exist_ok=True)
             except OSError as err:
                 raise PermissionError(
-                    f"DivergenceGuard cannot create `dirpath` {self.dirpath!r} ({err.strerror}); pass a writable directory."
+                    f"DivergenceGuard cannot create `{what}` {directory!r} ({err.strerror}); pass a writable directory."
                 ) from err
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._hub is not None:
             self._hub.unsubscribe(self._on_alert)
+        for snap in self._snapshots:
+            snap.discard()
+        self._snapshots = []
+        self._batch = None
 
     def _on_alert(self, alert: Alert) -> None:
         if alert.monitor == self.name:
@@ -220,8 +323,16 @@ class DivergenceGuard(Monitor):
             self._external_warnings.pop((alert.monitor, alert.kind[: -len("_cleared")], alert.layer), None)
 
     # ------------------------------------------------------------------ every step, on device
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch, self._batch_idx = batch, batch_idx
+        key = (trainer.current_epoch, batch_idx)
+        if self.snapshot_every_n_steps is not None:
+            self._seen.append((trainer.global_step, *key))
+        if key in self._skip:
+            self._drop_step = True
+
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        loss = loss.detach().float()
+        loss = loss.detach().float().sum()  # a [1, 1] loss, or a vector passed with its own gradient
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and scaler.is_enabled():
             loss = loss / scaler._get_scale_async()
@@ -231,51 +342,88 @@ class DivergenceGuard(Monitor):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         step = trainer.global_step
         loss, self._loss_acc = self._loss_acc, None
+        if self._drop_step:  # a batch an earlier attempt rolled back over
+            self._drop_step = False
+            optimizer.zero_grad(set_to_none=True)
+            return
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads:
-            gnorm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+            gnorm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).float()
         else:
             gnorm = torch.zeros((), device=pl_module.device)
-        # checking every step with action="stop", a non-finite step is dropped by the check itself
-        neutralise = self.zero_nonfinite_grads and not (self.every_n_steps == 1 and self.action == "stop")
+        # checking every step with an action, a non-finite step is dropped by the check itself
+        neutralise = self.zero_nonfinite_grads and not (self.every_n_steps == 1 and self.action != "warn")
         if neutralise and grads:
-            # the sum is non-finite when either term is (inf - inf is nan): one check instead of two
             bad = torch.isfinite(gnorm if loss is None else gnorm + loss).logical_not_()
             for g in grads:
                 g.masked_fill_(bad, 0.0)
         self._pending.append((step, loss, gnorm))
         if self.is_due(step):
-            self._check(trainer, optimizer, step)
+            self._check(trainer, pl_module, optimizer, step)
 
     # ------------------------------------------------------------------ every check, on host
-    def _check(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, step: int) -> None:
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer, step: int) -> None:
         pending, self._pending = self._pending, []
-        values = self._restored + self._to_host(pending)
+        values = self._restored + self._values_to_host(pending)
         self._restored = []
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         scaler_on = scaler is not None and scaler.is_enabled()
-        if all(loss is None for _, loss, _ in values) and not self._warned_no_loss:
+        if values and all(loss is None for _, loss, _ in values) and not self._warned_no_loss:
             self._warned_no_loss = True
             rank_zero_warn(
                 "DivergenceGuard saw no training loss: `training_step` returned None (or no 'loss' key), so only "
                 "gradients are checked. Return the loss tensor, or a dict with a 'loss' key, from `training_step`."
             )
         critical: list[str] = []
+        first_bad: Optional[int] = None
+        explosion: Optional[int] = None
         for s, loss, gnorm in values:
-            critical += self._judge(s, loss, gnorm, scaler_on)
-        if self.act_on_alerts and self._external:
-            critical += [f"{a.monitor}/{a.kind} (step {a.step}): {a.message}" for a in self._external]
+            reasons, start = self._judge(s, loss, gnorm, scaler_on)
+            if reasons and first_bad is None:
+                first_bad = start
+            critical += reasons
+            if start is not None and not reasons and explosion is None and self._loss_watch.run >= self.patience:
+                explosion = (s, start)
+        if explosion is not None:
+            reasons = self._decide_explosion(trainer, pl_module, *explosion)
+            if reasons:
+                critical += reasons
+                first_bad = explosion[1] if first_bad is None else min(first_bad, explosion[1])
+        if self._external:
+            if self.act_on_alerts:
+                critical += [f"{a.monitor}/{a.kind} (step {a.step}): {a.message}" for a in self._external]
+                steps = [a.step for a in self._external]
+                first_bad = min(steps + ([first_bad] if first_bad is not None else []))
             self._external.clear()
-        if self.action != "stop":
+        snapshot_due = self._snapshot_due(step)
+        if snapshot_due and not critical and not self._all_finite(pl_module):
+            critical.append(self._poisoned(step))
+            first_bad = step
+        if self.action == "warn":
+            if snapshot_due:
+                self._snapshot(trainer, pl_module, step, not critical)
             return
-        stop = trainer.strategy.reduce_boolean_decision(bool(critical), all=False)
-        if stop:
-            self._stop(trainer, optimizer, step, critical)
+        act = trainer.strategy.reduce_boolean_decision(bool(critical), all=False)
+        if not act:
+            if snapshot_due:
+                self._snapshot(trainer, pl_module, step, True)
+            return
+        target = self._target_snapshot(trainer, step if first_bad is None else first_bad)
+        recent = [r for r in self.rollbacks if step - r["step"] < self.rollback_window]
+        reasons = "; ".join(critical) if critical else "a critical alert on another rank"
+        if self.action == "rollback" and target is not None and len(recent) < self.max_rollbacks:
+            self._rollback(trainer, pl_module, optimizer, step, target, reasons)
+        else:
+            if self.action == "rollback":
+                why = "no snapshot predates the anomaly" if target is None else (
+                    f"{len(recent)} rollbacks within {self.rollback_window} steps (max_rollbacks={self.max_rollbacks})")
+                reasons += f"; stopping instead of rolling back: {why}"
+            self._stop(trainer, pl_module, optimizer, step, target, reasons)
 
     @staticmethod
-    def _to_host(pending: list[tuple[int, Optional[Tensor], Tensor]]) -> list[tuple[int, Optional[float], float]]:
+    def _values_to_host(pending: list[tuple[int, Optional[Tensor], Tensor]]) -> list[tuple[int, Optional[float], float]]:
         """The buffered values as floats, with one device-to-host transfer."""
         if not pending:
             return []
@@ -284,12 +432,11 @@ class DivergenceGuard(Monitor):
         host = rows.cpu().tolist()
         return [(s, None if loss is None else row[0], row[1]) for (s, loss, _), row in zip(pending, host)]
 
-    def _judge(self, step: int, loss: Optional[float], gnorm: float, scaler_on: bool) -> list[str]:
-        """Update the detectors with one step's values; returns the critical reasons raised."""
+    def _judge(self, step: int, loss: Optional[float], gnorm: float, scaler_on: bool) -> tuple[list[str], Optional[int]]:
+        """Update the detectors with one step; returns (critical reasons, first step of a loss anomaly)."""
         reasons: list[str] = []
         bad_loss = loss is not None and not math.isfinite(loss)
-        # under a dynamic loss scaler, overflowing gradients are routine: the scaler skips those steps
-        bad_grad = not math.isfinite(gnorm) and not scaler_on
+        bad_grad = not math.isfinite(gnorm) and not scaler_on  # a scaler skips overflowing steps itself
         what = " and ".join(n for n, b in (("loss", bad_loss), ("gradient norm", bad_grad)) if b)
         value = loss if bad_loss else gnorm
         if _is_critical(self.condition(
@@ -297,85 +444,235 @@ class DivergenceGuard(Monitor):
             f"Non-finite {what} ({value}) at step {step}; the step's gradients were "
             f"{'zeroed' if self.zero_nonfinite_grads else 'left as they are'}. Lower the learning rate, "
             "clip gradients, or check the batch and the precision settings.",
-            value=value,
-            clear_message="Loss and gradient norm are finite again.",
+            value=value, clear_message="Loss and gradient norm are finite again.",
         )):
             reasons.append(f"non-finite {what} at step {step}")
+            return reasons, step
+        start = None
         if loss is not None and math.isfinite(loss):
-            reasons += self._series(step, "loss", self._loss_watch, loss, loss)
-            self._creep(step, loss)
+            if len(self._initial) < 5:
+                self._initial.append(loss)
+            anchor = self._anchor()
+            anomalous, _ = self._loss_watch.update(
+                step, loss, abs_floor=self.initial_floor * anchor, ceiling=self.blowup * anchor)
+            start = self._loss_watch.start if anomalous else None
+            if not anomalous and self._loss_watch.run == 0:
+                self.condition(step, "loss_explosion", False, "critical", "",
+                               clear_message="The loss is back within its recent history.")
+            self._creep(step, loss, anchor)
         if math.isfinite(gnorm) and gnorm > 0:
-            reasons += self._series(step, "grad", self._grad_watch, math.log(gnorm), gnorm)
+            anomalous, z = self._grad_watch.update(step, math.log(gnorm))
+            self.condition(
+                step, "grad_explosion", self._grad_watch.run >= self.patience, "warning",
+                f"The gradient norm has stayed above its recent history for {self._grad_watch.run} steps "
+                f"(now {gnorm:.4g}, z={z:.1f}) at step {step}.",
+                value=gnorm, threshold=self.z_threshold,
+                clear_message="The gradient norm is back within its recent history.",
+            )
         if self.corroborate:
             reasons += self._corroborate(step)
-        return reasons
+        return reasons, start
 
-    def _creep(self, step: int, loss: float) -> None:
-        """Warn when the smoothed loss has risen ``creep`` (relative) above its lowest value."""
+    def _anchor(self) -> float:
+        """The initial loss level (median of the first five finite losses), at least a tiny positive number."""
+        return max(median(self._initial), 1e-8) if self._initial else 1.0
+
+    def _creep(self, step: int, loss: float, anchor: float) -> None:
         if self.creep is None:
             return
-        self._n_loss += 1
-        self._ema = self.creep_beta * self._ema + (1.0 - self.creep_beta) * loss
-        self._ema_weight = self.creep_beta * self._ema_weight + (1.0 - self.creep_beta)
-        if self._n_loss <= self.spike_warmup:
+        self._ema = self.smoothing * self._ema + (1.0 - self.smoothing) * loss
+        self._ema_weight = self.smoothing * self._ema_weight + (1.0 - self.smoothing)
+        if len(self._loss_watch.history) < self.min_history:
             return
         ema = self._ema / self._ema_weight
         self._ema_min = min(self._ema_min, ema)
-        limit = (1.0 + self.creep) * self._ema_min
+        limit = self._ema_min + max(self.creep * self._ema_min, self.initial_floor * anchor)
         self.condition(
             step, "loss_creep", ema > limit, "warning",
             f"The smoothed loss ({ema:.4g}) has risen {100 * (ema / self._ema_min - 1):.0f}% above its lowest value "
             f"({self._ema_min:.4g}) at step {step}: training may be starting to diverge.",
-            value=ema, threshold=limit,
-            clear_message="The smoothed loss is back near its lowest value.",
+            value=ema, threshold=limit, clear_message="The smoothed loss is back near its lowest value.",
         )
 
     def _corroborate(self, step: int) -> list[str]:
-        """Critical when one of the guard's own warnings and another monitor's warning hold together."""
-        own = sorted(kind for (kind, _), sev in self.active_conditions().items() if sev == "warning")
+        own = sorted(kind for (kind, _), sev in self.active_conditions().items() if sev == "warning" and kind != "data_shift")
         others = sorted(f"{m}/{k}" + (f"[{layer}]" if layer else "") for m, k, layer in self._external_warnings)
-        both = bool(own) and bool(others)
         raised = self.condition(
-            step, "corroborated", both, "critical",
-            f"Independent signals agree at step {step}: {', '.join(own)} (guard) and {', '.join(others)}. "
-            "The run is likely diverging: lower the learning rate or resume from an earlier checkpoint.",
+            step, "corroborated", bool(own) and bool(others), "critical",
+            f"Independent signals agree at step {step}: {', '.join(own)} (guard) and {', '.join(others)}.",
             clear_message="The guard's warnings and the other monitors' warnings no longer coincide.",
         )
         return [f"{', '.join(own)} corroborated by {', '.join(others)} at step {step}"] if _is_critical(raised) else []
 
-    def _series(self, step: int, prefix: str, watch: _SeriesWatch, x: float, shown: float) -> list[str]:
-        anomalous, z = watch.update(x)
-        label = "loss" if prefix == "loss" else "gradient norm"
-        self.condition(
-            step, f"{prefix}_spike", anomalous, "warning",
-            f"{label} {shown:.4g} at step {step} is {z:.1f} robust standard deviations above its recent "
-            f"history (threshold {self.z_threshold}).",
-            value=shown, threshold=self.z_threshold,
-            clear_message=f"{label} is back within its recent history.",
-        )
-        exploded = watch.run >= self.patience
+    # ------------------------------------------------------------------ is it the weights or the data?
+    def _decide_explosion(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, start: int) -> list[str]:
+        """A sustained loss anomaly since ``start``: critical if the weights explain it, else a data shift."""
+        verdict = self._attribute(trainer, pl_module, start) if self.attribute else None
+        history = list(self._loss_watch.history)
+        level = median(history) if history else self._anchor()
+        if verdict is not None and verdict[0] == "transient":
+            return []
+        if verdict is not None and verdict[0] == "data":
+            _, now, before = verdict
+            self.condition(
+                step, "data_shift", True, "warning",
+                f"The loss rose from about {level:.4g} to {now:.4g} since step {start}, but the last good weights "
+                f"find the current batch about as hard ({before:.4g}): the data changed, not the run. No action taken.",
+                value=now, threshold=before, clear_message="The loss has settled at its new level.",
+            )
+            # the new level is the new normal
+            recent = [now, before]
+            self._loss_watch.reseed(recent)
+            self._initial = [max(self._anchor(), now)]
+            self._ema_min = math.inf
+            return []
+        how = "" if verdict is None else (
+            f" The last good weights find the current batch easy ({verdict[2]:.4g} against {verdict[1]:.4g} now): "
+            "the weights diverged.")
         raised = self.condition(
-            step, f"{prefix}_explosion", exploded, "critical",
-            f"{label} has stayed above its recent history for {watch.run} consecutive steps (now {shown:.4g}, "
-            f"z={z:.1f}): the run is diverging. Lower the learning rate or resume from an earlier checkpoint.",
-            value=shown, threshold=self.z_threshold,
-            clear_message=f"{label} is back within its recent history.",
+            step, "loss_explosion", True, "critical",
+            f"The loss has stayed above its recent history (about {level:.4g}) since step {start} "
+            f"({self._loss_watch.run} steps).{how} The run is diverging: lower the learning rate.",
+            value=verdict[1] if verdict else None,
         )
-        return [f"{label} explosion at step {step}"] if _is_critical(raised) else []
+        return [f"loss explosion since step {start}"] if _is_critical(raised) or raised is None else []
 
-    def _stop(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, step: int, reasons: list[str]) -> None:
-        # skip this step's update: optimizers ignore parameters without a gradient
-        optimizer.zero_grad(set_to_none=True)
+    def _attribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, start: int) -> Optional[tuple[str, float, float]]:
+        """``("weights" | "data" | "transient", loss now, loss with the last good weights)`` on the current batch, or
+        ``None`` when it cannot be told (no snapshot before ``start``, manual optimization, no batch)."""
+        snap = next((s for s in reversed(self._snapshots) if s.step < start), None)
+        if snap is None or self._batch is None or not pl_module.automatic_optimization:
+            return None
+        now = self._batch_loss(pl_module)
+        if now is not None and math.isfinite(now):
+            anchor = self._anchor()
+            z = self._loss_watch.zscore(now, abs_floor=self.initial_floor * anchor)
+            if z <= self.z_threshold and now <= self.blowup * anchor:
+                return "transient", now, now  # the anomaly is over: the current batch is normal again
+        saved = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        try:
+            with torch.no_grad():
+                current = pl_module.state_dict()
+                for name, value in snap.state()["module"].items():
+                    current[name].copy_(value)
+            before = self._batch_loss(pl_module)
+        finally:
+            with torch.no_grad():
+                current = pl_module.state_dict()
+                for name, value in saved.items():
+                    current[name].copy_(value)
+        if now is None or before is None:
+            return None
+        history = list(self._loss_watch.history)
+        level = median(history) if history else self._anchor()
+        if not math.isfinite(now):
+            return "weights", now, before
+        # the data explains the rise if the old weights see at least half of it on the same batch
+        data = math.isfinite(before) and (before - level) >= 0.5 * (now - level)
+        return ("data" if data else "weights"), now, before
+
+    def _batch_loss(self, pl_module: pl.LightningModule) -> Optional[float]:
+        """The loss of the current batch under the module's present weights, with no side effect."""
+        log, log_dict = pl_module.log, pl_module.log_dict
+        pl_module.log = pl_module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
+        devices = [pl_module.device] if pl_module.device.type == "cuda" else []
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                out = pl_module.training_step(self._batch, self._batch_idx)
+        finally:
+            pl_module.log, pl_module.log_dict = log, log_dict  # type: ignore[method-assign]
+        if isinstance(out, dict):
+            out = out.get("loss")
+        if not isinstance(out, Tensor):
+            return None
+        return float(out.detach().float().sum())
+
+    # ------------------------------------------------------------------ snapshots and actions
+    def _monitors(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """The suite's other monitors whose state travels with a snapshot (freezing is not undone)."""
+        from lightning_monitor.callbacks.grades import GradientEarlyStopping
+
+        return {cb.state_key: cb for cb in trainer.callbacks
+                if isinstance(cb, Monitor) and cb is not self and not isinstance(cb, GradientEarlyStopping)}
+
+    def _snapshot_due(self, step: int) -> bool:
+        every = self.snapshot_every_n_steps
+        return every is not None and (step - self.warmup_steps) % every == 0
+
+    @staticmethod
+    def _all_finite(pl_module: pl.LightningModule) -> bool:
+        """Whether every floating parameter and buffer is finite (one host transfer)."""
+        tensors = [t for t in pl_module.state_dict().values() if t.is_floating_point()]
+        return not tensors or bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+
+    def _poisoned(self, step: int) -> str:
+        self.alert(step, "nonfinite", "critical",
+                   f"A parameter or buffer (e.g. BatchNorm running statistics) is non-finite at step {step}, although "
+                   "the gradients were kept finite: a non-finite batch reached a buffer.")
+        return f"non-finite parameter or buffer at step {step}"
+
+    def _snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, ok: bool) -> None:
+        """Take a snapshot if every rank found its steps since the last check normal."""
+        active = any(sev != "info" for (kind, _), sev in self._conditions.items() if kind != "data_shift")
+        ok = ok and not active and self._loss_watch.run == 0
+        if not trainer.strategy.reduce_boolean_decision(ok, all=True):
+            return
+        snap = TrainingSnapshot.capture(trainer, pl_module, self._monitors(trainer), step, self._lr_scale, self.snapshot_dir)
+        snap.guard = self._detector_state()
+        self._snapshots.append(snap)
+        while len(self._snapshots) > self.keep_snapshots:
+            self._snapshots.pop(0).discard()
+        oldest = self._snapshots[0].step
+        self._seen = [e for e in self._seen if e[0] >= oldest]
+
+    def _target_snapshot(self, trainer: pl.Trainer, first_bad: int) -> Optional[TrainingSnapshot]:
+        """The newest snapshot before ``first_bad`` on every rank (the ranks agree by a reduction)."""
+        for snap in reversed(self._snapshots):
+            if trainer.strategy.reduce_boolean_decision(snap.step < first_bad, all=True):
+                return snap
+        return None
+
+    def _rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer,
+                  step: int, snap: TrainingSnapshot, reasons: str) -> None:
+        optimizer.zero_grad(set_to_none=True)  # this step's update is skipped too
+        for kind, layer in list(self._conditions):
+            self.condition(step, kind, False, "info", "", layer=layer, clear_message="Rolled back.")
+        snap.restore(trainer, pl_module, self._monitors(trainer))
+        self._load_detector_state(snap.guard)
+        self._lr_scale *= self.lr_factor
+        scale_learning_rates(trainer, self._lr_scale / snap.lr_scale)
+        batches = [[e, b] for s, e, b in self._seen if snap.step <= s <= step]
+        self._skip.update((e, b) for e, b in batches)
+        self._seen = [e for e in self._seen if e[0] < snap.step]
+        for later in [s for s in self._snapshots if s.step > snap.step]:
+            later.discard()
+        self._snapshots = [s for s in self._snapshots if s.step <= snap.step]
+        record = {"step": step, "to_step": snap.step, "skipped": len(batches), "batches": batches,
+                  "lr_factor": self.lr_factor, "lr_scale": self._lr_scale, "reasons": reasons}
+        self.rollbacks.append(record)
+        lr = f"; learning rates now {self._lr_scale:.3g}x their schedule" if self.lr_factor != 1.0 else ""
+        self.alert(
+            step, "rolled_back", "info",
+            f"Rolled back at step {step} to the state of step {snap.step} ({reasons}). The {len(batches)} batches "
+            f"seen since are skipped{lr}.",
+            details={k: v for k, v in record.items() if k != "reasons"},
+        )
+
+    def _stop(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer,
+              step: int, snap: Optional[TrainingSnapshot], reasons: str) -> None:
+        optimizer.zero_grad(set_to_none=True)  # optimizers ignore parameters without a gradient
+        if snap is not None:
+            snap.restore(trainer, pl_module, {})
+            state = f"the state of step {snap.step}, the last good one"
+        else:
+            state = f"the state of step {step} (no earlier snapshot to go back to)"
         path = os.path.join(self._checkpoint_dir(trainer), f"guard-step={step}.ckpt")
         trainer.save_checkpoint(path)
         trainer.should_stop = True
         self.stop_checkpoint, self.stopped_step = path, step
-        reason = "; ".join(reasons) if reasons else "a critical alert on another rank"
-        self.alert(
-            step, "stopped", "info",
-            f"Training stopped at step {step} ({reason}). This step's update was skipped; the last good state "
-            f"is saved in {path}.",
-        )
+        self.alert(step, "stopped", "info",
+                   f"Training stopped at step {step} ({reasons}). {path} holds {state}; this step's update was skipped.",
+                   details={"step": step, "to_step": None if snap is None else snap.step, "checkpoint": path})
 
     def _checkpoint_dir(self, trainer: pl.Trainer) -> str:
         if self.dirpath is not None:
@@ -386,13 +683,30 @@ class DivergenceGuard(Monitor):
         return os.path.join(alerts_dir(trainer), "checkpoints")
 
     # ------------------------------------------------------------------ state
+    def _detector_state(self) -> dict[str, Any]:
+        return {
+            "loss": self._loss_watch.state_dict(),
+            "grad": self._grad_watch.state_dict(),
+            "initial": list(self._initial),
+            "creep": {"ema": self._ema, "weight": self._ema_weight, "min": self._ema_min},
+        }
+
+    def _load_detector_state(self, state: dict[str, Any]) -> None:
+        self._loss_watch.load_state_dict(state.get("loss", {}))
+        self._grad_watch.load_state_dict(state.get("grad", {}))
+        self._initial = [float(x) for x in state.get("initial", [])]
+        creep = state.get("creep", {})
+        self._ema, self._ema_weight = creep.get("ema", 0.0), creep.get("weight", 0.0)
+        self._ema_min = creep.get("min", math.inf)
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
+        state.update(self._detector_state())
         state.update(
-            loss=self._loss_watch.state_dict(),
-            grad=self._grad_watch.state_dict(),
-            pending=self._restored + self._to_host(self._pending),
-            creep={"ema": self._ema, "weight": self._ema_weight, "min": self._ema_min, "n": self._n_loss},
+            pending=self._restored + self._values_to_host(self._pending),
+            rollbacks=[dict(r) for r in self.rollbacks],
+            skip=sorted([e, b] for e, b in self._skip),
+            lr_scale=self._lr_scale,
             stop_checkpoint=self.stop_checkpoint,
             stopped_step=self.stopped_step,
         )
@@ -400,12 +714,11 @@ class DivergenceGuard(Monitor):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._loss_watch.load_state_dict(state_dict.get("loss", {}))
-        self._grad_watch.load_state_dict(state_dict.get("grad", {}))
+        self._load_detector_state(state_dict)
         self._restored = [(int(s), loss, g) for s, loss, g in state_dict.get("pending", [])]
-        creep = state_dict.get("creep", {})
-        self._ema, self._ema_weight = creep.get("ema", 0.0), creep.get("weight", 0.0)
-        self._ema_min, self._n_loss = creep.get("min", math.inf), creep.get("n", 0)
         self._pending = []
+        self.rollbacks = [dict(r) for r in state_dict.get("rollbacks", [])]
+        self._skip |= {(int(e), int(b)) for e, b in state_dict.get("skip", [])}
+        self._lr_scale = float(state_dict.get("lr_scale", 1.0))
         self.stop_checkpoint = state_dict.get("stop_checkpoint")
         self.stopped_step = state_dict.get("stopped_step")

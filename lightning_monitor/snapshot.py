@@ -1,0 +1,137 @@
+"""A copy of everything a training run needs to go back to an earlier step.
+
+:class:`TrainingSnapshot` holds the module's parameters and buffers (BatchNorm statistics included),
+every optimizer's state, every LR scheduler's state, the AMP loss scaler's state and the state of the
+suite's monitors, in host memory (default) or in a file on disk. :meth:`TrainingSnapshot.restore`
+copies it back in place, so the optimizer keeps referring to the same parameter tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+__all__ = ["TrainingSnapshot", "scale_learning_rates"]
+
+
+def _to_host(obj: Any) -> Any:
+    """A deep copy of ``obj`` with every tensor copied to host memory."""
+    if isinstance(obj, Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _loss_scaler(trainer: pl.Trainer) -> Any:
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return scaler if scaler is not None and hasattr(scaler, "state_dict") else None
+
+
+@dataclass
+class TrainingSnapshot:
+    """The state of a run at optimizer step ``step`` (before that step's update).
+
+    Attributes:
+        step: the optimizer step (``trainer.global_step``) the state belongs to.
+        epoch: the epoch it was taken in.
+        lr_scale: the guard's cumulative learning-rate factor when it was taken.
+        path: the file holding the tensors, when kept on disk; else ``None``.
+    """
+
+    step: int
+    epoch: int
+    lr_scale: float
+    path: Optional[str] = None
+    guard: dict[str, Any] = field(default_factory=dict)
+    _state: Optional[dict[str, Any]] = field(default=None, repr=False)
+
+    @classmethod
+    def capture(
+        cls,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        monitors: dict[str, Any],
+        step: int,
+        lr_scale: float,
+        directory: Optional[str] = None,
+    ) -> TrainingSnapshot:
+        """Copy the run's state now. ``monitors`` maps a state key to a callback with ``state_dict``."""
+        state = {
+            "module": _to_host(pl_module.state_dict()),
+            "optimizers": [_to_host(opt.state_dict()) for opt in trainer.optimizers],
+            "schedulers": [_to_host(cfg.scheduler.state_dict()) for cfg in trainer.lr_scheduler_configs],
+            "scaler": _to_host(_loss_scaler(trainer).state_dict()) if _loss_scaler(trainer) is not None else None,
+            "monitors": {key: _to_host(cb.state_dict()) for key, cb in monitors.items()},
+        }
+        snap = cls(step=step, epoch=trainer.current_epoch, lr_scale=lr_scale)
+        if directory is None:
+            snap._state = state
+        else:
+            snap.path = os.path.join(directory, f"guard-snapshot-rank{trainer.global_rank}-step={step}.pt")
+            torch.save(state, snap.path)
+        return snap
+
+    def state(self) -> dict[str, Any]:
+        """The stored state (read from disk when kept there)."""
+        if self._state is not None:
+            return self._state
+        assert self.path is not None
+        return torch.load(self.path, map_location="cpu", weights_only=False)
+
+    def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, monitors: dict[str, Any]) -> None:
+        """Copy the snapshot back into the module, optimizers, schedulers, scaler and ``monitors``."""
+        state = self.state()
+        with torch.no_grad():
+            current = pl_module.state_dict()
+            for name, saved in state["module"].items():
+                current[name].copy_(saved)
+        for opt, saved in zip(trainer.optimizers, state["optimizers"]):
+            opt.load_state_dict(copy.deepcopy(saved))
+        for cfg, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
+            cfg.scheduler.load_state_dict(copy.deepcopy(saved))
+        scaler = _loss_scaler(trainer)
+        if scaler is not None and state["scaler"] is not None:
+            scaler.load_state_dict(copy.deepcopy(state["scaler"]))
+        for key, cb in monitors.items():
+            if key in state["monitors"]:
+                cb.load_state_dict(copy.deepcopy(state["monitors"][key]))
+
+    def discard(self) -> None:
+        """Free the memory or the file."""
+        self._state = None
+        if self.path is not None and os.path.exists(self.path):
+            os.remove(self.path)
+
+
+def scale_learning_rates(trainer: pl.Trainer, factor: float) -> None:
+    """Multiply every learning rate of the run by ``factor``, schedules included.
+
+    The current rate of every parameter group, the rates schedulers start from (``initial_lr``,
+    ``base_lrs``) and the bounds some keep in the group (``max_lr``, ``min_lr`` of OneCycleLR and
+    cyclic schedules) are all scaled, so that the schedule continues at the lower level.
+    """
+    if factor == 1.0:
+        return
+    for opt in trainer.optimizers:
+        for group in opt.param_groups:
+            for key in ("lr", "initial_lr", "max_lr", "min_lr"):
+                value = group.get(key)
+                if isinstance(value, (int, float)):
+                    group[key] = value * factor
+                elif isinstance(value, Tensor):
+                    value.mul_(factor)
+    for cfg in trainer.lr_scheduler_configs:
+        sched = cfg.scheduler
+        for attr in ("base_lrs", "_last_lr", "max_lrs", "min_lrs"):
+            values = getattr(sched, attr, None)
+            if isinstance(values, list):
+                setattr(sched, attr, [v * factor if isinstance(v, (int, float)) else v for v in values])
