@@ -69,7 +69,7 @@ def test_alerts_reach_every_sink_once_per_condition(tmp_path, tiny_gpt, caplog):
     assert alerts[0].layer == "layer.a" and alerts[1].threshold == 4.0
     with open(path) as fh:
         assert set(json.loads(fh.readline())) == {
-            "step", "monitor", "kind", "severity", "message", "value", "threshold", "layer"
+            "step", "monitor", "kind", "severity", "message", "value", "threshold", "layer", "details"
         }
 
     # TensorBoard scalars (alerts/<monitor> = severity level, 0 on clear) and the monitor's own keys

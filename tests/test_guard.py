@@ -114,9 +114,9 @@ def test_loss_explosion_is_critical_after_patience(tmp_path):
     guard = DivergenceGuard(action="stop", every_n_steps=5, patience=3)
     _trainer(tmp_path, [guard], steps=200, logger=False).fit(_Exploding(explode_at=60))
     kinds = [(a.step, a.kind, a.severity) for a in guard.hub.history]
-    # step 62: the smoothed loss is 10% (and 5% of the initial loss) above its minimum; 62, 63, 64: the loss
-    # far above its history, and the weights (not the batches) are to blame: critical at 64, acted on at 65
-    assert kinds[:2] == [(62, "loss_creep", "warning"), (64, "loss_explosion", "critical")]
+    # 62, 63, 64: the loss far above its history, and the weights (not the batches) are to blame: critical at
+    # 64, acted on at the check of 65 (the sudden jump is not "creep": no warning before)
+    assert kinds[0] == (64, "loss_explosion", "critical")
     assert [k for k in kinds if k[2] == "critical"] == [(64, "loss_explosion", "critical")]
     assert guard.stopped_step == 65
     explosion = next(a for a in guard.hub.history if a.kind == "loss_explosion")
@@ -157,35 +157,50 @@ def test_guard_acts_on_other_monitors_critical_alerts(tmp_path, tiny_gpt):
 
 
 class _WarningBetween(Monitor):
-    """Holds a warning condition from step ``start`` to ``end``."""
+    """Holds a warning condition ``monitor/kind`` from step ``start`` to ``end``."""
 
-    name = "probe"
-
-    def __init__(self, start: int, end: int) -> None:
+    def __init__(self, start: int, end: int, monitor: str = "sa", kind: str = "sigma_growth") -> None:
         super().__init__(every_n_steps=1)
-        self.start, self.end = start, end
+        self.start, self.end, self.name, self.kind = start, end, monitor, kind
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         s = trainer.global_step
-        self.condition(s, "sigma_growth", self.start <= s < self.end, "warning", "sigma_1 grows")
+        self.condition(s, self.kind, self.start <= s < self.end, "warning", "sigma_1 grows")
+
+
+class _GrowingGradient(_Exploding):
+    """The loss stays the same (lr 0), the gradient norm grows 1.5x per step from ``grow_at``: only the
+    guard's ``grad_explosion`` warning fires."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.lin(x), y)
+        k = 1.5 ** max(0, self.global_step - self.explode_at)
+        return loss * k - (loss * (k - 1)).detach()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
 def test_corroboration_of_two_warnings_is_critical(tmp_path):
-    # the probe's warning alone (steps 10..) stops nothing; together with the guard's own loss warnings
-    # after the unstable jump at 60 it is critical at once, before the loss explosion rule would fire (64)
+    # the gradient norm, 1.5x per step from 60, is above its history from 66: the grad warning at 68 (66, 67,
+    # 68) alone stops nothing; with the SA warning active it is critical
     pl.seed_everything(0)
     guard = DivergenceGuard(action="stop", every_n_steps=1, patience=3, corroborate=True)
-    _trainer(tmp_path, [_WarningBetween(10, 1000), guard], steps=200, logger=False).fit(_Exploding(explode_at=60))
+    _trainer(tmp_path, [_WarningBetween(10, 1000), guard], steps=100, logger=False).fit(_GrowingGradient(explode_at=60))
     critical = [(a.step, a.kind) for a in guard.hub.history if a.severity == "critical"]
-    assert critical == [(62, "corroborated")] and guard.stopped_step == 62
+    assert critical == [(68, "corroborated")] and guard.stopped_step == 68
     msg = next(a.message for a in guard.hub.history if a.kind == "corroborated")
-    assert "loss_creep" in msg and "probe/sigma_growth" in msg
+    assert "grad_explosion" in msg and "sa/sigma_growth" in msg
 
-    # a warning of another monitor that cleared before the guard's own warnings does not count
-    pl.seed_everything(0)
-    guard = DivergenceGuard(action="stop", every_n_steps=1, patience=3, corroborate=True)
-    _trainer(tmp_path, [_WarningBetween(10, 40), guard], steps=200, logger=False).fit(_Exploding(explode_at=60))
-    assert [(a.step, a.kind) for a in guard.hub.history if a.severity == "critical"] == [(64, "loss_explosion")]
+    # alone, the warning is a warning; an SA warning that cleared before, or a warning that is not about
+    # divergence (a one-off that never clears), does not count
+    for probe in ([], [_WarningBetween(10, 40)], [_WarningBetween(10, 1000, "gns", "no_variance_estimate")]):
+        pl.seed_everything(0)
+        guard = DivergenceGuard(action="stop", every_n_steps=1, patience=3, corroborate=True)
+        _trainer(tmp_path, probe + [guard], steps=100, logger=False).fit(_GrowingGradient(explode_at=60))
+        assert [(a.step, a.kind) for a in guard.hub.history if a.kind.startswith("grad")] == [(68, "grad_explosion")]
+        assert guard.stopped_step is None and not [a for a in guard.hub.history if a.severity == "critical"]
 
 
 def test_state_roundtrips_through_checkpoint(tmp_path, tiny_gpt):

@@ -57,9 +57,11 @@ def run_counting(callbacks, module, loader, steps, tmp_path):
 
 def test_guard_syncs_only_on_its_checks(tmp_path, tiny_gpt):
     module, loader = tiny_gpt()
-    counts = run_counting([lightning_monitor.DivergenceGuard(action="stop", every_n_steps=10)], module, loader, 35, tmp_path)
-    assert sorted(counts) == [0, 10, 20, 30], counts
-    assert max(counts.values()) <= 2  # one transfer per check (and the tolist that reads it)
+    guard = lightning_monitor.DivergenceGuard(every_n_steps=10, snapshot_every_n_checks=2)
+    counts = run_counting([guard], module, loader, 45, tmp_path)
+    assert sorted(counts) == [0, 10, 20, 30, 40], counts
+    assert counts[10] == counts[30] == 2  # one transfer per check (and the tolist that reads it)
+    assert counts[0] == counts[20] == counts[40] == 3  # a snapshot is due: plus one finiteness check
 
 
 def _due(monitor, steps):

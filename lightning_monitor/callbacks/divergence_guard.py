@@ -16,7 +16,7 @@ from torch import Tensor
 
 from lightning_monitor.alerts import Alert, alerts_dir
 from lightning_monitor.callbacks.base import Monitor, _check_int
-from lightning_monitor.functional.robust import median, robust_zscore
+from lightning_monitor.functional.robust import MAD_TO_STD, median, robust_zscore
 from lightning_monitor.snapshot import TrainingSnapshot, scale_learning_rates
 
 __all__ = ["DivergenceGuard"]
@@ -105,11 +105,12 @@ class DivergenceGuard(Monitor):
       loss (this catches a blow-up before any history exists), **and** the rise is the weights' doing:
       the current batch is evaluated again with the last good snapshot's weights; if those weights find
       the batch about as hard (``data_shift``, a warning: the data changed, not the run), nothing acts;
-    * ``loss_creep`` (warning): the smoothed loss risen ``creep`` (relative to its lowest value, and at
-      least ``initial_floor`` of the initial loss) above its lowest value;
+    * ``loss_creep`` (warning): the smoothed loss risen above its lowest value by ``creep`` of that value,
+      by at least ``initial_floor`` of the initial loss, and by more than batch noise moves the average
+      (four of its standard deviations, from the robust spread of recent losses);
     * ``grad_explosion`` (warning): the log gradient norm above its history for ``patience`` steps;
     * critical alerts of the suite's other monitors (``act_on_alerts``) and, with ``corroborate=True``,
-      a guard warning and another monitor's active divergence warning together (``corroborated``).
+      a guard warning and an active divergence warning of another monitor together (``corroborated``).
     Only critical alerts act. Single-step spikes raise nothing: noisy small batches are normal.
 
     **Actions** on a critical decision (reduced across ranks: every rank acts on the same step):
@@ -156,7 +157,11 @@ class DivergenceGuard(Monitor):
         attribute: test whether a loss explosion is the weights' doing before acting (see above).
         zero_nonfinite_grads: zero non-finite gradients on the device every step.
         act_on_alerts: act on critical alerts of other monitors too.
-        corroborate: a guard warning and another monitor's active warning together are critical.
+        corroborate: a guard warning and an active warning of another monitor named in ``corroborate_with``
+            together are critical. Off by default: on our scenarios spectral alignment's warnings also fired
+            in matched controls (see BENCHMARKS.md), so they are not evidence of divergence.
+        corroborate_with: ``"<monitor>/<kind>"`` of the conditions that count (conditions that clear, about
+            divergence; one-off alerts such as ``gns/no_variance_estimate`` never clear and do not belong).
         dirpath: where a stop checkpoint goes (default: the ModelCheckpoint's ``dirpath``, else
             ``<log_dir>/checkpoints``).
     """
@@ -189,6 +194,7 @@ class DivergenceGuard(Monitor):
         zero_nonfinite_grads: bool = True,
         act_on_alerts: bool = True,
         corroborate: bool = False,
+        corroborate_with: tuple[str, ...] = ("sa/collapse", "sa/sigma_growth"),
         dirpath: Optional[str] = None,
         check_every_n_steps: Optional[int] = None,
     ) -> None:
@@ -239,6 +245,7 @@ class DivergenceGuard(Monitor):
         self.zero_nonfinite_grads = zero_nonfinite_grads
         self.act_on_alerts = act_on_alerts
         self.corroborate = corroborate
+        self.corroborate_with = tuple(corroborate_with)
         self.dirpath = dirpath
         self._skip: set[tuple[int, int]] = set(self._read_skip(skip_batches))
 
@@ -317,7 +324,7 @@ class DivergenceGuard(Monitor):
             return
         if alert.severity == "critical":
             self._external.append(alert)
-        elif alert.severity == "warning":
+        elif alert.severity == "warning" and f"{alert.monitor}/{alert.kind}" in self.corroborate_with:
             self._external_warnings[(alert.monitor, alert.kind, alert.layer)] = alert
         elif alert.kind.endswith("_cleared"):
             self._external_warnings.pop((alert.monitor, alert.kind[: -len("_cleared")], alert.layer), None)
@@ -482,11 +489,16 @@ class DivergenceGuard(Monitor):
             return
         self._ema = self.smoothing * self._ema + (1.0 - self.smoothing) * loss
         self._ema_weight = self.smoothing * self._ema_weight + (1.0 - self.smoothing)
-        if len(self._loss_watch.history) < self.min_history:
-            return
+        if len(self._loss_watch.history) < self.min_history or self._loss_watch.run:
+            return  # a sudden jump is the explosion rule's to judge; creep is the slow road
         ema = self._ema / self._ema_weight
         self._ema_min = min(self._ema_min, ema)
-        limit = self._ema_min + max(self.creep * self._ema_min, self.initial_floor * anchor)
+        # the rise must also exceed what batch-to-batch noise moves a moving average by (4 of its std)
+        history = list(self._loss_watch.history)
+        center = median(history)
+        spread = MAD_TO_STD * median([abs(h - center) for h in history])
+        noise = 4.0 * spread * math.sqrt((1.0 - self.smoothing) / (1.0 + self.smoothing))
+        limit = self._ema_min + max(self.creep * self._ema_min, self.initial_floor * anchor, noise)
         self.condition(
             step, "loss_creep", ema > limit, "warning",
             f"The smoothed loss ({ema:.4g}) has risen {100 * (ema / self._ema_min - 1):.0f}% above its lowest value "
@@ -524,7 +536,7 @@ class DivergenceGuard(Monitor):
             recent = [now, before]
             self._loss_watch.reseed(recent)
             self._initial = [max(self._anchor(), now)]
-            self._ema_min = math.inf
+            self._ema, self._ema_weight, self._ema_min = 0.0, 0.0, math.inf
             return []
         how = "" if verdict is None else (
             f" The last good weights find the current batch easy ({verdict[2]:.4g} against {verdict[1]:.4g} now): "

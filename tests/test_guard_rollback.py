@@ -1,0 +1,260 @@
+"""DivergenceGuard(action="rollback") in real Trainer.fit runs: exact restore, skipped batches, resume,
+escalation to a stop, BatchNorm buffers, data shifts, DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import fit_ddp_spawn
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_monitor import DivergenceGuard, Monitor, read_alerts
+
+N, BATCH = 4096, 16
+
+
+def _data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g) + 0.5 * torch.randn(N, 1, generator=g)
+    return x, y
+
+
+class _Regression(pl.LightningModule):
+    """Least squares with AdamW. The batch is chosen by ``batch_idx`` alone, so a resumed run sees the same
+    data at the same index. ``glitch``: steps whose learning rate is multiplied by 500 (a transient
+    instability); ``unstable_from``: the learning rate is 5.0 from that step on (a lasting one);
+    ``shift_from``: from that batch index on, the targets change sign (new data, not a divergence)."""
+
+    def __init__(self, glitch=(), unstable_from=None, shift_from=None, bn=False, nan_batch=None):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 1)
+        self.bn = torch.nn.BatchNorm1d(8) if bn else torch.nn.Identity()
+        self.glitch, self.unstable_from, self.shift_from, self.nan_batch = set(glitch), unstable_from, shift_from, nan_batch
+        self.x, self.y = _data()
+
+    def training_step(self, batch, batch_idx):
+        lo = (batch_idx * BATCH) % N
+        x, y = self.x[lo:lo + BATCH], self.y[lo:lo + BATCH]
+        if self.shift_from is not None and batch_idx >= self.shift_from:
+            y = -3.0 * y
+        if batch_idx == self.nan_batch:
+            x = torch.full_like(x, float("nan"))
+        group = self.optimizers().param_groups[0]
+        step = self.global_step
+        if step in self.glitch and step - 1 not in self.glitch:
+            group["lr"] *= 500.0
+        if step - 1 in self.glitch and step not in self.glitch:
+            group["lr"] /= 500.0
+        if self.unstable_from is not None and step >= self.unstable_from:
+            group["lr"] = 5.0
+        return torch.nn.functional.mse_loss(self.lin(self.bn(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(N // BATCH)), batch_size=1)
+
+
+def _trainer(tmp_path, callbacks, steps, **kw):
+    return pl.Trainer(
+        max_steps=steps, accelerator="cpu", callbacks=callbacks, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=str(tmp_path),
+        logger=kw.pop("logger", CSVLogger(str(tmp_path), name="csv")),
+        enable_checkpointing=kw.pop("enable_checkpointing", False), **kw,
+    )
+
+
+class _Capture(Callback):
+    """Copies the module's and the optimizer's state in ``on_before_optimizer_step`` of ``step`` (after the
+    callbacks listed before it) and records the steps whose update was skipped (no gradient at all)."""
+
+    def __init__(self, step: int = -1) -> None:
+        self.step, self.module, self.optim, self.dropped = step, None, None, []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if all(p.grad is None for p in pl_module.parameters()):
+            self.dropped.append(trainer.global_step)
+        if trainer.global_step == self.step:
+            self.module = {k: v.clone() for k, v in pl_module.state_dict().items()}
+            self.optim = {i: {k: v.clone() for k, v in s.items()} for i, s in enumerate(optimizer.state.values())}
+            self.lr = optimizer.param_groups[0]["lr"]
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+def test_rollback_restores_exact_state_and_skips_the_batches_seen_since(tmp_path):
+    pl.seed_everything(0)
+    guard = DivergenceGuard(every_n_steps=5, snapshot_every_n_checks=5)  # snapshots at 0, 25, 50, ...
+    capture = _Capture(step=65)
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=40, save_top_k=-1)
+    trainer = _trainer(tmp_path / "a", [guard, capture, ckpt], 120, enable_checkpointing=True)
+    trainer.fit(_Regression(glitch=(60, 61, 62)))
+
+    # the glitch (lr x500 from step 60) blows the loss up at 61; explosion at 63, acted on at the check of 65
+    assert [(r["step"], r["to_step"], r["skipped"]) for r in guard.rollbacks] == [(65, 50, 16)]
+    assert guard.rollbacks[0]["batches"] == [[0, b] for b in range(50, 66)]
+    assert guard.stopped_step is None and trainer.global_step == 120
+    assert [(a.step, a.kind) for a in guard.hub.history if a.severity == "critical"] == [(63, "loss_explosion")]
+
+    # right after the rollback: bit-identical to a run trained for exactly 50 steps, learning rate halved
+    pl.seed_everything(0)
+    ref = _Capture(step=50)
+    _trainer(tmp_path / "ref", [ref], 51, logger=False).fit(_Regression())
+    _assert_same(capture.module, ref.module)
+    assert capture.optim.keys() == ref.optim.keys()
+    for i in ref.optim:
+        _assert_same(capture.optim[i], ref.optim[i])
+    assert capture.lr == pytest.approx(0.5 * ref.lr)
+    assert 65 in capture.dropped  # the step that noticed the explosion applied nothing
+
+    # the rollback is in alerts.jsonl, with the skipped batches
+    alerts = read_alerts(os.path.join(trainer.loggers[0].log_dir, "alerts.jsonl"))
+    rolled = [a for a in alerts if a.kind == "rolled_back"]
+    assert len(rolled) == 1 and rolled[0].details["batches"] == [[0, b] for b in range(50, 66)]
+    assert "to the state of step 50" in rolled[0].message
+    # ... and in the checkpoint saved after it
+    state = torch.load(tmp_path / "ck" / "epoch=0-step=80.ckpt", weights_only=False)["callbacks"][guard.state_key]
+    assert [tuple(b) for b in state["skip"]] == [(0, b) for b in range(50, 66)]
+    assert state["rollbacks"][0]["to_step"] == 50
+
+
+def test_a_run_resumed_from_an_earlier_checkpoint_skips_the_rolled_back_batches(tmp_path):
+    pl.seed_everything(0)
+    guard = DivergenceGuard(every_n_steps=5, lr_factor=1.0)
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=40, save_top_k=-1)
+    first = _trainer(tmp_path / "a", [guard, ckpt], 100, enable_checkpointing=True)
+    model_a = _Regression(glitch=(60, 61, 62))
+    first.fit(model_a)
+    assert [(r["step"], r["to_step"]) for r in guard.rollbacks] == [(65, 50)]
+
+    # restart from the step-40 checkpoint (before the rollback), told which batches to skip
+    pl.seed_everything(0)
+    resumed = DivergenceGuard(every_n_steps=5, lr_factor=1.0,
+                              skip_batches=os.path.join(first.loggers[0].log_dir, "alerts.jsonl"))
+    capture = _Capture()
+    model_b = _Regression(glitch=(60, 61, 62))
+    second = _trainer(tmp_path / "b", [resumed, capture], 100)
+    second.fit(model_b, ckpt_path=str(tmp_path / "ck" / "epoch=0-step=40.ckpt"))
+    assert capture.dropped == list(range(50, 66))  # the glitch's steps never applied: nothing to roll back
+    assert resumed.rollbacks == [] and not [a for a in resumed.hub.history if a.severity == "critical"]
+    # the same weights as the run that rolled back
+    _assert_same(model_b.state_dict(), model_a.state_dict())
+
+
+def test_repeated_rollbacks_escalate_to_a_stop_with_the_last_good_state(tmp_path):
+    pl.seed_everything(0)
+    guard = DivergenceGuard(every_n_steps=5, max_rollbacks=2, dirpath=str(tmp_path / "ck"))
+    model = _Regression(unstable_from=60)
+    _trainer(tmp_path, [guard], 300).fit(model)
+    assert len(guard.rollbacks) == 2 and all(r["to_step"] == 50 for r in guard.rollbacks)
+    assert guard.stopped_step is not None and guard.stopped_step > guard.rollbacks[-1]["step"]
+    stop = next(a for a in guard.hub.history if a.kind == "stopped")
+    assert "max_rollbacks=2" in stop.message and "the state of step 50" in stop.message
+    # the checkpoint holds the last good state: the weights of step 50, finite, with a low loss
+    saved = torch.load(guard.stop_checkpoint, weights_only=False)["state_dict"]
+    pl.seed_everything(0)
+    ref = _Capture(step=50)
+    _trainer(tmp_path / "ref", [ref], 51, logger=False).fit(_Regression())
+    _assert_same({k: saved[k] for k in ref.module}, ref.module)
+
+
+def test_healthy_run_never_rolls_back_and_a_data_shift_only_warns(tmp_path):
+    pl.seed_everything(0)
+    guard = DivergenceGuard(every_n_steps=5)
+    trainer = _trainer(tmp_path, [guard], 200)
+    trainer.fit(_Regression(shift_from=100))  # the targets change at batch 100: the loss jumps and stays up
+    assert guard.rollbacks == [] and guard.stopped_step is None and trainer.global_step == 200
+    warnings = [a for a in guard.hub.history if a.severity != "info"]
+    assert [a.kind for a in warnings] == ["data_shift"]
+    assert warnings[0].step >= 100 and "the data changed" in warnings[0].message
+
+    pl.seed_everything(0)
+    guard = DivergenceGuard(every_n_steps=5)
+    _trainer(tmp_path / "h", [guard], 200).fit(_Regression())
+    assert guard.hub.history == [] and guard.rollbacks == []
+
+
+def test_nan_batch_through_batchnorm_is_rolled_back_with_finite_buffers(tmp_path):
+    pl.seed_everything(0)
+    guard = DivergenceGuard(every_n_steps=10, snapshot_every_n_checks=2)
+    model = _Regression(bn=True, nan_batch=33)
+    _trainer(tmp_path, [guard], 80).fit(model)
+    assert [(r["step"], r["to_step"]) for r in guard.rollbacks] == [(40, 20)]
+    assert [(a.step, a.kind) for a in guard.hub.history if a.severity == "critical"] == [(33, "nonfinite")]
+    assert all(torch.isfinite(t).all() for t in model.state_dict().values() if t.is_floating_point())
+
+    # with action="stop" the checkpoint's BatchNorm statistics are the last good ones, not NaN
+    pl.seed_everything(0)
+    guard = DivergenceGuard(action="stop", every_n_steps=10, dirpath=str(tmp_path / "ck"))
+    _trainer(tmp_path / "s", [guard], 80).fit(_Regression(bn=True, nan_batch=33))
+    saved = torch.load(guard.stop_checkpoint, weights_only=False)["state_dict"]
+    assert torch.isfinite(saved["bn.running_mean"]).all() and torch.isfinite(saved["bn.running_var"]).all()
+
+
+def test_bad_rollback_arguments():
+    with pytest.raises(ValueError, match="lr_factor"):
+        DivergenceGuard(lr_factor=0.0)
+    with pytest.raises(ValueError, match="needs snapshots"):
+        DivergenceGuard(snapshot_every_n_checks=None)
+    with pytest.raises(ValueError, match="max_rollbacks"):
+        DivergenceGuard(max_rollbacks=0)
+    with pytest.raises(FileNotFoundError, match="alerts.jsonl"):
+        DivergenceGuard(skip_batches="/nonexistent/alerts.jsonl")
+
+
+# ----------------------------------------------------------------------------- DDP (2 gloo ranks)
+
+
+class _CriticalAt(Monitor):
+    name = "probe"
+
+    def __init__(self, step: int, rank: int) -> None:
+        super().__init__(every_n_steps=1)
+        self.step, self.rank = step, rank
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            self.alert(trainer.global_step, "collapse", "critical", "test collapse")
+
+
+class _DDPRegression(_Regression):
+    def __init__(self, out_dir: str):
+        super().__init__()
+        self.out_dir = out_dir
+
+    def training_step(self, batch, batch_idx):
+        lo = ((2 * batch_idx + self.global_rank) * BATCH) % N  # each rank its own data
+        return torch.nn.functional.mse_loss(self.lin(self.x[lo:lo + BATCH]), self.y[lo:lo + BATCH])
+
+    def on_train_end(self):
+        guard = next(c for c in self.trainer.callbacks if isinstance(c, DivergenceGuard))
+        with open(os.path.join(self.out_dir, f"rank{self.global_rank}.json"), "w") as fh:
+            json.dump({"rollbacks": [(r["step"], r["to_step"]) for r in guard.rollbacks],
+                       "weights": [float(v) for v in torch.cat([p.detach().flatten() for p in self.parameters()])],
+                       "lr": self.optimizers().param_groups[0]["lr"]}, fh)
+
+
+def test_ddp_ranks_roll_back_together(tmp_path):
+    # only rank 1 raises a critical alert at step 27; both ranks roll back at 30 to the snapshot of 20
+    guard = DivergenceGuard(every_n_steps=5, snapshot_every_n_checks=2)
+    trainer = pl.Trainer(
+        max_steps=50, accelerator="cpu", devices=2, strategy="ddp_spawn", callbacks=[_CriticalAt(27, rank=1), guard],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        default_root_dir=str(tmp_path),
+    )
+    fit_ddp_spawn(trainer, _DDPRegression(str(tmp_path)))
+    results = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    assert results[0]["rollbacks"] == results[1]["rollbacks"] == [[30, 20]]
+    assert results[0]["weights"] == results[1]["weights"]  # the replicas stayed identical
+    assert results[0]["lr"] == results[1]["lr"] == pytest.approx(5e-3)
