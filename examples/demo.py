@@ -2,12 +2,13 @@
 
 1. A healthy run: the monitors log their health metrics (spectral alignment, gradient noise scale,
    gradient-weight alignment of the output head, loss and gradient norm); nothing alarms.
-2. A deliberately diverging run (learning rate ramped from 1e-3 to 1.0, past the edge of stability):
-   spectral alignment and the guard warn while the loss still looks fine, and the DivergenceGuard
-   stops the run, with a checkpoint of the last good state.
+2. A run of the same GPT without LayerNorm (less stable) whose learning-rate warm-up climbs to a peak
+   past its edge of stability (1e-3 -> 0.04 over the first 100 steps, then held): the loss explodes; the
+   DivergenceGuard rolls the run back to its last good snapshot, skips the batches seen since and halves
+   the learning rate, as often as needed, and the run goes on learning.
 
-Everything lands in ``runs/demo`` (TensorBoard event files, ``alerts.jsonl``, checkpoints).
-Run: ``python examples/demo.py`` (a few minutes on a laptop CPU; ``--quick`` for a shorter run).
+Everything lands in ``runs/demo`` (TensorBoard event files, ``alerts.jsonl``).
+Run: ``python examples/demo.py`` (under a minute on a laptop CPU; ``--quick`` for a shorter run).
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ import lightning_monitor as lm  # noqa: E402
 
 
 def suite() -> list[pl.Callback]:
-    """The monitors attached to both runs (the guard last, so it sees the others' alerts of a step)."""
+    """The monitors attached to both runs."""
     return [
         lm.SpectralAlignmentMonitor(every_n_steps=5, warmup_steps=50),
         lm.GradientNoiseScaleMonitor(every_n_steps=20),
         lm.GradientWeightAlignmentMonitor(every_n_steps=5, histogram=True),  # tokens are the samples
-        lm.DivergenceGuard(check_every_n_steps=5),
+        lm.DivergenceGuard(every_n_steps=5),  # rolls back to the last good state, halving the learning rate
     ]
 
 
@@ -66,7 +67,7 @@ def train(name: str, root: str, steps: int, config: dict[str, Any], **module_kwa
         "health": health,
         "name": name, "steps": trainer.global_step, "seconds": time.perf_counter() - start,
         "train_loss": metrics.get("train/loss"), "val_loss": metrics.get("val/loss"),
-        "alerts": list(guard.hub.history), "stopped_step": guard.stopped_step,
+        "alerts": list(guard.hub.history), "stopped_step": guard.stopped_step, "rollbacks": guard.rollbacks,
         "checkpoint": guard.stop_checkpoint, "log_dir": logger.log_dir,
     }
 
@@ -94,9 +95,14 @@ def report(run: dict[str, Any]) -> None:
         print(f"   first warning at step {warnings[0].step} ({warnings[0].monitor}/{warnings[0].kind}); "
               f"first spectral-alignment warning: "
               + next((f"step {a.step} (sa/{a.kind})" for a in warnings if a.monitor == "sa"), "none"))
+    for r in run["rollbacks"]:
+        print(f"   rolled back at step {r['step']} to the state of step {r['to_step']}: {r['skipped']} batches skipped, "
+              f"learning rate now {r['lr_scale']:.3g}x its schedule")
     if run["stopped_step"] is not None:
         print(f"   stopped by the DivergenceGuard at step {run['stopped_step']}; last good state: {run['checkpoint']}")
-    print(f"   alerts file: {os.path.join(run['log_dir'], 'alerts.jsonl')}")
+    path = os.path.join(run["log_dir"], "alerts.jsonl")
+    if os.path.exists(path):
+        print(f"   alerts file: {path}")
 
 
 def main() -> None:
@@ -110,14 +116,20 @@ def main() -> None:
     steps = 150 if args.quick else 400
     base = {"n_layer": 2, "n_head": 4, "d_model": 64, "block_size": 64}
 
-    print("Training a healthy run (AdamW, lr 3e-3, LayerNorm) ...")
+    print("Training a healthy run (AdamW, lr 3e-3, LayerNorm) ...", flush=True)
     healthy = train("healthy", args.root, steps, base, lr=3e-3)
-    print("Training a diverging run (lr ramped 1e-3 -> 1.0) ...")
-    diverging = train("diverging", args.root, steps, base, lr=1e-3, lr_end=1.0, ramp_steps=steps)
+    print("Training a run without LayerNorm whose warm-up climbs to lr 0.04 (too high) ...", flush=True)
+    diverging = train("diverging", args.root, steps, {**base, "layernorm": False}, lr=1e-3, lr_end=0.04, ramp_steps=100)
     report(healthy)
     report(diverging)
-    ok = healthy["stopped_step"] is None and diverging["stopped_step"] is not None
-    print("\nThe healthy run ran clean and the diverging run was stopped." if ok
+    rollbacks = diverging["rollbacks"]
+    # rescued: no stop, every step trained, and the loss at the end below the last good state's
+    rescued = bool(rollbacks) and diverging["stopped_step"] is None and diverging["steps"] == steps
+    rescued = rescued and diverging["train_loss"] < rollbacks[0]["loss_before"]
+    ok = not healthy["alerts"] and rescued
+    print(f"\nThe healthy run ran clean; the diverging run was rolled back {len(rollbacks)} time(s) and went on "
+          f"learning (train loss {diverging['train_loss']:.3f} at the end, "
+          f"{rollbacks[0]['loss_before']:.3f} before the first explosion)." if ok
           else "\nUnexpected outcome: see the alerts above.")
     print(f"\nLook at it: tensorboard --logdir {args.root}")
 

@@ -11,16 +11,17 @@ from lightning_monitor import read_alerts
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_demo_quick_runs_and_the_guard_stops_the_diverging_run(tmp_path):
+def test_demo_quick_runs_and_the_guard_rescues_the_diverging_run(tmp_path):
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "demo.py"), "--quick", "--root", str(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "The healthy run ran clean and the diverging run was stopped." in out.stdout
+    assert "The healthy run ran clean; the diverging run was rolled back" in out.stdout, out.stdout[-3000:]
     assert f"tensorboard --logdir {tmp_path}" in out.stdout
     assert not os.path.exists(tmp_path / "healthy" / "alerts.jsonl")  # no alert at all on the healthy run
     alerts = read_alerts(str(tmp_path / "diverging" / "alerts.jsonl"))
-    stop = [a for a in alerts if a.kind == "stopped"]
-    assert len(stop) == 1 and any(a.severity == "critical" for a in alerts)
-    assert os.path.isfile(tmp_path / "diverging" / "checkpoints" / f"guard-step={stop[0].step}.ckpt")
+    rolled = [a for a in alerts if a.kind == "rolled_back"]
+    assert rolled and not [a for a in alerts if a.kind == "stopped"]
+    assert any(a.severity == "critical" and a.step < rolled[0].step for a in alerts)
+    assert f"rolled back at step {rolled[0].step} to the state of step {rolled[0].details['to_step']}" in out.stdout

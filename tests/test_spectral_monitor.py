@@ -428,3 +428,14 @@ def test_input_capture_bounded_detached_first_call_only_and_global_rng_untouched
     torch.testing.assert_close(small.take()["lin"], flat)  # fewer rows than max_rows: all of them
     with pytest.raises(ValueError, match="max_rows"):
         InputCapture({"lin": lin}, max_rows=0)
+
+
+def test_by_default_a_collapse_with_sigma_growth_stays_a_warning():
+    # the collapse followed the learning rate in matched controls: by default it never makes the guard act
+    mon, fired = _rule_monitor(baseline_checks=2, patience=2, growth_window=1, max_sigma_growth=1.5)
+    for step in range(4):
+        mon._update_rule(step, {"a": 0.9, "b": 0.9}, {"a": 1.0, "b": 1.0})
+    for step in range(4, 40):
+        mon._update_rule(step, {"a": 0.0, "b": 0.0}, {"a": 2.0 ** (step - 3), "b": 1.0})
+    active = {(kind, sev) for s, kind, act, sev in fired if act}
+    assert active == {("collapse", "warning"), ("sigma_growth", "warning")}

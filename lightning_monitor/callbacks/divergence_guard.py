@@ -16,7 +16,7 @@ from torch import Tensor
 
 from lightning_monitor.alerts import Alert, alerts_dir
 from lightning_monitor.callbacks.base import Monitor, _check_int
-from lightning_monitor.functional.robust import MAD_TO_STD, median, robust_zscore
+from lightning_monitor.functional.robust import MAD_TO_STD, median
 from lightning_monitor.snapshot import TrainingSnapshot, scale_learning_rates
 
 __all__ = ["DivergenceGuard"]
@@ -35,31 +35,44 @@ def _positive(name: str, value: Any) -> float:
 
 
 class _SeriesWatch:
-    """A scalar series judged against its own recent normal history (robust z-score).
+    """A scalar series judged against its own recent normal history.
 
-    A value is *anomalous* when its robust z-score exceeds ``threshold`` (once ``min_history`` normal
-    values are in), or when it exceeds ``ceiling`` (an absolute bound; judged from the first value on).
-    Only normal values enter the history, so a sustained explosion stays anomalous instead of becoming the
-    new normal, while a slow drift is followed. ``run`` counts consecutive anomalous values, ``start`` is the
-    step of the first of them.
+    The reference is the median of the last ``recent`` normal values (it follows a falling loss closely);
+    the scale is the batch-to-batch noise, from the median absolute difference of consecutive normal values
+    over the whole ``window`` (a trend does not inflate it), floored by ``rel_floor`` times the reference
+    and by an absolute floor. A value is *anomalous* when its z-score exceeds ``threshold`` (once
+    ``min_history`` normal values are in), or when it exceeds ``ceiling`` (an absolute bound, judged from the
+    first value on). Only normal values enter the history, so a sustained explosion stays anomalous instead
+    of becoming the new normal. ``run`` counts consecutive anomalous values, ``start`` is the first one's step.
     """
 
-    def __init__(self, window: int, min_history: int, threshold: float, rel_floor: float) -> None:
+    def __init__(self, window: int, min_history: int, threshold: float, rel_floor: float, recent: int = 10) -> None:
         self.history: deque[float] = deque(maxlen=window)
         self.min_history = min_history
         self.threshold = threshold
         self.rel_floor = rel_floor
+        self.recent = recent
         self.run = 0
         self.start: Optional[int] = None
 
     @property
     def ready(self) -> bool:
-        return len(self.history) >= self.min_history
+        return len(self.history) >= max(self.min_history, 3)
+
+    def level(self) -> float:
+        """The reference: median of the most recent normal values."""
+        return median(list(self.history)[-self.recent:])
+
+    def noise(self) -> float:
+        """Robust standard deviation of one value around the trend (from consecutive differences)."""
+        h = list(self.history)
+        return MAD_TO_STD * median([abs(b - a) for a, b in zip(h, h[1:])]) / math.sqrt(2.0)
 
     def zscore(self, x: float, abs_floor: float = 1e-12) -> float:
         if not self.ready:
             return 0.0
-        return robust_zscore(x, list(self.history), rel_floor=self.rel_floor, abs_floor=abs_floor)
+        center = self.level()
+        return (x - center) / max(self.noise(), self.rel_floor * abs(center), abs_floor)
 
     def update(self, step: int, x: float, abs_floor: float = 1e-12, ceiling: float = math.inf) -> tuple[bool, float]:
         """Feed one finite value; returns (anomalous, z)."""
@@ -107,7 +120,7 @@ class DivergenceGuard(Monitor):
       the batch about as hard (``data_shift``, a warning: the data changed, not the run), nothing acts;
     * ``loss_creep`` (warning): the smoothed loss risen above its lowest value by ``creep`` of that value,
       by at least ``initial_floor`` of the initial loss, and by more than batch noise moves the average
-      (four of its standard deviations, from the robust spread of recent losses);
+      (six of its standard deviations, from the robust batch-to-batch noise); it clears halfway back;
     * ``grad_explosion`` (warning): the log gradient norm above its history for ``patience`` steps;
     * critical alerts of the suite's other monitors (``act_on_alerts``) and, with ``corroborate=True``,
       a guard warning and an active divergence warning of another monitor together (``corroborated``).
@@ -117,9 +130,12 @@ class DivergenceGuard(Monitor):
 
     * ``"rollback"`` (default): restore the newest snapshot that predates the first anomalous step
       (parameters, buffers, optimizers, LR schedulers, AMP scaler, the monitors' states), skip the batches
-      seen since (recorded in the ``rolled_back`` alert, in ``alerts.jsonl`` and in the checkpoint state),
-      scale every learning rate by ``lr_factor`` and go on. After ``max_rollbacks`` rollbacks within
-      ``rollback_window`` steps, or without a snapshot to go back to, it stops instead.
+      seen since (recorded in the ``rolled_back`` alert, in ``alerts.jsonl`` and in the checkpoint state)
+      and go on: a stretch of bad data is cured by that. If the run diverges again within
+      ``rollback_window`` steps, the next rollback also scales every learning rate (schedules included) by
+      ``lr_factor``, the one after by ``lr_factor**2``, then ``lr_factor**3`` (cumulative 0.5, 0.125, 0.016
+      by default). After ``max_rollbacks`` rollbacks within the window, or without a snapshot to go back
+      to, it stops instead.
     * ``"stop"``: restore that snapshot, save a checkpoint ``guard-step=<step>.ckpt`` (so the file holds
       the last good state, never the diverged weights) and stop.
     * ``"warn"``: raise the alerts only.
@@ -138,7 +154,8 @@ class DivergenceGuard(Monitor):
             state, no data-shift test, no rollback).
         keep_snapshots: snapshots kept (>= 1).
         snapshot_dir: directory for snapshot files; ``None`` keeps them in host memory.
-        lr_factor: learning-rate factor applied at each rollback (in (0, 1]; 1 keeps the rate).
+        lr_factor: learning-rate factor of the second rollback within ``rollback_window`` (squared for the
+            third, cubed for the fourth ...; in (0, 1]; 1 keeps the rate).
         max_rollbacks: rollbacks within ``rollback_window`` steps before the guard stops instead.
         rollback_window: steps over which rollbacks are counted.
         skip_batches: ``(epoch, batch_idx)`` pairs whose update to skip, or the path of an ``alerts.jsonl``
@@ -177,7 +194,7 @@ class DivergenceGuard(Monitor):
         keep_snapshots: int = 2,
         snapshot_dir: Optional[str] = None,
         lr_factor: float = 0.5,
-        max_rollbacks: int = 3,
+        max_rollbacks: int = 4,
         rollback_window: int = 1000,
         skip_batches: Union[None, str, list[tuple[int, int]]] = None,
         min_history: int = 20,
@@ -187,7 +204,7 @@ class DivergenceGuard(Monitor):
         loss_rel_floor: float = 0.02,
         grad_rel_floor: float = 0.05,
         initial_floor: float = 0.05,
-        blowup: float = 1.5,
+        blowup: float = 2.0,
         creep: Optional[float] = 0.1,
         smoothing: float = 0.9,
         attribute: bool = True,
@@ -268,7 +285,8 @@ class DivergenceGuard(Monitor):
         self._external: list[Alert] = []
         self._external_warnings: dict[tuple[str, str, Optional[str]], Alert] = {}
         self._warned_no_loss = False
-        #: every rollback: dicts with ``step``, ``to_step``, ``skipped`` (count), ``batches``, ``lr_factor``, ``reasons``
+        #: every rollback: dicts with ``step``, ``to_step``, ``skipped`` (count), ``batches`` ([epoch, batch_idx]),
+        #: ``lr_factor``, ``lr_scale`` (cumulative), ``loss_before`` (median recent loss of the state restored), ``reasons``
         self.rollbacks: list[dict[str, Any]] = []
         #: path of the checkpoint written when the guard stopped the run, else None
         self.stop_checkpoint: Optional[str] = None
@@ -421,7 +439,11 @@ class DivergenceGuard(Monitor):
         recent = [r for r in self.rollbacks if step - r["step"] < self.rollback_window]
         reasons = "; ".join(critical) if critical else "a critical alert on another rank"
         if self.action == "rollback" and target is not None and len(recent) < self.max_rollbacks:
-            self._rollback(trainer, pl_module, optimizer, step, target, reasons)
+            # the first rollback of an episode only skips the batches (a bad stretch of data is cured by that);
+            # if the run diverges again, the learning rate goes down, faster each time: lr_factor, then
+            # lr_factor^2, lr_factor^3 ... (cumulative 0.5, 0.125, 0.016 at the default)
+            factor = self.lr_factor ** len(recent)
+            self._rollback(trainer, pl_module, optimizer, step, target, reasons, factor)
         else:
             if self.action == "rollback":
                 why = "no snapshot predates the anomaly" if target is None else (
@@ -457,7 +479,7 @@ class DivergenceGuard(Monitor):
             return reasons, step
         start = None
         if loss is not None and math.isfinite(loss):
-            if len(self._initial) < 5:
+            if len(self._initial) < 3:
                 self._initial.append(loss)
             anchor = self._anchor()
             anomalous, _ = self._loss_watch.update(
@@ -481,7 +503,8 @@ class DivergenceGuard(Monitor):
         return reasons, start
 
     def _anchor(self) -> float:
-        """The initial loss level (median of the first five finite losses), at least a tiny positive number."""
+        """The initial loss level: the median of the first three finite losses (one blown-up value among them
+        does not move it), at least a tiny positive number."""
         return max(median(self._initial), 1e-8) if self._initial else 1.0
 
     def _creep(self, step: int, loss: float, anchor: float) -> None:
@@ -494,13 +517,14 @@ class DivergenceGuard(Monitor):
         ema = self._ema / self._ema_weight
         self._ema_min = min(self._ema_min, ema)
         # the rise must also exceed what batch-to-batch noise moves a moving average by (4 of its std)
-        history = list(self._loss_watch.history)
-        center = median(history)
-        spread = MAD_TO_STD * median([abs(h - center) for h in history])
-        noise = 4.0 * spread * math.sqrt((1.0 - self.smoothing) / (1.0 + self.smoothing))
+        noise = 6.0 * self._loss_watch.noise() * math.sqrt((1.0 - self.smoothing) / (1.0 + self.smoothing))
         limit = self._ema_min + max(self.creep * self._ema_min, self.initial_floor * anchor, noise)
+        if ("loss_creep", None) in self._conditions:  # hysteresis: clear only halfway back
+            active = ema > 0.5 * (self._ema_min + limit)
+        else:
+            active = ema > limit
         self.condition(
-            step, "loss_creep", ema > limit, "warning",
+            step, "loss_creep", active, "warning",
             f"The smoothed loss ({ema:.4g}) has risen {100 * (ema / self._ema_min - 1):.0f}% above its lowest value "
             f"({self._ema_min:.4g}) at step {step}: training may be starting to diverge.",
             value=ema, threshold=limit, clear_message="The smoothed loss is back near its lowest value.",
@@ -520,8 +544,7 @@ class DivergenceGuard(Monitor):
     def _decide_explosion(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, start: int) -> list[str]:
         """A sustained loss anomaly since ``start``: critical if the weights explain it, else a data shift."""
         verdict = self._attribute(trainer, pl_module, start) if self.attribute else None
-        history = list(self._loss_watch.history)
-        level = median(history) if history else self._anchor()
+        level = self._loss_watch.level() if self._loss_watch.history else self._anchor()
         if verdict is not None and verdict[0] == "transient":
             return []
         if verdict is not None and verdict[0] == "data":
@@ -535,7 +558,7 @@ class DivergenceGuard(Monitor):
             # the new level is the new normal
             recent = [now, before]
             self._loss_watch.reseed(recent)
-            self._initial = [max(self._anchor(), now)]
+            self._initial = [max(self._anchor(), now)] * 3
             self._ema, self._ema_weight, self._ema_min = 0.0, 0.0, math.inf
             return []
         how = "" if verdict is None else (
@@ -575,8 +598,7 @@ class DivergenceGuard(Monitor):
                     current[name].copy_(value)
         if now is None or before is None:
             return None
-        history = list(self._loss_watch.history)
-        level = median(history) if history else self._anchor()
+        level = self._loss_watch.level() if self._loss_watch.history else self._anchor()
         if not math.isfinite(now):
             return "weights", now, before
         # the data explains the rise if the old weights see at least half of it on the same batch
@@ -645,13 +667,13 @@ class DivergenceGuard(Monitor):
         return None
 
     def _rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer,
-                  step: int, snap: TrainingSnapshot, reasons: str) -> None:
+                  step: int, snap: TrainingSnapshot, reasons: str, factor: float) -> None:
         optimizer.zero_grad(set_to_none=True)  # this step's update is skipped too
         for kind, layer in list(self._conditions):
             self.condition(step, kind, False, "info", "", layer=layer, clear_message="Rolled back.")
         snap.restore(trainer, pl_module, self._monitors(trainer))
         self._load_detector_state(snap.guard)
-        self._lr_scale *= self.lr_factor
+        self._lr_scale *= factor
         scale_learning_rates(trainer, self._lr_scale / snap.lr_scale)
         batches = [[e, b] for s, e, b in self._seen if snap.step <= s <= step]
         self._skip.update((e, b) for e, b in batches)
@@ -659,10 +681,12 @@ class DivergenceGuard(Monitor):
         for later in [s for s in self._snapshots if s.step > snap.step]:
             later.discard()
         self._snapshots = [s for s in self._snapshots if s.step <= snap.step]
+        history = list(self._loss_watch.history)[-self._loss_watch.recent:]
         record = {"step": step, "to_step": snap.step, "skipped": len(batches), "batches": batches,
-                  "lr_factor": self.lr_factor, "lr_scale": self._lr_scale, "reasons": reasons}
+                  "lr_factor": factor, "lr_scale": self._lr_scale,
+                  "loss_before": median(history) if history else None, "reasons": reasons}
         self.rollbacks.append(record)
-        lr = f"; learning rates now {self._lr_scale:.3g}x their schedule" if self.lr_factor != 1.0 else ""
+        lr = f"; learning rates now {self._lr_scale:.3g}x their schedule" if self._lr_scale != 1.0 else ""
         self.alert(
             step, "rolled_back", "info",
             f"Rolled back at step {step} to the state of step {snap.step} ({reasons}). The {len(batches)} batches "

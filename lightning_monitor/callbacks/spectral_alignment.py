@@ -19,8 +19,8 @@ Rules (model level; every threshold is relative to the run's own history):
   condition holds at a check when ``collapsed_fraction`` (the share of eligible layers with
   ``D <= collapse_threshold``) is at least ``warn_fraction``, or when ``diversity_ratio`` (the eligible
   layers' mean ``D`` over the mean of their baselines) is at most ``1 - max_drop``. Held for
-  ``patience`` consecutive checks it raises a warning, held for ``critical_patience`` a critical alert
-  (which makes a DivergenceGuard stop the run); it clears, with one info alert, at the first check
+  ``patience`` consecutive checks it raises a warning, held for ``critical_patience`` (if set) a critical
+  alert (which makes a DivergenceGuard act); it clears, with one info alert, at the first check
   where it does not hold.
 * **sigma_growth.** ``sigma_growth`` is the growth of the largest ``sigma_1`` over the monitored layers
   per ``growth_window`` steps; at or above ``max_sigma_growth`` for ``patience`` consecutive checks it
@@ -102,14 +102,17 @@ class SpectralAlignmentMonitor(Monitor):
         warn_fraction: ``collapsed_fraction`` at or above which the collapse condition holds.
         max_drop: the collapse condition also holds when ``diversity_ratio <= 1 - max_drop``.
         patience: consecutive checks a condition must hold before its (first) alert.
-        critical_patience: consecutive checks before the critical collapse alert (>= ``patience``).
+        critical_patience: consecutive checks before the critical collapse alert (>= ``patience``);
+            ``None`` (default): the collapse stays a warning. On matched controls (the same run with its
+            learning rate capped before a divergence) the collapse fired as in the diverging runs: it
+            follows the learning rate, so by default it does not make a DivergenceGuard act.
         growth_window: steps over which ``sigma_growth`` is expressed.
         max_sigma_growth: ``sigma_growth`` at or above which the sigma_growth condition holds
             (``None``: no such alert; ``sigma_growth`` is still logged).
         sigma_growth_severity: severity of the sigma_growth alert.
         escalate_on_growth: raise the critical collapse alert as soon as the collapse and the
             sigma_growth conditions have both held ``patience`` checks (two SA signals agreeing),
-            without waiting for ``critical_patience``.
+            without waiting for ``critical_patience`` (off by default, for the same reason).
         log_histograms: also send a histogram of each layer's alignments to TensorBoard.
         seed: seed of the row sampler (its own generator: the global RNG is not touched).
 
@@ -142,11 +145,11 @@ class SpectralAlignmentMonitor(Monitor):
         warn_fraction: float = 0.5,
         max_drop: float = 0.2,
         patience: int = 3,
-        critical_patience: int = 6,
+        critical_patience: Optional[int] = None,
         growth_window: int = 25,
         max_sigma_growth: Optional[float] = 1.35,
         sigma_growth_severity: str = "warning",
-        escalate_on_growth: bool = True,
+        escalate_on_growth: bool = False,
         log_histograms: bool = False,
         seed: int = 0,
     ) -> None:
@@ -185,8 +188,8 @@ class SpectralAlignmentMonitor(Monitor):
         self.sigma_growth_severity = sigma_growth_severity
         self.escalate_on_growth = bool(escalate_on_growth)
         self.patience = _check_int("patience", patience, 1)
-        self.critical_patience = _check_int("critical_patience", critical_patience, 1)
-        if self.critical_patience < self.patience:
+        self.critical_patience = None if critical_patience is None else _check_int("critical_patience", critical_patience, 1)
+        if self.critical_patience is not None and self.critical_patience < self.patience:
             raise ValueError(
                 f"`critical_patience` ({critical_patience}) must be >= `patience` ({patience}): the critical "
                 "alert follows the warning."
@@ -426,7 +429,8 @@ class SpectralAlignmentMonitor(Monitor):
         if self.max_sigma_growth is not None:
             self._growth_streak = self._growth_streak + 1 if growth >= self.max_sigma_growth else 0
         both = self._streak >= self.patience and self._growth_streak >= self.patience
-        if self._streak >= self.critical_patience or (self.escalate_on_growth and both):
+        critical = self.critical_patience is not None and self._streak >= self.critical_patience
+        if critical or (self.escalate_on_growth and both):
             growing = f" while the top singular value grows {growth:.2f}x per {self.growth_window} steps" if both else ""
             self.condition(
                 step, "collapse", True, "critical",

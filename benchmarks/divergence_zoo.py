@@ -1,0 +1,620 @@
+"""Divergence zoo: is a divergence guard *specific*? It must act on runs that really diverge, and never
+on healthy runs or on their matched controls.
+
+Scenarios (``SCENARIOS``; models, data and LR schedules in ``benchmarks/zoo_models.py``), each a few
+hundred optimizer steps on CPU, one torch thread. Families: ``gpt_ln`` (the example GPT, 2 layers,
+d_model 32, block 32), ``gpt_noln`` (the same without LayerNorm), ``mlp`` (a 64-128-128-10 classifier
+on sklearn's 8x8 digits) and ``cnn`` (a small CNN with BatchNorm on the same digits). fp32 and
+``bf16-mixed``; SGD (momentum 0.9) and AdamW. Kinds:
+
+* ``diverging``: LR ramps (linear, exponential) past the edge of stability, a sudden LR jump, a constant
+  LR too high from the start, a huge LR in bf16, and injected bad batches (a NaN loss, a NaN / Inf /
+  huge (noise x 1e3) input batch, a NaN batch through BatchNorm). Each has a **matched control** (``kind="control"``,
+  named ``<name>_ctrl``): the same seed, data order and schedule, with the LR multiplier capped at its
+  value of a step before the divergence (so the control is the diverging run up to that step), or, for
+  an injection, without the injection, or, for a constant LR too high, at a sane LR.
+* ``healthy``: warm-up + cosine, step decay, SGDR, curricula (easy data first), labels turned random
+  mid-run (a data shift: a warning is acceptable, an action is not), batch sizes 1 and 2, near-zero
+  losses, 20% flipped labels, a long plateau. They are the main false-alarm test.
+
+Split (fixed below, in ``SCENARIOS``, checked at import): within each family and kind, the scenarios
+alternate between ``tune`` and ``heldout``, so that both halves hold every family and both diverging and
+healthy runs; a diverging run and its control are always in the same half. Calibrate a guard on ``tune``
+only and report ``heldout``.
+
+* tune (22 runs): diverging (each with its ``_ctrl``) gpt_ln_const_high, gpt_ln_nan_loss, gpt_noln_bf16_jump,
+  mlp_sgd_jump, mlp_huge_input, cnn_sgd_exp_ramp, cnn_bf16_huge_lr; healthy gpt_ln_warmup_cosine,
+  gpt_ln_batch2, gpt_noln_step_decay, mlp_label_noise, mlp_near_zero, mlp_plateau, cnn_warmup_cosine,
+  cnn_curriculum.
+* heldout (17 runs): diverging (each with its ``_ctrl``) gpt_ln_exp_ramp, gpt_noln_linear_ramp,
+  mlp_sgd_linear_ramp, mlp_inf_input, cnn_nan_batch; healthy gpt_ln_curriculum, gpt_ln_bf16_cosine,
+  gpt_noln_sgdr, mlp_random_labels, mlp_batch1, cnn_batch2, cnn_step_decay.
+
+Objective explosion step, from the *unguarded* run's per-step losses: the trigger step is the injection
+step for an injection, else the first step whose LR exceeds the control's LR (for a capped ramp or jump:
+the step after the cap; for a constant LR too high: step 0). The pre-divergence level L0 is the median
+loss over the 20 steps before the trigger (the initial loss when the trigger is step 0). The explosion
+step is the first step at or after the trigger whose loss is non-finite or above 2 x L0 (for an
+injection: the injection step itself, if its loss is so). A diverging run that never explodes is flagged
+for recalibration, and so is a control (of a ramp, jump or high LR) whose loss crosses 2 x L0 after the
+trigger.
+
+Guards, on every scenario:
+
+1. ours: ``lightning_monitor.DivergenceGuard(action="rollback", **--guard-kwargs)``, in its own run: its
+   first warning and critical alerts, its first action (rollback or stop), its rollbacks, final loss and
+   whether weights and buffers end finite;
+2. Lightning's ``SpikeDetection`` (defaults), replayed offline on the unguarded loss trace;
+3. a naive rule, offline on the unguarded gradient norms: fire when the norm is non-finite or, after 10
+   steps, above 5 x the median of all previous finite norms.
+
+An alarm's lead is explosion step - alarm step (>= 0: caught before the loss passed 2 x L0). A diverging
+run "ends healthy" when its guarded run ends with finite weights and buffers and a final loss (mean of
+its last 10 finite step losses) at most 1.1 x the unguarded control's.
+
+Run: python benchmarks/divergence_zoo.py [--split tune|heldout|all] [--only NAME_SUBSTRING] [--workers 2]
+     [--json out.json] [--markdown] [--guard-kwargs '{"z_threshold": 8}'] [--no-guard] [--verify-spike]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import multiprocessing as mp
+import os
+import re
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, SpikeDetection
+from torch import Tensor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zoo_models import (  # noqa: E402
+    SGDR, Capped, Const, Data, DigitsClassifier, Exp, Jump, Linear, WarmupCosine, ZooGPT, make_data)
+
+# ----------------------------------------------------------------------------- scenarios
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One run of the zoo. ``injection = (batch_index, kind)`` corrupts that batch (see ``ZooMixin``)."""
+
+    name: str
+    family: str  # "gpt_ln" | "gpt_noln" | "mlp" | "cnn"
+    kind: str  # "diverging" | "control" | "healthy"
+    split: str  # "tune" | "heldout"
+    optimizer: str
+    lr: float
+    data: Data
+    lr_mult: Callable[[int], float] = field(default_factory=Const)
+    steps: int = 200
+    seed: int = 0
+    precision: str = "32-true"
+    injection: Optional[tuple[int, str]] = None
+    pairs: Optional[str] = None  # the matched control of a diverging run, and the other way round
+
+
+def _pair(diverging: Scenario, **control: Any) -> list[Scenario]:
+    """A diverging scenario and its matched control (``control``: the fields that differ)."""
+    ctrl = replace(diverging, name=f"{diverging.name}_ctrl", kind="control", pairs=diverging.name, **control)
+    return [replace(diverging, pairs=ctrl.name), ctrl]
+
+
+def _div(name: str, family: str, split: str, optimizer: str, lr: float, data: Data, **kw: Any) -> Scenario:
+    return Scenario(name, family, "diverging", split, optimizer, lr, data, **kw)
+
+
+def _ok(name: str, family: str, split: str, optimizer: str, lr: float, data: Data, **kw: Any) -> Scenario:
+    return Scenario(name, family, "healthy", split, optimizer, lr, data, **kw)
+
+
+TEXT, DIGITS = Data("prose"), Data("digits", batch=32)
+_GPT_EXP, _GPT_LIN, _MLP_LIN, _CNN_EXP = Exp(10.0, 100), Linear(100.0, 300), Linear(50.0, 250), Exp(10.0, 20, 25)
+
+# Calibrated by running them (``--no-guard``): every diverging run explodes and no control of a ramp, jump or
+# high LR crosses 2 x L0. Per-step losses of the digits models are heavy-tailed (a batch of 32 at loss 0.05 can
+# read 0.15), so their LR triggers sit early (L0 >= 0.28) and their controls stay at a calm LR.
+SCENARIOS: list[Scenario] = [
+    # -- diverging, each with its matched control
+    # lr 0.1 (and 0.3) do not blow this small GPT up (peak 1.7 x L0); 0.5 does by step 2
+    *_pair(_div("gpt_ln_const_high", "gpt_ln", "tune", "adamw", 0.5, TEXT), lr=3e-3),
+    *_pair(_div("gpt_ln_exp_ramp", "gpt_ln", "heldout", "adamw", 1e-3, TEXT, lr_mult=_GPT_EXP, steps=300),
+           lr_mult=Capped(_GPT_EXP, 150)),
+    *_pair(_div("gpt_ln_nan_loss", "gpt_ln", "tune", "adamw", 3e-3, TEXT, injection=(100, "nan_loss")),
+           injection=None),
+    *_pair(_div("gpt_noln_linear_ramp", "gpt_noln", "heldout", "adamw", 1e-3, TEXT, lr_mult=_GPT_LIN, steps=300),
+           lr_mult=Capped(_GPT_LIN, 100)),
+    *_pair(_div("gpt_noln_bf16_jump", "gpt_noln", "tune", "adamw", 3e-3, TEXT, lr_mult=Jump(100, 30.0),
+                precision="bf16-mixed"), lr_mult=Capped(Jump(100, 30.0), 99)),
+    *_pair(_div("mlp_sgd_jump", "mlp", "tune", "sgd", 0.05, DIGITS, lr_mult=Jump(60, 40.0)),
+           lr_mult=Capped(Jump(60, 40.0), 59)),
+    # AdamW ramps on the digits MLP make it spiky rather than explode: its ramp is SGD
+    *_pair(_div("mlp_sgd_linear_ramp", "mlp", "heldout", "sgd", 0.02, DIGITS, lr_mult=_MLP_LIN, steps=250),
+           lr_mult=Capped(_MLP_LIN, 35)),
+    *_pair(_div("mlp_huge_input", "mlp", "tune", "sgd", 0.05, DIGITS, injection=(100, "huge_input")),
+           injection=None),
+    *_pair(_div("mlp_inf_input", "mlp", "heldout", "adamw", 1e-3, DIGITS, injection=(120, "inf_input")),
+           injection=None),
+    *_pair(_div("cnn_sgd_exp_ramp", "cnn", "tune", "sgd", 0.05, DIGITS, lr_mult=_CNN_EXP),
+           lr_mult=Capped(_CNN_EXP, 25)),
+    *_pair(_div("cnn_nan_batch", "cnn", "heldout", "sgd", 0.05, DIGITS, injection=(100, "nan_input")),
+           injection=None),
+    *_pair(_div("cnn_bf16_huge_lr", "cnn", "tune", "sgd", 0.05, DIGITS, lr_mult=Jump(30, 100.0),
+                precision="bf16-mixed"), lr_mult=Capped(Jump(30, 100.0), 29)),
+    # -- healthy
+    _ok("gpt_ln_warmup_cosine", "gpt_ln", "tune", "adamw", 3e-3, TEXT, lr_mult=WarmupCosine(20, 250), steps=250),
+    _ok("gpt_ln_curriculum", "gpt_ln", "heldout", "adamw", 3e-3, Data("prose", curriculum=100), steps=250),
+    _ok("gpt_ln_batch2", "gpt_ln", "tune", "adamw", 1e-3, Data("prose", batch=2), steps=250),
+    _ok("gpt_ln_bf16_cosine", "gpt_ln", "heldout", "adamw", 3e-3, TEXT, lr_mult=WarmupCosine(20, 250), steps=250,
+        precision="bf16-mixed"),
+    _ok("gpt_noln_step_decay", "gpt_noln", "tune", "adamw", 2e-3, TEXT, lr_mult=Jump(150, 0.1), steps=250),
+    _ok("gpt_noln_sgdr", "gpt_noln", "heldout", "adamw", 2e-3, TEXT, lr_mult=SGDR(40), steps=280),
+    _ok("mlp_label_noise", "mlp", "tune", "sgd", 0.05, Data("digits", label_noise=0.2), steps=300),
+    _ok("mlp_random_labels", "mlp", "heldout", "sgd", 0.05, Data("digits", random_labels_at=150), steps=300),
+    _ok("mlp_near_zero", "mlp", "tune", "adamw", 3e-3, Data("digits", batch=64), steps=300),
+    _ok("mlp_batch1", "mlp", "heldout", "sgd", 0.01, Data("digits", batch=1), steps=300),
+    _ok("mlp_plateau", "mlp", "tune", "sgd", 3e-4, DIGITS, steps=300),
+    _ok("cnn_warmup_cosine", "cnn", "tune", "sgd", 0.05, DIGITS, lr_mult=WarmupCosine(20, 250), steps=250),
+    _ok("cnn_batch2", "cnn", "heldout", "sgd", 0.01, Data("digits", batch=2), steps=300),
+    _ok("cnn_curriculum", "cnn", "tune", "sgd", 0.05, Data("digits", curriculum=100), steps=250),
+    _ok("cnn_step_decay", "cnn", "heldout", "adamw", 3e-3, DIGITS, lr_mult=Jump(120, 0.1), steps=250),
+]
+BY_NAME = {s.name: s for s in SCENARIOS}
+
+
+def _check_split() -> None:
+    """Both halves hold every family with diverging and healthy runs; pairs share a half."""
+    for s in SCENARIOS:
+        assert s.split in ("tune", "heldout") and s.kind in ("diverging", "control", "healthy"), s.name
+        assert s.pairs is None or BY_NAME[s.pairs].split == s.split, s.name
+    for split in ("tune", "heldout"):
+        for fam in {s.family for s in SCENARIOS}:
+            for kind in ("diverging", "healthy"):
+                found = any(s.split == split and s.family == fam and s.kind == kind for s in SCENARIOS)
+                assert found, (split, fam, kind)
+
+
+_check_split()
+
+# ----------------------------------------------------------------------------- runner
+
+
+class Recorder(Callback):
+    """Per step: the step, the batch index, the loss, the LR and the global gradient norm (fp32).
+
+    Placed after the guard, so that it records the step and LR the guard leaves (after a rollback) and the
+    gradients the guard leaves; in the unguarded run it sees everything as it is.
+    """
+
+    def __init__(self) -> None:
+        self.trace: dict[str, list[float]] = {"step": [], "batch": [], "loss": [], "lr": [], "gnorm": []}
+        self._step, self._lr, self._gnorm = 0, math.nan, math.nan
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._step, self._gnorm = trainer.global_step, math.nan
+        self._lr = float(trainer.optimizers[0].param_groups[0]["lr"])
+
+    @torch.no_grad()
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        norms = [torch.linalg.vector_norm(p.grad.float()) for g in optimizer.param_groups for p in g["params"]
+                 if p.grad is not None]
+        self._gnorm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs
+        if not isinstance(loss, Tensor):
+            return
+        for key, value in (("step", self._step), ("batch", batch_idx), ("loss", float(loss.detach().float())),
+                           ("lr", self._lr), ("gnorm", self._gnorm)):
+            self.trace[key].append(value)
+
+
+def build_model(s: Scenario) -> pl.LightningModule:
+    if s.family.startswith("gpt"):
+        return ZooGPT(s.family == "gpt_ln", s.optimizer, s.lr, s.lr_mult, s.injection)
+    return DigitsClassifier(s.family, s.optimizer, s.lr, s.lr_mult, s.injection)
+
+
+def final_loss(losses: list[float], n: int = 10) -> float:
+    """Mean of the last ``n`` finite step losses (nan if none)."""
+    finite = [x for x in losses if math.isfinite(x)][-n:]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def run(scenario: Scenario, callbacks_factory: Callable[[], list[Callback]]) -> dict[str, Any]:
+    """Train ``scenario`` once with ``callbacks_factory()`` (plus a :class:`Recorder`) on a fresh Trainer."""
+    pl.seed_everything(scenario.seed, verbose=False)
+    model = build_model(scenario)
+    loader = make_data(scenario.data, scenario.steps, scenario.seed)
+    recorder = Recorder()
+    error = None
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as root:
+        trainer = pl.Trainer(max_steps=scenario.steps, max_epochs=1, accelerator="cpu", precision=scenario.precision,
+                             logger=False, callbacks=callbacks_factory() + [recorder], enable_progress_bar=False,
+                             enable_model_summary=False, enable_checkpointing=False, default_root_dir=root)
+        try:
+            trainer.fit(model, loader)
+        except Exception as err:  # a guard failing, SpikeDetection's TrainingSpikeException
+            error = f"{type(err).__name__}: {err}"
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+    return {
+        "trace": recorder.trace,
+        "final_loss": final_loss(recorder.trace["loss"]),
+        "finite": all(bool(torch.isfinite(t).all()) for t in tensors),
+        "error": error,
+        "global_step": trainer.global_step,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+# ----------------------------------------------------------------------------- offline rules
+
+
+def spike_detection_step(losses: list[float], batches: list[int], window: int = 10, warmup: int = 1,
+                         rtol: float = 2.0) -> Optional[int]:
+    """Index of the first step Lightning's ``SpikeDetection()`` (defaults) raises at, replayed exactly.
+
+    Its rule (``lightning/fabric/utilities/spike.py``, ``mode="min"``, ``atol=None``, ``finite_only=True``):
+    from batch index ``warmup`` on, a non-finite loss is a spike, and so is a loss above the previous one
+    and at least ``(1 + rtol)`` x the running mean of the last ``window`` non-spike losses. Checked with
+    ``--verify-spike`` against the real callback: same step on every scenario of the zoo, fp32 and bf16.
+    """
+    history: list[float] = []
+    last = 0.0
+    for i, (loss, batch) in enumerate(zip(losses, batches)):
+        if batch >= warmup:
+            if not math.isfinite(loss):
+                return i
+            mean = statistics.fmean(history[-window:])
+            if loss - last > 0 and abs(loss - mean) >= abs(rtol * mean):
+                return i
+        history.append(loss)
+        last = loss
+    return None
+
+
+def naive_gnorm_step(gnorms: list[float], warmup: int = 10, factor: float = 5.0) -> Optional[int]:
+    """First step whose gradient norm is non-finite, or (after ``warmup`` finite ones) above ``factor`` x the
+    median of all previous finite norms."""
+    seen: list[float] = []
+    for i, g in enumerate(gnorms):
+        if not math.isfinite(g) or (len(seen) >= warmup and g > factor * statistics.median(seen)):
+            return i
+        seen.append(g)
+    return None
+
+
+def trigger_step(div: Scenario, ctrl: Scenario) -> int:
+    """Where the diverging run leaves its control: the injection, or the first step with a higher LR."""
+    if div.injection is not None:
+        return div.injection[0]
+    return next((s for s in range(div.steps) if div.lr * div.lr_mult(s) > ctrl.lr * ctrl.lr_mult(s) * (1 + 1e-9)),
+                div.steps)
+
+
+def explosion(losses: list[float], trigger: int, injected: bool) -> tuple[float, Optional[int], float]:
+    """(L0, explosion step or None, peak loss / L0 from the trigger on; inf when non-finite)."""
+    before = losses[max(0, trigger - 20):trigger] or losses[:1]
+    level = statistics.median(before)
+    after = losses[trigger:]
+    peak = max((x if math.isfinite(x) else math.inf for x in after), default=math.nan) / level
+    if injected:
+        bad = not math.isfinite(losses[trigger]) or losses[trigger] > 2 * level
+        return level, trigger if bad else None, peak
+    step = next((trigger + i for i, x in enumerate(after) if not math.isfinite(x) or x > 2 * level), None)
+    return level, step, peak
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def _quiet() -> None:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger("lightning_monitor").setLevel(logging.CRITICAL + 1)  # the alerts are read from the hub
+
+
+def _jsonable(x: Any) -> Any:
+    return json.loads(json.dumps(x, default=str))
+
+
+def _guarded(scenario: Scenario, guard_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The scenario under ``DivergenceGuard(action="rollback", **guard_kwargs)``, with what the guard did."""
+    try:
+        from lightning_monitor import DivergenceGuard
+
+        guard = DivergenceGuard(**{"action": "rollback", **guard_kwargs})
+    except (TypeError, ValueError) as err:
+        return {"guard_error": f"guard API mismatch: {err}"}
+    except Exception as err:  # the guard module is mid-rewrite
+        return {"guard_error": f"guard unavailable: {type(err).__name__}: {err}"}
+    out = run(scenario, lambda: [guard])
+    try:
+        history = guard.hub.history
+    except Exception:  # no hub: the guard failed before setup
+        history = []
+    out["alerts"] = [a.to_dict() for a in history]
+    out["rollbacks"] = _jsonable(list(getattr(guard, "rollbacks", [])))
+    out["stopped_step"] = getattr(guard, "stopped_step", None)
+    return out
+
+
+def _spike_callback_step(scenario: Scenario) -> Optional[int]:
+    """The step the real ``SpikeDetection()`` raises at (None if it never does)."""
+    with tempfile.TemporaryDirectory() as root:
+        out = run(scenario, lambda: [SpikeDetection(exclude_batches_path=os.path.join(root, "skip.json"))])
+    # "Training spike detected in batch N": one epoch and no rollback, so batch N is step N
+    found = re.search(r"spike detected in batch (\d+)", out["error"] or "")
+    return int(found.group(1)) if found else None
+
+
+def _task(args: tuple[str, str, dict[str, Any]]) -> tuple[str, str, dict[str, Any]]:
+    name, mode, guard_kwargs = args
+    scenario = BY_NAME[name]
+    if mode == "plain":
+        return name, mode, run(scenario, list)
+    if mode == "guard":
+        return name, mode, _guarded(scenario, guard_kwargs)
+    return name, mode, {"step": _spike_callback_step(scenario)}
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def _first(steps: list[int]) -> Optional[int]:
+    return min(steps) if steps else None
+
+
+def evaluate(s: Scenario, res: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One row: the explosion step, each guard's first alarm and what our guard did."""
+    plain = res[s.name]["plain"]
+    losses, gnorms = plain["trace"]["loss"], plain["trace"]["gnorm"]
+    row: dict[str, Any] = {"name": s.name, "family": s.family, "kind": s.kind, "split": s.split,
+                           "precision": s.precision, "optimizer": s.optimizer, "plain_final": plain["final_loss"],
+                           "plain_finite": plain["finite"], "plain_error": plain["error"],
+                           "spike": spike_detection_step(losses, plain["trace"]["batch"]),
+                           "naive": naive_gnorm_step(gnorms), "explosion": None, "issue": ""}
+    if "spike_check" in res[s.name]:
+        row["spike_callback"] = res[s.name]["spike_check"]["step"]
+    if s.kind == "diverging":
+        ctrl = BY_NAME[s.pairs]
+        ctrl_losses = res[ctrl.name]["plain"]["trace"]["loss"]
+        trig = trigger_step(s, ctrl)
+        level, step, peak = explosion(losses, trig, s.injection is not None)
+        _, ctrl_step, ctrl_peak = explosion(ctrl_losses, trig, False)
+        row.update(trigger=trig, l0=level, explosion=step, peak=peak, ctrl_peak=ctrl_peak,
+                   ctrl_final=res[ctrl.name]["plain"]["final_loss"],
+                   nonfinite_injection=s.injection is not None
+                   and not (math.isfinite(losses[trig]) and math.isfinite(gnorms[trig])))
+        if step is None:
+            row["issue"] = "never explodes: recalibrate"
+        elif s.injection is None and ctrl_step is not None:
+            row["issue"] = f"control crosses 2 x L0 at step {ctrl_step}: recalibrate"
+    guard = res[s.name].get("guard")
+    if guard is None:
+        return row
+    if "guard_error" in guard:
+        row["guard_error"] = guard["guard_error"]
+        return row
+    alerts = [a for a in guard["alerts"] if not a["kind"].endswith("_cleared")]
+    actions = [r["step"] for r in guard["rollbacks"]] + ([guard["stopped_step"]] if guard["stopped_step"] is not None
+                                                         else [])
+    kinds: dict[str, int] = {}
+    for a in alerts:
+        if a["severity"] != "info":
+            kinds[a["kind"]] = min(kinds.get(a["kind"], a["step"]), a["step"])
+    row.update(
+        guard_error=guard["error"],
+        first_warning=_first([a["step"] for a in alerts if a["severity"] == "warning"]),
+        first_critical=_first([a["step"] for a in alerts if a["severity"] == "critical"]),
+        n_warnings=sum(a["severity"] == "warning" for a in alerts),
+        action=_first(actions), rollbacks=len(guard["rollbacks"]), stopped=guard["stopped_step"] is not None,
+        final=guard["final_loss"], finite=guard["finite"], kinds=kinds,
+        nonfinite_on_step=s.injection is not None and any(
+            a["kind"].startswith("nonfinite") and a["step"] == s.injection[0] for a in alerts),
+    )
+    if s.kind == "diverging":
+        row["ends_healthy"] = bool(guard["finite"] and guard["final_loss"] <= 1.1 * row["ctrl_final"])
+        stops = [a.get("details") or {} for a in guard["alerts"] if a["kind"] == "stopped"]
+        to_step = guard["rollbacks"][0]["to_step"] if guard["rollbacks"] else (stops[0].get("to_step") if stops else None)
+        # the state the first action went back to (a rollback's snapshot, or what a stop saved) predates the
+        # explosion, and the weights end finite: nothing of the blow-up was kept
+        row["restored_before"] = bool(to_step is not None and row["explosion"] is not None
+                                      and to_step < row["explosion"] and guard["finite"])
+    return row
+
+
+def _alarm_cell(alarm: Optional[int], row: dict[str, Any]) -> str:
+    if row["kind"] != "diverging":
+        return "-" if alarm is None else f"false alarm @{alarm}"
+    if alarm is None:
+        return "miss"
+    return f"{alarm} ({row['explosion'] - alarm:+d})" if row["explosion"] is not None else str(alarm)
+
+
+def _fmt(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        return f"{x:.3g}" if math.isfinite(x) else str(x)
+    return str(x)
+
+
+def _frac(n: int, d: int) -> str:
+    return f"{n}/{d}" if d else "-"
+
+
+def _caught(alarm: Optional[int], row: dict[str, Any]) -> bool:
+    return alarm is not None and row["explosion"] is not None and alarm <= row["explosion"]
+
+
+def scenario_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    head = ["scenario", "family", "kind", "split", "prec.", "opt.", "explosion", "unguarded final",
+            "ours: action (lead)", "1st warning", "1st critical", "rollbacks", "stopped", "final loss", "ctrl final",
+            "ends healthy", "finite", "SpikeDetection (lead)", "naive grad norm (lead)", "note"]
+    body = []
+    for r in rows:
+        ours = ["error" if r.get("guard_error") else "-"] + ["-"] * 5
+        if "action" in r:
+            ours = [_alarm_cell(r["action"], r), _fmt(r["first_warning"]), _fmt(r["first_critical"]),
+                    _fmt(r["rollbacks"]), _fmt(r["stopped"]), _fmt(r["final"])]
+        plain = _fmt(r["plain_final"]) + ("" if r["plain_finite"] else " (non-finite weights)")
+        note = "; ".join(x for x in (r["issue"], r.get("guard_error") or "") if x)
+        prec = "bf16" if r["precision"].startswith("bf16") else "fp32"
+        body.append([r["name"], r["family"], r["kind"], r["split"], prec, r["optimizer"], _fmt(r["explosion"]), plain,
+                     *ours, _fmt(r.get("ctrl_final")), _fmt(r.get("ends_healthy")), _fmt(r.get("finite")),
+                     _alarm_cell(r["spike"], r), _alarm_cell(r["naive"], r), note[:160]])
+    return head, body
+
+
+def calibration_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    head = ["diverging", "control", "trigger", "L0", "explosion", "peak / L0", "control peak / L0", "status"]
+    body = [[r["name"], BY_NAME[r["name"]].pairs, str(r["trigger"]), f"{r['l0']:.3g}", _fmt(r["explosion"]),
+             _fmt(r["peak"]), _fmt(r["ctrl_peak"]), r["issue"] or "ok"] for r in rows if r["kind"] == "diverging"]
+    return head, body
+
+
+def summary_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    head = ["split", "guard", "healthy + controls with an action", "warnings per healthy/control run (max / mean)",
+            "diverging caught before 2 x L0", "diverging: first action restores a state before 2 x L0",
+            "NaN/Inf caught on its step", "diverging ending healthy"]
+    body = []
+    for split in sorted({r["split"] for r in rows}, reverse=True):
+        part = [r for r in rows if r["split"] == split]
+        calm, div = [r for r in part if r["kind"] != "diverging"], [r for r in part if r["kind"] == "diverging"]
+        bad = [r for r in div if r.get("nonfinite_injection")]
+        ours = [r for r in part if "action" in r]
+        if ours:
+            ocalm, odiv = [r for r in ours if r["kind"] != "diverging"], [r for r in ours if r["kind"] == "diverging"]
+            warns = [r["n_warnings"] for r in ocalm]
+            acted = sum(r["action"] is not None for r in ocalm)
+            body.append([split, "DivergenceGuard (ours)", _frac(acted, len(ocalm)),
+                         f"{max(warns)} / {statistics.fmean(warns):.2f}" if warns else "-",
+                         _frac(sum(_caught(r["action"], r) for r in odiv), len(odiv)),
+                         _frac(sum(r["restored_before"] for r in odiv), len(odiv)),
+                         _frac(sum(r["nonfinite_on_step"] for r in odiv if r.get("nonfinite_injection")),
+                               sum(bool(r.get("nonfinite_injection")) for r in odiv)),
+                         _frac(sum(r["ends_healthy"] for r in odiv), len(odiv))])
+        elif any(r.get("guard_error") for r in part):
+            body.append([split, "DivergenceGuard (ours)", "error", "-", "-", "-", "-", "-"])
+        for label, key in (("SpikeDetection (offline)", "spike"), ("naive grad norm (offline)", "naive")):
+            body.append([split, label, _frac(sum(r[key] is not None for r in calm), len(calm)), "-",
+                         _frac(sum(_caught(r[key], r) for r in div), len(div)), "-",
+                         _frac(sum(r[key] == r["trigger"] for r in bad), len(bad)), "-"])
+    return head, body
+
+
+def signal_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    head = ["signal (alert kind)", "split", "diverging runs, fired by the explosion", "lead median / min",
+            "diverging runs, fired at all", "healthy + control runs fired (false alarms)"]
+    ours = [r for r in rows if "kinds" in r]
+    body = []
+    for kind in sorted({k for r in ours for k in r["kinds"]}):
+        for split in sorted({r["split"] for r in ours}, reverse=True):
+            part = [r for r in ours if r["split"] == split]
+            div = [r for r in part if r["kind"] == "diverging"]
+            fired = [r for r in div if kind in r["kinds"]]
+            leads = [r["explosion"] - r["kinds"][kind] for r in fired if _caught(r["kinds"][kind], r)]
+            calm = [r for r in part if r["kind"] != "diverging"]
+            body.append([kind, split, _frac(len(leads), len(div)),
+                         f"{statistics.median(leads):g} / {min(leads)}" if leads else "-", _frac(len(fired), len(div)),
+                         _frac(sum(kind in r["kinds"] for r in calm), len(calm))])
+    return head, body
+
+
+def print_table(title: str, table: tuple[list[str], list[list[str]]], markdown: bool) -> None:
+    head, body = table
+    print(f"\n{title}\n")
+    if markdown:
+        def esc(c: str) -> str:
+            return c.replace("|", "\\|")
+
+        print("| " + " | ".join(map(esc, head)) + " |")
+        print("|" + "---|" * len(head))
+        for line in body:
+            print("| " + " | ".join(map(esc, line)) + " |")
+        return
+    widths = [max(len(c) for c in col) for col in zip(head, *body)]
+    for line in (head, *body):
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _cost(s: Scenario) -> float:
+    """Rough relative run time, to start the long runs first."""
+    return s.steps * {"gpt_ln": 3.0, "gpt_noln": 3.0, "cnn": 1.5, "mlp": 1.0}[s.family]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--split", choices=("tune", "heldout", "all"), default="all")
+    parser.add_argument("--only", default=None, help="run the scenarios whose name contains this (and their pairs)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--json", default=None, help="write every row and trace to this file")
+    parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    parser.add_argument("--guard-kwargs", default="{}", help="JSON dict passed to DivergenceGuard")
+    parser.add_argument("--no-guard", action="store_true", help="skip our guard's runs (calibration)")
+    parser.add_argument("--verify-spike", action="store_true",
+                        help="also run the real SpikeDetection callback and compare it with the offline replay")
+    args = parser.parse_args()
+    guard_kwargs = json.loads(args.guard_kwargs)
+    print("command: python " + " ".join(shlex.quote(a) for a in sys.argv))
+    print(f"torch {torch.__version__}, lightning {pl.__version__}, {args.workers} workers x 1 thread")
+    start = time.perf_counter()
+
+    chosen = {s.name for s in SCENARIOS
+              if args.split in ("all", s.split) and (args.only is None or args.only in s.name)}
+    chosen |= {BY_NAME[n].pairs for n in chosen if BY_NAME[n].pairs}
+    scenarios = [s for s in SCENARIOS if s.name in chosen]
+    modes = ["plain"] + ([] if args.no_guard else ["guard"]) + (["spike_check"] if args.verify_spike else [])
+    tasks = sorted(((s.name, m, guard_kwargs) for s in scenarios for m in modes), key=lambda t: -_cost(BY_NAME[t[0]]))
+    results: dict[str, dict[str, dict[str, Any]]] = {s.name: {} for s in scenarios}
+    with mp.get_context("spawn").Pool(args.workers, initializer=_quiet) as pool:
+        for name, mode, out in pool.imap_unordered(_task, tasks):
+            results[name][mode] = out
+    rows = [evaluate(s, results) for s in scenarios]
+
+    print_table("Scenarios (lead = explosion step - alarm step; positive: before the loss passed 2 x L0)",
+                scenario_table(rows), args.markdown)
+    print_table("Calibration of the diverging scenarios (unguarded runs)", calibration_table(rows), args.markdown)
+    print_table("Summary per split", summary_table(rows), args.markdown)
+    if any("kinds" in r for r in rows):
+        print_table("Our guard's signals", signal_table(rows), args.markdown)
+    if args.verify_spike:
+        same = [r["name"] for r in rows if r["spike_callback"] == r["spike"]]
+        differ = [f"{r['name']} ({r['spike']} vs {r['spike_callback']})" for r in rows if r["name"] not in same]
+        print(f"\nSpikeDetection replay vs callback: same first step on {len(same)}/{len(rows)} scenarios; "
+              f"differ: {', '.join(differ) or 'none'}")
+    runs = [out for res in results.values() for out in res.values() if "seconds" in out]
+    print(f"\n{len(runs)} runs, {sum(o['seconds'] for o in runs):.0f} s of training; wall time "
+          f"{time.perf_counter() - start:.0f} s")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"command": sys.argv, "guard_kwargs": guard_kwargs, "rows": rows, "results": results}, fh,
+                      default=str)
+
+
+if __name__ == "__main__":
+    main()
