@@ -96,8 +96,8 @@ def report(run: dict[str, Any]) -> None:
               f"first spectral-alignment warning: "
               + next((f"step {a.step} (sa/{a.kind})" for a in warnings if a.monitor == "sa"), "none"))
     for r in run["rollbacks"]:
-        print(f"   rolled back at step {r['step']} to the state of step {r['to_step']}: {r['skipped']} batches skipped, "
-              f"learning rate now {r['lr_scale']:.3g}x its schedule")
+        lr = "learning rate kept" if r["lr_factor"] == 1.0 else f"learning rate now {r['lr_scale']:.3g}x its schedule"
+        print(f"   rolled back at step {r['step']} to the state of step {r['to_step']}: {r['skipped']} batches skipped, {lr}")
     if run["stopped_step"] is not None:
         print(f"   stopped by the DivergenceGuard at step {run['stopped_step']}; last good state: {run['checkpoint']}")
     path = os.path.join(run["log_dir"], "alerts.jsonl")
@@ -113,7 +113,7 @@ def main() -> None:
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
-    steps = 150 if args.quick else 400
+    steps = 250 if args.quick else 400
     base = {"n_layer": 2, "n_head": 4, "d_model": 64, "block_size": 64}
 
     print("Training a healthy run (AdamW, lr 3e-3, LayerNorm) ...", flush=True)

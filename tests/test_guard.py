@@ -47,7 +47,7 @@ def test_nan_loss_stops_within_one_check_with_finite_checkpoint(tmp_path, tiny_g
     restored = GPTModule.load_from_checkpoint(guard.stop_checkpoint)
     assert _finite(restored)
     ckpt = torch.load(guard.stop_checkpoint, weights_only=False)
-    assert ckpt["global_step"] == 30
+    assert ckpt["global_step"] == 31  # saved at the end of step 30, with the weights of the snapshot of step 0
     # exactly one critical alert, at the step of the NaN, in the JSONL file and in TensorBoard
     tb_dir = trainer.loggers[0].log_dir
     alerts = read_alerts(os.path.join(tb_dir, "alerts.jsonl"))

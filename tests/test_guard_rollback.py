@@ -72,16 +72,21 @@ def _trainer(tmp_path, callbacks, steps, **kw):
 
 
 class _Capture(Callback):
-    """Copies the module's and the optimizer's state in ``on_before_optimizer_step`` of ``step`` (after the
-    callbacks listed before it) and records the steps whose update was skipped (no gradient at all)."""
+    """Copies the module's and the optimizer's state at the end of the batch after which ``global_step == step``
+    (after the callbacks listed before it acted), and records the steps whose update left the weights as they
+    were (skipped)."""
 
     def __init__(self, step: int = -1) -> None:
-        self.step, self.module, self.optim, self.dropped = step, None, None, []
+        self.step, self.module, self.optim, self.dropped, self._before = step, None, None, [], None
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if all(p.grad is None for p in pl_module.parameters()):
-            self.dropped.append(trainer.global_step)
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._before = [p.detach().clone() for p in pl_module.parameters()]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if all(torch.equal(a, p) for a, p in zip(self._before, pl_module.parameters())):
+            self.dropped.append(trainer.global_step - 1)
         if trainer.global_step == self.step:
+            optimizer = trainer.optimizers[0]
             self.module = {k: v.clone() for k, v in pl_module.state_dict().items()}
             self.optim = {i: {k: v.clone() for k, v in s.items()} for i, s in enumerate(optimizer.state.values())}
             self.lr = optimizer.param_groups[0]["lr"]
@@ -96,7 +101,7 @@ def _assert_same(a: dict, b: dict) -> None:
 def test_rollback_restores_exact_state_and_skips_the_batches_seen_since(tmp_path):
     pl.seed_everything(0)
     guard = DivergenceGuard(every_n_steps=5, snapshot_every_n_checks=5)  # snapshots at 0, 25, 50, ...
-    capture = _Capture(step=65)
+    capture = _Capture(step=66)  # the end of step 65
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=40, save_top_k=-1)
     trainer = _trainer(tmp_path / "a", [guard, capture, ckpt], 120, enable_checkpointing=True)
     trainer.fit(_Regression(glitch=(60, 61, 62)))
@@ -111,13 +116,12 @@ def test_rollback_restores_exact_state_and_skips_the_batches_seen_since(tmp_path
     # episode keeps the learning rate)
     pl.seed_everything(0)
     ref = _Capture(step=50)
-    _trainer(tmp_path / "ref", [ref], 51, logger=False).fit(_Regression())
+    _trainer(tmp_path / "ref", [ref], 50, logger=False).fit(_Regression())
     _assert_same(capture.module, ref.module)
     assert capture.optim.keys() == ref.optim.keys()
     for i in ref.optim:
         _assert_same(capture.optim[i], ref.optim[i])
     assert capture.lr == ref.lr
-    assert 65 in capture.dropped  # the step that noticed the explosion applied nothing
 
     # the rollback is in alerts.jsonl, with the skipped batches
     alerts = read_alerts(os.path.join(trainer.loggers[0].log_dir, "alerts.jsonl"))
@@ -169,7 +173,7 @@ def test_repeated_rollbacks_escalate_to_a_stop_with_the_last_good_state(tmp_path
     saved = torch.load(guard.stop_checkpoint, weights_only=False)["state_dict"]
     pl.seed_everything(0)
     ref = _Capture(step=50)
-    _trainer(tmp_path / "ref", [ref], 51, logger=False).fit(_Regression())
+    _trainer(tmp_path / "ref", [ref], 50, logger=False).fit(_Regression())
     _assert_same({k: saved[k] for k in ref.module}, ref.module)
 
 
@@ -262,3 +266,22 @@ def test_ddp_ranks_roll_back_together(tmp_path):
     assert results[0]["rollbacks"] == results[1]["rollbacks"] == [[30, 20]]
     assert results[0]["weights"] == results[1]["weights"]  # the replicas stayed identical
     assert results[0]["lr"] == results[1]["lr"] == pytest.approx(1e-2)
+
+
+@pytest.mark.parametrize("action", ["rollback", "stop"])
+@pytest.mark.parametrize("guard_first", [True, False])
+def test_acting_on_a_noise_scale_check_step_works_in_any_order(tmp_path, tiny_gpt, action, guard_first):
+    # the guard acts after every monitor of the step has read its gradients, whatever the callback order
+    from lightning_monitor import GradientNoiseScaleMonitor
+
+    pl.seed_everything(0)
+    module, loader = tiny_gpt(nan_at_step=12)
+    guard = DivergenceGuard(action=action, every_n_steps=5, snapshot_every_n_checks=1)
+    gns = GradientNoiseScaleMonitor(every_n_steps=5)
+    callbacks = [guard, gns] if guard_first else [gns, guard]
+    _trainer(tmp_path, callbacks, 40, logger=False).fit(module, loader)
+    if action == "rollback":
+        assert [(r["step"], r["to_step"]) for r in guard.rollbacks] == [(15, 10)]
+    else:
+        assert guard.stopped_step == 15
+    assert all(torch.isfinite(p).all() for p in module.parameters())

@@ -278,7 +278,8 @@ class DivergenceGuard(Monitor):
         self._loss_acc: Optional[Tensor] = None
         self._batch: Any = None
         self._batch_idx = 0
-        self._drop_step = False
+        self._drop: Optional[TrainingSnapshot] = None  # the state before a batch whose update is undone
+        self._verdict: Optional[tuple[int, list[str], Optional[int]]] = None  # a check's findings, acted on at batch end
         self._seen: list[tuple[int, int, int]] = []  # (step, epoch, batch_idx) since the oldest snapshot
         self._snapshots: list[TrainingSnapshot] = []
         self._lr_scale = 1.0
@@ -353,8 +354,9 @@ class DivergenceGuard(Monitor):
         key = (trainer.current_epoch, batch_idx)
         if self.snapshot_every_n_steps is not None:
             self._seen.append((trainer.global_step, *key))
-        if key in self._skip:
-            self._drop_step = True
+        if key in self._skip and self._drop is None:
+            # a batch an earlier attempt rolled back over: its update is undone at the end of the step
+            self._drop = TrainingSnapshot.capture(trainer, pl_module, {}, trainer.global_step, self._lr_scale)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         loss = loss.detach().float().sum()  # a [1, 1] loss, or a vector passed with its own gradient
@@ -369,27 +371,58 @@ class DivergenceGuard(Monitor):
     ) -> None:
         step = trainer.global_step
         loss, self._loss_acc = self._loss_acc, None
-        if self._drop_step:  # a batch an earlier attempt rolled back over
-            self._drop_step = False
-            optimizer.zero_grad(set_to_none=True)
-            return
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads:
             gnorm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).float()
         else:
             gnorm = torch.zeros((), device=pl_module.device)
-        # checking every step with an action, a non-finite step is dropped by the check itself
-        neutralise = self.zero_nonfinite_grads and not (self.every_n_steps == 1 and self.action != "warn")
-        if neutralise and grads:
+        if self.zero_nonfinite_grads and grads:
             bad = torch.isfinite(gnorm if loss is None else gnorm + loss).logical_not_()
             for g in grads:
                 g.masked_fill_(bad, 0.0)
-        self._pending.append((step, loss, gnorm))
+        if self._drop is None:  # a dropped batch is not judged
+            self._pending.append((step, loss, gnorm))
         if self.is_due(step):
-            self._check(trainer, pl_module, optimizer, step)
+            self._verdict = (step, *self._check(trainer, pl_module, step))
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Act here, after the optimizer step: every monitor of the step has been heard (whatever the order of
+        the callbacks) and has read this step's gradients; the update just applied is undone by the restore."""
+        if self._drop is not None and trainer.global_step > self._drop.step:
+            self._drop.restore(trainer, pl_module, {})
+            self._drop = None
+        if self._verdict is None:
+            return
+        step, critical, first_bad = self._verdict
+        self._verdict = None
+        if self._external:
+            if self.act_on_alerts:
+                critical += [f"{a.monitor}/{a.kind} (step {a.step}): {a.message}" for a in self._external]
+                first_bad = min([a.step for a in self._external] + ([first_bad] if first_bad is not None else []))
+            self._external.clear()
+        if self.action == "warn" or not trainer.strategy.reduce_boolean_decision(bool(critical), all=False):
+            return
+        target = self._target_snapshot(trainer, step if first_bad is None else first_bad)
+        recent = [r for r in self.rollbacks if step - r["step"] < self.rollback_window]
+        reasons = "; ".join(critical) if critical else "a critical alert on another rank"
+        if self.action == "rollback" and target is not None and len(recent) < self.max_rollbacks:
+            # the first rollback of an episode only skips the batches (a bad stretch of data is cured by that);
+            # if the run diverges again, the learning rate goes down, faster each time: lr_factor, then
+            # lr_factor^2, lr_factor^3 ... (cumulative 0.5, 0.125, 0.016 at the default)
+            self._rollback(trainer, pl_module, step, target, reasons, self.lr_factor ** len(recent))
+        else:
+            if self.action == "rollback":
+                why = "no snapshot predates the anomaly" if target is None else (
+                    f"{len(recent)} rollbacks within {self.rollback_window} steps (max_rollbacks={self.max_rollbacks})")
+                reasons += f"; stopping instead of rolling back: {why}"
+            self._stop(trainer, pl_module, step, target, reasons)
 
     # ------------------------------------------------------------------ every check, on host
-    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer, step: int) -> None:
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> tuple[list[str], Optional[int]]:
+        """Judge the buffered steps (one transfer) and take a snapshot if one is due and all is well;
+        returns the critical reasons and the first anomalous step."""
         pending, self._pending = self._pending, []
         values = self._restored + self._values_to_host(pending)
         self._restored = []
@@ -403,7 +436,7 @@ class DivergenceGuard(Monitor):
             )
         critical: list[str] = []
         first_bad: Optional[int] = None
-        explosion: Optional[int] = None
+        explosion: Optional[tuple[int, int]] = None
         for s, loss, gnorm in values:
             reasons, start = self._judge(s, loss, gnorm, scaler_on)
             if reasons and first_bad is None:
@@ -416,40 +449,12 @@ class DivergenceGuard(Monitor):
             if reasons:
                 critical += reasons
                 first_bad = explosion[1] if first_bad is None else min(first_bad, explosion[1])
-        if self._external:
-            if self.act_on_alerts:
-                critical += [f"{a.monitor}/{a.kind} (step {a.step}): {a.message}" for a in self._external]
-                steps = [a.step for a in self._external]
-                first_bad = min(steps + ([first_bad] if first_bad is not None else []))
-            self._external.clear()
-        snapshot_due = self._snapshot_due(step)
-        if snapshot_due and not critical and not self._all_finite(pl_module):
-            critical.append(self._poisoned(step))
-            first_bad = step
-        if self.action == "warn":
-            if snapshot_due:
-                self._snapshot(trainer, pl_module, step, not critical)
-            return
-        act = trainer.strategy.reduce_boolean_decision(bool(critical), all=False)
-        if not act:
-            if snapshot_due:
-                self._snapshot(trainer, pl_module, step, True)
-            return
-        target = self._target_snapshot(trainer, step if first_bad is None else first_bad)
-        recent = [r for r in self.rollbacks if step - r["step"] < self.rollback_window]
-        reasons = "; ".join(critical) if critical else "a critical alert on another rank"
-        if self.action == "rollback" and target is not None and len(recent) < self.max_rollbacks:
-            # the first rollback of an episode only skips the batches (a bad stretch of data is cured by that);
-            # if the run diverges again, the learning rate goes down, faster each time: lr_factor, then
-            # lr_factor^2, lr_factor^3 ... (cumulative 0.5, 0.125, 0.016 at the default)
-            factor = self.lr_factor ** len(recent)
-            self._rollback(trainer, pl_module, optimizer, step, target, reasons, factor)
-        else:
-            if self.action == "rollback":
-                why = "no snapshot predates the anomaly" if target is None else (
-                    f"{len(recent)} rollbacks within {self.rollback_window} steps (max_rollbacks={self.max_rollbacks})")
-                reasons += f"; stopping instead of rolling back: {why}"
-            self._stop(trainer, pl_module, optimizer, step, target, reasons)
+        if self._snapshot_due(step):
+            if not critical and not self._all_finite(pl_module):
+                critical.append(self._poisoned(step))
+                first_bad = step
+            self._snapshot(trainer, pl_module, step, not critical)
+        return critical, first_bad
 
     @staticmethod
     def _values_to_host(pending: list[tuple[int, Optional[Tensor], Tensor]]) -> list[tuple[int, Optional[float], float]]:
@@ -666,9 +671,8 @@ class DivergenceGuard(Monitor):
                 return snap
         return None
 
-    def _rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer,
-                  step: int, snap: TrainingSnapshot, reasons: str, factor: float) -> None:
-        optimizer.zero_grad(set_to_none=True)  # this step's update is skipped too
+    def _rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, snap: TrainingSnapshot,
+                  reasons: str, factor: float) -> None:
         for kind, layer in list(self._conditions):
             self.condition(step, kind, False, "info", "", layer=layer, clear_message="Rolled back.")
         snap.restore(trainer, pl_module, self._monitors(trainer))
@@ -694,20 +698,19 @@ class DivergenceGuard(Monitor):
             details={k: v for k, v in record.items() if k != "reasons"},
         )
 
-    def _stop(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer,
-              step: int, snap: Optional[TrainingSnapshot], reasons: str) -> None:
-        optimizer.zero_grad(set_to_none=True)  # optimizers ignore parameters without a gradient
+    def _stop(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, snap: Optional[TrainingSnapshot],
+              reasons: str) -> None:
         if snap is not None:
             snap.restore(trainer, pl_module, {})
             state = f"the state of step {snap.step}, the last good one"
         else:
-            state = f"the state of step {step} (no earlier snapshot to go back to)"
+            state = f"the state after step {step} (no earlier snapshot to go back to)"
         path = os.path.join(self._checkpoint_dir(trainer), f"guard-step={step}.ckpt")
         trainer.save_checkpoint(path)
         trainer.should_stop = True
         self.stop_checkpoint, self.stopped_step = path, step
         self.alert(step, "stopped", "info",
-                   f"Training stopped at step {step} ({reasons}). {path} holds {state}; this step's update was skipped.",
+                   f"Training stopped at step {step} ({reasons}). {path} holds {state}.",
                    details={"step": step, "to_step": None if snap is None else snap.step, "checkpoint": path})
 
     def _checkpoint_dir(self, trainer: pl.Trainer) -> str:
