@@ -1,11 +1,15 @@
 """DivergenceGuard: overhead per step and what it catches, against Lightning's SpikeDetection.
 
-Overhead: the example GPT trained for the same steps with no callback (baseline), with the guard
-(checks every 10 steps, and every step) and with Lightning's SpikeDetection, interleaved in one
-process; median seconds per step over the repetitions (first 20 steps of each run excluded).
+Overhead: the demo's GPT (2 layers, d_model 64, block 64, batch 16) trained for the same steps with no
+callback (baseline), with the guard at its defaults (rollback, checks every 10 steps, a host-memory
+snapshot every 50), the same guard without snapshots (``action="warn", snapshot_every_n_checks=None``),
+the guard checking every step, and Lightning's SpikeDetection, interleaved in one process; median
+seconds per step over the repetitions (first 20 steps of each run excluded). Then the time spent inside
+the guard's hooks, and inside its snapshots alone, per training step.
 
 Detection: a NaN injected into the loss at step 50, and a real divergence (no LayerNorm, AdamW, lr
 ramped 1e-3 -> 0.1 over 400 steps): the step each tool reacts at, and whether the weights stayed finite.
+The scenario zoo (``benchmarks/divergence_zoo.py``) is the systematic evaluation.
 
 Run: python benchmarks/bench_guard.py [--quick]
 """
@@ -49,21 +53,35 @@ class StepTimer(Callback):
 
 
 class TimedGuard(DivergenceGuard):
-    """The guard with the wall time spent inside its per-step hooks recorded (CPU: no async work)."""
+    """The guard with the wall time spent inside its per-step hooks, and inside its snapshots, recorded
+    (CPU: no async work)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.inside = 0.0
+        self.snapshots = 0.0
+
+    def _timed(self, hook, *args):
+        t = time.perf_counter()
+        hook(*args)
+        self.inside += time.perf_counter() - t
+
+    def on_train_batch_start(self, *args):
+        self._timed(super().on_train_batch_start, *args)
 
     def on_before_backward(self, *args):
-        t = time.perf_counter()
-        super().on_before_backward(*args)
-        self.inside += time.perf_counter() - t
+        self._timed(super().on_before_backward, *args)
 
     def on_before_optimizer_step(self, *args):
+        self._timed(super().on_before_optimizer_step, *args)
+
+    def on_train_batch_end(self, *args):
+        self._timed(super().on_train_batch_end, *args)
+
+    def _snapshot(self, *args):
         t = time.perf_counter()
-        super().on_before_optimizer_step(*args)
-        self.inside += time.perf_counter() - t
+        super()._snapshot(*args)
+        self.snapshots += time.perf_counter() - t
 
 
 def fit(callbacks, steps, root, **module_kwargs):
@@ -84,8 +102,10 @@ def fit(callbacks, steps, root, **module_kwargs):
 def overhead(steps: int, reps: int, root: str) -> None:
     variants = {
         "baseline (no callback)": lambda: [],
-        "DivergenceGuard(check_every_n_steps=10)": lambda: [DivergenceGuard(check_every_n_steps=10)],
-        "DivergenceGuard(check_every_n_steps=1)": lambda: [DivergenceGuard(check_every_n_steps=1)],
+        "DivergenceGuard() (rollback, snapshots every 50 steps)": lambda: [DivergenceGuard()],
+        "DivergenceGuard(action='warn', snapshot_every_n_checks=None)": lambda: [
+            DivergenceGuard(action="warn", snapshot_every_n_checks=None)],
+        "DivergenceGuard(every_n_steps=1)": lambda: [DivergenceGuard(every_n_steps=1, snapshot_every_n_checks=50)],
         "SpikeDetection()": lambda: [SpikeDetection(exclude_batches_path=os.path.join(root, "skip.json"))],
     }
     times = {name: [] for name in variants}
@@ -100,16 +120,18 @@ def overhead(steps: int, reps: int, root: str) -> None:
         med = statistics.median(ts)
         print(f"| {name} | {1e3 * med:.2f} | {med / base:.3f} |")
     # the guard's own cost, measured inside its hooks (less noisy than whole-run ratios)
-    print("\n| guard | us per step inside its hooks (median) | share of a training step |\n|---|---|---|")
-    for k in (10, 1):
+    print("\n| guard | us per step inside its hooks (median) | share of a training step | of which snapshots |"
+          "\n|---|---|---|---|")
+    for label, kwargs in (("DivergenceGuard()", {}), ("DivergenceGuard(every_n_steps=1)", {"every_n_steps": 1,
+                                                                                        "snapshot_every_n_checks": 50})):
         inside = []
         for _ in range(reps):
-            guard, timer = TimedGuard(check_every_n_steps=k), StepTimer(skip=0)
+            guard, timer = TimedGuard(**kwargs), StepTimer(skip=0)
             trainer, _, _ = fit([guard, timer], steps, root)
-            inside.append((guard.inside / trainer.global_step, timer.per_step()))
-        us = statistics.median(i for i, _ in inside)
-        share = statistics.median(i / t for i, t in inside)
-        print(f"| DivergenceGuard(check_every_n_steps={k}) | {1e6 * us:.0f} | {100 * share:.2f}% |")
+            n = trainer.global_step
+            inside.append((guard.inside / n, guard.inside / n / timer.per_step(), guard.snapshots / n / timer.per_step()))
+        us, share, snap = (statistics.median(x[i] for x in inside) for i in range(3))
+        print(f"| {label} | {1e6 * us:.0f} | {100 * share:.2f}% | {100 * snap:.2f}% |")
 
 
 def detection(root: str) -> None:
@@ -121,10 +143,14 @@ def detection(root: str) -> None:
     }
     for label, kw in scenarios.items():
         steps = kw.pop("steps")
-        guard = DivergenceGuard(dirpath=os.path.join(root, "ck"))
-        trainer, finite, _ = fit([guard], steps, root, **dict(kw))
-        print(f"| {label} | DivergenceGuard (defaults) | {guard.stopped_step} | {trainer.global_step} | {finite} | "
-              f"{os.path.basename(guard.stop_checkpoint) if guard.stop_checkpoint else '-'} |")
+        for action in ("rollback", "stop"):
+            guard = DivergenceGuard(action=action, dirpath=os.path.join(root, "ck"))
+            trainer, finite, _ = fit([guard], steps, root, **dict(kw))
+            acted = [f"rollback {r['step']}->{r['to_step']}" for r in guard.rollbacks]
+            acted += [f"stop {guard.stopped_step}"] if guard.stopped_step is not None else []
+            print(f"| {label} | DivergenceGuard(action={action!r}) | {', '.join(acted) or 'never'} | "
+                  f"{trainer.global_step} | {finite} | "
+                  f"{os.path.basename(guard.stop_checkpoint) if guard.stop_checkpoint else '-'} |")
         spike = SpikeDetection(exclude_batches_path=os.path.join(root, "skip.json"))
         trainer, finite, error = fit([spike], steps, root, **dict(kw))
         # TrainingSpikeException names the batch in its message (one epoch here: batch index = step)

@@ -331,3 +331,17 @@ def test_fp16_loss_scaler_nan_loss_is_caught(tmp_path, tiny_gpt):
     assert [(a.step, a.kind) for a in guard.hub.history if a.severity == "critical"] == [(12, "nonfinite")]
     losses = list(guard._loss_watch.history)
     assert 1.0 < min(losses) and max(losses) < 6.0  # unscaled (a scaled loss would be ~65536x larger)
+
+
+class _MatrixLoss(_Exploding):
+    """Returns the loss as a [1, 1] tensor."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx).reshape(1, 1)
+
+
+def test_a_loss_of_shape_1x1_is_judged_like_a_scalar(tmp_path):
+    pl.seed_everything(0)
+    guard = DivergenceGuard(action="stop", every_n_steps=5)
+    _trainer(tmp_path, [guard], steps=200, logger=False).fit(_MatrixLoss(explode_at=60))
+    assert [(a.step, a.kind) for a in guard.hub.history if a.severity == "critical"] == [(64, "loss_explosion")]
