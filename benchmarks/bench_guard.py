@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import Callback, SpikeDetection
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPTModule, make_loader  # noqa: E402
 
-from lightning_monitor import DivergenceGuard  # noqa: E402
+from lightning_monitor import DivergenceGuard, Monitor  # noqa: E402
 
 CONFIG = {"n_layer": 2, "n_head": 4, "d_model": 64, "block_size": 64}
 
@@ -160,6 +160,40 @@ def detection(root: str) -> None:
               f"{trainer.global_step} | {finite} | - |")
 
 
+class FalseAlarm(Monitor):
+    """Raises one critical alert at ``step``: a false alarm, to measure what a rollback costs a healthy run."""
+
+    name = "probe"
+
+    def __init__(self, step: int) -> None:
+        super().__init__(every_n_steps=1)
+        self.step = step
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == self.step:
+            self.alert(self.step, "false_alarm", "critical", "a deliberate false alarm")
+
+
+def false_alarm_cost(steps: int, root: str) -> None:
+    """A healthy run, and the same run with one false critical alert: the steps a rollback throws away and
+    what it does to the final loss (mean of the last 20 step losses)."""
+    print("\n| run | rollbacks | batches skipped | final train loss |\n|---|---|---|---|")
+    for label, extra in (("healthy, no alarm", []), (f"false alarm at step {steps // 2 + 5}", [FalseAlarm(steps // 2 + 5)])):
+        guard = DivergenceGuard()
+        losses = LossRecorder()
+        fit(extra + [guard, losses], steps, root)
+        skipped = sum(r["skipped"] for r in guard.rollbacks)
+        print(f"| {label} | {len(guard.rollbacks)} | {skipped} | {statistics.fmean(losses.losses[-20:]):.4f} |")
+
+
+class LossRecorder(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -173,6 +207,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     overhead(steps=80 if args.quick else 220, reps=3 if args.quick else 5, root=args.root)
     detection(args.root)
+    false_alarm_cost(200 if args.quick else 400, args.root)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import fit_ddp_spawn
+from test_guard import _CriticalAt
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_monitor import DivergenceGuard, Monitor, read_alerts
+from lightning_monitor import DivergenceGuard, read_alerts
 
 N, BATCH = 4096, 16
 
@@ -222,18 +223,6 @@ def test_bad_rollback_arguments():
 
 
 # ----------------------------------------------------------------------------- DDP (2 gloo ranks)
-
-
-class _CriticalAt(Monitor):
-    name = "probe"
-
-    def __init__(self, step: int, rank: int) -> None:
-        super().__init__(every_n_steps=1)
-        self.step, self.rank = step, rank
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if trainer.global_step == self.step and trainer.global_rank == self.rank:
-            self.alert(trainer.global_step, "collapse", "critical", "test collapse")
 
 
 class _DDPRegression(_Regression):

@@ -572,7 +572,7 @@ class DivergenceGuard(Monitor):
         raised = self.condition(
             step, "loss_explosion", True, "critical",
             f"The loss has stayed above its recent history (about {level:.4g}) since step {start} "
-            f"({self._loss_watch.run} steps).{how} The run is diverging: lower the learning rate.",
+            f"({step - start + 1} steps).{how} The run is diverging: lower the learning rate.",
             value=verdict[1] if verdict else None,
         )
         return [f"loss explosion since step {start}"] if _is_critical(raised) or raised is None else []
