@@ -12,7 +12,9 @@ Signals, per optimizer step ``t`` (before the update unless said otherwise; NaN 
    up to date. ``adam_v_lag_frac``: the fraction of elements with ``g_i^2 > 10 v_hat_i``.
 2. ``update_ratio``: ``||W_{t+1} - W_t|| / (||W_t|| lr_t)`` over all parameters together (global);
    ``update_ratio_max``: the same per weight matrix (``dim >= 2``), max over matrices. With SGD it is the
-   momentum buffer's size relative to the weights; with AdamW the update's RMS in units of the LR.
+   momentum buffer's size relative to the weights; with AdamW the update's RMS in units of the LR times
+   ``sqrt(numel) / ||W||``: scales two orders of magnitude apart, so each optimizer gets its own ``T``
+   (the ``[AdamW]`` and ``[SGD]`` rows are separate candidates).
 3. ``attn_logit_max`` (GPT families): the largest causal attention logit ``q.k / sqrt(d_head)`` over
    layers, heads and the step's batch, recomputed in fp32 from each attention block's input (forward
    pre-hook) and its ``q_proj`` / ``k_proj`` (attention logit growth: Dehghani et al. 2023; Wortsman et al.).
@@ -24,7 +26,11 @@ Signals, per optimizer step ``t`` (before the update unless said otherwise; NaN 
    Wortsman et al.).
 
 Non-finite values are skipped by the EMAs (which keep their state); non-finite losses and gradients are
-a separate rule's business.
+a separate rule's business. Every signal is ignored over the first ``WARMUP`` = 20 steps (about
+``1 / (1 - beta2)`` for AdamW's beta2 0.95): there AdamW's first updates are sign-like (update ratio up to
+~90) and ``v_hat`` averages a handful of gradients (lag fraction up to 0.85), which a first run showed to set
+every calm maximum; a run that explodes within 20 steps (``gpt_ln_const_high``, at step 2) is out of reach
+of any of these precursors.
 
 Rule and threshold: a signal fires at the third of 3 consecutive steps with a finite value above ``T``.
 ``T`` is chosen on the **tune** split only: the smallest ``T`` at which no tune healthy or control run of
@@ -45,10 +51,12 @@ Tables:
   before the explosion (lead >= 1) with the lead's median / min; alarmed by the explosion step (lead >= 0,
   the zoo's "caught"); alarmed at all; healthy + control runs alarmed (false alarms); injection runs alarmed.
 * Separation, per signal and split: the per-run max of the signal over healthy + control runs (largest,
-  with its run, and median), against each diverging run's max over the 10 steps before its explosion
+  with its run, and median; and the largest 3-step level, the value ``T`` must exceed to stay silent on
+  them), against each diverging run's max over the 10 steps before its explosion
   (steps E-10..E-1; "-" when the run explodes before any defined value). Separation means the diverging
   values sit above every calm value; the rule also needs them to stay there for 3 steps.
-* Alarms per run: each signal's first alarm, ``step (lead)`` on diverging runs, ``FA@step`` on calm runs.
+* Alarms per run: each signal's first alarm, ``step (lead)`` on diverging runs, ``FA@step`` on calm runs. A
+  diverging run is its control up to the trigger, so an alarm before the trigger fires in the control too.
 
 Run: python benchmarks/divergence_precursors.py [--split tune|heldout|all] [--workers 2] [--markdown]
      [--json out.json]
@@ -83,7 +91,7 @@ from divergence_zoo import (  # noqa: E402
 from gpt import Attention  # noqa: E402  (examples/, on the path once zoo_models is imported)
 
 RAW = ("adam_v_lag_rms", "adam_v_lag_frac", "update_ratio", "update_ratio_max", "attn_logit_max", "logz_rms")
-CONSECUTIVE, MARGIN, PRE_WINDOW = 3, 1.1, 10
+CONSECUTIVE, MARGIN, PRE_WINDOW, WARMUP = 3, 1.1, 10, 20
 GNORM_REF, CREEP_START = (10, 30), 20
 
 # ----------------------------------------------------------------------------- recording
@@ -231,6 +239,10 @@ def _adamw(s: Scenario) -> bool:
     return s.optimizer == "adamw"
 
 
+def _sgd(s: Scenario) -> bool:
+    return s.optimizer == "sgd"
+
+
 def _gpt(s: Scenario) -> bool:
     return s.family.startswith("gpt")
 
@@ -246,8 +258,11 @@ def _raw(key: str) -> Callable[[dict[str, Any]], list[float]]:
 CANDIDATES = [
     Candidate("adam_v_lag_rms", "1a AdamW v lag: RMS g/sqrt(v_hat)", _adamw, _raw("adam_v_lag_rms")),
     Candidate("adam_v_lag_frac", "1b AdamW v lag: frac g^2 > 10 v_hat", _adamw, _raw("adam_v_lag_frac")),
-    Candidate("update_ratio", "2a update / (weight x LR), global", _any, _raw("update_ratio")),
-    Candidate("update_ratio_max", "2b update / (weight x LR), max matrix", _any, _raw("update_ratio_max")),
+    Candidate("update_ratio_adamw", "2a update / (weight x LR), global [AdamW]", _adamw, _raw("update_ratio")),
+    Candidate("update_ratio_sgd", "2a update / (weight x LR), global [SGD]", _sgd, _raw("update_ratio")),
+    Candidate("update_ratio_max_adamw", "2b update / (weight x LR), max matrix [AdamW]", _adamw,
+              _raw("update_ratio_max")),
+    Candidate("update_ratio_max_sgd", "2b update / (weight x LR), max matrix [SGD]", _sgd, _raw("update_ratio_max")),
     Candidate("attn_logit_max", "3 max attention logit", _gpt, _raw("attn_logit_max")),
     Candidate("gnorm_ema", "4 grad-norm EMA / early median", _any, lambda out: gnorm_ema(out["trace"]["gnorm"])),
     Candidate("loss_creep", "5 loss EMA / its min so far", _any, lambda out: loss_creep(out["trace"]["loss"])),
@@ -304,7 +319,7 @@ def evaluate(results: dict[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], 
             row["explosion"] = explosion(out["trace"]["loss"], row["trigger"], s.injection is not None)[1]
         for c in CANDIDATES:
             if c.applies(s):
-                xs = [float(x) for x in c.compute(out)]
+                xs = [math.nan if i < WARMUP else float(x) for i, x in enumerate(c.compute(out))]
                 e = row["explosion"]
                 pre = _finite_max(xs[max(0, e - PRE_WINDOW):e]) if e is not None else None
                 row["signals"][c.key] = {"values": xs, "level": level(xs), "max": _finite_max(xs), "pre": pre}
@@ -372,6 +387,7 @@ def summary_table(rows: list[dict[str, Any]], tuned: dict[str, dict[str, Any]],
 def separation_table(rows: list[dict[str, Any]], tuned: dict[str, dict[str, Any]],
                      splits: list[str]) -> tuple[list[str], list[list[str]]]:
     head = ["signal", "split", "T", "healthy + control per-run max: largest (run)", "median",
+            "healthy + control 3-step level: largest (run)",
             f"diverging: max over the {PRE_WINDOW} steps before the explosion"]
     body = []
     for c in CANDIDATES:
@@ -381,9 +397,12 @@ def separation_table(rows: list[dict[str, Any]], tuned: dict[str, dict[str, Any]
                     if r["kind"] != "diverging" and r["signals"][c.key]["max"] is not None]
             div = [f"{r['name']}: {_g(r['signals'][c.key]['pre'])}" for r in part
                    if r["kind"] == "diverging" and not r["injection"]]
-            top = max(calm, default=None)
+            levels = [(r["signals"][c.key]["level"], r["name"]) for r in part
+                      if r["kind"] != "diverging" and r["signals"][c.key]["level"] is not None]
+            top, top_level = max(calm, default=None), max(levels, default=None)
             body.append([c.label, split, _g(tuned[c.key]["threshold"]), f"{_g(top[0])} ({top[1]})" if top else "-",
-                         _g(statistics.median(v for v, _ in calm)) if calm else "-", "; ".join(div) or "-"])
+                         _g(statistics.median(v for v, _ in calm)) if calm else "-",
+                         f"{_g(top_level[0])} ({top_level[1]})" if top_level else "-", "; ".join(div) or "-"])
     return head, body
 
 

@@ -272,6 +272,8 @@ class DivergenceGuard(Monitor):
         self._ema = 0.0
         self._ema_weight = 0.0
         self._ema_min = math.inf
+        self._creep_start: Optional[int] = None
+        self._climb_judged = False
         # per-step device values since the last check: (step, loss or None, grad norm)
         self._pending: list[tuple[int, Optional[Tensor], Tensor]] = []
         self._restored: list[tuple[int, Optional[float], float]] = []  # buffered values restored from a checkpoint
@@ -442,7 +444,9 @@ class DivergenceGuard(Monitor):
             if reasons and first_bad is None:
                 first_bad = start
             critical += reasons
-            if start is not None and not reasons and explosion is None and self._loss_watch.run >= self.patience:
+            climbing = start is not None and start == self._creep_start and not self._loss_watch.run
+            if start is not None and not reasons and explosion is None and (self._loss_watch.run >= self.patience
+                                                                             or climbing):
                 explosion = (s, start)
         if explosion is not None:
             reasons = self._decide_explosion(trainer, pl_module, *explosion)
@@ -493,7 +497,8 @@ class DivergenceGuard(Monitor):
             if not anomalous and self._loss_watch.run == 0:
                 self.condition(step, "loss_explosion", False, "critical", "",
                                clear_message="The loss is back within its recent history.")
-            self._creep(step, loss, anchor)
+            if self._creep(step, loss, anchor):
+                start = self._creep_start
         if math.isfinite(gnorm) and gnorm > 0:
             anomalous, z = self._grad_watch.update(step, math.log(gnorm))
             self.condition(
@@ -512,13 +517,16 @@ class DivergenceGuard(Monitor):
         does not move it), at least a tiny positive number."""
         return max(median(self._initial), 1e-8) if self._initial else 1.0
 
-    def _creep(self, step: int, loss: float, anchor: float) -> None:
+    def _creep(self, step: int, loss: float, anchor: float) -> bool:
+        """Update the loss EMA and the ``loss_creep`` condition; True when the creep turns into a climb that
+        must be judged like an explosion: the smoothed loss at least doubled from its minimum and risen by a
+        quarter of the initial loss (once per episode)."""
         if self.creep is None:
-            return
+            return False
         self._ema = self.smoothing * self._ema + (1.0 - self.smoothing) * loss
         self._ema_weight = self.smoothing * self._ema_weight + (1.0 - self.smoothing)
         if len(self._loss_watch.history) < self.min_history or self._loss_watch.run:
-            return  # a sudden jump is the explosion rule's to judge; creep is the slow road
+            return False  # a sudden jump is the explosion rule's to judge; creep is the slow road
         ema = self._ema / self._ema_weight
         self._ema_min = min(self._ema_min, ema)
         # the rise must also exceed what batch-to-batch noise moves a moving average by (4 of its std)
@@ -534,6 +542,15 @@ class DivergenceGuard(Monitor):
             f"({self._ema_min:.4g}) at step {step}: training may be starting to diverge.",
             value=ema, threshold=limit, clear_message="The smoothed loss is back near its lowest value.",
         )
+        if not active:
+            self._creep_start, self._climb_judged = None, False
+            return False
+        self._creep_start = step if self._creep_start is None else self._creep_start
+        climb = ema >= 2.0 * self._ema_min and ema - self._ema_min >= 0.25 * anchor
+        if climb and not self._climb_judged:
+            self._climb_judged = True
+            return True
+        return False
 
     def _corroborate(self, step: int) -> list[str]:
         own = sorted(kind for (kind, _), sev in self.active_conditions().items() if sev == "warning" and kind != "data_shift")
@@ -547,9 +564,15 @@ class DivergenceGuard(Monitor):
 
     # ------------------------------------------------------------------ is it the weights or the data?
     def _decide_explosion(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, start: int) -> list[str]:
-        """A sustained loss anomaly since ``start``: critical if the weights explain it, else a data shift."""
-        verdict = self._attribute(trainer, pl_module, start) if self.attribute else None
-        level = self._loss_watch.level() if self._loss_watch.history else self._anchor()
+        """A sustained loss anomaly (or a climb) since ``start``: critical if the weights explain it, else a data
+        shift."""
+        climb = start == self._creep_start and not self._loss_watch.run
+        # a climb has dragged the recent level up with it: judge it against the smoothed loss's minimum
+        if climb:
+            level = self._ema_min
+        else:
+            level = self._loss_watch.level() if self._loss_watch.history else self._anchor()
+        verdict = self._attribute(trainer, pl_module, start, level, climb) if self.attribute else None
         if verdict is not None and verdict[0] == "transient":
             return []
         if verdict is not None and verdict[0] == "data":
@@ -577,14 +600,15 @@ class DivergenceGuard(Monitor):
         )
         return [f"loss explosion since step {start}"] if _is_critical(raised) or raised is None else []
 
-    def _attribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, start: int) -> Optional[tuple[str, float, float]]:
+    def _attribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, start: int, level: float,
+                   climb: bool = False) -> Optional[tuple[str, float, float]]:
         """``("weights" | "data" | "transient", loss now, loss with the last good weights)`` on the current batch, or
         ``None`` when it cannot be told (no snapshot before ``start``, manual optimization, no batch)."""
         snap = next((s for s in reversed(self._snapshots) if s.step < start), None)
         if snap is None or self._batch is None or not pl_module.automatic_optimization:
             return None
         now = self._batch_loss(pl_module)
-        if now is not None and math.isfinite(now):
+        if now is not None and math.isfinite(now) and not climb:
             anchor = self._anchor()
             z = self._loss_watch.zscore(now, abs_floor=self.initial_floor * anchor)
             if z <= self.z_threshold and now <= self.blowup * anchor:
@@ -603,7 +627,6 @@ class DivergenceGuard(Monitor):
                     current[name].copy_(value)
         if now is None or before is None:
             return None
-        level = self._loss_watch.level() if self._loss_watch.history else self._anchor()
         if not math.isfinite(now):
             return "weights", now, before
         # the data explains the rise if the old weights see at least half of it on the same batch
