@@ -115,7 +115,8 @@ class DivergenceGuard(Monitor):
     * ``loss_explosion`` (critical): the loss stays ``patience`` consecutive steps above its own recent
       history (robust z-score over ``z_threshold``, with a deviation floor of ``initial_floor`` times the
       initial loss, so near-zero losses do not alarm on tiny wobbles) or above ``blowup`` times the initial
-      loss (this catches a blow-up before any history exists), **and** the rise is the weights' doing:
+      loss (this catches a blow-up before any history exists), or a ``loss_creep`` has doubled the smoothed
+      loss and raised it by a quarter of the initial loss (a slow climb), **and** the rise is the weights' doing:
       the current batch is evaluated again with the last good snapshot's weights; if those weights find
       the batch about as hard (``data_shift``, a warning: the data changed, not the run), nothing acts;
     * ``loss_creep`` (warning): the smoothed loss risen above its lowest value by ``creep`` of that value,
