@@ -168,38 +168,50 @@ class _WarningBetween(Monitor):
         self.condition(s, self.kind, self.start <= s < self.end, "warning", "sigma_1 grows")
 
 
-class _GrowingGradient(_Exploding):
-    """The loss stays the same (lr 0), the gradient norm grows 1.5x per step from ``grow_at``: only the
-    guard's ``grad_explosion`` warning fires."""
+class _CreepingLoss(_Exploding):
+    """A loss of 1 with +-20% batch-to-batch noise that, from ``creep_at``, climbs by 0.01 per step; the
+    weights stay put (lr 0). Each value stays within the noise of the last ones, only the smoothed loss shows
+    the climb: only the guard's ``loss_creep`` warning fires."""
+
+    def __init__(self, creep_at: int = 60) -> None:
+        super().__init__(explode_at=10**9)
+        self.creep_at, self.noise = creep_at, torch.Generator().manual_seed(0)
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.lin(x), y)
-        k = 1.5 ** max(0, self.global_step - self.explode_at)
-        return loss * k - (loss * (k - 1)).detach()
+        x, _ = batch
+        noise = 0.8 + 0.4 * torch.rand((), generator=self.noise)
+        return 0.0 * self.lin(x).sum() + noise + 0.01 * max(0, self.global_step - self.creep_at)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def test_corroboration_of_two_warnings_is_critical(tmp_path):
-    # the gradient norm, 1.5x per step from 60, is above its history from 67: the grad warning at 69 (67, 68,
-    # 69) alone stops nothing; with the SA warning active it is critical
+def _creep_step(tmp_path) -> int:
     pl.seed_everything(0)
-    guard = DivergenceGuard(action="stop", every_n_steps=1, patience=3, corroborate=True)
-    _trainer(tmp_path, [_WarningBetween(10, 1000), guard], steps=100, logger=False).fit(_GrowingGradient(explode_at=60))
-    critical = [(a.step, a.kind) for a in guard.hub.history if a.severity == "critical"]
-    assert critical == [(69, "corroborated")] and guard.stopped_step == 69
-    msg = next(a.message for a in guard.hub.history if a.kind == "corroborated")
-    assert "grad_explosion" in msg and "sa/sigma_growth" in msg
+    guard = DivergenceGuard(action="warn", every_n_steps=1)
+    _trainer(tmp_path, [guard], steps=100, logger=False).fit(_CreepingLoss(creep_at=60))
+    return next(a.step for a in guard.hub.history if a.kind == "loss_creep")
 
-    # alone, the warning is a warning; an SA warning that cleared before, or a warning that is not about
-    # divergence (a one-off that never clears), does not count
-    for probe in ([], [_WarningBetween(10, 40)], [_WarningBetween(10, 1000, "gns", "no_variance_estimate")]):
+
+def test_corroboration_of_two_warnings_is_critical(tmp_path):
+    creep = _creep_step(tmp_path)
+    assert 60 < creep < 100
+    # the creep warning alone stops nothing; with the SA warning active it is critical at once
+    pl.seed_everything(0)
+    guard = DivergenceGuard(action="stop", every_n_steps=1, corroborate=True)
+    _trainer(tmp_path, [_WarningBetween(10, 1000), guard], steps=100, logger=False).fit(_CreepingLoss(creep_at=60))
+    critical = [(a.step, a.kind) for a in guard.hub.history if a.severity == "critical"]
+    assert critical == [(creep, "corroborated")] and guard.stopped_step == creep
+    msg = next(a.message for a in guard.hub.history if a.kind == "corroborated")
+    assert "loss_creep" in msg and "sa/sigma_growth" in msg
+
+    # an SA warning that cleared before, or a warning that is not about divergence (a one-off that never
+    # clears), does not count
+    for probe in ([_WarningBetween(10, 40)], [_WarningBetween(10, 1000, "gns", "no_variance_estimate")]):
         pl.seed_everything(0)
-        guard = DivergenceGuard(action="stop", every_n_steps=1, patience=3, corroborate=True)
-        _trainer(tmp_path, probe + [guard], steps=100, logger=False).fit(_GrowingGradient(explode_at=60))
-        assert [(a.step, a.kind) for a in guard.hub.history if a.kind.startswith("grad")] == [(69, "grad_explosion")]
+        guard = DivergenceGuard(action="stop", every_n_steps=1, corroborate=True)
+        _trainer(tmp_path, probe + [guard], steps=100, logger=False).fit(_CreepingLoss(creep_at=60))
+        assert [(a.step, a.kind) for a in guard.hub.history if a.kind == "loss_creep"] == [(creep, "loss_creep")]
         assert guard.stopped_step is None and not [a for a in guard.hub.history if a.severity == "critical"]
 
 

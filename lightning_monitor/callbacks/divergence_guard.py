@@ -122,10 +122,11 @@ class DivergenceGuard(Monitor):
     * ``loss_creep`` (warning): the smoothed loss risen above its lowest value by ``creep`` of that value,
       by at least ``initial_floor`` of the initial loss, and by more than batch noise moves the average
       (six of its standard deviations, from the robust batch-to-batch noise); it clears halfway back;
-    * ``grad_explosion`` (warning): the log gradient norm above its history for ``patience`` steps;
     * critical alerts of the suite's other monitors (``act_on_alerts``) and, with ``corroborate=True``,
       a guard warning and an active divergence warning of another monitor together (``corroborated``).
-    Only critical alerts act. Single-step spikes raise nothing: noisy small batches are normal.
+    Only critical alerts act. Single-step spikes raise nothing: noisy small batches are normal. The
+    gradient norm is judged for non-finite values only: on the scenario zoo a sustained gradient surge never
+    came before a loss explosion and did fire on a healthy curriculum (BENCHMARKS.md).
 
     **Actions** on a critical decision (reduced across ranks: every rank acts on the same step):
 
@@ -166,8 +167,7 @@ class DivergenceGuard(Monitor):
         window: length of that history.
         z_threshold: robust z-score above which a value is anomalous.
         patience: consecutive anomalous steps that make an explosion.
-        loss_rel_floor / grad_rel_floor: the deviation floor as a fraction of the median (loss) or in log
-            units (gradient norm).
+        loss_rel_floor: the loss deviation floor, as a fraction of the reference level.
         initial_floor: the loss deviation floor, and the creep floor, as a fraction of the initial loss.
         blowup: a loss above ``blowup`` times the initial loss is anomalous whatever its history.
         creep: relative rise of the smoothed loss over its minimum that warns (``None``: off).
@@ -203,7 +203,6 @@ class DivergenceGuard(Monitor):
         z_threshold: float = 6.0,
         patience: int = 3,
         loss_rel_floor: float = 0.02,
-        grad_rel_floor: float = 0.05,
         initial_floor: float = 0.05,
         blowup: float = 2.0,
         creep: Optional[float] = 0.1,
@@ -268,7 +267,6 @@ class DivergenceGuard(Monitor):
         self._skip: set[tuple[int, int]] = set(self._read_skip(skip_batches))
 
         self._loss_watch = _SeriesWatch(window, min_history, z_threshold, loss_rel_floor)
-        self._grad_watch = _SeriesWatch(window, min_history, z_threshold, grad_rel_floor)
         self._initial: list[float] = []  # the first losses: the initial level
         self._ema = 0.0
         self._ema_weight = 0.0
@@ -500,15 +498,6 @@ class DivergenceGuard(Monitor):
                                clear_message="The loss is back within its recent history.")
             if self._creep(step, loss, anchor):
                 start = self._creep_start
-        if math.isfinite(gnorm) and gnorm > 0:
-            anomalous, z = self._grad_watch.update(step, math.log(gnorm))
-            self.condition(
-                step, "grad_explosion", self._grad_watch.run >= self.patience, "warning",
-                f"The gradient norm has stayed above its recent history for {self._grad_watch.run} steps "
-                f"(now {gnorm:.4g}, z={z:.1f}) at step {step}.",
-                value=gnorm, threshold=self.z_threshold,
-                clear_message="The gradient norm is back within its recent history.",
-            )
         if self.corroborate:
             reasons += self._corroborate(step)
         return reasons, start
@@ -749,14 +738,12 @@ class DivergenceGuard(Monitor):
     def _detector_state(self) -> dict[str, Any]:
         return {
             "loss": self._loss_watch.state_dict(),
-            "grad": self._grad_watch.state_dict(),
             "initial": list(self._initial),
             "creep": {"ema": self._ema, "weight": self._ema_weight, "min": self._ema_min},
         }
 
     def _load_detector_state(self, state: dict[str, Any]) -> None:
         self._loss_watch.load_state_dict(state.get("loss", {}))
-        self._grad_watch.load_state_dict(state.get("grad", {}))
         self._initial = [float(x) for x in state.get("initial", [])]
         creep = state.get("creep", {})
         self._ema, self._ema_weight = creep.get("ema", 0.0), creep.get("weight", 0.0)
