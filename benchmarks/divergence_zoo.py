@@ -49,8 +49,10 @@ Guards, on every scenario:
    steps, above 5 x the median of all previous finite norms.
 
 An alarm's lead is explosion step - alarm step (>= 0: caught before the loss passed 2 x L0). A diverging
-run "ends healthy" when its guarded run ends with finite weights and buffers and a final loss (mean of
-its last 10 finite step losses) at most 1.1 x the unguarded control's.
+run "ends healthy" when its guarded run ends with finite weights and buffers and a final loss at most
+1.1 x the unguarded control's. The final loss is the mean loss of the final weights, in eval mode, on the
+16 batches that follow the run's data (the same batches for a run and its control), so it describes the
+model the run ends with (a rollback on the last steps restores weights after their losses were recorded).
 
 Run: python benchmarks/divergence_zoo.py [--split tune|heldout|all] [--only NAME_SUBSTRING] [--workers 2]
      [--json out.json] [--markdown] [--guard-kwargs '{"z_threshold": 8}'] [--no-guard] [--verify-spike]
@@ -236,6 +238,20 @@ def final_loss(losses: list[float], n: int = 10) -> float:
     return sum(finite) / len(finite) if finite else math.nan
 
 
+@torch.no_grad()
+def eval_loss(model: pl.LightningModule, loader: Any, steps: int, n: int = 16) -> float:
+    """Mean loss of the final weights (eval mode) on the ``n`` batches that follow the run's data: what a
+    run ends with, whatever happened on its last steps (a rollback restores weights after they were used)."""
+    model.eval()
+    losses = []
+    for idx, batch in enumerate(loader):
+        if idx >= steps + n:
+            break
+        if idx >= steps:
+            losses.append(float(model.training_step(batch, idx).float()))
+    return sum(losses) / len(losses) if losses else math.nan
+
+
 def run(scenario: Scenario, callbacks_factory: Callable[[], list[Callback]]) -> dict[str, Any]:
     """Train ``scenario`` once with ``callbacks_factory()`` (plus a :class:`Recorder`) on a fresh Trainer."""
     pl.seed_everything(scenario.seed, verbose=False)
@@ -255,7 +271,8 @@ def run(scenario: Scenario, callbacks_factory: Callable[[], list[Callback]]) -> 
     tensors = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
     return {
         "trace": recorder.trace,
-        "final_loss": final_loss(recorder.trace["loss"]),
+        "final_loss": eval_loss(model, loader, scenario.steps),
+        "final_train_loss": final_loss(recorder.trace["loss"]),
         "finite": all(bool(torch.isfinite(t).all()) for t in tensors),
         "error": error,
         "global_step": trainer.global_step,
