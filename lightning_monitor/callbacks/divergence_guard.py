@@ -142,9 +142,9 @@ class DivergenceGuard(Monitor):
       the last good state, never the diverged weights) and stop.
     * ``"warn"``: raise the alerts only.
 
-    **Snapshots** are taken every ``snapshot_every_n_checks`` checks at a check that found every step since
-    the last check normal and every parameter and buffer finite, in host memory (``snapshot_dir=None``)
-    or in files; the newest ``keep_snapshots`` are kept. The trainer's step counter is not rewound: logged
+    **Snapshots** are taken every ``snapshot_every_n_checks`` checks, at a check that found every step since
+    the last check normal and every parameter and buffer finite (a refused one is tried again at the next
+    check), in host memory (``snapshot_dir=None``) or in files; the newest ``keep_snapshots`` are kept. The trainer's step counter is not rewound: logged
     steps stay monotonic, ``max_steps`` keeps counting, and the skipped batches are simply not learned from.
 
     Args:
@@ -648,8 +648,10 @@ class DivergenceGuard(Monitor):
                 if isinstance(cb, Monitor) and cb is not self and not isinstance(cb, GradientEarlyStopping)}
 
     def _snapshot_due(self, step: int) -> bool:
+        """At the first check, then once ``snapshot_every_n_steps`` have passed since the newest snapshot
+        (a snapshot refused because something was wrong is tried again at the next check)."""
         every = self.snapshot_every_n_steps
-        return every is not None and (step - self.warmup_steps) % every == 0
+        return every is not None and (not self._snapshots or step - self._snapshots[-1].step >= every)
 
     @staticmethod
     def _all_finite(pl_module: pl.LightningModule) -> bool:
