@@ -178,6 +178,37 @@ def test_repeated_rollbacks_escalate_to_a_stop_with_the_last_good_state(tmp_path
     _assert_same({k: saved[k] for k in ref.module}, ref.module)
 
 
+class _Ramp(_Regression):
+    """The learning rate ramps from 1e-2 up 500x over 200 steps (LambdaLR): past the edge of stability."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 + 499.0 * min(s, 200) / 200)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class _LRLog(Callback):
+    def __init__(self) -> None:
+        self.lr: dict[int, float] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.lr[trainer.global_step] = optimizer.param_groups[0]["lr"]
+
+
+def test_a_repeated_divergence_caps_the_learning_rate_of_a_ramp(tmp_path):
+    pl.seed_everything(0)
+    guard, lrs = DivergenceGuard(every_n_steps=5, snapshot_every_n_checks=2), _LRLog()
+    _trainer(tmp_path, [guard, lrs], 300).fit(_Ramp())
+    assert len(guard.rollbacks) >= 2 and guard.stopped_step is None
+    first, second = guard.rollbacks[:2]
+    assert first["lr_ceiling"] is None and first["lr_scale"] == 1.0  # the first rollback only skips
+    ceiling = second["lr_ceiling"][0][0]
+    assert second["lr_scale"] == 0.5 and ceiling > 0
+    # from the second rollback on, the ramp never climbs past the ceiling (the schedule alone would go on)
+    after = [lr for step, lr in lrs.lr.items() if step > second["step"]]
+    assert after and max(after) <= ceiling * (1 + 1e-12) and max(lrs.lr.values()) > ceiling
+
+
 def test_healthy_run_never_rolls_back_and_a_data_shift_only_warns(tmp_path):
     pl.seed_everything(0)
     guard = DivergenceGuard(every_n_steps=5)

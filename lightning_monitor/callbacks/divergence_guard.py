@@ -136,7 +136,8 @@ class DivergenceGuard(Monitor):
       and go on: a stretch of bad data is cured by that. If the run diverges again within
       ``rollback_window`` steps, the next rollback also scales every learning rate (schedules included) by
       ``lr_factor``, the one after by ``lr_factor**2``, then ``lr_factor**3`` (cumulative 0.5, 0.125, 0.016
-      by default). After ``max_rollbacks`` rollbacks within the window, or without a snapshot to go back
+      by default), and the scaled rate of the state restored becomes a ceiling (a warm-up or ramp that led
+      to the divergence does not climb past it again). After ``max_rollbacks`` rollbacks within the window, or without a snapshot to go back
       to, it stops instead.
     * ``"stop"``: restore that snapshot, save a checkpoint ``guard-step=<step>.ckpt`` (so the file holds
       the last good state, never the diverged weights) and stop.
@@ -284,6 +285,7 @@ class DivergenceGuard(Monitor):
         self._seen: list[tuple[int, int, int]] = []  # (step, epoch, batch_idx) since the oldest snapshot
         self._snapshots: list[TrainingSnapshot] = []
         self._lr_scale = 1.0
+        self._lr_ceiling: Optional[list[list[float]]] = None  # per optimizer and group, after a repeated divergence
         self._external: list[Alert] = []
         self._external_warnings: dict[tuple[str, str, Optional[str]], Alert] = {}
         self._warned_no_loss = False
@@ -352,6 +354,11 @@ class DivergenceGuard(Monitor):
     # ------------------------------------------------------------------ every step, on device
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch, self._batch_idx = batch, batch_idx
+        if self._lr_ceiling is not None:  # host floats only: no device work
+            for opt, ceilings in zip(trainer.optimizers, self._lr_ceiling):
+                for group, ceiling in zip(opt.param_groups, ceilings):
+                    if isinstance(group["lr"], float) and group["lr"] > ceiling:
+                        group["lr"] = ceiling
         key = (trainer.current_epoch, batch_idx)
         if self.snapshot_every_n_steps is not None:
             self._seen.append((trainer.global_step, *key))
@@ -694,6 +701,10 @@ class DivergenceGuard(Monitor):
         self._load_detector_state(snap.guard)
         self._lr_scale *= factor
         scale_learning_rates(trainer, self._lr_scale / snap.lr_scale)
+        if factor < 1.0:
+            # the run diverged again: the learning rate it had at the last good state, scaled down, becomes a
+            # ceiling, so a warm-up or ramp that led to the divergence does not climb past it again
+            self._lr_ceiling = [[group["lr"] for group in opt.param_groups] for opt in trainer.optimizers]
         batches = [[e, b] for s, e, b in self._seen if snap.step <= s <= step]
         self._skip.update((e, b) for e, b in batches)
         self._seen = [e for e in self._seen if e[0] < snap.step]
@@ -702,10 +713,12 @@ class DivergenceGuard(Monitor):
         self._snapshots = [s for s in self._snapshots if s.step <= snap.step]
         history = list(self._loss_watch.history)[-self._loss_watch.recent:]
         record = {"step": step, "to_step": snap.step, "skipped": len(batches), "batches": batches,
-                  "lr_factor": factor, "lr_scale": self._lr_scale,
+                  "lr_factor": factor, "lr_scale": self._lr_scale, "lr_ceiling": self._lr_ceiling,
                   "loss_before": median(history) if history else None, "reasons": reasons}
         self.rollbacks.append(record)
         lr = f"; learning rates now {self._lr_scale:.3g}x their schedule" if self._lr_scale != 1.0 else ""
+        if factor < 1.0:
+            lr += ", and capped at the scaled rate of the state restored"
         self.alert(
             step, "rolled_back", "info",
             f"Rolled back at step {step} to the state of step {snap.step} ({reasons}). The {len(batches)} batches "
@@ -759,6 +772,7 @@ class DivergenceGuard(Monitor):
             rollbacks=[dict(r) for r in self.rollbacks],
             skip=sorted([e, b] for e, b in self._skip),
             lr_scale=self._lr_scale,
+            lr_ceiling=self._lr_ceiling,
             stop_checkpoint=self.stop_checkpoint,
             stopped_step=self.stopped_step,
         )
@@ -772,5 +786,6 @@ class DivergenceGuard(Monitor):
         self.rollbacks = [dict(r) for r in state_dict.get("rollbacks", [])]
         self._skip |= {(int(e), int(b)) for e, b in state_dict.get("skip", [])}
         self._lr_scale = float(state_dict.get("lr_scale", 1.0))
+        self._lr_ceiling = state_dict.get("lr_ceiling")
         self.stop_checkpoint = state_dict.get("stop_checkpoint")
         self.stopped_step = state_dict.get("stopped_step")
