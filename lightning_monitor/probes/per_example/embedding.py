@@ -1,0 +1,57 @@
+"""``nn.Embedding``: the rows an example touches, ``sum_{t: x_t = v} d_t`` summed per (example, distinct
+token), squared; ``padding_idx`` rows get no gradient. ``scale_grad_by_freq`` is not covered."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_monitor.probes.per_example.registry import Handler, register
+
+
+def _rows(m: nn.Module, idx: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per (example, distinct token) summed output gradients: (rows [U, d], example of each row, token)."""
+    b = idx.shape[0]
+    dim = m.embedding_dim
+    ids = idx.reshape(b, -1)
+    d = g.reshape(b, -1, dim).float()
+    keys = ids + m.num_embeddings * torch.arange(b, device=ids.device).unsqueeze(1)
+    if m.padding_idx is not None:
+        keep = ids.reshape(-1) != m.padding_idx
+        flat_keys, flat_d = keys.reshape(-1)[keep], d.reshape(-1, dim)[keep]
+    else:
+        flat_keys, flat_d = keys.reshape(-1), d.reshape(-1, dim)
+    uniq, inverse = torch.unique(flat_keys, return_inverse=True)
+    rows = torch.zeros(uniq.numel(), dim, device=d.device, dtype=torch.float32).index_add_(0, inverse, flat_d)
+    return rows, torch.div(uniq, m.num_embeddings, rounding_mode="floor"), uniq % m.num_embeddings
+
+
+@register(nn.Embedding)
+class EmbeddingHandler(Handler):
+    def unsupported(self, m: nn.Module) -> Optional[str]:
+        return "scale_grad_by_freq couples the examples of a batch" if m.scale_grad_by_freq else None
+
+    def capture(self, m: nn.Module, idx: Tensor) -> Any:
+        return idx if idx.dim() >= 1 else None
+
+    def sq_norms(self, m: nn.Module, idx: Tensor, g: Tensor, rule: Any) -> dict[str, Tensor]:
+        rows, example, _ = _rows(m, idx, g)
+        sq = torch.zeros(idx.shape[0], device=rows.device, dtype=torch.float32)
+        return {"weight": sq.index_add_(0, example, rows.pow(2).sum(1))}
+
+    def grads(self, m: nn.Module, idx: Tensor, g: Tensor) -> dict[str, Tensor]:
+        rows, example, token = _rows(m, idx, g)
+        out = torch.zeros(idx.shape[0], m.num_embeddings, m.embedding_dim, device=rows.device, dtype=torch.float32)
+        out[example, token] = rows
+        return {"weight": out}
+
+    def project(self, m: nn.Module, idx: Tensor, g: Tensor, uv: dict[str, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+        u, v = uv["weight"]
+        ids = idx.reshape(-1)
+        d = g.reshape(-1, m.embedding_dim).float()
+        if m.padding_idx is not None:
+            keep = ids != m.padding_idx
+            ids, d = ids[keep], d[keep]
+        return {"weight": (u[:, ids] * (d @ v.T).T).sum(1)}

@@ -1,0 +1,151 @@
+"""``nn.Linear``: ``||g_i||^2 = ||a_i||^2 ||d_i||^2`` on ``(B, d_in)``; on ``(B, ..., d_in)`` the weight
+gradient ``G_i = D_i^T A_i`` by the strategy of :class:`~.strategy.LinearRule` (fused, Gram or
+materialised), bias ``||sum_t d_it||^2``.
+
+The fused path replaces the layer's ``forward`` while the probe is armed by :class:`_FusedLinear`,
+whose backward forms the weight gradient as ``sum_i G_i`` and takes each ``||G_i||^2`` on the way
+(:func:`~.kernels.per_example_linear`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_monitor.probes.per_example.kernels import (
+    as_seq,
+    linear_sq_norms,
+    per_example_linear,
+    project_matrix,
+)
+from lightning_monitor.probes.per_example.registry import Handler, register
+from lightning_monitor.probes.per_example.strategy import LinearRule
+
+
+@register(nn.Linear)
+class LinearHandler(Handler):
+    def capture(self, m: nn.Module, x: Tensor) -> Any:
+        return x if x.dim() >= 2 else None
+
+    def sq_norms(self, m: nn.Module, x: Tensor, g: Tensor, rule: LinearRule) -> dict[str, Tensor]:
+        a = as_seq(x, m.in_features)
+        d = as_seq(g, m.out_features)
+        b, t = a.shape[:2]
+        strategy = rule.choose(t=t, d_in=m.in_features, d_out=m.out_features, batch=b, device_type=a.device.type)
+        out = {"weight": linear_sq_norms(a, d, strategy)}
+        if m.bias is not None:
+            out["bias"] = d.float().sum(1).pow(2).sum(1)
+        return out
+
+    def grads(self, m: nn.Module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
+        a = as_seq(x, m.in_features).float()
+        d = as_seq(g, m.out_features).float()
+        out = {"weight": torch.bmm(d.transpose(1, 2), a)}
+        if m.bias is not None:
+            out["bias"] = d.sum(1)
+        return out
+
+    def project(self, m: nn.Module, x: Tensor, g: Tensor, uv: dict[str, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+        a = x.reshape(-1, m.in_features).float()
+        d = g.reshape(-1, m.out_features).float()
+        out = {}
+        if "weight" in uv:
+            u, v = uv["weight"]
+            out["weight"] = ((d @ u.T) * (a @ v.T)).sum(0)
+        if "bias" in uv:
+            u, v = uv["bias"]
+            out["bias"] = project_matrix(d.sum(0), u, v)
+        return out
+
+    def patch_forward(self, m: nn.Module, uses: Any, rule: LinearRule) -> Optional[Callable[[Tensor], Tensor]]:
+        """The fused forward, on a plain ``nn.Linear`` (no custom ``forward``, no pre-hooks) when the
+        requested strategy is ``"auto"`` or ``"fused"``; per call, :meth:`LinearRule.choose` decides."""
+        fusable = (
+            rule.strategy in ("auto", "fused")
+            and type(m).forward is nn.Linear.forward
+            and "forward" not in m.__dict__
+            and not m._forward_pre_hooks
+        )
+        if not fusable:
+            return None
+
+        def fused_forward(x: Tensor) -> Tensor:
+            w, b = m.weight, m.bias
+            use_rule = rule
+            needs = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
+            if needs and x.dim() >= 2:
+                batch = x.shape[0]
+                t = x.numel() // max(batch * x.shape[-1], 1)
+                if t > 1:
+                    choice = rule.choose(t=t, d_in=m.in_features, d_out=m.out_features, batch=batch,
+                                         device_type=x.device.type, fused=True)
+                    if choice == "fused":
+                        return _FusedLinear.apply(x, w, b, _sink(uses.expect(batch)))
+                    use_rule = LinearRule(choice)  # decided here: the plain hook must not decide again
+            out = F.linear(x, w, b)
+            uses.record(x, out, use_rule)
+            return out
+
+        return fused_forward
+
+
+def _sink(done: Callable[..., None]) -> Callable[..., None]:
+    """Adapts :class:`_FusedLinear`'s results to the probe's ``done(sq_fn, grads_fn, proj_fn)``."""
+
+    def sink(sq_w: Tensor, sq_b: Optional[Tensor], s_w: Tensor, s_b: Optional[Tensor],
+             grads: Callable[[], dict[str, Tensor]]) -> None:
+        sqs = {"weight": sq_w} if sq_b is None else {"weight": sq_w, "bias": sq_b}
+        sums = {"weight": s_w} if s_b is None else {"weight": s_w, "bias": s_b}
+        done(lambda: sqs, grads, lambda uv: {k: project_matrix(sums[k], *uv[k]) for k in uv})
+
+    return sink
+
+
+class _FusedLinear(torch.autograd.Function):
+    """``F.linear`` whose backward forms the weight gradient as the sum of the per-example gradients
+    ``G_i = D_i^T A_i`` (the same multiply-adds as autograd's single matmul), taking each example's
+    squared norm on the way (:func:`~.kernels.per_example_linear`), and hands the norms to ``sink``:
+    per-example norms at almost no extra cost."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], sink: Callable[..., None]) -> Tensor:
+        device = x.device.type
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        if torch.is_autocast_enabled(device):
+            dt = torch.get_autocast_dtype(device)
+            x, weight = x.to(dt), weight.to(dt)
+            bias = None if bias is None else bias.to(dt)
+            with torch.autocast(device, enabled=False):
+                out = F.linear(x, weight, bias)
+        else:
+            out = F.linear(x, weight, bias)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        ctx.sink = sink
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        x, weight = ctx.saved_tensors
+        grad = grad.to(weight.dtype)
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        b = x.shape[0]
+        a = x.reshape(b, -1, x.shape[-1])
+        d = grad.reshape(b, -1, grad.shape[-1])
+        sum_w, sq_w = per_example_linear(a, d)
+        per_b = d.sum(1) if ctx.has_bias else None
+        sum_b = per_b.sum(0) if per_b is not None else None
+        sq_b = per_b.float().pow(2).sum(1) if per_b is not None else None
+
+        def grads() -> dict[str, Tensor]:  # only for a parameter used several times in one forward
+            out = {"weight": torch.bmm(d.transpose(1, 2), a).float()}
+            if per_b is not None:
+                out["bias"] = per_b.float()
+            return out
+
+        ctx.sink(sq_w, sq_b, sum_w, sum_b, grads)
+        grad_w = sum_w.to(ctx.dtypes[0]) if ctx.needs_input_grad[1] else None
+        grad_b = sum_b.to(ctx.dtypes[1]) if sum_b is not None and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None

@@ -1,0 +1,92 @@
+"""The dispatch table from module type to :class:`Handler` (BackPACK-style), filled by :func:`register`.
+
+Covering a new module type is one new file: a :class:`Handler` subclass decorated with
+``@register(MyModule)`` (as opacus' ``register_grad_sampler``), imported once. Lookups walk the MRO, so
+a subclass uses the handler of its nearest registered base class.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, TypeVar, Union
+
+from torch import Tensor, nn
+
+__all__ = ["HANDLERS", "Handler", "handler_for", "register"]
+
+
+class Handler:
+    """How to compute per-example gradient norms of one module type. Subclass and override; the hooks
+    call, for each use of a covered module in a forward pass:
+
+    * :meth:`capture` at forward time, :meth:`sq_norms` when the backward reaches the module's output
+      (or :meth:`grads` instead, for parameters used several times in one forward), and :meth:`project`
+      when the probe verifies that the hooks saw every use of each parameter;
+    * :meth:`unsupported` once, when the probe is built;
+    * :meth:`patch_forward` when the probe is armed (optional: a replacement ``forward``).
+
+    Every result is keyed by the module's local parameter name (``"weight"``, ``"bias"``) and is fp32.
+    """
+
+    def unsupported(self, module: nn.Module) -> Optional[str]:
+        """Why this instance cannot be covered, or ``None``."""
+        return None
+
+    def capture(self, module: nn.Module, x: Tensor) -> Any:
+        """What the backward needs from the forward input ``x`` (keep references, compute nothing heavy);
+        ``None`` skips this use (e.g. an input without a batch dimension)."""
+        return x
+
+    def sq_norms(self, module: nn.Module, ctx: Any, grad_output: Tensor, rule: Any) -> dict[str, Tensor]:
+        """``{local name: Tensor[B]}``: each example's squared gradient norm. ``rule`` is the probe's
+        :class:`~lightning_monitor.probes.per_example.strategy.LinearRule` (for Linear-form layers)."""
+        raise NotImplementedError
+
+    def grads(self, module: nn.Module, ctx: Any, grad_output: Tensor) -> dict[str, Tensor]:
+        """``{local name: Tensor[B, *param.shape]}``: the materialised per-example gradients."""
+        raise NotImplementedError
+
+    def project(self, module: nn.Module, ctx: Any, grad_output: Tensor,
+                uv: dict[str, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+        """``{local name: Tensor[k]}``: ``u_j^T C v_j`` for this use's contribution ``C`` to each
+        parameter's batch gradient (as a ``(shape[0], -1)`` matrix), without forming ``C``; see
+        :func:`~lightning_monitor.probes.per_example.kernels.project_matrix`."""
+        raise NotImplementedError
+
+    def patch_forward(self, module: nn.Module, uses: Any, rule: Any) -> Optional[Callable[..., Tensor]]:
+        """A ``forward`` to install while the probe is armed, or ``None`` for a plain forward hook.
+        ``uses`` is the probe's per-module recorder: ``uses.record(x, output, rule)`` does what the plain
+        forward hook does, ``uses.expect(batch)`` counts one use and returns the callback
+        ``done(sq_fn, grads_fn, proj_fn)`` that its backward must call once."""
+        return None
+
+
+#: Module type -> handler. Subclasses use their nearest registered base class (:func:`handler_for`).
+HANDLERS: dict[type[nn.Module], Handler] = {}
+
+H = TypeVar("H", bound=Union[Handler, type])
+
+
+def register(*module_types: type[nn.Module]) -> Callable[[H], H]:
+    """Class (or instance) decorator: ``@register(nn.Linear)`` on a :class:`Handler` subclass makes it
+    the handler of those module types (and of their subclasses without a handler of their own)."""
+    if not module_types or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in module_types):
+        raise TypeError(f"register() takes nn.Module subclasses, got {module_types!r}.")
+
+    def deco(handler: H) -> H:
+        instance = handler() if isinstance(handler, type) else handler
+        if not isinstance(instance, Handler):
+            raise TypeError(f"register(): {handler!r} is not a Handler.")
+        for t in module_types:
+            HANDLERS[t] = instance
+        return handler
+
+    return deco
+
+
+def handler_for(module: nn.Module) -> Optional[Handler]:
+    """The handler of ``module``'s type or of its nearest registered base class."""
+    for cls in type(module).__mro__:
+        handler = HANDLERS.get(cls)  # type: ignore[arg-type]
+        if handler is not None:
+            return handler
+    return None
