@@ -305,3 +305,15 @@ def test_acting_on_a_noise_scale_check_step_works_in_any_order(tmp_path, tiny_gp
     else:
         assert guard.stopped_step == 15
     assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_the_same_guard_in_a_second_trainer_starts_clean(tmp_path):
+    pl.seed_everything(0)
+    guard = DivergenceGuard(every_n_steps=5)
+    _trainer(tmp_path / "a", [guard], 100).fit(_Regression(glitch=(60, 61, 62)))
+    assert len(guard.rollbacks) == 1 and guard._skip
+    # a fresh model in a new Trainer: no rollback record, no batch to skip, no history of the last run
+    pl.seed_everything(0)
+    capture = _Capture()
+    _trainer(tmp_path / "b", [guard, capture], 100).fit(_Regression())
+    assert guard.rollbacks == [] and guard.hub.history == [] and capture.dropped == []

@@ -8,7 +8,8 @@
 * **Logging** of statistics to every logger in ``trainer.loggers`` under ``<monitor>/<layer>/<stat>``
   (``<layer>`` is the module's qualified name) or ``<monitor>/<stat>`` for model-level values, at the
   step they describe. Values stay tensors on the model's device until this moment; all of a check's
-  values cross to the host in one transfer.
+  values cross to the host in one transfer. The same values go into ``trainer.callback_metrics`` on
+  every rank, so ``EarlyStopping`` / ``ModelCheckpoint`` can monitor any key.
 * **Alerts** through the trainer's :class:`~lightning_monitor.alerts.AlertHub`, with conditions that
   raise one alert when they start (or escalate) and one when they clear.
 * **State**: ``state_dict`` / ``load_state_dict`` hold the active conditions; subclasses extend them.
@@ -16,12 +17,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import weakref
+from collections.abc import Collection, Mapping
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerStatus
 from torch import Tensor
 
 from lightning_monitor.alerts import SEVERITY_LEVELS, Alert, AlertHub, Severity, _tensorboard_writer
@@ -31,14 +34,44 @@ __all__ = ["Monitor"]
 Number = Union[Tensor, float, int]
 
 
+def _callback_metrics_store(trainer: pl.Trainer) -> dict[str, Any]:
+    """The dict behind ``trainer.callback_metrics``. Reading that property first folds in the values
+    the LightningModule logged, converting its progress-bar values with ``.item()`` (a host sync
+    each); the connector's dict is the same object without that. Falls back to the property."""
+    store = getattr(getattr(trainer, "_logger_connector", None), "_callback_metrics", None)
+    return store if isinstance(store, dict) else trainer.callback_metrics
+
+
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
     return value
 
 
+class _TrainerRef:
+    """A weak reference to the Trainer a monitor runs in; pickles (``ddp_spawn``) and deep-copies as
+    an empty one, so a monitor stays picklable."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, trainer: Optional[pl.Trainer] = None) -> None:
+        self._ref = weakref.ref(trainer) if trainer is not None else None
+
+    def __call__(self) -> Optional[pl.Trainer]:
+        return self._ref() if self._ref is not None else None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_TrainerRef, ())
+
+
 class Monitor(Callback):
     """Base class of the suite's callbacks (not used directly).
+
+    An instance set up by a new Trainer starts clean (:meth:`_reset_run_state`: no state of its
+    previous run; DivergenceGuard forgets only its conditions so far), unless a state was loaded for
+    it: a checkpoint restored by ``fit(ckpt_path=...)``, or ``load_state_dict`` called by hand before
+    ``fit``. ``state_key`` names what the monitor watches and its cadence, so two
+    instances of one monitor over different layers or cadences can share a Trainer.
 
     Args:
         every_n_steps: check every this many optimizer steps (>= 1).
@@ -70,6 +103,40 @@ class Monitor(Callback):
     # ------------------------------------------------------------------ lifecycle
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._hub = AlertHub.for_trainer(trainer)
+        if stage == "fit" and self._bind_trainer(trainer):
+            self._reset_run_state()
+
+    # ------------------------------------------------------------------ reuse across trainers
+    def _bind_trainer(self, trainer: pl.Trainer) -> bool:
+        """Remember ``trainer`` as the one this instance runs in; ``True`` when the instance ran in
+        another Trainer before and no state was loaded for this run since (:meth:`_note_state_loaded`):
+        its run state belongs to another run and :meth:`setup` starts it clean.
+
+        A checkpoint restored by ``trainer.fit(ckpt_path=...)`` is loaded after ``setup`` and
+        overrides the clean state; a state loaded by hand before ``fit`` is kept.
+        """
+        previous = getattr(self, "_trainer_ref", None)
+        bound = previous() if previous is not None else None
+        loaded = getattr(self, "_state_loaded", False)
+        self._trainer_ref = _TrainerRef(trainer)
+        self._state_loaded = False
+        return previous is not None and bound is not trainer and not loaded
+
+    def _bound_trainer(self) -> Optional[pl.Trainer]:
+        """The Trainer this instance was last set up for ``fit`` by, while it exists."""
+        ref = getattr(self, "_trainer_ref", None)
+        return ref() if ref is not None else None
+
+    def _note_state_loaded(self) -> None:
+        """Called by ``load_state_dict``: a state loaded outside a running fit (by hand, before
+        ``fit``) is the state of the next run, and the next :meth:`setup` keeps it."""
+        trainer = self._bound_trainer()
+        running = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
+        self._state_loaded = not running
+
+    def _reset_run_state(self) -> None:
+        """Forget everything a previous run left (subclasses extend this); the configuration stays."""
+        self._conditions = {}
 
     @property
     def hub(self) -> AlertHub:
@@ -100,13 +167,45 @@ class Monitor(Callback):
                 out[k] = float(v)
         return {k: out[k] for k in metrics}
 
-    def log_metrics(self, trainer: pl.Trainer, metrics: Mapping[str, Number], step: int) -> dict[str, float]:
-        """Send ``metrics`` to every logger of ``trainer`` at ``step``; returns them as floats."""
+    def log_metrics(
+        self,
+        trainer: pl.Trainer,
+        metrics: Mapping[str, Number],
+        step: int,
+        loggers_only: Collection[str] = (),
+    ) -> dict[str, float]:
+        """Send ``metrics`` to every logger of ``trainer`` at ``step`` (on global rank 0) and put them
+        into ``trainer.callback_metrics`` (on every rank, see :meth:`publish`), except the keys in
+        ``loggers_only``; returns them as floats.
+
+        Called on every rank. Tensors cross to the host here in one transfer (none when the values
+        are floats already); nothing else syncs.
+        """
         host = self.to_host(metrics)
         if trainer.global_rank == 0:
             for logger in trainer.loggers:
                 logger.log_metrics(host, step=step)
+        self.publish(trainer, host, exclude=loggers_only)
         return host
+
+    @staticmethod
+    def publish(trainer: pl.Trainer, values: Mapping[str, float], exclude: Collection[str] = ()) -> None:
+        """Put host ``values`` into ``trainer.callback_metrics`` as 0-dim float32 CPU tensors, so that
+        ``EarlyStopping`` and ``ModelCheckpoint`` can monitor any key.
+
+        Every rank must call this with the same keys: those callbacks reduce their decision across
+        ranks only when the monitored key is present, so a key missing on one rank would hang the
+        others. A key keeps its last value until it is published again (as with ``self.log``); a key
+        never published is absent. Values of reduced quantities are the same on all ranks; values a
+        rank measures on its own data (spectral alignment) are that rank's, which is what the
+        callbacks' cross-rank reduction of their decisions expects.
+        """
+        keys = [k for k in values if k not in exclude]
+        if not keys:
+            return
+        # one tensor, viewed per key: ~1 us per key, no device involved
+        tensors = torch.tensor([float(values[k]) for k in keys], dtype=torch.float32).unbind(0)
+        _callback_metrics_store(trainer).update(zip(keys, tensors))
 
     def log_histogram(self, trainer: pl.Trainer, tag: str, values: Tensor, step: int) -> None:
         """A histogram of ``values`` to every TensorBoard logger (others have no histograms)."""

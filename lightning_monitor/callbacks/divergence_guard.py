@@ -265,7 +265,8 @@ class DivergenceGuard(Monitor):
         self.corroborate = corroborate
         self.corroborate_with = tuple(corroborate_with)
         self.dirpath = dirpath
-        self._skip: set[tuple[int, int]] = set(self._read_skip(skip_batches))
+        self._skip_given = frozenset(self._read_skip(skip_batches))
+        self._skip: set[tuple[int, int]] = set(self._skip_given)
 
         self._loss_watch = _SeriesWatch(window, min_history, z_threshold, loss_rel_floor)
         self._initial: list[float] = []  # the first losses: the initial level
@@ -750,6 +751,21 @@ class DivergenceGuard(Monitor):
         return os.path.join(alerts_dir(trainer), "checkpoints")
 
     # ------------------------------------------------------------------ state
+    def _reset_run_state(self) -> None:
+        """A new Trainer: forget the histories, snapshots, rollbacks and learning-rate changes of the last run
+        (the batches given to ``skip_batches`` stay)."""
+        super()._reset_run_state()
+        self._load_detector_state({})
+        self._creep_start, self._climb_judged = None, False
+        self._pending, self._restored, self._loss_acc = [], [], None
+        for snap in self._snapshots:
+            snap.discard()
+        self._snapshots, self._seen, self._drop, self._verdict = [], [], None, None
+        self._skip = set(self._skip_given)
+        self._lr_scale, self._lr_ceiling = 1.0, None
+        self._external, self._external_warnings = [], {}
+        self.rollbacks, self.stop_checkpoint, self.stopped_step = [], None, None
+
     def _detector_state(self) -> dict[str, Any]:
         return {
             "loss": self._loss_watch.state_dict(),
@@ -780,6 +796,7 @@ class DivergenceGuard(Monitor):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        self._note_state_loaded()
         self._load_detector_state(state_dict)
         self._restored = [(int(s), loss, g) for s, loss, g in state_dict.get("pending", [])]
         self._pending = []

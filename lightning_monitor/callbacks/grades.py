@@ -29,6 +29,12 @@ Criterion = Literal["grad", "update"]
 Threshold = Literal["relative", "absolute"]
 
 
+def _as_tuple(patterns: Optional[Union[str, Sequence[str]]]) -> Optional[tuple[str, ...]]:
+    if patterns is None:
+        return None
+    return (patterns,) if isinstance(patterns, str) else tuple(patterns)
+
+
 def _check_fraction(name: str, value: Any, low: float, high: float, high_inclusive: bool) -> float:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     ok = ok and low <= value and (value <= high if high_inclusive else value < high)
@@ -65,6 +71,14 @@ class GradientEarlyStopping(Monitor):
     through it to earlier layers), its ``.grad`` is dropped (it skips this step's update), its
     optimizer state is freed, and it stays frozen. When the frozen fraction of components reaches
     ``max_frozen_ratio`` the trainer stops (``trainer.should_stop``, reduced across ranks).
+
+    Resuming (``trainer.fit(ckpt_path=...)``) re-freezes the checkpoint's set in ``on_train_start``,
+    after ``configure_optimizers`` ran and the optimizer state was loaded, and before the first step:
+    an optimizer over ``filter(lambda p: p.requires_grad, model.parameters())`` is built over the same
+    parameters as in the run that wrote the checkpoint, so its state loads. (Until ``on_train_start``
+    the frozen components still have ``requires_grad=True``.) The same applies to a state loaded with
+    ``load_state_dict`` before ``fit``. An instance attached to a new Trainer without such a state
+    starts clean: nothing frozen, no reference.
 
     Under DDP, statistics are all-reduced before the decision, so every rank freezes the same set on
     the same step; DDP must be built with ``find_unused_parameters=True`` (frozen parameters then
@@ -143,11 +157,37 @@ class GradientEarlyStopping(Monitor):
         self._snapshot_step: Optional[int] = None
         self._last_step: Optional[int] = None
         self._saved_names: list[str] = []
+        # a restored frozen set waits for on_train_start, after the optimizer state is loaded
+        self._freeze_pending = False
+        self._training = False  # between on_train_start and the end of the run
 
     # ------------------------------------------------------------------ identity / state
     @property
     def state_key(self) -> str:
+        return self._generate_state_key(
+            tau=self.tau, criterion=self.criterion, threshold=self.threshold,
+            components=_as_tuple(self.component_patterns), exclude=_as_tuple(self.exclude),
+            every_n_steps=self.every_n_steps, warmup_steps=self.warmup_steps,
+        )
+
+    @property
+    def _legacy_state_key(self) -> str:  # type: ignore[override]
+        # the key of checkpoints written before the selection and cadence were part of it (Lightning's
+        # fallback key)
         return self._generate_state_key(tau=self.tau, criterion=self.criterion, threshold=self.threshold)
+
+    def _reset_run_state(self) -> None:
+        super()._reset_run_state()
+        self.frozen = {}
+        self.grace_end = None
+        self.stopped_at = None
+        self._ref_sum = self._ref_cnt = self._smoothed = None
+        self._n_ref_checks = 0
+        self._snapshot, self._snapshot_step = {}, None
+        self._last_step = None
+        self._saved_names = []
+        self._freeze_pending = False
+        self._training = False
 
     @property
     def components(self) -> list[str]:
@@ -183,6 +223,7 @@ class GradientEarlyStopping(Monitor):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        self._note_state_loaded()
         self.frozen = {str(k): int(v) for k, v in state_dict.get("frozen", {}).items()}
         self._saved_names = list(state_dict.get("names", []))
         as_tensor = (lambda v: None if v is None else torch.tensor(v, dtype=torch.float32))
@@ -194,7 +235,15 @@ class GradientEarlyStopping(Monitor):
         self._snapshot, self._snapshot_step = {}, None
         if self._components:
             self._check_saved_names()
-            self._apply_frozen(optimizers=())
+        trainer = self._bound_trainer()
+        if self._components and self._training and trainer is not None:
+            # loaded while training (by hand): freeze now, freeing the optimizer state
+            self._apply_frozen(trainer.optimizers)
+        else:
+            # a checkpoint restored by Trainer.fit(ckpt_path=...) is loaded after setup and before
+            # configure_optimizers; freezing there would leave the frozen parameters out of an optimizer
+            # built over those that require a gradient, and its saved state would not load
+            self._freeze_pending = bool(self.frozen)
 
     def _check_saved_names(self) -> None:
         saved = self._saved_names
@@ -234,7 +283,9 @@ class GradientEarlyStopping(Monitor):
             )
         self._names = list(self._components)
         self._check_saved_names()
-        self._apply_frozen(optimizers=())
+        self._training = False
+        # a frozen set loaded before the run is applied at on_train_start (see there)
+        self._freeze_pending = bool(self.frozen)
 
     @staticmethod
     def _check_strategy(trainer: pl.Trainer) -> None:
@@ -286,8 +337,23 @@ class GradientEarlyStopping(Monitor):
                     "which is unknown (infinite). Set `Trainer(max_steps=...)` or use `grace_steps=...`."
                 )
             self.grace_end = int(self.grace_fraction * planned)
-        # optimizer state restored for frozen components (older checkpoints) is freed
-        self._apply_frozen(trainer.optimizers)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The frozen set of a restored checkpoint (or of a state loaded before fit) is applied here,
+        # after configure_optimizers ran and Lightning loaded the optimizer state: an optimizer built
+        # over the parameters that require a gradient (`filter(lambda p: p.requires_grad, ...)`) then
+        # holds the same parameters as when the checkpoint was written, so its state loads; the state
+        # of the frozen parameters is freed here. No optimizer step comes before this hook.
+        self._training = True
+        if self._freeze_pending:
+            self._apply_frozen(trainer.optimizers)
+            self._freeze_pending = False
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._training = False
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._training = False
 
     # ------------------------------------------------------------------ the check
     def on_before_optimizer_step(

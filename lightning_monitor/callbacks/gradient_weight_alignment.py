@@ -72,11 +72,16 @@ class GradientWeightAlignmentMonitor(Monitor):
     * with ``stop=True`` training stops when GWA has not improved by ``min_delta`` for ``patience``
       windowed epochs (the decision is reduced across ranks).
 
-    ``trainer.callback_metrics["gwa/score"]`` holds the epoch's score inside the window and ``-inf``
-    outside it or when it is undefined, so ``ModelCheckpoint(monitor="gwa/score", mode="max")`` keeps
-    the checkpoint of ``best_epoch`` (``mask_warmup=False`` publishes every defined score). Loggers
-    get only defined scores: GWA is undefined (never logged) for an epoch with fewer than 4 scored
-    samples (warning) or a denominator ``<= 0``, i.e. bimodal scores (``bimodal`` alert).
+    ``trainer.callback_metrics["gwa/score"]`` (every rank) gets the epoch's score inside the window;
+    outside it, or when GWA is undefined, it is left as it was: absent before the first windowed
+    score, the last windowed score after it (no placeholder value). So
+    ``ModelCheckpoint(monitor="gwa/score", mode="max")`` keeps the checkpoint of ``best_epoch``, and
+    ``EarlyStopping(monitor="gwa/score", mode="max", strict=False)`` waits through the warm-up and
+    counts an undefined windowed epoch as no improvement, like ``stop=True``
+    (``mask_warmup=False`` publishes every defined score). The other ``gwa/*`` values reach
+    ``callback_metrics`` when they are logged. Loggers get only defined scores: GWA is undefined
+    (never logged) for an epoch with fewer than 4 scored samples (warning) or a denominator
+    ``<= 0``, i.e. bimodal scores (``bimodal`` alert).
 
     Args:
         head: qualified name of the ``nn.Linear`` producing the logits; default: the last
@@ -94,7 +99,8 @@ class GradientWeightAlignmentMonitor(Monitor):
             outside the selection window (paper: 10%).
         warmup_epochs: number of epochs outside the window; overrides ``warmup_fraction``.
         finetune: open the window only after GWA's first dip (fine-tuning a pre-trained model).
-        mask_warmup: publish ``-inf`` as ``gwa/score`` in ``callback_metrics`` outside the window.
+        mask_warmup: keep ``gwa/score`` out of ``callback_metrics`` outside the window (loggers
+            still get it).
         ignore_index: integer target that marks a sample (token) to skip.
         histogram: write a histogram of the epoch's scores to TensorBoard loggers.
         every_n_steps: score the batches of every this many optimizer steps (1: all samples, the
@@ -171,7 +177,22 @@ class GradientWeightAlignmentMonitor(Monitor):
     # ------------------------------------------------------------------ identity / state
     @property
     def state_key(self) -> str:
+        return self._generate_state_key(
+            head=self.head, every_n_steps=self.every_n_steps, warmup_steps=self.warmup_steps, stop=self.stop
+        )
+
+    @property
+    def _legacy_state_key(self) -> str:  # type: ignore[override]
+        # the key of checkpoints written before warmup_steps was part of it (Lightning's fallback key)
         return self._generate_state_key(head=self.head, every_n_steps=self.every_n_steps, stop=self.stop)
+
+    def _reset_run_state(self) -> None:
+        super()._reset_run_state()
+        self.history = []
+        self.best_epoch = self.best_score = self.dip_epoch = self.stopped_epoch = None
+        self.wait = 0
+        self._fell = False
+        self._prev_score = self._prev_epoch = None
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -190,6 +211,7 @@ class GradientWeightAlignmentMonitor(Monitor):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        self._note_state_loaded()
         self.history = [dict(h) for h in state_dict.get("history", [])]
         self.best_epoch = state_dict.get("best_epoch")
         self.best_score = state_dict.get("best_score")
@@ -220,6 +242,32 @@ class GradientWeightAlignmentMonitor(Monitor):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._warmup_resolved = self._resolve_warmup(trainer)
+        self._check_score_consumers(trainer)
+
+    def _check_score_consumers(self, trainer: pl.Trainer) -> None:
+        """Warn about Lightning callbacks on ``gwa/score`` that fail while the key has no value: it
+        is absent from ``callback_metrics`` until the first selectable epoch (no placeholder)."""
+        from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+        in_window = trainer.current_epoch >= self._warmup_resolved and (not self.finetune or self.dip_epoch is not None)
+        if not self.mask_warmup or in_window:
+            return
+        key = self.key("score")
+        gap = f"epochs < {self._warmup_resolved}" + (" and until GWA's first dip" if self.finetune else "")
+        for cb in trainer.callbacks:
+            if isinstance(cb, EarlyStopping) and cb.monitor == key and cb.strict:
+                rank_zero_warn(
+                    f"EarlyStopping(monitor={key!r}) with strict=True raises at its first check: `{key}` is not in "
+                    f"trainer.callback_metrics during GWA's warm-up ({gap}). Pass `strict=False`: EarlyStopping "
+                    "then waits for the first score and counts from there."
+                )
+            elif isinstance(cb, ModelCheckpoint) and cb.monitor == key and cb.save_top_k != 0 and trainer.enable_validation:
+                rank_zero_warn(
+                    f"ModelCheckpoint(monitor={key!r}) with a validation loop raises after the first validation of "
+                    f"GWA's warm-up ({gap}): Lightning requires the monitored key once a validation loop has run, "
+                    f"and `{key}` has no value before the window opens. Without a validation loop it waits; with "
+                    "one, pass `warmup_epochs=0` or `mask_warmup=False` (warm-up epochs can then be kept)."
+                )
 
     def _resolve_warmup(self, trainer: pl.Trainer) -> int:
         """``warmup_epochs``, else ``ceil(warmup_fraction * planned epochs)``; the planned epochs come
@@ -557,12 +605,11 @@ class GradientWeightAlignmentMonitor(Monitor):
         if self.best_epoch is not None:
             metrics[self.key("best_epoch")] = float(self.best_epoch)
         if metrics:
-            self.log_metrics(trainer, metrics, step)
-        published = dict(metrics)
-        if record["score"] is None or (self.mask_warmup and not eligible):
-            published[self.key("score")] = -math.inf
-        for key, value in published.items():
-            trainer.callback_metrics[key] = torch.tensor(value, dtype=torch.float32)
+            # loggers get every defined score; callback_metrics only a selectable one: outside the
+            # window (with mask_warmup) the key is left as it was, absent before the first
+            # selectable epoch and the last selectable score after it (no placeholder value)
+            masked = self.mask_warmup and not eligible
+            self.log_metrics(trainer, metrics, step, loggers_only=(self.key("score"),) if masked else ())
         if count >= _MIN_SAMPLES and self._want_histogram and trainer.global_rank == 0:
             self._write_histogram(trainer, hist, lo, hi, count, state, step)
         if self.suspects > 0 and self.index_fn is not None and trainer.global_rank == 0 and count > 0:

@@ -61,6 +61,11 @@ def _layer_of(param_name: str) -> str:
 class GradientNoiseScaleMonitor(Monitor):
     """Logs the gradient noise scale ``B_simple`` and alerts when the batch size is far from it.
 
+    It measures the parameters that require a gradient. When that set changes during the run
+    (:class:`~lightning_monitor.GradientEarlyStopping` froze a component, a resumed run re-froze them,
+    a layer was unfrozen), the next due step re-reads it before arming its hooks; the estimate and
+    ``gns/<layer>/b_simple`` keys then describe the parameters still trained.
+
     Args:
         method: ``"auto"`` (``"ddp"`` with >= 2 ranks, else ``"accumulation"`` when
             ``accumulate_grad_batches > 1``, else ``"per_example"``), ``"per_example"``, ``"ddp"`` or
@@ -138,10 +143,28 @@ class GradientNoiseScaleMonitor(Monitor):
         self._small: dict[str, Tensor] = {}  # accumulation / ddp: per-param sum of small-batch sq norms
         self._ddp_registered = False
         self._warned_single = False
+        self._module: Optional[nn.Module] = None  # the model, to re-read the trainable set at arming
+        self._flags: tuple[bool, ...] = ()  # requires_grad of every parameter when last selected
+        self._measurable = False  # something trainable is measured (else checks are skipped)
 
     @property
     def state_key(self) -> str:
+        return self._generate_state_key(
+            method=self.method, every_n_steps=self.every_n_steps, warmup_steps=self.warmup_steps,
+            include=self.include, exclude=self.exclude,
+        )
+
+    @property
+    def _legacy_state_key(self) -> str:  # type: ignore[override]
+        # the key of checkpoints written before the selection was part of it (Lightning's fallback key)
         return self._generate_state_key(method=self.method, every_n_steps=self.every_n_steps, warmup_steps=self.warmup_steps)
+
+    def _reset_run_state(self) -> None:
+        super()._reset_run_state()
+        self.ema = NoiseScaleEMA(self.beta)
+        self.layer_ema = {}
+        self.resolved_method = None
+        self._reset_runtime()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -152,6 +175,7 @@ class GradientNoiseScaleMonitor(Monitor):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        self._note_state_loaded()
         if "ema" in state_dict:
             self.ema.load_state_dict(state_dict["ema"])
         self.layer_ema = {}
@@ -197,31 +221,59 @@ class GradientNoiseScaleMonitor(Monitor):
             )
         self.resolved_method = method
 
+        self._module = pl_module
+        self._select(pl_module, initial=True)
+
+    @staticmethod
+    def _trainable_flags(pl_module: nn.Module) -> tuple[bool, ...]:
+        return tuple(p.requires_grad for p in pl_module.parameters())
+
+    def _select(self, pl_module: nn.Module, initial: bool) -> None:
+        """Read what this monitor measures: the trainable parameters, the per-example probe over them and
+        the per-layer groups. At setup, and again at arming when ``requires_grad`` flags changed since (a
+        parameter frozen by GradientEarlyStopping or by the user, or unfrozen): no hook is registered on a
+        parameter that no longer requires a gradient, and newly trainable ones are measured too. Mid-run,
+        nothing left to measure is not an error: checks are skipped until something is."""
+        self._flags = self._trainable_flags(pl_module)
+        self._probe = None
+        self._layers = {}
+        self._measurable = False
         self._params = {n: p for n, p in pl_module.named_parameters() if p.requires_grad}
         if not self._params:
-            raise ValueError("GradientNoiseScaleMonitor: the model has no trainable parameters.")
+            if initial:
+                raise ValueError("GradientNoiseScaleMonitor: the model has no trainable parameters.")
+            log.info("GradientNoiseScaleMonitor: no trainable parameter is left; checks are skipped.")
+            return
         selected = self._selected_layers(pl_module)
-        if method == "per_example":
-            self._probe = PerExampleGradNorms(
+        if self.resolved_method == "per_example":
+            probe = PerExampleGradNorms(
                 pl_module,
                 loss_reduction=self.loss_reduction,
                 linear_strategy=self.linear_strategy,
                 include=(lambda name, mod: name in selected) if (self.include or self.exclude) else None,
             )
-            if not self._probe.covered:
-                raise ValueError(
-                    "GradientNoiseScaleMonitor(method='per_example'): no parameter of the model is covered by "
-                    f"per-example hooks (uncovered: {self._probe.uncovered[:8]}); use method='ddp' or "
-                    "'accumulation', or widen `include`."
+            if not probe.covered:
+                if initial:
+                    raise ValueError(
+                        "GradientNoiseScaleMonitor(method='per_example'): no parameter of the model is covered by "
+                        f"per-example hooks (uncovered: {probe.uncovered[:8]}); use method='ddp' or "
+                        "'accumulation', or widen `include`."
+                    )
+                log.info(
+                    "GradientNoiseScaleMonitor: no trainable parameter left is covered by per-example hooks "
+                    "(uncovered: %s); checks are skipped.", ", ".join(probe.uncovered[:6]),
                 )
-            if self._probe.uncovered:
+                return
+            if probe.uncovered and initial:
                 log.info(
                     "GradientNoiseScaleMonitor: per-example norms leave out %d parameter(s) (%s); the noise scale "
-                    "is that of the covered ones.", len(self._probe.uncovered), ", ".join(self._probe.uncovered[:6]),
+                    "is that of the covered ones.", len(probe.uncovered), ", ".join(probe.uncovered[:6]),
                 )
-            names = self._probe.covered
+            self._probe = probe
+            names = probe.covered
         else:
             names = list(self._params)
+        self._measurable = True
         if self.per_layer:
             layers: dict[str, list[str]] = defaultdict(list)
             for n in names:
@@ -272,6 +324,13 @@ class GradientNoiseScaleMonitor(Monitor):
         self._micro_batches = 0
         self._micro_sizes = []
         self._small = {}
+        # the trainable set may have changed since the last selection (GradientEarlyStopping froze a
+        # component, a resumed run re-froze them, the user unfroze a layer): re-read it. Comparing the
+        # flags costs one attribute read per parameter, on due steps only.
+        if self._module is not None and self._trainable_flags(self._module) != self._flags:
+            self._select(self._module, initial=False)
+        if not self._measurable:
+            return
         if self.resolved_method == "per_example":
             assert self._probe is not None
             self._probe.reset()
@@ -330,6 +389,8 @@ class GradientNoiseScaleMonitor(Monitor):
         return scale.detach().float() if isinstance(scale, Tensor) else None
 
     def _check(self, trainer: pl.Trainer, step: int) -> None:
+        if not self._measurable:
+            return
         method = self.resolved_method
         world = trainer.world_size
         accumulate = max(self._micro_batches, 1)

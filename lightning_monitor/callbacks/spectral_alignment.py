@@ -214,6 +214,14 @@ class SpectralAlignmentMonitor(Monitor):
     def state_key(self) -> str:
         return self._generate_state_key(
             every_n_steps=self.every_n_steps, warmup_steps=self.warmup_steps, include=self.include,
+            exclude=self.exclude, head=self.head,
+        )
+
+    @property
+    def _legacy_state_key(self) -> str:  # type: ignore[override]
+        # the key of checkpoints written before ``head`` was part of it (Lightning's fallback key)
+        return self._generate_state_key(
+            every_n_steps=self.every_n_steps, warmup_steps=self.warmup_steps, include=self.include,
             exclude=self.exclude,
         )
 
@@ -232,6 +240,7 @@ class SpectralAlignmentMonitor(Monitor):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        self._note_state_loaded()
         self._vectors = {k: torch.as_tensor(v) for k, v in state_dict.get("vectors", {}).items()}
         self._history = {k: [float(x) for x in v] for k, v in state_dict.get("history", {}).items()}
         self._n_checks = int(state_dict.get("n_checks", 0))
@@ -241,6 +250,13 @@ class SpectralAlignmentMonitor(Monitor):
         self._sampler_state = state_dict.get("sampler", {})
         if self._capture is not None and self._sampler_state:
             self._capture.load_state_dict(self._sampler_state)
+
+    def _reset_run_state(self) -> None:
+        super()._reset_run_state()
+        self._vectors, self._history, self._sigma_history = {}, {}, []
+        self._n_checks = self._streak = self._growth_streak = 0
+        self._sampler_state = {}
+        self._armed_step = self._last_check = None
 
     # ------------------------------------------------------------------ setup
     def select_layers(self, model: nn.Module) -> dict[str, nn.Linear]:
