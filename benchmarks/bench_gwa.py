@@ -237,7 +237,7 @@ def paired_overhead(reps: int, epochs: int, make_model: Any, make_loader: Any) -
             seed_everything(rep, verbose=False)
             model, loader = make_model(), make_loader()
             timer = LoopTimer()
-            gwa = TimedGWA(index_fn=lambda b: b[2], suspects=200, histogram=False) if mode == "gwa" else None
+            gwa = TimedGWA(index_fn=lambda b: b[2], suspects=200, log_histograms=False) if mode == "gwa" else None
             with tempfile.TemporaryDirectory() as root:
                 trainer([gwa, timer] if gwa else [timer], epochs, root=root).fit(model, loader)
             times[mode] = timer.elapsed
@@ -339,7 +339,7 @@ def isolated_step_cost(args, batch_size: int, blocks: int = 15, n: int = 400) ->
     """Median extra microseconds per step of the monitor's per-step work: the head's forward with the
     monitor armed (targets, indices, hook, kept tensors) minus the plain forward, in interleaved blocks."""
     model = Net(args.model, args.opt)
-    gwa = GradientWeightAlignmentMonitor(index_fn=lambda b: b[2], suspects=200, histogram=False)
+    gwa = GradientWeightAlignmentMonitor(index_fn=lambda b: b[2], suspects=200, log_histograms=False)
     gwa._head_name, gwa._head = "head", model.head
     gwa._reset_epoch(None)
     x, y, idx = torch.randn(batch_size, 64), torch.randint(0, 10, (batch_size,)), torch.arange(batch_size)

@@ -29,7 +29,7 @@ Definitions (all steps are optimizer steps, ``trainer.global_step`` of the batch
 * **suite step**: the first of the SA monitor's alerts (any kind), the ``z = 8`` gradient-norm rule and
   the loss-creep rule.
 * **guard_warning / guard_critical**: first warning / critical alert of a ``DivergenceGuard(action="warn",
-  check_every_n_steps=<every>)`` attached to the same run (defaults otherwise: robust loss and
+  every_n_steps=<every>)`` attached to the same run (defaults otherwise: robust loss and
   gradient-norm spikes, loss creep, corroboration of its warnings by SA's warnings).
 * **suite_first / suite_critical**: first warning-or-critical / first critical alert of any monitor in
   the run (SA and the guard together): what a user of the suite sees, and when a guard with
@@ -290,7 +290,7 @@ def run(setting: Setting, seed: int, every: int, steps_override: Optional[int] =
     module = GPTModule(cfg, lr=setting.lr, lr_end=setting.lr_end, ramp_steps=setting.ramp_steps)
     monitor = SpectralAlignmentMonitor(every_n_steps=every, warmup_steps=WARMUP)
     # the suite as a user runs it: the guard (warn only, so the run goes on to its explosion) beside SA
-    guard = DivergenceGuard(action="warn", check_every_n_steps=every)
+    guard = DivergenceGuard(action="warn", every_n_steps=every)
     layers = monitor.select_layers(module)
     rec = Recorder(layers)
     steps = steps_override or setting.steps

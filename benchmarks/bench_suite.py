@@ -61,7 +61,7 @@ def suite(clock: list) -> list[Callback]:
     return [timed(cb, clock) for cb in (
         lm.SpectralAlignmentMonitor(),
         lm.GradientNoiseScaleMonitor(),
-        lm.GradientWeightAlignmentMonitor(histogram=False),
+        lm.GradientWeightAlignmentMonitor(log_histograms=False),
         lm.DivergenceGuard(),
     )]
 

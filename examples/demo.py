@@ -35,7 +35,7 @@ def suite() -> list[pl.Callback]:
     return [
         lm.SpectralAlignmentMonitor(every_n_steps=5, warmup_steps=50),
         lm.GradientNoiseScaleMonitor(every_n_steps=20),
-        lm.GradientWeightAlignmentMonitor(every_n_steps=5, histogram=True),  # tokens are the samples
+        lm.GradientWeightAlignmentMonitor(every_n_steps=5, log_histograms=True),  # tokens are the samples
         lm.DivergenceGuard(every_n_steps=5),  # rolls back to the last good state, halving the learning rate
     ]
 

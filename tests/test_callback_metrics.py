@@ -218,7 +218,7 @@ def test_early_stopping_on_gwa_score_waits_through_warmup(tmp_path, validation: 
     warm-up (the old placeholder stopped the run after epoch 0), stops by the same rule as stop=True."""
     torch.manual_seed(2)
     warmup, patience = 3, 2
-    gwa = GradientWeightAlignmentMonitor(warmup_epochs=warmup, histogram=False)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=warmup, log_histograms=False)
     es = EarlyStopping(monitor=GWA, mode="max", strict=False, patience=patience)
     seen = Seen(GWA)
     trainer = _trainer(tmp_path, [gwa, es, seen], max_epochs=30, enable_checkpointing=False)
@@ -243,7 +243,7 @@ def test_early_stopping_on_gwa_score_as_written_without_warmup(tmp_path) -> None
     """``EarlyStopping(monitor="gwa/score", mode="max")`` with Lightning's defaults (strict,
     check_finite) and ModelCheckpoint together, with a validation loop: no warm-up, no warning."""
     torch.manual_seed(3)
-    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, histogram=False)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False)
     es = EarlyStopping(monitor=GWA, mode="max")
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ck"), monitor=GWA, mode="max", filename="{epoch}", save_top_k=-1)
     with warnings.catch_warnings():
@@ -260,7 +260,7 @@ def test_early_stopping_on_gwa_score_as_written_without_warmup(tmp_path) -> None
 
 def test_checkpoint_on_gwa_score_without_validation_skips_warmup(tmp_path) -> None:
     torch.manual_seed(4)
-    gwa = GradientWeightAlignmentMonitor(warmup_epochs=2, histogram=False)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=2, log_histograms=False)
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ck"), monitor=GWA, mode="max", filename="{epoch}", save_top_k=-1)
     _trainer(tmp_path, [gwa, ckpt], max_epochs=5).fit(Digits(), _digits_loader())
     # nothing saved for the warm-up epochs (no score, no placeholder); every windowed epoch with its score
@@ -272,19 +272,19 @@ def test_checkpoint_on_gwa_score_without_validation_skips_warmup(tmp_path) -> No
 
 
 def test_consumers_that_fail_during_warmup_are_warned_about(tmp_path) -> None:
-    gwa = GradientWeightAlignmentMonitor(warmup_epochs=1, histogram=False)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=1, log_histograms=False)
     es = EarlyStopping(monitor=GWA, mode="max")  # strict=True: Lightning raises on the missing key
     with pytest.warns(UserWarning, match="strict=False"), pytest.raises(RuntimeError, match="not available"):
         _trainer(tmp_path, [gwa, es], max_epochs=3, enable_checkpointing=False).fit(Digits(), _digits_loader())
     # ModelCheckpoint with a validation loop: Lightning requires the key once validation has run
-    gwa = GradientWeightAlignmentMonitor(warmup_epochs=1, histogram=False)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=1, log_histograms=False)
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ck"), monitor=GWA, mode="max")
     with pytest.warns(UserWarning, match="warmup_epochs=0"), pytest.raises(MisconfigurationException):
         _trainer(tmp_path, [gwa, ckpt], max_epochs=3).fit(
             Digits(), _digits_loader(), _digits_loader(100, shuffle=False, seed=1)
         )
     # the same with mask_warmup=False (every defined score published): works, and no warning
-    gwa = GradientWeightAlignmentMonitor(warmup_epochs=1, histogram=False, mask_warmup=False)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=1, log_histograms=False, mask_warmup=False)
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ck2"), monitor=GWA, mode="max")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*gwa/score.*")
@@ -358,7 +358,7 @@ def test_ddp_every_rank_gets_the_keys_and_decides_together(tmp_path) -> None:
     """Two ranks, EarlyStopping on gwa/score (reduced, the same on both ranks) and on a per-rank SA
     value: both reduce their decision across ranks, which would hang if a rank lacked the key."""
     torch.manual_seed(6)
-    gwa = GradientWeightAlignmentMonitor(warmup_epochs=1, histogram=False)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=1, log_histograms=False)
     sa = SpectralAlignmentMonitor(every_n_steps=2)
     callbacks = [
         gwa,

@@ -352,8 +352,8 @@ def test_two_spectral_monitors_with_checkpointing_and_resume(tmp_path, tiny_gpt)
     "make",
     [
         lambda: [GradientNoiseScaleMonitor(include="model.blocks.*"), GradientNoiseScaleMonitor(include="model.lm_head")],
-        lambda: [GradientEarlyStopping(grace_steps=2, components="*.attn.*"),
-                 GradientEarlyStopping(grace_steps=2, components="*.mlp.*")],
+        lambda: [GradientEarlyStopping(grace_steps=2, include="*.attn.*"),
+                 GradientEarlyStopping(grace_steps=2, include="*.mlp.*")],
         lambda: [GradientWeightAlignmentMonitor(warmup_fraction=0.0),
                  GradientWeightAlignmentMonitor(warmup_fraction=0.0, warmup_steps=4)],
         lambda: [SpectralAlignmentMonitor(head=None), SpectralAlignmentMonitor()],

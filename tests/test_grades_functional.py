@@ -119,7 +119,7 @@ def test_explicit_patterns_can_ask_for_embeddings_and_head() -> None:
 
 def test_no_component_found_lists_module_names() -> None:
     model = nn.ModuleDict({"emb": nn.Embedding(5, 4), "norm": nn.LayerNorm(4), "head": nn.Linear(4, 5)})
-    with pytest.raises(ValueError, match=r"no trainable component.*`components=\[\.\.\.\]`.*'emb', 'norm', 'head'"):
+    with pytest.raises(ValueError, match=r"no trainable component.*`include=\[\.\.\.\]`.*'emb', 'norm', 'head'"):
         find_components(model)
 
 

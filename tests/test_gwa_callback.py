@@ -159,7 +159,7 @@ def test_checkpoint_with_validation_loop_sees_this_epochs_score(tmp_path) -> Non
     model = DigitsMLP(record=False)
     loader, _ = _loader()
     val, _ = _loader(200, shuffle=False)
-    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, histogram=False)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False)
     ckpt = ModelCheckpoint(
         dirpath=str(tmp_path / "ckpt"), monitor="gwa/score", mode="max", filename="{epoch}", save_top_k=-1
     )
@@ -196,7 +196,7 @@ def test_warmup_masks_checkpoint_and_early_stopping_stops(tmp_path) -> None:
     torch.manual_seed(2)
     model = DigitsMLP(record=False, lr=0.3)
     loader, _ = _loader(400, batch_size=50)
-    gwa = GradientWeightAlignmentMonitor(stop=True, patience=2, warmup_fraction=0.1, histogram=False)
+    gwa = GradientWeightAlignmentMonitor(stop=True, patience=2, warmup_fraction=0.1, log_histograms=False)
     seen = SeenScores()
     trainer = _trainer(tmp_path, TensorBoardLogger(str(tmp_path), name="tb"), [gwa, seen], max_epochs=30)
     trainer.fit(model, loader)
@@ -290,7 +290,7 @@ def test_sequence_tokens_are_samples_and_ignored_tokens_skipped(tmp_path) -> Non
 
 def test_gpt_example_lm_head_found(tmp_path, tiny_gpt) -> None:
     module, loader = tiny_gpt(batch_size=4, n_samples=32)
-    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, histogram=False)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False)
     trainer = _trainer(tmp_path, CSVLogger(str(tmp_path)), [gwa], max_epochs=1, limit_train_batches=3)
     trainer.fit(module, loader)
     assert gwa._head_name == "model.lm_head"
@@ -331,7 +331,7 @@ def test_bad_constructor_and_setup_arguments(tmp_path) -> None:
             DigitsMLP(record=False), loader
         )
     # max_steps instead of max_epochs: 10% of the planned epochs (40 steps of 4 per epoch = 10 epochs)
-    gwa = GradientWeightAlignmentMonitor(histogram=False)
+    gwa = GradientWeightAlignmentMonitor(log_histograms=False)
     _trainer(tmp_path, False, [gwa], max_epochs=-1, max_steps=40).fit(
         DigitsMLP(record=False), _loader(100, batch_size=25)[0]
     )
@@ -465,7 +465,7 @@ class RankDump(Callback):
 def test_ddp_moments_and_stop_decision_are_reduced(tmp_path) -> None:
     torch.manual_seed(5)
     loader, _ = _loader(400, batch_size=50, shuffle=False)
-    gwa = GradientWeightAlignmentMonitor(stop=True, patience=1, warmup_epochs=0, histogram=False)
+    gwa = GradientWeightAlignmentMonitor(stop=True, patience=1, warmup_epochs=0, log_histograms=False)
     trainer = _trainer(
         tmp_path,
         False,
@@ -489,7 +489,7 @@ def test_bf16_autocast_recomputes_wz_in_fp32(tmp_path) -> None:
     torch.manual_seed(6)
     model = DigitsMLP(record=False)
     loader, _ = _loader(200, batch_size=50)
-    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, histogram=False)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False)
     _trainer(tmp_path, False, [gwa], max_epochs=1, precision="bf16-mixed").fit(model, loader)
     rec = gwa.history[0]
     assert rec["count"] == 200 and math.isfinite(rec["score"]) and -1 <= rec["mean"] <= 1

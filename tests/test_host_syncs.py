@@ -91,6 +91,6 @@ def test_gwa_scores_every_step_without_syncing_until_epoch_end(tmp_path, tiny_gp
     from lightning_monitor import GradientWeightAlignmentMonitor
 
     module, loader = tiny_gpt(n_samples=8 * 12)  # 12 steps per epoch
-    counts = run_counting([GradientWeightAlignmentMonitor(histogram=False)], module, loader, 36, tmp_path)
+    counts = run_counting([GradientWeightAlignmentMonitor(log_histograms=False)], module, loader, 36, tmp_path)
     assert counts, "the epoch-end report should transfer values"
     assert all(step % 12 == 0 for step in counts), sorted(counts)  # global_step after each epoch: 12, 24, 36

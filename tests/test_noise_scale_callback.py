@@ -119,7 +119,7 @@ def test_regression_b_simple_and_alerts(tmp_path) -> None:
     model = Regression()
     truth = model.truth()
     loader = DataLoader(RegressionData(4 * 2000), batch_size=4, shuffle=False)
-    mon = GradientNoiseScaleMonitor(every_n_steps=1, beta=0.98, alert_ratio=2.0, min_checks=5)
+    mon = GradientNoiseScaleMonitor(every_n_steps=1, smoothing=0.98, alert_ratio=2.0, min_checks=5)
     trainer, lg = fit(model, [mon], tmp_path, loader, max_steps=400, logger="csv")
     rows = list(__import__("csv").DictReader(open(os.path.join(lg.log_dir, "metrics.csv"))))
     values = [float(r["gns/b_simple"]) for r in rows if r.get("gns/b_simple")]
@@ -138,7 +138,7 @@ def test_accumulation_method_agrees_with_truth(tmp_path) -> None:
     model = Regression()
     truth = model.truth()
     loader = DataLoader(RegressionData(8 * 4 * 300, seed=1), batch_size=8)
-    mon = GradientNoiseScaleMonitor(every_n_steps=1, beta=0.98)
+    mon = GradientNoiseScaleMonitor(every_n_steps=1, smoothing=0.98)
     fit(model, [mon], tmp_path, loader, max_steps=250, accumulate_grad_batches=4)
     assert mon.resolved_method == "accumulation"
     assert mon.ema.b_simple == pytest.approx(truth, rel=0.2)
@@ -153,7 +153,7 @@ def test_amp_loss_scale_is_divided_out(tmp_path, accumulate: int) -> None:
     model = Regression()
     truth = model.truth()
     plugin = MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
-    mon = GradientNoiseScaleMonitor(every_n_steps=1, beta=0.98)
+    mon = GradientNoiseScaleMonitor(every_n_steps=1, smoothing=0.98)
     fit(model, [mon], tmp_path, DataLoader(RegressionData(16 * 2 * 150), batch_size=16), max_steps=150,
         logger="csv", plugins=[plugin], accumulate_grad_batches=accumulate)
     assert mon.resolved_method == ("per_example" if accumulate == 1 else "accumulation")
@@ -205,7 +205,7 @@ def test_state_dict_round_trip() -> None:
     "kwargs,match",
     [
         ({"method": "fast"}, "method"),
-        ({"beta": 1.0}, "beta"),
+        ({"smoothing": 1.0}, "smoothing"),
         ({"alert_ratio": 1.0}, "alert_ratio"),
         ({"min_checks": 0}, "min_checks"),
         ({"every_n_steps": 0}, "every_n_steps"),
@@ -250,7 +250,7 @@ def test_ddp_method_agrees_with_per_example(tmp_path) -> None:
     model = DDPRegression(str(tmp_path))
     truth = model.truth()
     data = RegressionData(16 * 2 * 200, seed=3)
-    mon = GradientNoiseScaleMonitor(every_n_steps=1, beta=0.98)
+    mon = GradientNoiseScaleMonitor(every_n_steps=1, smoothing=0.98)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=150, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=[mon],
@@ -261,7 +261,7 @@ def test_ddp_method_agrees_with_per_example(tmp_path) -> None:
     assert res[0]["b_simple"] == pytest.approx(res[1]["b_simple"])  # all ranks agree
     # per-example on one process, same global batch of 32 examples
     single = Regression()
-    mon1 = GradientNoiseScaleMonitor(every_n_steps=1, beta=0.98)
+    mon1 = GradientNoiseScaleMonitor(every_n_steps=1, smoothing=0.98)
     fit(single, [mon1], tmp_path / "single", DataLoader(data, batch_size=32), max_steps=150, logger="csv")
     assert mon1.resolved_method == "per_example"
     # within noise: both estimates of the same closed-form truth

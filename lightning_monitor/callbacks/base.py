@@ -17,9 +17,12 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+import warnings
 import weakref
-from collections.abc import Collection, Mapping
-from typing import Any, Optional, Union
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, Optional, TypeVar, Union
 
 import lightning.pytorch as pl
 import torch
@@ -38,8 +41,48 @@ def _callback_metrics_store(trainer: pl.Trainer) -> dict[str, Any]:
     """The dict behind ``trainer.callback_metrics``. Reading that property first folds in the values
     the LightningModule logged, converting its progress-bar values with ``.item()`` (a host sync
     each); the connector's dict is the same object without that. Falls back to the property."""
-    store = getattr(getattr(trainer, "_logger_connector", None), "_callback_metrics", None)
-    return store if isinstance(store, dict) else trainer.callback_metrics
+    from lightning_monitor._compat import callback_metrics_store  # the private read lives there
+
+    return callback_metrics_store(trainer)
+
+
+_Init = TypeVar("_Init", bound=Callable[..., None])
+
+
+def deprecated_aliases(**aliases: str) -> Callable[[_Init], _Init]:
+    """Decorator of a monitor's ``__init__``: each ``old="new"`` makes the keyword ``old`` a deprecated
+    alias of the argument ``new`` (the suite's one vocabulary, see the README). Passing ``old`` emits a
+    ``DeprecationWarning`` and passes its value as ``new``; passing both (``new`` by keyword or by
+    position) raises a ``ValueError``. The aliases stay one release.
+    """
+
+    def wrap(init: _Init) -> _Init:
+        signature = inspect.signature(init)
+        for new in aliases.values():
+            if new not in signature.parameters:
+                raise TypeError(f"{init.__qualname__} has no argument {new!r} to alias.")
+
+        @functools.wraps(init)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+            for old, new in aliases.items():
+                if old not in kwargs:
+                    continue
+                value = kwargs.pop(old)
+                owner = type(self).__name__
+                if new in kwargs or new in signature.bind_partial(self, *args).arguments:
+                    raise ValueError(f"{owner}: pass `{new}` only; `{old}` is its deprecated alias.")
+                warnings.warn(
+                    f"{owner}(`{old}`=...) is deprecated and will be removed in the next release: use `{new}`.",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                kwargs[new] = value
+            init(self, *args, **kwargs)
+
+        wrapper.deprecated_aliases = dict(aliases)  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    return wrap
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import warnings
 from collections import deque
 from typing import Any, Literal, Optional, Union
 
@@ -14,8 +13,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from lightning_monitor._compat import grad_scaler_scale
 from lightning_monitor.alerts import Alert, alerts_dir
-from lightning_monitor.callbacks.base import Monitor, _check_int
+from lightning_monitor.callbacks.base import Monitor, _check_int, deprecated_aliases
 from lightning_monitor.functional.robust import MAD_TO_STD, median
 from lightning_monitor.snapshot import TrainingSnapshot, scale_learning_rates
 
@@ -149,9 +149,12 @@ class DivergenceGuard(Monitor):
     steps stay monotonic, ``max_steps`` keeps counting, and the skipped batches are simply not learned from.
 
     Args:
-        action: ``"rollback"``, ``"stop"`` or ``"warn"``.
-        every_n_steps: steps between host checks (the detection latency bound).
-        warmup_steps: no check before this step.
+        action: what the guard may do on a critical decision: ``"rollback"``, ``"stop"`` or ``"warn"``
+            (alerts only). The guard keeps a mode rather than the suite's boolean ``stop`` because it has
+            three.
+        every_n_steps: steps between host checks (the detection latency bound). Deprecated alias:
+            ``check_every_n_steps``.
+        warmup_steps: no check before this optimizer step.
         snapshot_every_n_checks: checks between snapshots (a snapshot every ``snapshot_every_n_checks *
             every_n_steps`` steps, 50 by default); ``None``: no snapshots (a stop then saves the current
             state, no data-shift test, no rollback).
@@ -167,12 +170,13 @@ class DivergenceGuard(Monitor):
         min_history: normal values a series needs before its z-score is judged.
         window: length of that history.
         z_threshold: robust z-score above which a value is anomalous.
-        patience: consecutive anomalous steps that make an explosion.
+        patience: consecutive anomalous steps that make an explosion. Counted in optimizer steps, not
+            checks: the guard judges every step's loss (buffered on the device between checks).
         loss_rel_floor: the loss deviation floor, as a fraction of the reference level.
         initial_floor: the loss deviation floor, and the creep floor, as a fraction of the initial loss.
         blowup: a loss above ``blowup`` times the initial loss is anomalous whatever its history.
         creep: relative rise of the smoothed loss over its minimum that warns (``None``: off).
-        smoothing: decay of that moving average, per step.
+        smoothing: decay of that moving average, per step (``m = smoothing * m + (1 - smoothing) * loss``).
         attribute: test whether a loss explosion is the weights' doing before acting (see above).
         zero_nonfinite_grads: zero non-finite gradients on the device every step.
         act_on_alerts: act on critical alerts of other monitors too.
@@ -187,6 +191,7 @@ class DivergenceGuard(Monitor):
 
     name = "guard"
 
+    @deprecated_aliases(check_every_n_steps="every_n_steps")
     def __init__(
         self,
         action: Action = "rollback",
@@ -214,11 +219,7 @@ class DivergenceGuard(Monitor):
         corroborate: bool = False,
         corroborate_with: tuple[str, ...] = ("sa/collapse", "sa/sigma_growth"),
         dirpath: Optional[str] = None,
-        check_every_n_steps: Optional[int] = None,
     ) -> None:
-        if check_every_n_steps is not None:
-            warnings.warn("`check_every_n_steps` is deprecated: use `every_n_steps`.", DeprecationWarning, stacklevel=2)
-            every_n_steps = check_every_n_steps
         super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
         if action not in ("rollback", "stop", "warn"):
             raise ValueError(f"`action` must be 'rollback', 'stop' or 'warn', got {action!r}.")
@@ -371,7 +372,9 @@ class DivergenceGuard(Monitor):
         loss = loss.detach().float().sum()  # a [1, 1] loss, or a vector passed with its own gradient
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and scaler.is_enabled():
-            loss = loss / scaler._get_scale_async()
+            scale = grad_scaler_scale(scaler)  # no host sync
+            if scale is not None:
+                loss = loss / scale.to(loss.device)
         self._loss_acc = loss if self._loss_acc is None else self._loss_acc + loss
 
     @torch.no_grad()

@@ -4,6 +4,7 @@ when all are frozen (Wen et al., arXiv 2509.01842)."""
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal, Optional, Union
 
@@ -11,7 +12,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_monitor.callbacks.base import Monitor, _check_int
+from lightning_monitor.callbacks.base import Monitor, _check_int, deprecated_aliases
 from lightning_monitor.functional.grades import (
     Component,
     ema_update,
@@ -51,7 +52,7 @@ class GradientEarlyStopping(Monitor):
     A *component* is one weight matrix of a transformer block: attention q/k/v/o (or a fused qkv),
     MLP gate/up/down (or fc/proj), or a LoRA adapter; found by name
     (:func:`~lightning_monitor.functional.grades.find_components`) or given as glob patterns
-    (``components``). Every ``every_n_steps`` optimizer steps, in ``on_before_optimizer_step``
+    (``include``). Every ``every_n_steps`` optimizer steps, in ``on_before_optimizer_step``
     (gradients unscaled under AMP, not yet clipped, already all-reduced under DDP), on the device:
 
     * ``criterion="grad"`` (the paper): :math:`s_c = \operatorname{mean}_{ij} |\partial L / \partial W_{ij}|`;
@@ -91,19 +92,29 @@ class GradientEarlyStopping(Monitor):
         threshold: ``"relative"`` or ``"absolute"``.
         grace_fraction: fraction of the planned optimizer steps in [0, 1) before any freeze.
         grace_steps: grace period in optimizer steps; overrides ``grace_fraction`` when given.
-        max_frozen_ratio: stop training when this fraction of components, in (0, 1], is frozen.
-        components: glob patterns of module names to use as components instead of the naming schemes.
+        max_frozen_ratio: stop training when this fraction of components, in (0, 1], is frozen (with
+            ``stop=True``).
+        include: glob patterns of module names to use as components instead of the naming schemes.
+            Deprecated alias: ``components``.
         exclude: glob patterns of module names that are never components.
         reference_checks: number of first checks whose mean is the relative reference (>= 1).
-        smoothing: EMA coefficient in [0, 1) applied to the statistic before the comparison.
+        smoothing: EMA coefficient in [0, 1) applied to the statistic before the comparison, per check
+            (``m = smoothing * m + (1 - smoothing) * s``; 0 = the paper's raw value).
         log_stats: log ``grades/<component>/stat`` and ``/ratio`` at every check.
         every_n_steps: check every this many optimizer steps.
         warmup_steps: first check at this step (e.g. after an LR warm-up, so that the reference is
             not taken during it).
+        stop: whether the monitor may stop the run: stop training once ``max_frozen_ratio`` of the
+            components is frozen (default). ``False``: it only freezes (its own action, always on) and
+            training goes on with whatever is left trainable.
+
+    The monitor has no ``patience``: a component freezes at the first check past the grace period whose
+    smoothed statistic is below the threshold (``smoothing`` plays that role).
     """
 
     name = "grades"
 
+    @deprecated_aliases(components="include")
     def __init__(
         self,
         tau: float = 0.4,
@@ -112,13 +123,14 @@ class GradientEarlyStopping(Monitor):
         grace_fraction: float = 0.3,
         grace_steps: Optional[int] = None,
         max_frozen_ratio: float = 1.0,
-        components: Optional[Union[str, Sequence[str]]] = None,
+        include: Optional[Union[str, Sequence[str]]] = None,
         exclude: Optional[Union[str, Sequence[str]]] = None,
         reference_checks: int = 3,
         smoothing: float = 0.9,
         log_stats: bool = True,
         every_n_steps: int = 5,
         warmup_steps: int = 0,
+        stop: bool = True,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
@@ -140,8 +152,9 @@ class GradientEarlyStopping(Monitor):
         self.tau = float(tau)
         self.criterion: Criterion = criterion
         self.threshold: Threshold = threshold
-        self.component_patterns = components
+        self.include = include
         self.exclude = exclude
+        self.stop = bool(stop)
         self.log_stats = bool(log_stats)
 
         self._components: dict[str, Component] = {}
@@ -166,7 +179,8 @@ class GradientEarlyStopping(Monitor):
     def state_key(self) -> str:
         return self._generate_state_key(
             tau=self.tau, criterion=self.criterion, threshold=self.threshold,
-            components=_as_tuple(self.component_patterns), exclude=_as_tuple(self.exclude),
+            # `components=`: the key's name from before `include`, so older checkpoints still resume
+            components=_as_tuple(self.include), exclude=_as_tuple(self.exclude),
             every_n_steps=self.every_n_steps, warmup_steps=self.warmup_steps,
         )
 
@@ -188,6 +202,12 @@ class GradientEarlyStopping(Monitor):
         self._saved_names = []
         self._freeze_pending = False
         self._training = False
+
+    @property
+    def component_patterns(self) -> Optional[Union[str, Sequence[str]]]:
+        """Deprecated: the attribute is :attr:`include`."""
+        warnings.warn("`GradientEarlyStopping.component_patterns` is deprecated: use `.include`.", DeprecationWarning, stacklevel=2)
+        return self.include
 
     @property
     def components(self) -> list[str]:
@@ -251,7 +271,7 @@ class GradientEarlyStopping(Monitor):
             raise ValueError(
                 "GradientEarlyStopping: the checkpoint was written for other components "
                 f"({len(saved)}: {saved[:4]}...) than this model has ({len(self._names)}: {self._names[:4]}...). "
-                "Resume with the same model and the same `components`/`exclude` patterns."
+                "Resume with the same model and the same `include`/`exclude` patterns."
             )
         unknown = sorted(set(self.frozen) - set(self._names))
         if unknown:
@@ -273,7 +293,7 @@ class GradientEarlyStopping(Monitor):
                 "the run has no end (max_steps=-1 and max_epochs=-1). Set `Trainer(max_steps=...)`, or give the grace "
                 "period in steps with `grace_steps=...`, or use `grace_fraction=0`."
             )
-        found = find_components(pl_module, self.component_patterns, self.exclude, trainable_only=False)
+        found = find_components(pl_module, self.include, self.exclude, trainable_only=False)
         # a component frozen before the run (and not by us) is not ours to watch
         self._components = {n: c for n, c in found.items() if c.weight.requires_grad or n in self.frozen}
         if not self._components:
@@ -299,7 +319,17 @@ class GradientEarlyStopping(Monitor):
                 "sharded flat parameters cannot do per matrix. Use a single device or DDP."
             )
         if isinstance(strategy, DDPStrategy):
-            kwargs = getattr(strategy, "_ddp_kwargs", {}) or {}
+            from lightning_monitor._compat import ddp_kwargs
+
+            kwargs = ddp_kwargs(strategy)
+            if kwargs is None:  # this Lightning keeps them elsewhere: say what to check, do not guess
+                warnings.warn(
+                    "GradientEarlyStopping could not read the DDPStrategy's settings in this Lightning version; it "
+                    "freezes parameters mid-run, so make sure DDP runs with `find_unused_parameters=True` and "
+                    "without `static_graph`.",
+                    stacklevel=2,
+                )
+                return
             if kwargs.get("static_graph", False):
                 raise ValueError(
                     "GradientEarlyStopping freezes parameters mid-run, which changes the graph DDP's `static_graph=True` "
@@ -443,7 +473,9 @@ class GradientEarlyStopping(Monitor):
             return None
         previous = [self._snapshot[n] for n in active]
         stat = mean_abs_update(weights, previous, steps=max(1, step - self._snapshot_step))
-        torch._foreach_copy_(previous, weights)
+        from lightning_monitor._compat import foreach_copy_
+
+        foreach_copy_(previous, weights)
         self._snapshot_step = step
         return stat
 
@@ -459,6 +491,8 @@ class GradientEarlyStopping(Monitor):
             self._smoothed = self._smoothed.to(device)
 
     def _maybe_stop(self, trainer: pl.Trainer, step: int) -> None:
+        if not self.stop:  # the same on every rank: no collective skipped on one rank only
+            return
         done = self.frozen_fraction >= self.max_frozen_ratio
         done = bool(trainer.strategy.reduce_boolean_decision(done, all=False))
         if done and not trainer.should_stop:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional
 
@@ -19,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_monitor.alerts import _tensorboard_writer, alerts_dir
-from lightning_monitor.callbacks.base import Monitor, _check_int
+from lightning_monitor.callbacks.base import Monitor, _check_int, deprecated_aliases
 from lightning_monitor.functional.gwa import GWA_OFFSET, GWAMoments, alignment_from_parts
 
 __all__ = ["GradientWeightAlignmentMonitor", "default_target_fn"]
@@ -92,8 +93,10 @@ class GradientWeightAlignmentMonitor(Monitor):
         index_fn: ``batch -> [B]`` integer sample indices (e.g. dataset indices); enables the
             suspects file ``gwa_suspects.csv`` in the log directory.
         suspects: how many of the most negative samples (tokens) to write per epoch.
-        stop: stop training on GWA (see above).
-        patience: windowed epochs without improvement before stopping.
+        stop: whether the monitor may stop the run: stop training on GWA (see above). Off by default: the
+            monitor only logs and alerts.
+        patience: windowed epochs without improvement before stopping. Counted in epochs, not checks:
+            GWA is judged once per epoch.
         min_delta: improvement smaller than this does not count.
         warmup_fraction: fraction of the planned epochs (``max_epochs``, or ``max_steps`` in epochs)
             outside the selection window (paper: 10%).
@@ -102,7 +105,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         mask_warmup: keep ``gwa/score`` out of ``callback_metrics`` outside the window (loggers
             still get it).
         ignore_index: integer target that marks a sample (token) to skip.
-        histogram: write a histogram of the epoch's scores to TensorBoard loggers.
+        log_histograms: write a histogram of the epoch's scores to TensorBoard loggers. Deprecated alias:
+            ``histogram``.
         every_n_steps: score the batches of every this many optimizer steps (1: all samples, the
             paper's setting; larger values estimate the epoch's score from a subsample).
         warmup_steps: score nothing before this optimizer step.
@@ -110,6 +114,7 @@ class GradientWeightAlignmentMonitor(Monitor):
 
     name = "gwa"
 
+    @deprecated_aliases(histogram="log_histograms")
     def __init__(
         self,
         head: Optional[str] = None,
@@ -124,7 +129,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         finetune: bool = False,
         mask_warmup: bool = True,
         ignore_index: Optional[int] = -100,
-        histogram: bool = True,
+        log_histograms: bool = True,
         every_n_steps: int = 1,
         warmup_steps: int = 0,
     ) -> None:
@@ -150,7 +155,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         self.finetune = bool(finetune)
         self.mask_warmup = bool(mask_warmup)
         self.ignore_index = ignore_index
-        self.histogram = bool(histogram)
+        self.log_histograms = bool(log_histograms)
 
         # selection state (saved in checkpoints)
         self.history: list[dict[str, Any]] = []
@@ -171,8 +176,16 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._checked = False
         self._warmup_resolved = 0
         self._every_step = self.every_n_steps == 1 and self.warmup_steps == 0  # is_due() is always true
-        self._want_histogram = self.histogram
+        self._want_histogram = self.log_histograms
         self._reset_epoch(None)
+
+    @property
+    def histogram(self) -> bool:
+        """Deprecated: the attribute is :attr:`log_histograms`."""
+        warnings.warn(
+            "`GradientWeightAlignmentMonitor.histogram` is deprecated: use `.log_histograms`.", DeprecationWarning, stacklevel=2
+        )
+        return self.log_histograms
 
     # ------------------------------------------------------------------ identity / state
     @property
@@ -230,7 +243,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._head_name, self._head = self._find_head(pl_module)
         self._checked = False
         # the same on every rank (the loggers are), so the gathered layout agrees
-        self._want_histogram = self.histogram and any(isinstance(lg, TensorBoardLogger) for lg in trainer.loggers)
+        self._want_histogram = self.log_histograms and any(isinstance(lg, TensorBoardLogger) for lg in trainer.loggers)
         unbounded = (trainer.max_epochs is None or trainer.max_epochs < 0) and (
             trainer.max_steps is None or trainer.max_steps < 0
         )
@@ -528,8 +541,8 @@ class GradientWeightAlignmentMonitor(Monitor):
                 f"GradientWeightAlignmentMonitor: head `{self._head_name}` was not called in a training step; "
                 "nothing scored. Pass `head=` naming the layer that produces the logits."
             )
-        progress = trainer.fit_loop.epoch_loop.batch_progress
-        if progress.is_last_batch or progress.current.ready >= trainer.num_training_batches:
+        # the hook's batch_idx is the loop's batch count in this epoch minus one (also after a mid-epoch resume)
+        if trainer.is_last_batch or batch_idx + 1 >= trainer.num_training_batches:
             self._finish_epoch(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections import defaultdict
 from typing import Any, Literal, Optional
 
@@ -30,7 +31,7 @@ import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor, nn
 
-from lightning_monitor.callbacks.base import Monitor
+from lightning_monitor.callbacks.base import Monitor, deprecated_aliases
 from lightning_monitor.functional.noise_scale import NoiseScaleEMA, noise_scale_estimates
 from lightning_monitor.probes.per_example import PerExampleGradNorms
 from lightning_monitor.selection import Patterns, as_patterns, select_modules
@@ -47,8 +48,10 @@ def _sq_norms(tensors: list[Tensor]) -> Tensor:
     """Squared L2 norm of each tensor, fp32, stacked (one kernel per dtype/device group)."""
     if not tensors:
         return torch.zeros(0)
+    from lightning_monitor._compat import foreach_norm
+
     try:
-        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+        norms = foreach_norm(tensors, 2.0, dtype=torch.float32)
     except (TypeError, RuntimeError):  # older torch without dtype=
         norms = [torch.linalg.vector_norm(t.float()) for t in tensors]
     return torch.stack(list(norms)).pow(2)
@@ -72,7 +75,8 @@ class GradientNoiseScaleMonitor(Monitor):
             ``"accumulation"``.
         every_n_steps: check every this many optimizer steps.
         warmup_steps: no check before this optimizer step.
-        beta: EMA factor of the smoothed ``|G|^2`` and ``tr(Sigma)`` (per check, not per step).
+        smoothing: EMA factor of the smoothed ``|G|^2`` and ``tr(Sigma)``, in [0, 1) (per check, not per
+            step: ``m = smoothing * m + (1 - smoothing) * x``, bias-corrected). Deprecated alias: ``beta``.
         per_layer: also log ``gns/<layer>/b_simple`` for every layer with trainable parameters.
         include, exclude: glob patterns on module names restricting the per-layer keys (and, for
             ``"per_example"``, the modules hooked).
@@ -83,16 +87,19 @@ class GradientNoiseScaleMonitor(Monitor):
             examples of the batch (Lightning's default losses), ``"sum"`` if summed.
         linear_strategy: for ``"per_example"``: see :class:`~lightning_monitor.probes.per_example.PerExampleGradNorms`
             (``"auto"``, ``"fused"``, ``"gram"``, ``"materialize"``).
+
+    The monitor never stops or changes the run (it has no ``stop``); its alerts are advice (info).
     """
 
     name = "gns"
 
+    @deprecated_aliases(beta="smoothing")
     def __init__(
         self,
         method: Method = "auto",
         every_n_steps: int = 10,
         warmup_steps: int = 0,
-        beta: float = 0.9,
+        smoothing: float = 0.9,
         per_layer: bool = True,
         include: Patterns = None,
         exclude: Patterns = None,
@@ -104,8 +111,8 @@ class GradientNoiseScaleMonitor(Monitor):
         super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
         if method not in _METHODS:
             raise ValueError(f"`method` must be one of {_METHODS}, got {method!r}.")
-        if not (isinstance(beta, (int, float)) and 0.0 <= beta < 1.0):
-            raise ValueError(f"`beta` must be a float in [0, 1), got {beta!r}.")
+        if not (isinstance(smoothing, (int, float)) and 0.0 <= smoothing < 1.0):
+            raise ValueError(f"`smoothing` must be a float in [0, 1), got {smoothing!r}.")
         if not (isinstance(alert_ratio, (int, float)) and alert_ratio > 1.0):
             raise ValueError(f"`alert_ratio` must be a number > 1 (e.g. 10 for a factor of ten), got {alert_ratio!r}.")
         if isinstance(min_checks, bool) or not isinstance(min_checks, int) or min_checks < 1:
@@ -117,7 +124,7 @@ class GradientNoiseScaleMonitor(Monitor):
                 f"`linear_strategy` must be 'auto', 'fused', 'gram' or 'materialize', got {linear_strategy!r}."
             )
         self.method: Method = method
-        self.beta = float(beta)
+        self.smoothing = float(smoothing)
         self.per_layer = bool(per_layer)
         self.include = as_patterns(include, "include")
         self.exclude = as_patterns(exclude, "exclude")
@@ -127,7 +134,7 @@ class GradientNoiseScaleMonitor(Monitor):
         self.linear_strategy = linear_strategy
 
         self.resolved_method: Optional[str] = None
-        self.ema = NoiseScaleEMA(self.beta)
+        self.ema = NoiseScaleEMA(self.smoothing)
         self.layer_ema: dict[str, NoiseScaleEMA] = {}
         self._reset_runtime()
 
@@ -148,6 +155,12 @@ class GradientNoiseScaleMonitor(Monitor):
         self._measurable = False  # something trainable is measured (else checks are skipped)
 
     @property
+    def beta(self) -> float:
+        """Deprecated: the attribute is :attr:`smoothing`."""
+        warnings.warn("`GradientNoiseScaleMonitor.beta` is deprecated: use `.smoothing`.", DeprecationWarning, stacklevel=2)
+        return self.smoothing
+
+    @property
     def state_key(self) -> str:
         return self._generate_state_key(
             method=self.method, every_n_steps=self.every_n_steps, warmup_steps=self.warmup_steps,
@@ -161,7 +174,7 @@ class GradientNoiseScaleMonitor(Monitor):
 
     def _reset_run_state(self) -> None:
         super()._reset_run_state()
-        self.ema = NoiseScaleEMA(self.beta)
+        self.ema = NoiseScaleEMA(self.smoothing)
         self.layer_ema = {}
         self.resolved_method = None
         self._reset_runtime()
@@ -180,7 +193,7 @@ class GradientNoiseScaleMonitor(Monitor):
             self.ema.load_state_dict(state_dict["ema"])
         self.layer_ema = {}
         for k, v in state_dict.get("layer_ema", {}).items():
-            ema = NoiseScaleEMA(self.beta)
+            ema = NoiseScaleEMA(self.smoothing)
             ema.load_state_dict(v)
             self.layer_ema[k] = ema
 
@@ -208,7 +221,9 @@ class GradientNoiseScaleMonitor(Monitor):
                     f"GradientNoiseScaleMonitor(method='ddp') needs a DDP strategy ('ddp' or 'ddp_spawn'), got "
                     f"{type(trainer.strategy).__name__}; use method='per_example' (works under any strategy)."
                 )
-            if accumulate > 1 and getattr(trainer.strategy, "_ddp_comm_hook", None) is not None:
+            from lightning_monitor._compat import ddp_comm_hook
+
+            if accumulate > 1 and ddp_comm_hook(trainer.strategy) is not None:
                 raise ValueError(
                     "GradientNoiseScaleMonitor(method='ddp') with gradient accumulation registers its own DDP "
                     "communication hook, but the strategy already has `ddp_comm_hook`; remove it or use "
@@ -385,8 +400,10 @@ class GradientNoiseScaleMonitor(Monitor):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
             return None
-        scale = getattr(scaler, "_scale", None)
-        return scale.detach().float() if isinstance(scale, Tensor) else None
+        from lightning_monitor._compat import grad_scaler_scale
+
+        scale = grad_scaler_scale(scaler)
+        return scale.detach().float() if scale is not None else None
 
     def _check(self, trainer: pl.Trainer, step: int) -> None:
         if not self._measurable:
@@ -477,7 +494,7 @@ class GradientNoiseScaleMonitor(Monitor):
         for layer in self._layers:
             if f"{layer}\x00g2" not in host:
                 continue
-            ema = self.layer_ema.setdefault(layer, NoiseScaleEMA(self.beta))
+            ema = self.layer_ema.setdefault(layer, NoiseScaleEMA(self.smoothing))
             ema.update(host[f"{layer}\x00g2"], host[f"{layer}\x00tr"])
             if math.isfinite(ema.b_simple):
                 metrics[self.key("b_simple", layer)] = ema.b_simple

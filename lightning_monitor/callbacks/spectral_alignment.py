@@ -101,7 +101,8 @@ class SpectralAlignmentMonitor(Monitor):
         collapse_threshold: an eligible layer with ``D`` at or below this is collapsed.
         warn_fraction: ``collapsed_fraction`` at or above which the collapse condition holds.
         max_drop: the collapse condition also holds when ``diversity_ratio <= 1 - max_drop``.
-        patience: consecutive checks a condition must hold before its (first) alert.
+        patience: consecutive checks a condition must hold before its (first) alert. Counted in checks:
+            at ``every_n_steps=50``, ``patience=3`` is 150 steps.
         critical_patience: consecutive checks before the critical collapse alert (>= ``patience``);
             ``None`` (default): the collapse stays a warning. On matched controls (the same run with its
             learning rate capped before a divergence) the collapse fired as in the diverging runs: it
@@ -114,6 +115,9 @@ class SpectralAlignmentMonitor(Monitor):
             sigma_growth conditions have both held ``patience`` checks (two SA signals agreeing),
             without waiting for ``critical_patience`` (off by default, for the same reason).
         log_histograms: also send a histogram of each layer's alignments to TensorBoard.
+
+    The monitor never stops or changes the run itself (it has no ``stop``): a DivergenceGuard acts on
+    its critical alerts.
         seed: seed of the row sampler (its own generator: the global RNG is not touched).
 
     Logged every check (``<layer>`` is the module's qualified name): ``sa/<layer>/sign_diversity``,

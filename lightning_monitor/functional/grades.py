@@ -40,6 +40,8 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_monitor._compat import foreach_norm, foreach_sub
+
 __all__ = [
     "Component",
     "PROJECTION_NAMES",
@@ -145,11 +147,11 @@ def find_components(
         ValueError: a pattern matches no module, or no component is found (the message lists the
             module names seen and how to select components).
     """
-    inc = _patterns(include, "components")
+    inc = _patterns(include, "include")
     exc = _patterns(exclude, "exclude")
     named = [(n, m) for n, m in model.named_modules() if n]
     names = [n for n, _ in named]
-    for argument, pats in (("components", inc), ("exclude", exc)):
+    for argument, pats in (("include", inc), ("exclude", exc)):
         for pat in pats:
             if not any(fnmatchcase(n, pat) for n in names):
                 raise ValueError(
@@ -167,7 +169,7 @@ def find_components(
             if comp is None:
                 if any(name == p for p in inc):
                     raise ValueError(
-                        f"{owner}: `components` names {name!r}, a {type(module).__name__} without a `weight` "
+                        f"{owner}: `include` names {name!r}, a {type(module).__name__} without a `weight` "
                         "parameter of its own; name the module that owns the matrix."
                     )
                 continue
@@ -183,11 +185,11 @@ def find_components(
     if trainable_only:
         found = {n: c for n, c in found.items() if c.weight.requires_grad}
     if not found:
-        how = "`components` patterns" if inc else "the naming schemes (q_proj/k_proj/v_proj/o_proj, " \
+        how = "`include` patterns" if inc else "the naming schemes (q_proj/k_proj/v_proj/o_proj, " \
             "gate_proj/up_proj/down_proj, c_attn/c_proj/c_fc, lora_A/lora_B, nn.Linear inside numbered blocks)"
         raise ValueError(
             f"{owner}: no trainable component of {type(model).__name__} matches {how}. Pass "
-            "`components=[...]` glob patterns naming the modules to watch (e.g. 'layers.*.attn.*'). "
+            "`include=[...]` glob patterns naming the modules to watch (e.g. 'layers.*.attn.*'). "
             f"Module names seen: {_preview(names)}."
         )
     return found
@@ -197,9 +199,7 @@ def find_components(
 
 
 def _l1_norms(tensors: list[Tensor]) -> Tensor:
-    if hasattr(torch, "_foreach_norm"):
-        return torch.stack([n.float() for n in torch._foreach_norm(tensors, 1)])
-    return torch.stack([t.detach().abs().float().sum() for t in tensors])
+    return torch.stack([n.float() for n in foreach_norm(tensors, 1)])
 
 
 def mean_abs(tensors: Sequence[Tensor]) -> Tensor:
@@ -224,7 +224,7 @@ def mean_abs_update(current: Sequence[Tensor], previous: Sequence[Tensor], steps
         raise ValueError(f"`steps` must be >= 1, got {steps}.")
     if not current:
         return torch.zeros(0)
-    diffs = torch._foreach_sub([c.detach() for c in current], [p.detach() for p in previous])
+    diffs = foreach_sub([c.detach() for c in current], [p.detach() for p in previous])
     return mean_abs(diffs) / steps
 
 

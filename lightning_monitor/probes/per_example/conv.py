@@ -29,7 +29,9 @@ def _patches(m: nn.Conv2d, x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
         x = F.pad(x, pad, mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
         padding: Any = 0
     elif m.padding_mode != "zeros":
-        x = F.pad(x, m._reversed_padding_repeated_twice, mode=m.padding_mode)
+        # what nn.Conv2d pads with for a non-"zeros" padding_mode: its integer padding, last dim first,
+        # each side (torch's private `_reversed_padding_repeated_twice`, built from the public `padding`)
+        x = F.pad(x, [p for p in reversed(m.padding) for _ in range(2)], mode=m.padding_mode)
         padding = 0
     else:
         padding = m.padding

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_monitor._compat import has_forward_pre_hooks
 from lightning_monitor.probes.per_example.kernels import (
     as_seq,
     linear_sq_norms,
@@ -66,7 +67,7 @@ class LinearHandler(Handler):
             rule.strategy in ("auto", "fused")
             and type(m).forward is nn.Linear.forward
             and "forward" not in m.__dict__
-            and not m._forward_pre_hooks
+            and not has_forward_pre_hooks(m)
         )
         if not fusable:
             return None

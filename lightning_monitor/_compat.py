@@ -1,0 +1,126 @@
+"""The private torch / Lightning APIs this package relies on, each isolated in one small helper.
+
+Every helper below exists because no public API gives the same behaviour (the reason is named in
+each). Each was checked on torch 2.13.0 and lightning 2.6.6, and each has a fallback used when the
+private name is missing in another version: slower, or a host sync on a due step, or a skipped
+early check, never a different result or a silent error. Keep every private access here so an upgrade
+has one file to review.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "callback_metrics_store",
+    "ddp_comm_hook",
+    "ddp_kwargs",
+    "foreach_copy_",
+    "foreach_norm",
+    "foreach_sub",
+    "grad_scaler_scale",
+    "has_forward_pre_hooks",
+]
+
+# ---------------------------------------------------------------- torch: fused multi-tensor kernels
+# torch._foreach_norm / _foreach_sub / _foreach_copy_ (private; checked on torch 2.13). Public
+# alternatives: torch.nn.utils.get_total_norm returns only the norm of all tensors together, not one
+# per tensor; a Python loop over torch.linalg.vector_norm / sub / copy_ gives the same values but one
+# kernel launch per tensor instead of one per (device, dtype) group. The loops are the fallbacks.
+
+
+def foreach_norm(tensors: Sequence[Tensor], ord: float, dtype: Optional[torch.dtype] = None) -> list[Tensor]:
+    """``[vector_norm(t, ord, dtype=dtype) for t in tensors]``; ``torch._foreach_norm`` when present.
+
+    An error from the fused kernel (e.g. a ``dtype=`` it does not accept) propagates to the caller."""
+    fn = getattr(torch, "_foreach_norm", None)
+    if fn is None:
+        return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]
+    return list(fn(tensors, ord) if dtype is None else fn(tensors, ord, dtype=dtype))
+
+
+def foreach_sub(a: Sequence[Tensor], b: Sequence[Tensor]) -> list[Tensor]:
+    """``[x - y for x, y in zip(a, b)]``; ``torch._foreach_sub`` when present."""
+    fn = getattr(torch, "_foreach_sub", None)
+    if fn is None:
+        return [x - y for x, y in zip(a, b)]
+    return list(fn(list(a), list(b)))
+
+
+def foreach_copy_(dst: Sequence[Tensor], src: Sequence[Tensor]) -> None:
+    """``d.copy_(s)`` for each pair; ``torch._foreach_copy_`` when present."""
+    fn = getattr(torch, "_foreach_copy_", None)
+    if fn is None:
+        for d, s in zip(dst, src):
+            d.copy_(s)
+        return
+    fn(list(dst), list(src))
+
+
+# ---------------------------------------------------------------- torch: nn.Module hooks
+
+
+def has_forward_pre_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has forward pre-hooks of its own (registered by anyone).
+
+    ``nn.Module._forward_pre_hooks`` (private; checked on torch 2.13): torch has no public way to list
+    or count another party's hooks (a ``register_forward_pre_hook`` handle only knows its own hook).
+    Fallback: ``True`` when the attribute is missing, so callers take their hook-safe path."""
+    hooks = getattr(module, "_forward_pre_hooks", None)
+    return True if hooks is None else bool(hooks)
+
+
+# ---------------------------------------------------------------- torch: AMP GradScaler
+
+
+def grad_scaler_scale(scaler: Any) -> Optional[Tensor]:
+    """The dynamic loss scale of an enabled ``GradScaler`` as a tensor, without a host sync; ``None``
+    before the first ``scale()`` call (the scale is created lazily).
+
+    ``GradScaler._scale`` (private; checked on torch 2.13): the public ``get_scale()`` returns a Python
+    float through ``.item()``, a host sync. Fallback when the attribute is missing: ``get_scale()``
+    (one sync, correct value)."""
+    if not hasattr(scaler, "_scale"):
+        return torch.tensor(float(scaler.get_scale()))
+    scale = scaler._scale
+    return scale if isinstance(scale, Tensor) else None
+
+
+# ---------------------------------------------------------------- Lightning: DDPStrategy settings
+# DDPStrategy keeps its constructor's DDP kwargs and comm hook in private attributes (checked on
+# lightning 2.6.6); it has no public accessor for either. The wrapped DistributedDataParallel exposes
+# them only after strategy.setup, too late for a check in Callback.setup.
+
+
+def ddp_kwargs(strategy: Any) -> Optional[dict[str, Any]]:
+    """The kwargs ``DDPStrategy`` passes to ``DistributedDataParallel`` (``find_unused_parameters``,
+    ``static_graph``, ...), from ``DDPStrategy._ddp_kwargs``; ``None`` when that attribute is missing
+    (the caller then cannot check them up front)."""
+    if not hasattr(strategy, "_ddp_kwargs"):
+        return None
+    return dict(strategy._ddp_kwargs or {})
+
+
+def ddp_comm_hook(strategy: Any) -> Optional[Any]:
+    """The communication hook a ``DDPStrategy`` will register (``DDPStrategy._ddp_comm_hook``), or
+    ``None``. When the attribute is missing this also returns ``None``; a second hook registration then
+    fails in ``DistributedDataParallel.register_comm_hook`` itself ("can only be called once")."""
+    return getattr(strategy, "_ddp_comm_hook", None)
+
+
+# ---------------------------------------------------------------- Lightning: callback metrics
+
+
+def callback_metrics_store(trainer: Any) -> dict[str, Any]:
+    """The dict behind ``trainer.callback_metrics``, read without the property's side effect.
+
+    ``trainer._logger_connector._callback_metrics`` (private; checked on lightning 2.6.6): the public
+    ``trainer.callback_metrics`` first folds in the values the LightningModule logged, converting its
+    progress-bar values with ``.item()`` (a host sync each); the connector's dict is the same object
+    without that. Fallback when missing: the public property (correct, with those syncs)."""
+    store = getattr(getattr(trainer, "_logger_connector", None), "_callback_metrics", None)
+    return store if isinstance(store, dict) else trainer.callback_metrics
