@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_monitor._compat import grad_scaler_scale
+from lightning_monitor._compat import foreach_norm, grad_scaler_scale
 from lightning_monitor.alerts import Alert, alerts_dir
 from lightning_monitor.callbacks.base import Monitor, _check_int, deprecated_aliases
 from lightning_monitor.functional.robust import MAD_TO_STD, median
@@ -385,7 +385,8 @@ class DivergenceGuard(Monitor):
         loss, self._loss_acc = self._loss_acc, None
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads:
-            gnorm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).float()
+            # one fused kernel for the per-tensor norms (get_total_norm adds a Python-level copy per tensor)
+            gnorm = torch.linalg.vector_norm(torch.stack(foreach_norm(grads, 2.0, dtype=torch.float32)))
         else:
             gnorm = torch.zeros((), device=pl_module.device)
         if self.zero_nonfinite_grads and grads:
