@@ -187,6 +187,28 @@ class Monitor(Callback):
             raise RuntimeError(f"{type(self).__name__} is not set up: attach it to a Trainer first.")
         return self._hub
 
+    # ------------------------------------------------------------------ hooks armed on due steps
+    def arm(self, handle: Any) -> Any:
+        """Keep a hook handle (``register_forward_hook``, ``register_hook`` ...) to be removed by
+        :meth:`release`; returns it. The base releases every kept handle when training ends, on an
+        exception and at teardown, so a hook never outlives the step, the fit or an interrupted fit."""
+        self.__dict__.setdefault("_armed", []).append(handle)
+        return handle
+
+    def release(self) -> None:
+        """Remove every handle kept by :meth:`arm`."""
+        for handle in self.__dict__.pop("_armed", []):
+            handle.remove()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.release()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.release()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.release()
+
     # ------------------------------------------------------------------ cadence
     def is_due(self, step: int) -> bool:
         """Whether a check is due at optimizer step ``step``."""
