@@ -268,3 +268,15 @@ def test_ddp_method_agrees_with_per_example(tmp_path) -> None:
     assert res[0]["b_simple"] == pytest.approx(truth, rel=0.25)
     assert mon1.ema.b_simple == pytest.approx(truth, rel=0.25)
     assert res[0]["b_simple"] == pytest.approx(mon1.ema.b_simple, rel=0.35)
+
+
+def test_batch_advice_shows_b_simple_as_measured_and_never_advises_below_one_example():
+    from lightning_monitor import GradientNoiseScaleMonitor
+
+    mon = GradientNoiseScaleMonitor(min_checks=1)
+    mon.ema.update(1.0, 1.0)  # one check in
+    raised = []
+    mon.condition = lambda step, kind, active, severity, message, **kw: raised.append((kind, active, message))
+    mon._batch_alerts(step=40, batch=16, b_simple=0.495)
+    above = next(m for kind, active, m in raised if kind == "batch_above_noise_scale" and active)
+    assert "B_simple = 0.495" in above and "toward ~1 " in above and "~0" not in above

@@ -511,22 +511,23 @@ class GradientNoiseScaleMonitor(Monitor):
         r_high = math.sqrt(self.alert_ratio) if ("batch_above_noise_scale", None) in active else self.alert_ratio
         low = batch * r_low < b_simple
         high = b_simple > 0 and batch > b_simple * r_high
+        shown, target = f"{b_simple:.3g}", max(1, round(b_simple))  # 0.495 reads 0.495, advice "toward 1"
         self.condition(
             step, "batch_below_noise_scale", low, "info",
-            f"Batch size {batch:.0f} is far below the gradient noise scale B_simple ~ {b_simple:.0f}: each step "
-            f"averages out little of the gradient noise. Raise the batch size toward ~{b_simple:.0f} (more "
+            f"Batch size {batch:.0f} is far below the gradient noise scale B_simple = {shown}: each step "
+            f"averages out little of the gradient noise. Raise the batch size toward ~{target} (more "
             "data-parallel ranks or accumulate_grad_batches, scaling the learning rate with it) for nearly "
             "proportionally fewer steps at about the same number of examples.",
             value=b_simple, threshold=batch * self.alert_ratio,
-            clear_message=f"Batch size {batch:.0f} is no longer far below B_simple ~ {b_simple:.0f}.",
+            clear_message=f"Batch size {batch:.0f} is no longer far below B_simple = {shown}.",
         )
         self.condition(
             step, "batch_above_noise_scale", high, "info",
-            f"Batch size {batch:.0f} is far above the gradient noise scale B_simple ~ {b_simple:.0f}: most examples "
-            f"of each batch add little. Lower the batch size toward ~{b_simple:.0f} (fewer ranks or less "
+            f"Batch size {batch:.0f} is far above the gradient noise scale B_simple = {shown}: most examples "
+            f"of each batch add little. Lower the batch size toward ~{target} (fewer ranks or less "
             "accumulation) to reach the same loss with less compute, or keep it if wall-clock time matters more.",
             value=b_simple, threshold=batch / self.alert_ratio,
-            clear_message=f"Batch size {batch:.0f} is no longer far above B_simple ~ {b_simple:.0f}.",
+            clear_message=f"Batch size {batch:.0f} is no longer far above B_simple = {shown}.",
         )
 
     # ------------------------------------------------------------------ teardown
