@@ -336,6 +336,7 @@ class DivergenceGuard(Monitor):
                 ) from err
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
         if self._hub is not None:
             self._hub.unsubscribe(self._on_alert)
         for snap in self._snapshots:

@@ -380,9 +380,11 @@ class GradientEarlyStopping(Monitor):
             self._freeze_pending = False
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
         self._training = False
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)
         self._training = False
 
     # ------------------------------------------------------------------ the check

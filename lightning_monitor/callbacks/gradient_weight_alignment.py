@@ -548,11 +548,13 @@ class GradientWeightAlignmentMonitor(Monitor):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish_epoch(trainer, pl_module)
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def release(self) -> None:
+        """The base calls this when training ends, on an exception and at teardown."""
+        super().release()
         self._disarm()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._disarm()
+        super().on_exception(trainer, pl_module, exception)
         self._pending = None
 
     def _gather(self, trainer: pl.Trainer, packed: Tensor) -> Tensor:

@@ -531,11 +531,7 @@ class GradientNoiseScaleMonitor(Monitor):
         )
 
     # ------------------------------------------------------------------ teardown
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._disarm()
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._disarm()
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def release(self) -> None:
+        """The base calls this when training ends, on an exception and at teardown."""
+        super().release()
         self._disarm()

@@ -296,7 +296,9 @@ class SpectralAlignmentMonitor(Monitor):
         if state:
             self._capture.load_state_dict(state)
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def release(self) -> None:
+        """The base calls this when training ends, on an exception and at teardown."""
+        super().release()
         if self._capture is not None:
             self._capture.release()
         self._armed_step = None
@@ -326,11 +328,6 @@ class SpectralAlignmentMonitor(Monitor):
         rows = self._capture.take()
         self._armed_step = None
         self.check(trainer, step, rows)
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._capture is not None:
-            self._capture.release()
-        self._armed_step = None
 
     # ------------------------------------------------------------------ the check
     @torch.no_grad()
