@@ -16,7 +16,7 @@ from torch import Tensor
 from lightning_monitor._compat import foreach_norm, grad_scaler_scale
 from lightning_monitor.alerts import Alert, alerts_dir
 from lightning_monitor.callbacks.base import Monitor, _check_int, deprecated_aliases
-from lightning_monitor.functional.robust import MAD_TO_STD, median
+from lightning_monitor.functional.robust import difference_noise, median, robust_zscore
 from lightning_monitor.snapshot import TrainingSnapshot, scale_learning_rates
 
 __all__ = ["DivergenceGuard"]
@@ -65,14 +65,12 @@ class _SeriesWatch:
 
     def noise(self) -> float:
         """Robust standard deviation of one value around the trend (from consecutive differences)."""
-        h = list(self.history)
-        return MAD_TO_STD * median([abs(b - a) for a, b in zip(h, h[1:])]) / math.sqrt(2.0)
+        return difference_noise(list(self.history))
 
     def zscore(self, x: float, abs_floor: float = 1e-12) -> float:
         if not self.ready:
             return 0.0
-        center = self.level()
-        return (x - center) / max(self.noise(), self.rel_floor * abs(center), abs_floor)
+        return robust_zscore(x, list(self.history), self.recent, self.rel_floor, abs_floor)
 
     def update(self, step: int, x: float, abs_floor: float = 1e-12, ceiling: float = math.inf) -> tuple[bool, float]:
         """Feed one finite value; returns (anomalous, z)."""
