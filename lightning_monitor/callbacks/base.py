@@ -32,7 +32,14 @@ from torch import Tensor
 
 from lightning_monitor.alerts import SEVERITY_LEVELS, Alert, AlertHub, Severity, _tensorboard_writer
 
-__all__ = ["Monitor"]
+__all__ = ["Monitor", "NothingToWatch"]
+
+
+class NothingToWatch(ValueError):
+    """Raised at setup by a monitor that finds nothing in the model to watch (no layer of a type it
+    handles, no classifier head ...). Used explicitly, a monitor raises it and the fit aborts with the
+    reason; a monitor whose ``idle_when_nothing_to_watch`` is set (the preset sets it) says so once in a
+    warning alert and stays idle instead (:meth:`Monitor.nothing_to_watch`)."""
 
 Number = Union[Tensor, float, int]
 
@@ -131,6 +138,10 @@ class Monitor(Callback):
         self._hub: Optional[AlertHub] = None
         # (kind, layer) -> severity of the active condition
         self._conditions: dict[tuple[str, Optional[str]], str] = {}
+        #: set by the preset: a monitor with nothing to watch stays idle instead of aborting the fit
+        self.idle_when_nothing_to_watch = False
+        #: the reason this monitor is idle (nothing to watch), or None while it watches something
+        self.idle_reason: Optional[str] = None
 
     # ------------------------------------------------------------------ identity / state
     @property
@@ -180,6 +191,17 @@ class Monitor(Callback):
     def _reset_run_state(self) -> None:
         """Forget everything a previous run left (subclasses extend this); the configuration stays."""
         self._conditions = {}
+
+    def nothing_to_watch(self, trainer: pl.Trainer, reason: str) -> None:
+        """Called at setup when the model offers this monitor nothing to watch: raises
+        :class:`NothingToWatch` with ``reason``, or, when ``idle_when_nothing_to_watch`` is set, records
+        the reason in ``idle_reason``, raises one warning alert (``nothing_to_watch``) and returns; the
+        caller then returns from setup and every hook returns at once while ``idle_reason`` is set.
+        Call it after ``Monitor.setup`` (the alert hub is bound there)."""
+        if not self.idle_when_nothing_to_watch:
+            raise NothingToWatch(f"{type(self).__name__}: {reason}")
+        self.idle_reason = reason
+        self.alert(trainer.global_step, "nothing_to_watch", "warning", f"{type(self).__name__} stays idle: {reason}")
 
     @property
     def hub(self) -> AlertHub:
