@@ -96,7 +96,7 @@ class Scenario:
     name: str
     family: str  # "gpt_ln" | "gpt_noln" | "mlp" | "cnn"
     kind: str  # "diverging" | "control" | "healthy"
-    split: str  # "tune" | "heldout"
+    split: str  # "tune" | "heldout" | "fresh"
     optimizer: str
     lr: float
     data: Data
@@ -172,6 +172,31 @@ SCENARIOS: list[Scenario] = [
     _ok("cnn_batch2", "cnn", "heldout", "sgd", 0.01, Data("digits", batch=2), steps=300),
     _ok("cnn_curriculum", "cnn", "tune", "sgd", 0.05, Data("digits", curriculum=100), steps=250),
     _ok("cnn_step_decay", "cnn", "heldout", "adamw", 3e-3, DIGITS, lr_mult=Jump(120, 0.1), steps=250),
+    # -- fresh: a second held-out half, fixed before the rules were changed again (the first held-out half had
+    # been looked at three times). Other seeds, longer runs, slower ramps; calibrated with --no-guard only.
+    *_pair(_div("f_gpt_ln_slow_ramp", "gpt_ln", "fresh", "adamw", 1e-3, TEXT, lr_mult=Linear(1000.0, 400), steps=450,
+                seed=1), lr_mult=Capped(Linear(1000.0, 400), 120)),
+    *_pair(_div("f_gpt_noln_exp_ramp", "gpt_noln", "fresh", "adamw", 1e-3, TEXT, lr_mult=Exp(10.0, 150), steps=400,
+                seed=2), lr_mult=Capped(Exp(10.0, 150), 150)),
+    *_pair(_div("f_gpt_ln_bf16_jump", "gpt_ln", "fresh", "adamw", 3e-3, TEXT, lr_mult=Jump(150, 200.0), steps=300,
+                seed=3, precision="bf16-mixed"), lr_mult=Capped(Jump(150, 200.0), 149)),
+    *_pair(_div("f_mlp_adamw_jump", "mlp", "fresh", "adamw", 1e-3, DIGITS, lr_mult=Jump(100, 300.0), steps=250,
+                seed=1), lr_mult=Capped(Jump(100, 300.0), 99)),
+    *_pair(_div("f_cnn_sgd_linear_ramp", "cnn", "fresh", "sgd", 0.02, DIGITS, lr_mult=Linear(60.0, 200), steps=300,
+                seed=1), lr_mult=Capped(Linear(60.0, 200), 30)),
+    *_pair(_div("f_mlp_nan_loss", "mlp", "fresh", "sgd", 0.05, DIGITS, injection=(150, "nan_loss"), steps=250,
+                seed=2), injection=None),
+    *_pair(_div("f_cnn_huge_input", "cnn", "fresh", "adamw", 1e-3, DIGITS, injection=(130, "huge_input"), steps=250,
+                seed=2), injection=None),
+    _ok("f_gpt_ln_warmup_cosine_long", "gpt_ln", "fresh", "adamw", 3e-3, TEXT, lr_mult=WarmupCosine(40, 400, 0.1),
+        steps=400, seed=1),
+    _ok("f_gpt_noln_batch1", "gpt_noln", "fresh", "adamw", 1e-3, Data("prose", batch=1), steps=300, seed=2),
+    _ok("f_gpt_ln_curriculum_long", "gpt_ln", "fresh", "adamw", 2e-3, Data("prose", curriculum=150), steps=350,
+        seed=3),
+    _ok("f_mlp_sgdr", "mlp", "fresh", "sgd", 0.05, DIGITS, lr_mult=SGDR(30), steps=300, seed=1),
+    _ok("f_mlp_label_noise40", "mlp", "fresh", "adamw", 1e-3, Data("digits", label_noise=0.4), steps=300, seed=2),
+    _ok("f_cnn_random_labels", "cnn", "fresh", "sgd", 0.05, Data("digits", random_labels_at=120), steps=250, seed=1),
+    _ok("f_cnn_batch1", "cnn", "fresh", "adamw", 1e-3, Data("digits", batch=1), steps=300, seed=3),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
 
@@ -179,9 +204,9 @@ BY_NAME = {s.name: s for s in SCENARIOS}
 def _check_split() -> None:
     """Both halves hold every family with diverging and healthy runs; pairs share a half."""
     for s in SCENARIOS:
-        assert s.split in ("tune", "heldout") and s.kind in ("diverging", "control", "healthy"), s.name
+        assert s.split in ("tune", "heldout", "fresh") and s.kind in ("diverging", "control", "healthy"), s.name
         assert s.pairs is None or BY_NAME[s.pairs].split == s.split, s.name
-    for split in ("tune", "heldout"):
+    for split in ("tune", "heldout", "fresh"):
         for fam in {s.family for s in SCENARIOS}:
             for kind in ("diverging", "healthy"):
                 found = any(s.split == split and s.family == fam and s.kind == kind for s in SCENARIOS)
@@ -586,7 +611,7 @@ def _cost(s: Scenario) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--split", choices=("tune", "heldout", "all"), default="all")
+    parser.add_argument("--split", choices=("tune", "heldout", "fresh", "all"), default="all")
     parser.add_argument("--only", default=None, help="run the scenarios whose name contains this (and their pairs)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", default=None, help="write every row and trace to this file")

@@ -55,13 +55,52 @@ def run_counting(callbacks, module, loader, steps, tmp_path):
     return counts
 
 
-def test_guard_syncs_only_on_its_checks(tmp_path, tiny_gpt):
+def test_guard_reads_only_copies_started_lag_steps_earlier(tmp_path, tiny_gpt, monkeypatch):
+    """The guard judges every step, from a host copy of its ``[loss, grad norm]`` started ``lag_steps`` earlier
+    (asynchronous on an accelerator, so reading it then does not wait for the device). Between its checks, its
+    only syncing calls are ``tolist`` on those copies; at its checks, a snapshot adds one finiteness check."""
+    from lightning_monitor.callbacks.divergence_guard import DivergenceGuard
+
+    started: dict[int, int] = {}  # id of a host copy -> the step its copy started at
+    kept: list = []
+    copy = DivergenceGuard._copy_to_host
+
+    def recording(self, step, row, no_loss):
+        out = copy(self, step, row, no_loss)
+        started[id(out[1])] = step
+        kept.append(out[1])  # alive until the end: no other tensor takes its id
+        return out
+
+    monkeypatch.setattr(DivergenceGuard, "_copy_to_host", recording)
+    reads: list[tuple[int, str, int]] = []  # (step, method, age of the copy read, -1 if not a copy)
+    originals = {name: getattr(torch.Tensor, name) for name in SYNCING}
     module, loader = tiny_gpt()
-    guard = lightning_monitor.DivergenceGuard(every_n_steps=10, snapshot_every_n_checks=2)
-    counts = run_counting([guard], module, loader, 45, tmp_path)
-    assert sorted(counts) == [0, 10, 20, 30, 40], counts
-    assert counts[10] == counts[30] == 2  # one transfer per check (and the tolist that reads it)
-    assert counts[0] == counts[20] == counts[40] == 3  # a snapshot is due: plus one finiteness check
+    guard = DivergenceGuard(every_n_steps=10, snapshot_every_n_checks=2, lag_steps=2)
+    trainer = pl.Trainer(max_steps=45, accelerator="cpu", logger=False, callbacks=[guard], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+
+    def wrap(name, fn):
+        def wrapped(self, *args, **kwargs):
+            if sys._getframe(1).f_code.co_filename.startswith(PACKAGE_DIR):
+                step = trainer.global_step
+                reads.append((step, name, step - started[id(self)] if id(self) in started else -1))
+            return fn(self, *args, **kwargs)
+
+        return wrapped
+
+    for name, fn in originals.items():
+        monkeypatch.setattr(torch.Tensor, name, wrap(name, fn))
+    trainer.fit(module, loader)
+    for name, fn in originals.items():
+        monkeypatch.setattr(torch.Tensor, name, fn)
+
+    copies = [r for r in reads if r[2] >= 0]
+    others = [r for r in reads if r[2] < 0]
+    # every step but the last two (their values were still on their way at the end) was read, 2 steps later
+    assert sorted(s - age for s, _, age in copies) == list(range(43))
+    assert {(name, age) for _, name, age in copies} == {("tolist", 2)}
+    # nothing else is read, except at the snapshot checks (0, 20, 40): one finiteness check each
+    assert sorted(s for s, _, _ in others) == [0, 20, 40], others
 
 
 def _due(monitor, steps):

@@ -23,6 +23,12 @@ __all__ = ["DivergenceGuard"]
 
 Action = Literal["rollback", "stop", "warn"]
 
+#: normal batches a loss surge is tested on (see ``DivergenceGuard._surge_test``)
+_REFERENCES = 4
+#: consecutive steps above ``blowup`` times the initial loss that make an explosion before the loss has a
+#: history (the first steps of a run are erratic: a spike that settles within a few steps is not a divergence)
+_EARLY_PATIENCE = 10
+
 
 def _is_critical(alert: Optional[Alert]) -> bool:
     return alert is not None and alert.severity == "critical"
@@ -102,18 +108,22 @@ class _SeriesWatch:
 class DivergenceGuard(Monitor):
     r"""Watches the training loss and gradient norm; rolls a diverging run back to its last good state.
 
-    **Every optimizer step, on the device, with no host sync:** the step's loss (unscaled under AMP) and
-    the fp32 global gradient norm (before clipping) go into a small buffer; non-finite gradients are
-    zeroed in place (``zero_nonfinite_grads``), so a NaN/Inf never reaches the weights between checks.
+    **Every optimizer step, without a host sync:** the step's loss (unscaled under AMP) and the fp32 global
+    gradient norm (before clipping), averaged over the ranks, are copied to the host asynchronously and
+    judged ``lag_steps`` steps later (0 on CPU, 2 on an accelerator: the copy is done by then); non-finite
+    gradients are zeroed (``zero_nonfinite_grads``), so a NaN/Inf never reaches the weights. Every
+    ``every_n_steps`` steps the guard also checks: snapshots, and the other monitors' critical alerts.
 
-    **Every ``every_n_steps`` steps (one host transfer), the rules:**
+    **The rules, judged every step:**
 
     * ``nonfinite`` (critical): a NaN/Inf loss or gradient norm (not an overflow an AMP scaler skips), or
       a parameter or buffer (BatchNorm statistics) found non-finite when a snapshot is due;
-    * ``loss_explosion`` (critical): the loss stays ``patience`` consecutive steps above its own recent
+    * ``loss_explosion`` (critical): a *surge* (an anomalous loss above ``1 + surge`` times its recent level)
+      on which the last normal batches, evaluated again, agree (they lost at least half as much: the weights
+      broke everywhere), on its step; or the loss stays ``patience`` consecutive steps above its own recent
       history (robust z-score over ``z_threshold``, with a deviation floor of ``initial_floor`` times the
       initial loss, so near-zero losses do not alarm on tiny wobbles) or above ``blowup`` times the initial
-      loss (this catches a blow-up before any history exists), or a ``loss_creep`` has doubled the smoothed
+      loss (this catches a blow-up before any history exists; for 10 steps), or a ``loss_creep`` has doubled the smoothed
       loss and raised it by a quarter of the initial loss (a slow climb), **and** the rise is the weights' doing:
       the current batch is evaluated again with the last good snapshot's weights; if those weights find
       the batch about as hard (``data_shift``, a warning: the data changed, not the run), nothing acts;
@@ -122,7 +132,7 @@ class DivergenceGuard(Monitor):
       (six of its standard deviations, from the robust batch-to-batch noise); it clears halfway back;
     * critical alerts of the suite's other monitors (``act_on_alerts``) and, with ``corroborate=True``,
       a guard warning and an active divergence warning of another monitor together (``corroborated``).
-    Only critical alerts act. Single-step spikes raise nothing: noisy small batches are normal. The
+    Only critical alerts act. A surge the recent batches do not share is one hard batch: nothing is raised. The
     gradient norm is judged for non-finite values only: on the scenario zoo a sustained gradient surge never
     came before a loss explosion and did fire on a healthy curriculum (BENCHMARKS.md).
 
@@ -131,12 +141,12 @@ class DivergenceGuard(Monitor):
     * ``"rollback"`` (default): restore the newest snapshot that predates the first anomalous step
       (parameters, buffers, optimizers, LR schedulers, AMP scaler, the monitors' states), skip the batches
       seen since (recorded in the ``rolled_back`` alert, in ``alerts.jsonl`` and in the checkpoint state)
-      and go on: a stretch of bad data is cured by that. If the run diverges again within
-      ``rollback_window`` steps, the next rollback also scales every learning rate (schedules included) by
-      ``lr_factor``, the one after by ``lr_factor**2``, then ``lr_factor**3`` (cumulative 0.5, 0.125, 0.016
-      by default), and the scaled rate of the state restored becomes a ceiling (a warm-up or ramp that led
-      to the divergence does not climb past it again). After ``max_rollbacks`` rollbacks within the window, or without a snapshot to go back
-      to, it stops instead.
+      and go on. The learning rate: kept after bad data (a non-finite value, or a corrupt batch that broke the
+      weights); capped at the rate of the best smoothed loss (and at ``lr_factor`` times the rate of the
+      divergence) when the weights diverged while the rate rose since (a warm-up, ramp or jump); scaled by
+      ``lr_factor`` when they diverged at a steady rate. Each further rollback within ``rollback_window``
+      steps scales by one more power of ``lr_factor`` and caps at the scaled rate restored. After
+      ``max_rollbacks`` rollbacks within the window, or without a snapshot to go back to, it stops instead.
     * ``"stop"``: restore that snapshot, save a checkpoint ``guard-step=<step>.ckpt`` (so the file holds
       the last good state, never the diverged weights) and stop.
     * ``"warn"``: raise the alerts only.
@@ -150,16 +160,15 @@ class DivergenceGuard(Monitor):
         action: what the guard may do on a critical decision: ``"rollback"``, ``"stop"`` or ``"warn"``
             (alerts only). The guard keeps a mode rather than the suite's boolean ``stop`` because it has
             three.
-        every_n_steps: steps between host checks (the detection latency bound). Deprecated alias:
-            ``check_every_n_steps``.
+        every_n_steps: steps between checks (snapshots, other monitors' alerts); every step's loss is judged
+            anyway. Deprecated alias: ``check_every_n_steps``.
         warmup_steps: no check before this optimizer step.
         snapshot_every_n_checks: checks between snapshots (a snapshot every ``snapshot_every_n_checks *
-            every_n_steps`` steps, 50 by default); ``None``: no snapshots (a stop then saves the current
+            every_n_steps`` steps, 10 by default); ``None``: no snapshots (a stop then saves the current
             state, no data-shift test, no rollback).
         keep_snapshots: snapshots kept (>= 1).
         snapshot_dir: directory for snapshot files; ``None`` keeps them in host memory.
-        lr_factor: learning-rate factor of the second rollback within ``rollback_window`` (squared for the
-            third, cubed for the fourth ...; in (0, 1]; 1 keeps the rate).
+        lr_factor: learning-rate factor of a rollback (see above; in (0, 1]; 1 keeps the rate).
         max_rollbacks: rollbacks within ``rollback_window`` steps before the guard stops instead.
         rollback_window: steps over which rollbacks are counted.
         skip_batches: ``(epoch, batch_idx)`` pairs whose update to skip, or the path of an ``alerts.jsonl``
@@ -185,6 +194,10 @@ class DivergenceGuard(Monitor):
             divergence; one-off alerts such as ``gns/no_variance_estimate`` never clear and do not belong).
         dirpath: where a stop checkpoint goes (default: the ModelCheckpoint's ``dirpath``, else
             ``<log_dir>/checkpoints``).
+        lag_steps: steps between a step and the judging of its values (``None``: 0 on CPU, 2 on an
+            accelerator, where the asynchronous copy has finished by then).
+        surge: an anomalous loss above ``1 + surge`` times its recent level is tested on the recent batches
+            at once.
     """
 
     name = "guard"
@@ -195,7 +208,7 @@ class DivergenceGuard(Monitor):
         action: Action = "rollback",
         every_n_steps: int = 10,
         warmup_steps: int = 0,
-        snapshot_every_n_checks: Optional[int] = 5,
+        snapshot_every_n_checks: Optional[int] = 1,
         keep_snapshots: int = 2,
         snapshot_dir: Optional[str] = None,
         lr_factor: float = 0.5,
@@ -217,6 +230,8 @@ class DivergenceGuard(Monitor):
         corroborate: bool = False,
         corroborate_with: tuple[str, ...] = ("sa/collapse", "sa/sigma_growth"),
         dirpath: Optional[str] = None,
+        lag_steps: Optional[int] = None,
+        surge: float = 0.3,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
         if action not in ("rollback", "stop", "warn"):
@@ -241,6 +256,10 @@ class DivergenceGuard(Monitor):
             raise ValueError(f"`smoothing` must be in [0, 1), got {smoothing!r}.")
         if blowup <= 1.0 or not math.isfinite(blowup):
             raise ValueError(f"`blowup` must be a number > 1, got {blowup!r}.")
+        if lag_steps is not None:
+            _check_int("lag_steps", lag_steps, 0)
+        self.lag_steps = lag_steps
+        self.surge = _positive("surge", surge)
         self.action = action
         self.snapshot_every_n_checks = snapshot_every_n_checks
         #: steps between snapshots (``None``: no snapshots)
@@ -272,13 +291,24 @@ class DivergenceGuard(Monitor):
         self._ema = 0.0
         self._ema_weight = 0.0
         self._ema_min = math.inf
+        self._lr_at_min: Optional[list[list[Optional[float]]]] = None
+        self._creep_warned_at = math.inf  # the lowest smoothed loss at the last creep warning
         self._creep_start: Optional[int] = None
         self._climb_judged = False
-        # per-step device values since the last check: (step, loss or None, grad norm)
-        self._pending: list[tuple[int, Optional[Tensor], Tensor]] = []
+        # per-step values on their way to the host: (step, [loss, grad norm], copy-done event or None, no loss)
+        self._ring: deque[tuple[int, Tensor, Any, bool]] = deque()
+        self._judged_through = -1  # the last step judged
+        self._judged_now: Optional[tuple[Optional[float], float]] = None  # this step's values, if judged already
         self._restored: list[tuple[int, Optional[float], float]] = []  # buffered values restored from a checkpoint
         self._loss_acc: Optional[Tensor] = None
         self._batch: Any = None
+        # the last batches (references only) and the losses of the last normal steps: a surge is tested on them
+        self._recent_batches: deque[tuple[int, Any, int]] = deque(maxlen=_REFERENCES + 3)
+        self._normal_recent: deque[tuple[int, float]] = deque(maxlen=_REFERENCES)
+        # (step, learning rates) of the last steps, as far back as the moving average reaches
+        self._lr_trace: deque[tuple[int, list[list[Optional[float]]]]] = deque(
+            maxlen=2 + round(self.smoothing / (1.0 - self.smoothing)) + (lag_steps or 2))
+        self._hard_batch: Optional[int] = None  # the last surge the weights were not to blame for
         self._batch_idx = 0
         self._drop: Optional[TrainingSnapshot] = None  # the state before a batch whose update is undone
         self._verdict: Optional[tuple[int, list[str], Optional[int]]] = None  # a check's findings, acted on at batch end
@@ -341,6 +371,7 @@ class DivergenceGuard(Monitor):
             snap.discard()
         self._snapshots = []
         self._batch = None
+        self._recent_batches.clear()
 
     def _on_alert(self, alert: Alert) -> None:
         if alert.monitor == self.name:
@@ -355,6 +386,8 @@ class DivergenceGuard(Monitor):
     # ------------------------------------------------------------------ every step, on device
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch, self._batch_idx = batch, batch_idx
+        self._recent_batches.append((trainer.global_step, batch, batch_idx))
+        self._lr_trace.append((trainer.global_step, self._float_lrs(trainer)))
         if self._lr_ceiling is not None:  # host floats only: no device work
             for opt, ceilings in zip(trainer.optimizers, self._lr_ceiling):
                 for group, ceiling in zip(opt.param_groups, ceilings):
@@ -388,14 +421,31 @@ class DivergenceGuard(Monitor):
             gnorm = torch.linalg.vector_norm(torch.stack(foreach_norm(grads, 2.0, dtype=torch.float32)))
         else:
             gnorm = torch.zeros((), device=pl_module.device)
-        if self.zero_nonfinite_grads and grads:
-            bad = torch.isfinite(gnorm if loss is None else gnorm + loss).logical_not_()
+        row = torch.stack([torch.full_like(gnorm, math.nan) if loss is None else loss.reshape(()).to(gnorm), gnorm])
+        if trainer.world_size > 1:
+            # every rank judges the same (mean) series, so every per-step decision is the same on all ranks
+            row = trainer.strategy.reduce(row, reduce_op="mean")
+        on_host = row.device.type == "cpu" and self._lag(trainer) == 0
+        if self.zero_nonfinite_grads and grads and not on_host:
+            bad = torch.isfinite(row.sum()).logical_not_()  # on the device: no sync
             for g in grads:
                 g.masked_fill_(bad, 0.0)
         if self._drop is None:  # a dropped batch is not judged
-            self._pending.append((step, loss, gnorm))
+            self._ring.append(self._copy_to_host(step, row, loss is None))
+        critical, first_bad = self._judge_ready(trainer, pl_module, step)
+        if self.zero_nonfinite_grads and grads and on_host and self._judged_now is not None:
+            # no device to wait for: this step's values are already judged; touch the gradients only when needed
+            now_loss, now_gnorm = self._judged_now
+            if not math.isfinite(now_gnorm) or (now_loss is not None and not math.isfinite(now_loss)):
+                for g in grads:
+                    g.zero_()
         if self.is_due(step):
-            self._verdict = (step, *self._check(trainer, pl_module, step))
+            more, bad_at = self._check(trainer, pl_module, step, not critical)
+            critical += more
+            if bad_at is not None:
+                first_bad = bad_at if first_bad is None else min(first_bad, bad_at)
+        if critical or self.is_due(step):
+            self._verdict = (step, critical, first_bad)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -409,21 +459,33 @@ class DivergenceGuard(Monitor):
             return
         step, critical, first_bad = self._verdict
         self._verdict = None
-        if self._external:
+        due = self.is_due(step)
+        if due and self._external:
+            # other monitors' critical alerts are rank-local: they join at the guard's checks, where the ranks agree
             if self.act_on_alerts:
                 critical += [f"{a.monitor}/{a.kind} (step {a.step}): {a.message}" for a in self._external]
                 first_bad = min([a.step for a in self._external] + ([first_bad] if first_bad is not None else []))
             self._external.clear()
-        if self.action == "warn" or not trainer.strategy.reduce_boolean_decision(bool(critical), all=False):
+        if self.action == "warn":
+            return
+        # between checks the decision is the same on every rank (judged on the ranks' mean series); at a check,
+        # rank-local findings (other monitors, non-finite buffers) are reduced
+        act = trainer.strategy.reduce_boolean_decision(bool(critical), all=False) if due else bool(critical)
+        if not act:
             return
         target = self._target_snapshot(trainer, step if first_bad is None else first_bad)
         recent = [r for r in self.rollbacks if step - r["step"] < self.rollback_window]
         reasons = "; ".join(critical) if critical else "a critical alert on another rank"
         if self.action == "rollback" and target is not None and len(recent) < self.max_rollbacks:
-            # the first rollback of an episode only skips the batches (a bad stretch of data is cured by that);
-            # if the run diverges again, the learning rate goes down, faster each time: lr_factor, then
-            # lr_factor^2, lr_factor^3 ... (cumulative 0.5, 0.125, 0.016 at the default)
-            self._rollback(trainer, pl_module, step, target, reasons, self.lr_factor ** len(recent))
+            # a stretch of bad data (a non-finite loss or gradient) is cured by skipping it: the first rollback of
+            # such an episode keeps the learning rate; weights that diverged on good data, or a second divergence,
+            # mean the rate is too high: lr_factor, then lr_factor^2 ... (cumulative 0.5, 0.125, 0.016 at the default)
+            diverged = any(r.startswith(("loss explosion", "loss climb")) for r in critical)
+            # ... unless the anomaly began with a batch the weights were not to blame for (a corrupt batch that then
+            # broke them): that is bad data too
+            bad_batch = (self._hard_batch is not None and first_bad is not None
+                         and first_bad - 1 <= self._hard_batch <= step)
+            self._rollback(trainer, pl_module, step, target, reasons, len(recent), diverged, bad_batch)
         else:
             if self.action == "rollback":
                 why = "no snapshot predates the anomaly" if target is None else (
@@ -431,16 +493,46 @@ class DivergenceGuard(Monitor):
                 reasons += f"; stopping instead of rolling back: {why}"
             self._stop(trainer, pl_module, step, target, reasons)
 
-    # ------------------------------------------------------------------ every check, on host
-    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> tuple[list[str], Optional[int]]:
-        """Judge the buffered steps (one transfer) and take a snapshot if one is due and all is well;
-        returns the critical reasons and the first anomalous step."""
-        pending, self._pending = self._pending, []
-        values = self._restored + self._values_to_host(pending)
+    # ------------------------------------------------------------------ every step, on host (lagged)
+    def _copy_to_host(self, step: int, row: Tensor, no_loss: bool) -> tuple[int, Tensor, Any, bool]:
+        """Start the copy of a step's ``[loss, grad norm]`` to the host; on an accelerator the copy is
+        asynchronous (pinned memory) and an event marks its completion."""
+        if row.device.type == "cpu":
+            return step, row, None, no_loss
+        host = row.to("cpu", non_blocking=True)
+        event = torch.cuda.Event() if row.device.type == "cuda" else None
+        if event is not None:
+            event.record()
+        return step, host, event, no_loss
+
+    def _lag(self, trainer: pl.Trainer) -> int:
+        if self.lag_steps is not None:
+            return self.lag_steps
+        return 0 if trainer.strategy.root_device.type == "cpu" else 2
+
+    def _read_ready(self, step: int, lag: int) -> list[tuple[int, Optional[float], float]]:
+        """The host values of the steps at least ``lag`` steps old. Their copies were started ``lag`` steps ago,
+        so waiting for them does not stall the device queue (the host stays up to ``lag`` steps ahead)."""
+        values = self._restored
         self._restored = []
+        while self._ring and self._ring[0][0] <= step - lag:
+            s, host, event, no_loss = self._ring.popleft()
+            if event is not None:
+                event.synchronize()
+            loss, gnorm = host.tolist()
+            values.append((s, None if no_loss else loss, gnorm))
+        return values
+
+    def _judge_ready(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> tuple[list[str], Optional[int]]:
+        """Judge every step whose values have reached the host; returns the critical reasons and the first
+        anomalous step."""
+        values = self._read_ready(step, self._lag(trainer))
+        self._judged_now = next(((loss, g) for s, loss, g in values if s == step), None)
+        if not values:
+            return [], None
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         scaler_on = scaler is not None and scaler.is_enabled()
-        if values and all(loss is None for _, loss, _ in values) and not self._warned_no_loss:
+        if all(loss is None for _, loss, _ in values) and not self._warned_no_loss:
             self._warned_no_loss = True
             rank_zero_warn(
                 "DivergenceGuard saw no training loss: `training_step` returned None (or no 'loss' key), so only "
@@ -450,38 +542,69 @@ class DivergenceGuard(Monitor):
         first_bad: Optional[int] = None
         explosion: Optional[tuple[int, int]] = None
         for s, loss, gnorm in values:
-            reasons, start = self._judge(s, loss, gnorm, scaler_on)
+            best = self._ema_min
+            reasons, start, surge = self._judge(s, loss, gnorm, scaler_on)
+            if self._ema_min < best:
+                # the learning rates that trained the weights of the best smoothed loss so far: the moving average
+                # describes the losses of about smoothing / (1 - smoothing) steps back (its mean age)
+                back = 1 + round(self.smoothing / (1.0 - self.smoothing))
+                self._lr_at_min = next((lrs for t, lrs in self._lr_trace if t >= s - back), self._lr_at_min)
+            self._judged_through = s
             if reasons and first_bad is None:
                 first_bad = start
             critical += reasons
-            climbing = start is not None and start == self._creep_start and not self._loss_watch.run
-            if start is not None and not reasons and explosion is None and (self._loss_watch.run >= self.patience
-                                                                             or climbing):
+            if loss is not None and math.isfinite(loss) and start is None:
+                self._normal_recent.append((s, loss))
+            if start is None or reasons or explosion is not None:
+                continue
+            climbing = start == self._creep_start and not self._loss_watch.run
+            run = self._loss_watch.run
+            sustained = run >= (self.patience if self._loss_watch.ready else max(self.patience, _EARLY_PATIENCE))
+            if sustained or climbing:
                 explosion = (s, start)
+            elif surge and run < self.patience:
+                found = self._surge_test(trainer, pl_module, s, loss)
+                if found:
+                    critical += found
+                    first_bad = s if first_bad is None else min(first_bad, s)
+                else:
+                    self._hard_batch = s
         if explosion is not None:
             reasons = self._decide_explosion(trainer, pl_module, *explosion)
             if reasons:
                 critical += reasons
                 first_bad = explosion[1] if first_bad is None else min(first_bad, explosion[1])
+        return critical, first_bad
+
+    # ------------------------------------------------------------------ every check, on host
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int,
+               ok: bool) -> tuple[list[str], Optional[int]]:
+        """Take a snapshot if one is due and all is well (``ok``: the steps judged so far were; refused if a
+        parameter or buffer is non-finite); returns the critical reasons and the first anomalous step."""
+        critical: list[str] = []
+        first_bad: Optional[int] = None
         if self._snapshot_due(step):
-            if not critical and not self._all_finite(pl_module):
+            if not self._all_finite(pl_module):
                 critical.append(self._poisoned(step))
                 first_bad = step
-            self._snapshot(trainer, pl_module, step, not critical)
+            self._snapshot(trainer, pl_module, step, ok and not critical)
         return critical, first_bad
 
     @staticmethod
-    def _values_to_host(pending: list[tuple[int, Optional[Tensor], Tensor]]) -> list[tuple[int, Optional[float], float]]:
-        """The buffered values as floats, with one device-to-host transfer."""
-        if not pending:
-            return []
-        nan = torch.full((), math.nan, device=pending[0][2].device)
-        rows = torch.stack([torch.stack([nan if loss is None else loss.reshape(()), g]) for _, loss, g in pending])
-        host = rows.cpu().tolist()
-        return [(s, None if loss is None else row[0], row[1]) for (s, loss, _), row in zip(pending, host)]
+    def _values_to_host(ring: Any) -> list[tuple[int, Optional[float], float]]:
+        """The values not judged yet, as floats (at a checkpoint)."""
+        out = []
+        for s, host, event, no_loss in ring:
+            if event is not None:
+                event.synchronize()
+            loss, gnorm = host.tolist()
+            out.append((s, None if no_loss else loss, gnorm))
+        return out
 
-    def _judge(self, step: int, loss: Optional[float], gnorm: float, scaler_on: bool) -> tuple[list[str], Optional[int]]:
-        """Update the detectors with one step; returns (critical reasons, first step of a loss anomaly)."""
+    def _judge(self, step: int, loss: Optional[float], gnorm: float,
+               scaler_on: bool) -> tuple[list[str], Optional[int], bool]:
+        """Update the detectors with one step; returns (critical reasons, first step of a loss anomaly, surge): a
+        *surge* is a loss at least ``blowup`` times its recent level and beyond its noise, judged at once."""
         reasons: list[str] = []
         bad_loss = loss is not None and not math.isfinite(loss)
         bad_grad = not math.isfinite(gnorm) and not scaler_on  # a scaler skips overflowing steps itself
@@ -495,15 +618,18 @@ class DivergenceGuard(Monitor):
             value=value, clear_message="Loss and gradient norm are finite again.",
         )):
             reasons.append(f"non-finite {what} at step {step}")
-            return reasons, step
-        start = None
+            return reasons, step, False
+        start, surge = None, False
         if loss is not None and math.isfinite(loss):
             if len(self._initial) < 3:
                 self._initial.append(loss)
             anchor = self._anchor()
-            anomalous, _ = self._loss_watch.update(
+            ready = self._loss_watch.ready
+            level = self._loss_watch.level() if ready else anchor
+            anomalous, z = self._loss_watch.update(
                 step, loss, abs_floor=self.initial_floor * anchor, ceiling=self.blowup * anchor)
             start = self._loss_watch.start if anomalous else None
+            surge = anomalous and ready and z > self.z_threshold and loss > (1.0 + self.surge) * level
             if not anomalous and self._loss_watch.run == 0:
                 self.condition(step, "loss_explosion", False, "critical", "",
                                clear_message="The loss is back within its recent history.")
@@ -511,12 +637,13 @@ class DivergenceGuard(Monitor):
                 start = self._creep_start
         if self.corroborate:
             reasons += self._corroborate(step)
-        return reasons, start
+        return reasons, start, surge
 
     def _anchor(self) -> float:
-        """The initial loss level: the median of the first three finite losses (one blown-up value among them
-        does not move it), at least a tiny positive number."""
-        return max(median(self._initial), 1e-8) if self._initial else 1.0
+        """The initial loss level: the first finite loss, or the median of the first three if lower (one blown-up
+        value among them does not move it; a run that blows up from its first update keeps its true start), at
+        least a tiny positive number."""
+        return max(min(self._initial[0], median(self._initial)), 1e-8) if self._initial else 1.0
 
     def _creep(self, step: int, loss: float, anchor: float) -> bool:
         """Update the loss EMA and the ``loss_creep`` condition; True when the creep turns into a climb that
@@ -536,18 +663,26 @@ class DivergenceGuard(Monitor):
         if ("loss_creep", None) in self._conditions:  # hysteresis: clear only halfway back
             active = ema > 0.5 * (self._ema_min + limit)
         else:
-            active = ema > limit
-        self.condition(
-            step, "loss_creep", active, "warning",
-            f"The smoothed loss ({ema:.4g}) has risen {100 * (ema / self._ema_min - 1):.0f}% above its lowest value "
-            f"({self._ema_min:.4g}) at step {step}: training may be starting to diverge.",
-            value=ema, threshold=limit, clear_message="The smoothed loss is back near its lowest value.",
-        )
+            # the recent median must have risen too (at least halfway): a few heavy-tailed batch losses (tiny
+            # batches) move the average without the typical loss rising
+            active = ema > limit and self._loss_watch.level() > 0.5 * (self._ema_min + limit)
+        # one warning per lowest value: a loss that wobbles around the limit without a new low is not news again
+        repeat = active and ("loss_creep", None) not in self._conditions and self._ema_min >= self._creep_warned_at
+        if not repeat:
+            raised = self.condition(
+                step, "loss_creep", active, "warning",
+                f"The smoothed loss ({ema:.4g}) has risen {100 * (ema / self._ema_min - 1):.0f}% above its lowest "
+                f"value ({self._ema_min:.4g}) at step {step}: training may be starting to diverge.",
+                value=ema, threshold=limit, clear_message="The smoothed loss is back near its lowest value.",
+            )
+            if raised is not None and raised.kind == "loss_creep":
+                self._creep_warned_at = self._ema_min
         if not active:
             self._creep_start, self._climb_judged = None, False
             return False
         self._creep_start = step if self._creep_start is None else self._creep_start
-        climb = ema >= 2.0 * self._ema_min and ema - self._ema_min >= 0.25 * anchor
+        climb = (ema >= 2.0 * self._ema_min and ema - self._ema_min >= 0.25 * anchor
+                 and self._loss_watch.level() >= 0.5 * (self._ema_min + ema))
         if climb and not self._climb_judged:
             self._climb_judged = True
             return True
@@ -576,6 +711,8 @@ class DivergenceGuard(Monitor):
         verdict = self._attribute(trainer, pl_module, start, level, climb) if self.attribute else None
         if verdict is not None and verdict[0] == "transient":
             return []
+        if verdict is not None and verdict[0] == "data" and self._loss_watch.run < self.patience and not climb:
+            return []  # one hard batch (a surge the last good weights find as hard): nothing to say
         if verdict is not None and verdict[0] == "data":
             _, now, before = verdict
             self.condition(
@@ -601,6 +738,31 @@ class DivergenceGuard(Monitor):
         )
         return [f"loss explosion since step {start}"] if _is_critical(raised) or raised is None else []
 
+    def _surge_test(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, loss: float) -> list[str]:
+        """A loss surge at ``step`` (``blowup`` times its recent level, beyond its noise): critical at once if the
+        weights are broken, i.e. the last normal batches, evaluated again now, have lost at least half as much as
+        the surging one; otherwise it is one hard batch and nothing is said (it is judged again if it persists)."""
+        if not pl_module.automatic_optimization:
+            return []
+        batches = {s: (b, i) for s, b, i in self._recent_batches}
+        refs = [(batches[s], then) for s, then in self._normal_recent if s in batches and s < step]
+        if not refs:
+            return []
+        level = median([then for _, then in refs])
+        losses = [self._batch_loss(pl_module, b, i) for (b, i), _ in refs]
+        now = self._rank_mean(trainer, pl_module, None if None in losses else sum(losses) / len(losses))
+        then = sum(t for _, t in refs) / len(refs)
+        if now is None or (math.isfinite(now) and now - then < 0.5 * (loss - level)):
+            return []
+        raised = self.condition(
+            step, "loss_explosion", True, "critical",
+            f"The loss surged to {loss:.4g} at step {step} (recent level about {level:.4g}), and the last {len(refs)} "
+            f"normal batches, evaluated again, went from {then:.4g} to {now:.4g}: the weights diverged. The run is "
+            "diverging: lower the learning rate.",
+            value=loss, threshold=level,
+        )
+        return [f"loss explosion (surge) at step {step}"] if _is_critical(raised) or raised is None else []
+
     def _attribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, start: int, level: float,
                    climb: bool = False) -> Optional[tuple[str, float, float]]:
         """``("weights" | "data" | "transient", loss now, loss with the last good weights)`` on the current batch, or
@@ -608,7 +770,9 @@ class DivergenceGuard(Monitor):
         snap = next((s for s in reversed(self._snapshots) if s.step < start), None)
         if snap is None or self._batch is None or not pl_module.automatic_optimization:
             return None
-        now = self._batch_loss(pl_module)
+        now = self._rank_mean(trainer, pl_module, self._batch_loss(pl_module))
+        if climb and now is not None and math.isfinite(now) and now <= level:
+            return "transient", now, now  # the current batch shows no rise: no evidence either way
         if now is not None and math.isfinite(now) and not climb:
             anchor = self._anchor()
             z = self._loss_watch.zscore(now, abs_floor=self.initial_floor * anchor)
@@ -620,7 +784,7 @@ class DivergenceGuard(Monitor):
                 current = pl_module.state_dict()
                 for name, value in snap.state()["module"].items():
                     current[name].copy_(value)
-            before = self._batch_loss(pl_module)
+            before = self._rank_mean(trainer, pl_module, self._batch_loss(pl_module))
         finally:
             with torch.no_grad():
                 current = pl_module.state_dict()
@@ -634,14 +798,26 @@ class DivergenceGuard(Monitor):
         data = math.isfinite(before) and (before - level) >= 0.5 * (now - level)
         return ("data" if data else "weights"), now, before
 
-    def _batch_loss(self, pl_module: pl.LightningModule) -> Optional[float]:
-        """The loss of the current batch under the module's present weights, with no side effect."""
+    @staticmethod
+    def _rank_mean(trainer: pl.Trainer, pl_module: pl.LightningModule, value: Optional[float]) -> Optional[float]:
+        """``value`` averaged over the ranks (every rank then takes the same decision); ``None`` stays ``None`` when
+        it is ``None`` on every rank (NaN on some)."""
+        if trainer.world_size <= 1:
+            return value
+        t = torch.tensor([math.nan if value is None else value], device=pl_module.device)
+        out = float(trainer.strategy.reduce(t, reduce_op="mean"))
+        return None if value is None and math.isnan(out) else out
+
+    def _batch_loss(self, pl_module: pl.LightningModule, batch: Any = None, batch_idx: Optional[int] = None) -> Optional[float]:
+        """The loss of a batch (default: the current one) under the module's present weights, with no side effect."""
+        if batch is None:
+            batch, batch_idx = self._batch, self._batch_idx
         log, log_dict = pl_module.log, pl_module.log_dict
         pl_module.log = pl_module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
         devices = [pl_module.device] if pl_module.device.type == "cuda" else []
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                out = pl_module.training_step(self._batch, self._batch_idx)
+                out = pl_module.training_step(batch, batch_idx)
         finally:
             pl_module.log, pl_module.log_dict = log, log_dict  # type: ignore[method-assign]
         if isinstance(out, dict):
@@ -685,7 +861,9 @@ class DivergenceGuard(Monitor):
         snap = TrainingSnapshot.capture(trainer, pl_module, self._monitors(trainer), step, self._lr_scale, self.snapshot_dir)
         snap.guard = self._detector_state()
         self._snapshots.append(snap)
-        while len(self._snapshots) > self.keep_snapshots:
+        # a snapshot newer than the last judged step is provisional (its steps may still turn out anomalous):
+        # it does not push out a confirmed one
+        while sum(s.step <= self._judged_through + 1 for s in self._snapshots) > self.keep_snapshots:
             self._snapshots.pop(0).discard()
         oldest = self._snapshots[0].step
         self._seen = [e for e in self._seen if e[0] >= oldest]
@@ -697,18 +875,57 @@ class DivergenceGuard(Monitor):
                 return snap
         return None
 
+    @staticmethod
+    def _float_lrs(trainer: pl.Trainer) -> list[list[Optional[float]]]:
+        """Every parameter group's learning rate (``None`` for a tensor rate: reading it would sync)."""
+        return [[g["lr"] if isinstance(g["lr"], float) else None for g in opt.param_groups] for opt in trainer.optimizers]
+
     def _rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, snap: TrainingSnapshot,
-                  reasons: str, factor: float) -> None:
+                  reasons: str, repeat: int, diverged: bool, bad_batch: bool) -> None:
+        """Restore ``snap``. The learning rate, for the ``repeat``-th rollback of an episode (0: the first):
+
+        * weights that diverged while the rate rose since the best smoothed loss (a warm-up, ramp or jump): capped
+          at the rate of that best loss and at ``lr_factor`` times the rate of the divergence; scaled by
+          ``lr_factor ** repeat``;
+        * bad data (a non-finite loss or gradient, or a divergence that began with one batch the weights were not
+          to blame for, at a steady rate): scaled by ``lr_factor ** repeat`` (kept the first time);
+        * weights that diverged at a steady rate: scaled by ``lr_factor ** (repeat + 1)``.
+        A scaled rate is also capped at its restored value, and any cap set earlier in the episode comes down with
+        the scale."""
+        lr_now = self._float_lrs(trainer)
         for kind, layer in list(self._conditions):
             self.condition(step, kind, False, "info", "", layer=layer, clear_message="Rolled back.")
         snap.restore(trainer, pl_module, self._monitors(trainer))
         self._load_detector_state(snap.guard)
+        self._recent_batches.clear()  # skipped data, and losses of weights no longer there
+        self._normal_recent.clear()
+        self._hard_batch = None
+        best = self._lr_at_min
+        pairs = [(n, b) for i, group in enumerate(lr_now) for j, n in enumerate(group)
+                 for b in [best[i][j] if best is not None and i < len(best) and j < len(best[i]) else None]]
+        rose = diverged and any(n is not None and b is not None and n > 1.001 * b for n, b in pairs)
+        steady = diverged and not rose and not bad_batch
+        factor = self.lr_factor ** (repeat + steady)
         self._lr_scale *= factor
         scale_learning_rates(trainer, self._lr_scale / snap.lr_scale)
-        if factor < 1.0:
-            # the run diverged again: the learning rate it had at the last good state, scaled down, becomes a
-            # ceiling, so a warm-up or ramp that led to the divergence does not climb past it again
-            self._lr_ceiling = [[group["lr"] for group in opt.param_groups] for opt in trainer.optimizers]
+        if rose or factor < 1.0:
+            ceilings = []
+            for i, opt in enumerate(trainer.optimizers):
+                row = []
+                for j, group in enumerate(opt.param_groups):
+                    c = group["lr"] if isinstance(group["lr"], float) else math.inf
+                    if rose and pairs:
+                        n, b = lr_now[i][j], best[i][j] if best is not None else None
+                        c = min([c] + [b for b in [b] if b is not None] + [self.lr_factor * n for n in [n] if n is not None])
+                    if self._lr_ceiling is not None and i < len(self._lr_ceiling) and j < len(self._lr_ceiling[i]):
+                        c = min(c, self._lr_ceiling[i][j] * factor)
+                    row.append(c)
+                ceilings.append(row)
+            self._lr_ceiling = ceilings
+            for opt, row in zip(trainer.optimizers, ceilings):
+                for group, ceiling in zip(opt.param_groups, row):
+                    if isinstance(group["lr"], float):
+                        group["lr"] = min(group["lr"], ceiling)
         batches = [[e, b] for s, e, b in self._seen if snap.step <= s <= step]
         self._skip.update((e, b) for e, b in batches)
         self._seen = [e for e in self._seen if e[0] < snap.step]
@@ -721,7 +938,9 @@ class DivergenceGuard(Monitor):
                   "loss_before": median(history) if history else None, "reasons": reasons}
         self.rollbacks.append(record)
         lr = f"; learning rates now {self._lr_scale:.3g}x their schedule" if self._lr_scale != 1.0 else ""
-        if factor < 1.0:
+        if rose:
+            lr += "; learning rates capped at the rate of the best smoothed loss"
+        elif factor < 1.0:
             lr += ", and capped at the scaled rate of the state restored"
         self.alert(
             step, "rolled_back", "info",
@@ -760,10 +979,14 @@ class DivergenceGuard(Monitor):
         super()._reset_run_state()
         self._load_detector_state({})
         self._creep_start, self._climb_judged = None, False
-        self._pending, self._restored, self._loss_acc = [], [], None
+        self._ring, self._restored, self._loss_acc, self._judged_through = deque(), [], None, -1
         for snap in self._snapshots:
             snap.discard()
         self._snapshots, self._seen, self._drop, self._verdict = [], [], None, None
+        self._recent_batches.clear()
+        self._normal_recent.clear()
+        self._lr_trace.clear()
+        self._hard_batch = None
         self._skip = set(self._skip_given)
         self._lr_scale, self._lr_ceiling = 1.0, None
         self._external, self._external_warnings = [], {}
@@ -773,7 +996,8 @@ class DivergenceGuard(Monitor):
         return {
             "loss": self._loss_watch.state_dict(),
             "initial": list(self._initial),
-            "creep": {"ema": self._ema, "weight": self._ema_weight, "min": self._ema_min},
+            "creep": {"ema": self._ema, "weight": self._ema_weight, "min": self._ema_min, "warned_at": self._creep_warned_at},
+            "lr_at_min": self._lr_at_min,
         }
 
     def _load_detector_state(self, state: dict[str, Any]) -> None:
@@ -782,12 +1006,14 @@ class DivergenceGuard(Monitor):
         creep = state.get("creep", {})
         self._ema, self._ema_weight = creep.get("ema", 0.0), creep.get("weight", 0.0)
         self._ema_min = creep.get("min", math.inf)
+        self._creep_warned_at = creep.get("warned_at", math.inf)
+        self._lr_at_min = state.get("lr_at_min")
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state.update(self._detector_state())
         state.update(
-            pending=self._restored + self._values_to_host(self._pending),
+            pending=self._restored + self._values_to_host(self._ring),
             rollbacks=[dict(r) for r in self.rollbacks],
             skip=sorted([e, b] for e, b in self._skip),
             lr_scale=self._lr_scale,
@@ -802,7 +1028,7 @@ class DivergenceGuard(Monitor):
         self._note_state_loaded()
         self._load_detector_state(state_dict)
         self._restored = [(int(s), loss, g) for s, loss, g in state_dict.get("pending", [])]
-        self._pending = []
+        self._ring = deque()
         self.rollbacks = [dict(r) for r in state_dict.get("rollbacks", [])]
         self._skip |= {(int(e), int(b)) for e, b in state_dict.get("skip", [])}
         self._lr_scale = float(state_dict.get("lr_scale", 1.0))
