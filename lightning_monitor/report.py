@@ -1,0 +1,472 @@
+"""``lightning-monitor report LOGDIR``: a run's health at a glance, from its log directory.
+
+Reads the TensorBoard event files and ``alerts.jsonl`` of every run under ``LOGDIR`` (a folder with
+event files or an ``alerts.jsonl``), prints a short summary (the alerts in order, what fired first,
+the actions taken, ``B_simple`` against the batch size, the best GWA epoch, the frozen components,
+the loss) and writes one self-contained HTML file per run (``health_report.html`` in the run's
+folder, or ``--html PATH``) with inline SVG plots of the model-level signals, alerts marked.
+
+Exit status: 0 when every run was read; 1 when a run is partial or corrupt (no scalars, alerts
+without event files, an event file or a line of ``alerts.jsonl`` that cannot be read: the message
+says which); 2 when ``LOGDIR`` does not exist or holds no run. Importing this module imports
+neither torch nor Lightning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import math
+import os
+import struct
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lightning_monitor.alerts import ALERTS_FILENAME, SEVERITY_LEVELS, Alert
+
+__all__ = ["RunReport", "find_runs", "load_run", "main", "render_html", "summarize"]
+
+EVENT_PREFIX = "events.out.tfevents."
+HTML_FILENAME = "health_report.html"
+
+#: Model-level panels of the figure: ``(title, tag names or None for the loss tags, log scale)``.
+PANELS: tuple[tuple[str, Optional[tuple[str, ...]], bool], ...] = (
+    ("loss", None, False),
+    ("alerts: cumulative count per severity", ("alerts/count/critical", "alerts/count/warning", "alerts/count/info"),
+     False),
+    ("spectral alignment: sign diversity", ("sa/sign_diversity_mean", "sa/diversity_ratio", "sa/collapsed_fraction"),
+     False),
+    ("spectral alignment: sigma_1 growth", ("sa/sigma_growth",), False),
+    ("gradient noise scale: B_simple vs batch size", ("gns/b_simple", "gns/batch_size"), True),
+    ("gradient-weight alignment: score", ("gwa/score",), False),
+    ("GradES: frozen fraction", ("grades/frozen_fraction",), False),
+)
+
+_MONITOR_PREFIXES = ("alerts/", "sa/", "gns/", "gwa/", "grades/", "guard/")
+_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b")
+_SEVERITY_COLORS = {"critical": "#d62728", "warning": "#f0a202", "info": "#6c757d"}
+
+
+@dataclass
+class RunReport:
+    """What a run's folder holds: its scalars, its alerts, and what could not be read."""
+
+    path: str
+    scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    alerts: list[Alert] = field(default_factory=list)
+    event_files: list[str] = field(default_factory=list)
+    #: problems that make the report partial (nonzero exit)
+    problems: list[str] = field(default_factory=list)
+    #: facts worth saying that are not problems (e.g. a last line cut by a kill)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+# ---------------------------------------------------------------------------------------------- reading
+def find_runs(logdir: str) -> list[str]:
+    """Every folder under ``logdir`` (itself included) holding TensorBoard event files or an
+    ``alerts.jsonl``, sorted."""
+    runs = []
+    for dirpath, dirnames, filenames in os.walk(logdir):
+        dirnames.sort()
+        if ALERTS_FILENAME in filenames or any(name.startswith(EVENT_PREFIX) for name in filenames):
+            runs.append(dirpath)
+    return sorted(runs)
+
+
+def _masked_crc32c(data: bytes) -> int:
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    return masked_crc32c(data)
+
+
+def check_event_file(path: str) -> tuple[int, Optional[str], bool]:
+    """Walk the records of a TensorBoard event file (TFRecord framing, length checksums checked):
+    ``(records, problem, truncated)``. ``problem`` says where the file stops being an event file;
+    ``truncated``: the last record is cut short, as a process killed while writing leaves it (TensorBoard
+    reads the records before it)."""
+    records = 0
+    with open(path, "rb") as fh:
+        while True:
+            start = fh.tell()
+            header = fh.read(12)
+            if not header:
+                return records, None, False
+            if len(header) < 12:
+                return records, None, True
+            length, length_crc = struct.unpack("<QI", header)
+            if _masked_crc32c(header[:8]) != length_crc:
+                return records, f"not a TensorBoard event record at byte {start} (checksum mismatch)", False
+            body = fh.read(length + 4)
+            if len(body) < length + 4:
+                return records, None, True
+            records += 1
+
+
+def _read_scalars(run: RunReport) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    guidance = {"scalars": 0, "histograms": 1, "images": 1, "audio": 1, "tensors": 1, "compressedHistograms": 1}
+    acc = EventAccumulator(run.path, size_guidance=guidance)
+    acc.Reload()
+    for tag in acc.Tags().get("scalars", []):
+        run.scalars[tag] = [(int(e.step), float(e.value)) for e in acc.Scalars(tag)]
+
+
+def _read_alerts(run: RunReport, path: str) -> None:
+    with open(path, "rb") as fh:
+        lines = fh.read().split(b"\n")
+    for lineno, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            run.alerts.append(Alert.from_dict(json.loads(raw.decode("utf-8"))))
+        except (ValueError, TypeError, AttributeError) as err:
+            if lineno == len(lines):  # no newline after it: cut short by a kill
+                run.notes.append(f"{ALERTS_FILENAME}: the last line is incomplete (a run stopped while writing "
+                                 "it); ignored.")
+            else:
+                reason = "not valid JSON" if isinstance(err, json.JSONDecodeError) else str(err)
+                run.problems.append(f"{ALERTS_FILENAME} line {lineno}: not an alert record ({reason}); skipped.")
+
+
+def load_run(path: str) -> RunReport:
+    """Read one run's folder; every problem lands in :attr:`RunReport.problems`, nothing raises."""
+    run = RunReport(path)
+    names = sorted(os.listdir(path))
+    run.event_files = [os.path.join(path, n) for n in names if n.startswith(EVENT_PREFIX)]
+    for event_file in run.event_files:
+        name = os.path.basename(event_file)
+        try:
+            records, problem, truncated = check_event_file(event_file)
+        except OSError as err:
+            run.problems.append(f"{name}: cannot be read ({err.strerror or err}).")
+            continue
+        if problem:
+            run.problems.append(f"{name}: corrupt, {problem}.")
+        elif truncated:
+            run.notes.append(f"{name}: the last record is cut short (a run stopped while writing it); the "
+                             f"{records} records before it are read.")
+        elif records == 0:
+            run.notes.append(f"{name}: empty.")
+    if run.event_files:
+        try:
+            _read_scalars(run)
+        except Exception as err:  # tensorboard raises its own error types on unreadable files
+            run.problems.append(f"the TensorBoard event files cannot be read ({type(err).__name__}: {err}).")
+        if not run.scalars and not any("corrupt" in p for p in run.problems):
+            run.problems.append("the TensorBoard event files hold no scalar: the run logged nothing yet, or "
+                                "its files are incomplete.")
+    else:
+        run.problems.append("no TensorBoard event file in this folder: only the alerts can be reported.")
+    alerts_path = os.path.join(path, ALERTS_FILENAME)
+    if os.path.exists(alerts_path):
+        try:
+            _read_alerts(run, alerts_path)
+        except OSError as err:
+            run.problems.append(f"{ALERTS_FILENAME}: cannot be read ({err.strerror or err}).")
+    return run
+
+
+# ---------------------------------------------------------------------------------------------- summary
+def _last(run: RunReport, tag: str) -> Optional[tuple[int, float]]:
+    series = [(s, v) for s, v in run.scalars.get(tag, []) if math.isfinite(v)]
+    return series[-1] if series else None
+
+
+def loss_tags(run: RunReport) -> list[str]:
+    """The scalar tags that look like a loss (``loss`` in the name, not a monitor's), training first."""
+    tags = [t for t in run.scalars if "loss" in t.lower() and not t.startswith(_MONITOR_PREFIXES)]
+    return sorted(tags, key=lambda t: (not t.lower().startswith("train"), t))[:3]
+
+
+def _first_sentence(text: str, limit: int = 140) -> str:
+    """The first sentence of ``text`` (up to a full stop or a colon), at most ``limit`` characters."""
+    cuts = [i for i in (text.find(". "), text.find(": ")) if i > 0]
+    head = text[: min(cuts)] if cuts else text.rstrip(".")
+    return head if len(head) <= limit else head[: limit - 3] + "..."
+
+
+def _action(alert: Alert) -> Optional[str]:
+    d = alert.details or {}
+    if alert.kind == "stopped":
+        where = f"; checkpoint {d['checkpoint']}" if d.get("checkpoint") else ""
+        return f"step {alert.step}: the guard stopped training{where}"
+    if alert.kind == "rolled_back":
+        return (f"step {alert.step}: the guard rolled back to the state of step {d.get('to_step', '?')}"
+                f" ({d.get('skipped', '?')} batches skipped)")
+    if alert.kind == "frozen":
+        return f"step {alert.step}: GradES froze {alert.layer or '?'}"
+    if alert.kind == "stop" and alert.monitor == "grades":
+        return f"step {alert.step}: GradES stopped training ({_first_sentence(alert.message)})"
+    if alert.kind == "early_stop":
+        return f"step {alert.step}: {alert.monitor} stopped training ({_first_sentence(alert.message)})"
+    if alert.kind in ("batch_below_noise_scale", "batch_above_noise_scale"):
+        return f"step {alert.step}: batch-size advice: {_first_sentence(alert.message)}"
+    return None
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def summarize(run: RunReport, max_alerts: int = 40) -> str:
+    """The text summary of one run."""
+    lines = [f"Run: {run.path}"]
+    steps = [s for series in run.scalars.values() for s, _ in series]
+    if steps:
+        lines.append(f"  steps logged: {min(steps)} .. {max(steps)}; {len(run.scalars)} scalar tags")
+    run_ids = list(dict.fromkeys(a.run_id for a in run.alerts if a.run_id))
+    if len(run_ids) > 1:
+        lines.append(f"  fits (run ids): {', '.join(run_ids)}")
+
+    # alerts
+    if not run.alerts:
+        lines.append("  alerts: none")
+    else:
+        by_sev = {sev: sum(a.severity == sev for a in run.alerts) for sev in SEVERITY_LEVELS}
+        counts = ", ".join(f"{n} {sev}" for sev, n in sorted(by_sev.items(), key=lambda kv: -SEVERITY_LEVELS[kv[0]])
+                           if n)
+        lines.append(f"  alerts: {len(run.alerts)} ({counts})")
+        serious = [a for a in run.alerts if a.severity != "info"]
+        first = serious[0] if serious else run.alerts[0]
+        lines.append(f"  fired first{' (warning or critical)' if serious else ''}: step {first.step} "
+                     f"{first.monitor}/{first.kind}" + (f" [{first.layer}]" if first.layer else "")
+                     + f" ({first.severity})")
+        for a in run.alerts[:max_alerts]:
+            where = f" [{a.layer}]" if a.layer else ""
+            text = _first_sentence(a.message)
+            lines.append(f"    step {a.step:>6}  {a.severity:<8} {a.monitor}/{a.kind}{where}: {text}")
+        if len(run.alerts) > max_alerts:
+            lines.append(f"    ... {len(run.alerts) - max_alerts} more in {ALERTS_FILENAME}")
+
+    actions = [text for text in (_action(a) for a in run.alerts) if text]
+    lines.append("  actions taken:" + ("" if actions else " none"))
+    lines.extend(f"    {text}" for text in actions)
+
+    # batch size against the noise scale
+    b_simple, batch = _last(run, "gns/b_simple"), _last(run, "gns/batch_size")
+    if b_simple is not None and batch is not None and batch[1] > 0:
+        ratio = b_simple[1] / batch[1]
+        if ratio >= 1:
+            where = f"{ratio:.3g}x below B_simple"
+        else:
+            where = f"{1 / ratio:.3g}x above B_simple" if ratio > 0 else "far above B_simple (B_simple <= 0)"
+        lines.append(f"  batch size: {_fmt(batch[1])} vs B_simple = {_fmt(b_simple[1])} at step {b_simple[0]}: the "
+                     f"batch is {where}")
+    elif b_simple is not None:
+        lines.append(f"  B_simple: {_fmt(b_simple[1])} at step {b_simple[0]} (no gns/batch_size logged)")
+
+    # GWA
+    best_epoch = _last(run, "gwa/best_epoch")
+    scores = [(s, v) for s, v in run.scalars.get("gwa/score", []) if math.isfinite(v)]
+    if best_epoch is not None:
+        best = max(scores, key=lambda sv: sv[1]) if scores else None
+        extra = f"; highest score {_fmt(best[1])} at step {best[0]}" if best else ""
+        lines.append(f"  GWA: best epoch {int(best_epoch[1])} (gwa/best_epoch at step {best_epoch[0]}){extra}")
+    elif scores:
+        best = max(scores, key=lambda sv: sv[1])
+        lines.append(f"  GWA: best score {_fmt(best[1])} at step {best[0]} (epoch-end scores: {len(scores)})")
+
+    # GradES
+    fraction = _last(run, "grades/frozen_fraction")
+    frozen = [a.layer for a in run.alerts if a.kind == "frozen" and a.layer]
+    if fraction is not None or frozen:
+        share = f"frozen fraction {_fmt(fraction[1])} at step {fraction[0]}" if fraction else ""
+        names = f"{len(frozen)} frozen: {', '.join(frozen)}" if frozen else "none frozen"
+        lines.append(f"  GradES: {names}" + (f" ({share})" if share else ""))
+
+    # loss
+    for tag in loss_tags(run):
+        series = [(s, v) for s, v in run.scalars[tag] if math.isfinite(v)]
+        if series:
+            lines.append(f"  {tag}: {_fmt(series[0][1])} (step {series[0][0]}) -> {_fmt(series[-1][1])} "
+                         f"(step {series[-1][0]}), lowest {_fmt(min(v for _, v in series))}")
+    for note in run.notes:
+        lines.append(f"  note: {note}")
+    for problem in run.problems:
+        lines.append(f"  problem: {problem}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- figure
+def _ticks(lo: float, hi: float, n: int = 4) -> list[float]:
+    span = hi - lo
+    if span <= 0 or not math.isfinite(span):
+        return [lo]
+    raw = span / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step) * step
+    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def svg_panel(title: str, series: dict[str, list[tuple[int, float]]], alerts: Sequence[Alert],
+              x_range: tuple[int, int], log_y: bool = False, width: int = 900, height: int = 190) -> str:
+    """One inline SVG line plot: ``series`` (name -> ``(step, value)``), a vertical line per alert
+    (colour by severity, the alert in its tooltip), non-finite values left as gaps. Cumulative alert
+    counts (``alerts/count/...``) are drawn as staircases: a count holds until the next point."""
+    ml, mr, mt, mb = 64, 16, 22, 26
+    pw, ph = width - ml - mr, height - mt - mb
+    log_y = log_y and all(v > 0 for pts in series.values() for _, v in pts if math.isfinite(v))
+
+    def ty(v: float) -> float:
+        return math.log10(v) if log_y else v
+
+    values = [ty(v) for pts in series.values() for _, v in pts if math.isfinite(v) and (not log_y or v > 0)]
+    y_lo, y_hi = (min(values), max(values)) if values else (0.0, 1.0)
+    if y_hi - y_lo < 1e-12:
+        y_lo, y_hi = y_lo - (abs(y_lo) * 0.1 or 1.0), y_hi + (abs(y_hi) * 0.1 or 1.0)
+    pad = (y_hi - y_lo) * 0.05
+    y_lo, y_hi = y_lo - pad, y_hi + pad
+    x_lo, x_hi = x_range
+    x_span = (x_hi - x_lo) or 1
+
+    def sx(step: float) -> float:
+        return ml + (step - x_lo) / x_span * pw
+
+    def sy(v: float) -> float:
+        return mt + (1 - (v - y_lo) / (y_hi - y_lo)) * ph
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
+           f'<text x="{ml}" y="14" font-size="13" font-weight="bold">{html.escape(title)}</text>',
+           f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="none" stroke="#ccc"/>']
+    for t in _ticks(y_lo, y_hi):
+        label = f"{10 ** t:.3g}" if log_y else f"{t:.3g}"
+        out.append(f'<line x1="{ml}" x2="{ml + pw}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" stroke="#eee"/>'
+                   f'<text x="{ml - 4}" y="{sy(t) + 4:.1f}" text-anchor="end">{label}</text>')
+    for t in _ticks(x_lo, x_hi, 6):
+        out.append(f'<text x="{sx(t):.1f}" y="{height - 8}" text-anchor="middle">{int(t)}</text>')
+    for a in alerts:
+        if not x_lo <= a.step <= x_hi:
+            continue
+        color = _SEVERITY_COLORS[a.severity]
+        out.append(f'<line x1="{sx(a.step):.1f}" x2="{sx(a.step):.1f}" y1="{mt}" y2="{mt + ph}" stroke="{color}" '
+                   f'stroke-width="1.5" stroke-dasharray="4 2"><title>{html.escape(str(a))}</title></line>')
+    legend_x = ml + 8 + 7 * len(title)
+    for i, (name, pts) in enumerate(series.items()):
+        severity = name.rsplit("/", 1)[-1] if name.startswith("alerts/count/") else None
+        color = _SEVERITY_COLORS.get(severity, _COLORS[i % len(_COLORS)])
+        segments: list[list[str]] = [[]]
+        held: Optional[float] = None  # a staircase's last value, drawn up to the next point
+        for step, v in pts:
+            if math.isfinite(v) and (not log_y or v > 0):
+                if severity is not None and held is not None:
+                    segments[-1].append(f"{sx(step):.1f},{sy(ty(held)):.1f}")
+                segments[-1].append(f"{sx(step):.1f},{sy(ty(v)):.1f}")
+                held = v
+            elif segments[-1]:
+                segments.append([])
+                held = None
+        for seg in segments:
+            if len(seg) == 1:
+                x, y = seg[0].split(",")
+                out.append(f'<circle cx="{x}" cy="{y}" r="2" fill="{color}"/>')
+            elif seg:
+                out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{" ".join(seg)}"/>')
+        out.append(f'<text x="{legend_x:.0f}" y="14" fill="{color}">&#9472; {html.escape(name)}</text>')
+        legend_x += 6.5 * len(name) + 24
+    out.append("</svg>")
+    return "".join(out)
+
+
+def render_html(run: RunReport, summary: str) -> str:
+    """One self-contained HTML page: the summary, the model-level signals with alerts marked, the alerts."""
+    steps = [s for pts in run.scalars.values() for s, _ in pts] + [a.step for a in run.alerts]
+    x_range = (min(steps), max(steps)) if steps else (0, 1)
+    marked = [a for a in run.alerts if a.console]
+    panels = []
+    for title, tags, log_y in PANELS:
+        names = loss_tags(run) if tags is None else [t for t in tags if t in run.scalars]
+        if names:
+            panels.append(svg_panel(title, {t: run.scalars[t] for t in names}, marked, x_range, log_y))
+    rows = "".join(
+        f"<tr><td>{a.step}</td><td style='color:{_SEVERITY_COLORS[a.severity]}'>{a.severity}</td>"
+        f"<td>{html.escape(a.monitor)}/{html.escape(a.kind)}</td><td>{html.escape(a.layer or '')}</td>"
+        f"<td>{html.escape(a.message)}</td></tr>" for a in run.alerts)
+    legend = " ".join(f"<span style='color:{c}'>&#9474; {sev}</span>" for sev, c in _SEVERITY_COLORS.items())
+    return f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>Training health: {html.escape(run.path)}</title>
+<style>
+body {{ font-family: sans-serif; max-width: 940px; margin: 16px auto; color: #222; }}
+pre {{ background: #f6f8fa; padding: 8px; white-space: pre-wrap; font-size: 12px; }}
+table {{ border-collapse: collapse; font-size: 12px; }} td, th {{ border-bottom: 1px solid #ddd; padding: 2px 6px;
+text-align: left; vertical-align: top; }}
+</style></head><body>
+<h1>Training health</h1>
+<pre>{html.escape(summary)}</pre>
+<h2>Model-level signals</h2>
+<p>Dashed vertical lines: alerts ({legend}; info only for actions). Hover a line for the alert.</p>
+{"".join(panels) or "<p>No model-level signal was logged.</p>"}
+<h2>Alerts</h2>
+{"<table><tr><th>step</th><th>severity</th><th>alert</th><th>layer</th><th>message</th></tr>" + rows + "</table>"
+ if run.alerts else "<p>None.</p>"}
+</body></html>
+"""
+
+
+# ---------------------------------------------------------------------------------------------- command
+def report(logdir: str, html_path: Optional[str] = None, write_html: bool = True, out: Any = None,
+           err: Any = None) -> int:
+    """Report every run under ``logdir``; the exit status (see the module's docstring)."""
+    out, err = out or sys.stdout, err or sys.stderr
+    if not os.path.isdir(logdir):
+        print(f"lightning-monitor report: {logdir!r} is not a directory.", file=err)
+        return 2
+    runs = find_runs(logdir)
+    if not runs:
+        print(f"lightning-monitor report: no run under {logdir!r} (no TensorBoard event file, no "
+              f"{ALERTS_FILENAME}). Pass the logger's save_dir or log_dir.", file=err)
+        return 2
+    if html_path is not None and len(runs) > 1:
+        print(f"lightning-monitor report: --html names one file but {logdir!r} holds {len(runs)} runs; each "
+              f"run's page is written to its folder instead.", file=err)
+        html_path = None
+    status = 0
+    for i, path in enumerate(runs):
+        try:
+            run = load_run(path)
+            text = summarize(run)
+            if write_html:
+                target = html_path or os.path.join(path, HTML_FILENAME)
+                try:
+                    with open(target, "w", encoding="utf-8") as fh:
+                        fh.write(render_html(run, text))
+                    text += f"\n  figure: {target}"
+                except OSError as e:
+                    run.problems.append(f"cannot write {target} ({e.strerror or e}).")
+        except Exception as e:  # a report never ends in a traceback
+            run = RunReport(path, problems=[f"cannot be read ({type(e).__name__}: {e})."])
+            text = f"Run: {path}"
+        print(("\n" if i else "") + text, file=out)
+        for problem in run.problems:
+            print(f"lightning-monitor report: {path}: {problem}", file=err)
+        if not run.ok:
+            status = 1
+    return status
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="lightning-monitor", description="lightning-monitor's command line.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    rep = sub.add_parser("report", help="summarize a run's health from its log directory",
+                         description=__doc__.split("\n\n")[1] if __doc__ else None)
+    rep.add_argument("logdir", metavar="LOGDIR", help="a run's log directory, or a folder of runs")
+    rep.add_argument("--html", metavar="PATH", help=f"where to write the HTML page (default: <run>/{HTML_FILENAME})")
+    rep.add_argument("--no-html", action="store_true", help="print the summary only")
+    args = parser.parse_args(argv)
+    if args.command != "report":
+        parser.print_help(sys.stderr)
+        return 2
+    return report(args.logdir, html_path=args.html, write_html=not args.no_html)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

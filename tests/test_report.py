@@ -1,0 +1,171 @@
+"""`lightning-monitor report LOGDIR` on a real run's logs and on empty, partial and corrupt log directories."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_monitor import (
+    Alert,
+    DivergenceGuard,
+    GradientNoiseScaleMonitor,
+    GradientWeightAlignmentMonitor,
+    SpectralAlignmentMonitor,
+    read_alerts,
+)
+from lightning_monitor.report import RunReport, main, render_html, summarize
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    """A tiny GPT trained with four monitors until the guard stops it (a NaN loss at step 23): the log
+    directory, the alerts the hub raised, and the run's own folder."""
+    from gpt import GPTModule, make_loader
+
+    root = str(tmp_path_factory.mktemp("logs"))
+    pl.seed_everything(0)
+    module = GPTModule({"n_layer": 1, "n_head": 2, "d_model": 32, "block_size": 32}, nan_at_step=23)
+    loader = make_loader("prose", block_size=32, batch_size=8, n_samples=80)  # 10 steps per epoch: GWA scores
+    guard = DivergenceGuard(action="stop", every_n_steps=10)
+    callbacks = [SpectralAlignmentMonitor(every_n_steps=2), GradientNoiseScaleMonitor(every_n_steps=2),
+                 GradientWeightAlignmentMonitor(every_n_steps=1), guard]
+    logger = TensorBoardLogger(root, name="tiny")
+    trainer = pl.Trainer(max_steps=60, accelerator="cpu", logger=logger, callbacks=callbacks, log_every_n_steps=1,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(module, loader)
+    assert guard.stopped_step is not None
+    return root, list(guard.hub.history), logger.log_dir
+
+
+def _report(capsys, *args):
+    rc = main(["report", *args])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return rc, out, err
+
+
+def test_report_on_a_real_run(real_run, capsys):
+    root, history, run_dir = real_run
+    rc, out, err = _report(capsys, root)
+    assert rc == 0, err
+    assert out.startswith(f"Run: {run_dir}\n")
+    # every alert, in the order raised, and what fired first
+    listed = re.findall(r"step +(\d+) +(info|warning|critical) +(\S+(?: \[[^\]]+\])?):", out)
+    assert [(int(s), sev, name) for s, sev, name in listed] == [
+        (a.step, a.severity, f"{a.monitor}/{a.kind}" + (f" [{a.layer}]" if a.layer else "")) for a in history]
+    first = next(a for a in history if a.severity != "info")
+    assert f"fired first (warning or critical): step {first.step} {first.monitor}/{first.kind}" in out
+    counts = {sev: sum(a.severity == sev for a in history) for sev in ("critical", "warning", "info")}
+    assert f"alerts: {len(history)} (" in out and f"{counts['critical']} critical" in out
+    # the action taken, with the checkpoint path, and the signals
+    stop = next(a for a in history if a.kind == "stopped")
+    assert f"step {stop.step}: the guard stopped training; checkpoint {stop.details['checkpoint']}" in out
+    batch = r"batch size: 8 vs B_simple = [\d.]+ at step \d+: the batch is [\d.]+x (above|below) B_simple"
+    assert re.search(batch, out)
+    assert re.search(r"GWA: best epoch \d+ \(gwa/best_epoch at step \d+\); highest score", out)
+    assert re.search(r"train/loss: [\d.]+ \(step 0\) -> [\d.]+ \(step \d+\)", out)
+    # one self-contained HTML page with the model-level signals, alerts marked
+    page_path = os.path.join(run_dir, "health_report.html")
+    assert f"figure: {page_path}" in out
+    with open(page_path, encoding="utf-8") as fh:
+        page = fh.read()
+    assert page.count("<svg") >= 5
+    for title in ("loss", "alerts: cumulative count per severity", "spectral alignment: sign diversity",
+                  "gradient noise scale: B_simple vs batch size", "gradient-weight alignment: score"):
+        assert f'font-weight="bold">{title}</text>' in page
+    assert "<title>[critical] guard/nonfinite @ step 23" in page
+    assert not re.search(r'(src|href)="', page)  # nothing loaded from elsewhere
+    # --no-html, --html PATH
+    rc, out, _ = _report(capsys, run_dir, "--no-html")
+    assert rc == 0 and "figure:" not in out
+
+
+def test_report_html_to_a_chosen_path(real_run, tmp_path, capsys):
+    _, _, run_dir = real_run
+    target = str(tmp_path / "page.html")
+    rc, out, _ = _report(capsys, run_dir, "--html", target)
+    assert rc == 0 and f"figure: {target}" in out and os.path.getsize(target) > 1000
+
+
+def test_summary_of_frozen_components_and_rollbacks():
+    run = RunReport("somewhere", scalars={"grades/frozen_fraction": [(10, 0.25), (20, 0.5)]}, alerts=[
+        Alert(12, "grades", "frozen", "info", "Froze a.", layer="blocks.0.mlp"),
+        Alert(18, "grades", "frozen", "info", "Froze b.", layer="blocks.1.mlp"),
+        Alert(30, "guard", "loss_explosion", "critical", "Boom."),
+        Alert(30, "guard", "rolled_back", "info", "Rolled back.", details={"to_step": 20, "skipped": 10}),
+    ])
+    text = summarize(run)
+    assert "GradES: 2 frozen: blocks.0.mlp, blocks.1.mlp (frozen fraction 0.5 at step 20)" in text
+    assert "step 12: GradES froze blocks.0.mlp" in text
+    assert "step 30: the guard rolled back to the state of step 20 (10 batches skipped)" in text
+    assert "fired first (warning or critical): step 30 guard/loss_explosion (critical)" in text
+    page = render_html(run, text)
+    assert "GradES: frozen fraction" in page and page.count("<svg") == 1
+
+
+def test_missing_and_empty_directories(tmp_path, capsys):
+    rc, out, err = _report(capsys, str(tmp_path / "nope"))
+    assert rc == 2 and "is not a directory" in err and not out
+    rc, out, err = _report(capsys, str(tmp_path))
+    assert rc == 2 and "no run under" in err
+
+
+def test_corrupt_event_file(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "events.out.tfevents.1.host.1.0").write_bytes(bytes(range(256)) * 4)
+    rc, out, err = _report(capsys, str(tmp_path))
+    assert rc == 1
+    assert "events.out.tfevents.1.host.1.0: corrupt, not a TensorBoard event record at byte 0" in err
+    assert f"Run: {run}" in out
+
+
+def test_empty_event_file_and_alerts_without_events(tmp_path, real_run, capsys):
+    _, history, run_dir = real_run
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "events.out.tfevents.1.host.1.0").write_bytes(b"")
+    (tmp_path / "b").mkdir()
+    shutil.copy(os.path.join(run_dir, "alerts.jsonl"), tmp_path / "b" / "alerts.jsonl")
+    rc, out, err = _report(capsys, str(tmp_path), "--no-html")
+    assert rc == 1
+    assert f"{tmp_path / 'a'}: the TensorBoard event files hold no scalar" in err
+    assert f"{tmp_path / 'b'}: no TensorBoard event file in this folder" in err
+    assert f"alerts: {len(history)} (" in out  # what could be read is still reported
+
+
+def test_corrupt_and_torn_alert_lines(tmp_path, real_run, capsys):
+    _, history, run_dir = real_run
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns("checkpoints", "*.html"))
+    path = run / "alerts.jsonl"
+    lines = path.read_bytes().split(b"\n")
+    # a cut last line (a killed run) is a note, not an error
+    path.write_bytes(b"\n".join(lines) + b'{"step": 40, "monitor": "gu')
+    rc, out, err = _report(capsys, str(run), "--no-html")
+    assert rc == 0 and "note: alerts.jsonl: the last line is incomplete" in out
+    assert len(read_alerts(str(path))) == len(history)
+    # a garbled line in the middle is an error; the other lines are still read
+    path.write_bytes(b"\n".join([lines[0], b"{not json", *lines[1:]]))
+    rc, out, err = _report(capsys, str(run), "--no-html")
+    assert rc == 1 and "alerts.jsonl line 2: not an alert record (not valid JSON); skipped." in err
+    assert f"alerts: {len(history)} (" in out
+    path.write_bytes(b"\n".join([lines[0], b'{"step": 1}', *lines[1:]]))
+    rc, out, err = _report(capsys, str(run), "--no-html")
+    assert rc == 1 and "alerts.jsonl line 2: not an alert record" in err
+
+
+def test_command_line_without_traceback(tmp_path):
+    """The module runs as a command: a bad directory gives a message and exit status 2, no traceback."""
+    out = subprocess.run([sys.executable, "-m", "lightning_monitor.report", "report", str(tmp_path / "nope")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "is not a directory" in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run([sys.executable, "-m", "lightning_monitor.report"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "report" in out.stderr

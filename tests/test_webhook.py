@@ -1,0 +1,168 @@
+"""AlertWebhook against a local HTTP server: delivered when the server is up, training unharmed when it
+is down or slow."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import lightning.pytorch as pl
+import pytest
+
+from lightning_monitor import Alert, Monitor
+from lightning_monitor.webhook import ENV_VAR, AlertWebhook
+
+
+class _Server:
+    """A local webhook endpoint in a thread, recording every POST; ``delay`` holds each answer back
+    (until the test ends), ``status`` is the HTTP status it answers with."""
+
+    def __init__(self, delay: float = 0.0, status: int = 200) -> None:
+        self.requests: list[tuple[dict, dict]] = []  # (headers, JSON body)
+        self.release = threading.Event()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                server.requests.append((dict(self.headers), json.loads(body)))
+                if delay:
+                    server.release.wait(delay)
+                self.send_response(status)
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.httpd.block_on_close = False
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server_factory():
+    servers = []
+
+    def make(**kwargs) -> _Server:
+        servers.append(_Server(**kwargs))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def _closed_port_url() -> str:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now: connections are refused
+    return f"http://127.0.0.1:{port}/hook"
+
+
+class _Alerter(Monitor):
+    """A warning condition from step 2 (critical from 4, cleared at 6) and, at step 3, ``burst`` one-off
+    warnings at once."""
+
+    name = "probe"
+
+    def __init__(self, burst: int = 0) -> None:
+        super().__init__(every_n_steps=1)
+        self.burst = burst
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        step = trainer.global_step
+        sev = "critical" if step >= 4 else "warning"
+        self.condition(step, "high", 2 <= step < 6, sev, f"high at {step}", value=float(step), threshold=2.0)
+        if step == 3:
+            for i in range(self.burst):
+                self.alert(step, "burst", "warning", f"burst {i}", layer=f"layer.{i}")
+
+
+def _fit(tmp_path, tiny_gpt, callbacks, steps=8):
+    module, loader = tiny_gpt()
+    trainer = pl.Trainer(
+        max_steps=steps, accelerator="cpu", logger=False, callbacks=callbacks, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+    )
+    start = time.perf_counter()
+    trainer.fit(module, loader)
+    return trainer, time.perf_counter() - start
+
+
+def test_server_up_receives_each_alert_at_or_above_min_severity(tmp_path, tiny_gpt, server_factory):
+    server = server_factory()
+    probe = _Alerter()
+    hook = AlertWebhook(url=server.url, min_severity="warning", title="tiny-gpt")
+    trainer, _ = _fit(tmp_path, tiny_gpt, [probe, hook])
+    assert trainer.global_step == 8
+    # the fit ended with a flush: every post has arrived; the clear (info) was not posted
+    assert hook.sent == 2 and hook.failed == 0 and hook.dropped == 0
+    assert len(server.requests) == 2
+    for headers, body in server.requests:
+        assert headers["Content-Type"] == "application/json"
+        assert set(body) == {"text"}  # what Slack and Teams incoming webhooks accept
+    texts = [body["text"] for _, body in server.requests]
+    run_id = probe.hub.run_id
+    assert texts[0] == f"*WARNING* [tiny-gpt] `probe/high` at step 2 (run {run_id}): high at 2"
+    assert texts[1].startswith("*CRITICAL* [tiny-gpt] `probe/high` at step 4") and texts[1].endswith("high at 4")
+    assert [a.kind for a in probe.hub.history] == ["high", "high", "high_cleared"]
+
+
+def test_url_from_environment_and_use_without_trainer(server_factory, monkeypatch):
+    server = server_factory()
+    monkeypatch.setenv(ENV_VAR, server.url)
+    hook = AlertWebhook(min_severity="info")
+    assert hook.url == server.url
+    hook(Alert(7, "guard", "stopped", "info", "Training stopped.", layer=None, run_id="r1"))
+    assert hook.flush(timeout=10) and hook.sent == 1
+    text = server.requests[0][1]["text"]
+    assert text == "*INFO* [lightning-monitor] `guard/stopped` at step 7 (run r1): Training stopped."
+    with pytest.raises(ValueError, match="min_severity"):
+        AlertWebhook(server.url, min_severity="fatal")
+    with pytest.raises(ValueError, match="http"):
+        AlertWebhook("file:///etc/passwd")
+    monkeypatch.delenv(ENV_VAR)
+    assert AlertWebhook().url is None
+
+
+def test_server_down_training_completes_and_losses_are_counted(tmp_path, tiny_gpt, caplog):
+    # a burst of 6 warnings at step 3 into a queue of 2, while each failed post takes >= 0.2 s (one retry
+    # after backoff): at least 6 - 2 queued - 1 in flight = 3 are dropped
+    hook = AlertWebhook(url=_closed_port_url(), retries=1, backoff=0.2, timeout=1.0, max_queue=2, flush_timeout=0.5)
+    with caplog.at_level(logging.WARNING, logger="lightning_monitor"):
+        trainer, _ = _fit(tmp_path, tiny_gpt, [_Alerter(burst=6), hook])
+    assert trainer.global_step == 8 and trainer.state.status == "finished"
+    assert hook.sent == 0 and hook.failed >= 1 and hook.dropped >= 3
+    assert hook.last_error and "refused" in hook.last_error.lower()
+    summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AlertWebhook: 0 alert(s) posted")]
+    assert len(summary) == 1 and "dropped from a full queue (max_queue=2)" in summary[0]
+    assert any("the queue is full" in r.getMessage() for r in caplog.records)
+
+
+def test_slow_server_does_not_block_training(tmp_path, tiny_gpt, server_factory):
+    # the server answers after 60 s; each alert is only queued during training, and the end of the fit
+    # waits flush_timeout=0.5 s at most
+    server = server_factory(delay=60.0)
+    hook = AlertWebhook(url=server.url, timeout=60.0, flush_timeout=0.5)
+    probe = _Alerter()
+    trainer, seconds = _fit(tmp_path, tiny_gpt, [probe, hook])
+    assert trainer.global_step == 8
+    assert seconds < 20.0, seconds  # a post in the training loop would have held it >= 60 s
+    assert hook.sent == 0 and len(server.requests) >= 1  # the first post reached the server, still unanswered
+    start = time.perf_counter()
+    assert hook.flush(timeout=0.2) is False
+    assert time.perf_counter() - start < 1.0
