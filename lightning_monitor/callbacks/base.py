@@ -9,7 +9,9 @@
   (``<layer>`` is the module's qualified name) or ``<monitor>/<stat>`` for model-level values, at the
   step they describe. Values stay tensors on the model's device until this moment; all of a check's
   values cross to the host in one transfer. The same values go into ``trainer.callback_metrics`` on
-  every rank, so ``EarlyStopping`` / ``ModelCheckpoint`` can monitor any key.
+  every rank, so ``EarlyStopping`` / ``ModelCheckpoint`` can monitor any key. With
+  ``per_layer_scalars`` off, the per-layer values of a check reach the loggers folded into one
+  TensorBoard histogram per statistic (``<monitor>/layers/<stat>``) instead of one scalar per layer.
 * **Alerts** through the trainer's :class:`~lightning_monitor.alerts.AlertHub`, with conditions that
   raise one alert when they start (or escalate) and one when they clear.
 * **State**: ``state_dict`` / ``load_state_dict`` hold the active conditions; subclasses extend them.
@@ -18,7 +20,9 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
+import math
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Mapping
@@ -32,7 +36,7 @@ from torch import Tensor
 
 from lightning_monitor.alerts import SEVERITY_LEVELS, Alert, AlertHub, Severity, _tensorboard_writer
 
-__all__ = ["Monitor", "NothingToWatch"]
+__all__ = ["Monitor", "NothingToWatch", "resolve_callable"]
 
 
 class NothingToWatch(ValueError):
@@ -92,6 +96,32 @@ def deprecated_aliases(**aliases: str) -> Callable[[_Init], _Init]:
     return wrap
 
 
+def resolve_callable(arg: str, value: Any) -> Any:
+    """``value`` when it is ``None`` or callable; for a string, the callable its dotted import path
+    names (``"my_package.data.targets"``, the way LightningCLI YAML spells a function). So an argument
+    such as ``target_fn`` takes either. A path that does not import, or names something that is not
+    callable, is an error that says which argument and which path."""
+    if value is None or callable(value):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"`{arg}` must be a callable or a dotted import path string, got {type(value).__name__}.")
+    parts = value.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        try:
+            for name in parts[split:]:
+                obj = getattr(obj, name)
+        except AttributeError:
+            break
+        if not callable(obj):
+            raise TypeError(f"`{arg}`={value!r} names a {type(obj).__name__}, not a callable.")
+        return obj
+    raise ValueError(f"`{arg}`={value!r} is not an importable dotted path (`package.module.function`).")
+
+
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
@@ -123,6 +153,14 @@ class Monitor(Callback):
     ``fit``. ``state_key`` names what the monitor watches and its cadence, so two
     instances of one monitor over different layers or cadences can share a Trainer.
 
+    Per-layer values (keys made by :meth:`key` with a layer) go to the loggers as one scalar per
+    layer while ``per_layer_scalars`` is true (the default of a monitor constructed on its own). When
+    it is false (the default of :class:`~lightning_monitor.HealthMonitor`) each check sends one
+    histogram per statistic over the layers to TensorBoard loggers instead (tag
+    ``<monitor>/layers/<stat>``) and nothing per layer to other loggers: the number of tags no longer
+    grows with the depth of the model. ``trainer.callback_metrics`` gets every key either way. Set it
+    on an instance, or on ``Monitor`` for every monitor of the suite.
+
     Args:
         every_n_steps: check every this many optimizer steps (>= 1).
         warmup_steps: no check before this optimizer step (>= 0).
@@ -130,6 +168,10 @@ class Monitor(Callback):
 
     #: Prefix of every key this monitor logs and ``monitor`` field of its alerts.
     name: str = "monitor"
+
+    #: Per-layer values as one logger scalar per layer (True) or one TensorBoard histogram per
+    #: statistic and check (False). A class attribute: set it on ``Monitor`` for the whole suite.
+    per_layer_scalars: bool = True
 
     def __init__(self, every_n_steps: int = 50, warmup_steps: int = 0) -> None:
         super().__init__()
@@ -238,8 +280,13 @@ class Monitor(Callback):
 
     # ------------------------------------------------------------------ logging
     def key(self, stat: str, layer: Optional[str] = None) -> str:
-        """``<monitor>/<layer>/<stat>``, or ``<monitor>/<stat>`` without a layer."""
-        return f"{self.name}/{layer}/{stat}" if layer else f"{self.name}/{stat}"
+        """``<monitor>/<layer>/<stat>``, or ``<monitor>/<stat>`` without a layer. A key made with a
+        layer is remembered as per-layer, so :meth:`log_metrics` can fold it (``per_layer_scalars``)."""
+        if not layer:
+            return f"{self.name}/{stat}"
+        key = f"{self.name}/{layer}/{stat}"
+        self.__dict__.setdefault("_layer_keys", {})[key] = stat
+        return key
 
     @staticmethod
     def to_host(metrics: Mapping[str, Number]) -> dict[str, float]:
@@ -266,14 +313,41 @@ class Monitor(Callback):
         ``loggers_only``; returns them as floats.
 
         Called on every rank. Tensors cross to the host here in one transfer (none when the values
-        are floats already); nothing else syncs.
+        are floats already); nothing else syncs. With ``per_layer_scalars`` false, the per-layer keys
+        reach the loggers as histograms (see the class docstring).
         """
         host = self.to_host(metrics)
         if trainer.global_rank == 0:
-            for logger in trainer.loggers:
-                logger.log_metrics(host, step=step)
+            scalars, per_stat = self._fold_layers(host)
+            if scalars:
+                for logger in trainer.loggers:
+                    logger.log_metrics(scalars, step=step)
+            for stat, values in per_stat.items():
+                self.log_histogram(trainer, self.layers_tag(stat), torch.tensor(values, dtype=torch.float64), step)
         self.publish(trainer, host, exclude=loggers_only)
         return host
+
+    def layers_tag(self, stat: str) -> str:
+        """``<monitor>/layers/<stat>``: the histogram over the layers of one per-layer statistic."""
+        return f"{self.name}/layers/{stat}"
+
+    def _fold_layers(self, host: Mapping[str, float]) -> tuple[dict[str, float], dict[str, list[float]]]:
+        """``(scalars, {stat: finite per-layer values})``: everything as scalars while
+        ``per_layer_scalars`` is set, else the model-level keys as scalars and the per-layer ones
+        grouped by statistic (non-finite values left out: a histogram cannot bin them, and the
+        model-level keys and alerts report them)."""
+        layer_keys: dict[str, str] = self.__dict__.get("_layer_keys", {})
+        if self.per_layer_scalars or not layer_keys:
+            return dict(host), {}
+        scalars: dict[str, float] = {}
+        per_stat: dict[str, list[float]] = {}
+        for k, v in host.items():
+            stat = layer_keys.get(k)
+            if stat is None:
+                scalars[k] = v
+            elif math.isfinite(v):
+                per_stat.setdefault(stat, []).append(v)
+        return scalars, per_stat
 
     @staticmethod
     def publish(trainer: pl.Trainer, values: Mapping[str, float], exclude: Collection[str] = ()) -> None:

@@ -1,0 +1,189 @@
+"""HealthMonitor: the suite's recommended monitors as one callback.
+
+``Trainer(callbacks=[HealthMonitor()])`` watches a run with spectral alignment, the gradient noise
+scale, gradient-weight alignment and a divergence guard (GradES only when asked: it freezes
+components, so it changes training), and writes a TensorBoard dashboard of them.
+
+Why one Callback that adds its monitors to the Trainer, and not a factory or a forwarding wrapper:
+
+* A factory returning a list does not fit ``callbacks=[HealthMonitor(), ModelCheckpoint()]`` (a list
+  inside the list) nor a LightningCLI ``trainer.callbacks`` entry, which must be one Callback class.
+* A wrapper that forwarded every hook to private children would hide them from the Trainer: the
+  guard snapshots and restores the other monitors it finds in ``trainer.callbacks``,
+  ``EarlyStopping`` / ``ModelCheckpoint`` and the profiler see callbacks there, and a checkpoint keeps
+  one state per callback there. Every hook Lightning adds later would have to be forwarded too.
+
+So ``HealthMonitor`` is one Callback (a YAML entry, an element of a list), and at ``setup`` it puts
+its monitors into ``trainer.callbacks`` right after itself. From then on they are ordinary callbacks:
+Lightning calls each of their hooks, saves each state under its own ``state_key`` and restores it
+from a checkpoint (``fit(ckpt_path=...)`` restores after ``setup``). ``HealthMonitor`` itself keeps
+no state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar, Optional, Union
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_monitor.callbacks.base import Monitor, resolve_callable
+from lightning_monitor.callbacks.divergence_guard import DivergenceGuard
+from lightning_monitor.callbacks.grades import GradientEarlyStopping
+from lightning_monitor.callbacks.gradient_weight_alignment import GradientWeightAlignmentMonitor
+from lightning_monitor.callbacks.noise_scale import GradientNoiseScaleMonitor
+from lightning_monitor.callbacks.spectral_alignment import SpectralAlignmentMonitor
+
+__all__ = ["HealthMonitor"]
+
+#: Per-monitor settings: ``True`` (the preset's defaults), ``False`` (off) or a dict of arguments.
+MonitorSetting = Union[bool, dict[str, Any]]
+
+
+class HealthMonitor(Callback):
+    """The recommended monitors for the model being trained, as one callback.
+
+    ``trainer = Trainer(callbacks=[HealthMonitor()])``, or in LightningCLI YAML::
+
+        trainer:
+          callbacks:
+            - class_path: lightning_monitor.HealthMonitor
+              init_args:
+                spectral: {every_n_steps: 100}
+                gwa: false
+
+    Each monitor is an argument: ``True`` builds it with the preset's defaults
+    (:attr:`DEFAULTS`, then the monitor's own), a dict passes those arguments on top of them,
+    ``False`` leaves it out. An argument ending in ``_fn`` (GWA's ``target_fn`` and ``index_fn``) also
+    takes a dotted import path string. The monitors built are the attributes :attr:`spectral`,
+    :attr:`noise_scale`, :attr:`gwa`, :attr:`guard` and :attr:`grades` (``None`` when off), to tune or
+    read after the fit (``hm.guard.rollbacks``).
+
+    At ``setup`` the monitors join ``trainer.callbacks`` right after this callback (see the module
+    docstring for why) and are ordinary callbacks from then on: each logs under its own prefix,
+    saves its state under its own ``state_key``, and resumes from a checkpoint. A monitor of the same
+    type passed to the Trainer explicitly takes the place of the preset's (one guard, not two).
+
+    Nothing aborts because a monitor has nothing to watch in this model (no ``nn.Linear`` layer for
+    spectral alignment, no classifier head for GWA ...): such a monitor says so once in a
+    ``nothing_to_watch`` warning alert and stays idle
+    (:attr:`~lightning_monitor.Monitor.idle_when_nothing_to_watch`), and the others watch.
+
+    Args:
+        spectral: :class:`~lightning_monitor.SpectralAlignmentMonitor` (``sa/...``).
+        noise_scale: :class:`~lightning_monitor.GradientNoiseScaleMonitor` (``gns/...``).
+        gwa: :class:`~lightning_monitor.GradientWeightAlignmentMonitor` (``gwa/...``).
+        guard: :class:`~lightning_monitor.DivergenceGuard`: rolls a diverging run back.
+        grades: :class:`~lightning_monitor.GradientEarlyStopping`; off unless asked: it freezes
+            converged components and stops the run when all are frozen.
+        per_layer_scalars: per-layer statistics as one logger scalar per layer (``True``), or
+            folded into one TensorBoard histogram per statistic and check (``False``, the default:
+            a 32-layer model gets a few dozen tags, not a thousand);
+            see :attr:`~lightning_monitor.Monitor.per_layer_scalars`.
+        dashboard: write the TensorBoard Custom Scalars layout of the run
+            (:mod:`lightning_monitor.dashboard`) to every TensorBoard logger at the start of the fit.
+    """
+
+    #: Arguments the preset gives a monitor unless the setting overrides them (the monitor's own
+    #: defaults for everything else).
+    DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
+        "spectral": {},
+        "noise_scale": {},
+        "gwa": {},
+        "guard": {},
+        "grades": {},
+    }
+    _CLASSES: ClassVar[dict[str, type[Monitor]]] = {
+        "spectral": SpectralAlignmentMonitor,
+        "noise_scale": GradientNoiseScaleMonitor,
+        "gwa": GradientWeightAlignmentMonitor,
+        "grades": GradientEarlyStopping,
+        "guard": DivergenceGuard,  # last: it acts after every other monitor of the step was heard
+    }
+
+    def __init__(
+        self,
+        spectral: MonitorSetting = True,
+        noise_scale: MonitorSetting = True,
+        gwa: MonitorSetting = True,
+        guard: MonitorSetting = True,
+        grades: MonitorSetting = False,
+        per_layer_scalars: bool = False,
+        dashboard: bool = True,
+    ) -> None:
+        super().__init__()
+        settings = {"spectral": spectral, "noise_scale": noise_scale, "gwa": gwa, "guard": guard, "grades": grades}
+        self.per_layer_scalars = bool(per_layer_scalars)
+        self.dashboard = bool(dashboard)
+        self.spectral: Optional[SpectralAlignmentMonitor] = None
+        self.noise_scale: Optional[GradientNoiseScaleMonitor] = None
+        self.gwa: Optional[GradientWeightAlignmentMonitor] = None
+        self.guard: Optional[DivergenceGuard] = None
+        self.grades: Optional[GradientEarlyStopping] = None
+        for slot in self._CLASSES:
+            setattr(self, slot, self._build(slot, settings[slot]))
+
+    def _build(self, slot: str, setting: Any) -> Optional[Monitor]:
+        if setting is False or setting is None:
+            return None
+        if setting is True:
+            setting = {}
+        if not isinstance(setting, Mapping):
+            raise TypeError(
+                f"HealthMonitor(`{slot}`=...) takes True, False or a dict of arguments, got {type(setting).__name__}."
+            )
+        kwargs = {**self.DEFAULTS.get(slot, {}), **setting}
+        for arg, value in kwargs.items():
+            if arg.endswith("_fn"):
+                kwargs[arg] = resolve_callable(f"{slot}.{arg}", value)
+        cls = self._CLASSES[slot]
+        try:
+            monitor = cls(**kwargs)
+        except TypeError as err:
+            raise TypeError(f"HealthMonitor(`{slot}`=...): {cls.__name__}: {err}") from err
+        monitor.idle_when_nothing_to_watch = True
+        monitor.per_layer_scalars = self.per_layer_scalars
+        return monitor
+
+    @property
+    def monitors(self) -> list[Monitor]:
+        """The monitors this preset built, in the order they join the Trainer."""
+        return [m for m in (getattr(self, slot) for slot in self._CLASSES) if m is not None]
+
+    # ------------------------------------------------------------------ joining the Trainer
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        present = list(trainer.callbacks)
+        joining = []
+        for monitor in self.monitors:
+            if any(cb is monitor for cb in present):
+                continue  # joined at an earlier setup of this Trainer: Lightning calls its hooks itself
+            explicit = next((cb for cb in present if isinstance(cb, type(monitor))), None)
+            if explicit is not None:
+                rank_zero_info(
+                    f"HealthMonitor: the {type(explicit).__name__} passed to the Trainer replaces the preset's."
+                )
+                continue
+            joining.append(monitor)
+        if not joining:
+            return
+        at = next(i for i, cb in enumerate(present) if cb is self) + 1
+        # A new list: the loop running this `setup` hook iterates the old one, so it does not reach the
+        # joining monitors, which are set up here, once; every later hook reads the new list.
+        trainer.callbacks = present[:at] + joining + present[at:]
+        for monitor in joining:
+            monitor.setup(trainer, pl_module, stage)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        watching = [m for m in trainer.callbacks if isinstance(m, Monitor)]
+        active = [m.name for m in watching if getattr(m, "idle_reason", None) is None]
+        idle = [f"{m.name} ({m.idle_reason})" for m in watching if getattr(m, "idle_reason", None) is not None]
+        rank_zero_info(
+            "HealthMonitor: watching " + (", ".join(active) or "nothing")
+            + ("; idle: " + "; ".join(idle) if idle else "")
+        )
+        if self.dashboard:
+            from lightning_monitor.dashboard import write_dashboard
+
+            write_dashboard(trainer)

@@ -1,0 +1,229 @@
+"""HealthMonitor: the recommended monitors as one callback. Settings reach each monitor; the monitors join
+``trainer.callbacks`` as ordinary callbacks (the guard sees the others, an explicit monitor replaces the
+preset's), their states round-trip through a checkpoint, a model with nothing to watch for some monitors
+trains, and per-layer statistics are folded into histograms by default."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import tb_event_accumulator
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+
+import lightning_monitor as lm
+from lightning_monitor.callbacks.gradient_weight_alignment import default_target_fn
+
+FAST = dict(spectral=dict(every_n_steps=2), noise_scale=dict(every_n_steps=2), guard=dict(every_n_steps=2))
+
+
+def _trainer(tmp_path: Any, callbacks: list, max_steps: int, **kw: Any) -> pl.Trainer:
+    kw.setdefault("enable_checkpointing", False)
+    kw.setdefault("logger", TensorBoardLogger(str(tmp_path), name="run", version=""))
+    return pl.Trainer(
+        accelerator="cpu", max_steps=max_steps, callbacks=callbacks, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=str(tmp_path), log_every_n_steps=2, **kw,
+    )
+
+
+def test_settings_reach_each_monitor() -> None:
+    hm = lm.HealthMonitor(spectral=dict(every_n_steps=100), gwa=False, grades=True)
+    assert isinstance(hm.spectral, lm.SpectralAlignmentMonitor) and hm.spectral.every_n_steps == 100
+    assert isinstance(hm.noise_scale, lm.GradientNoiseScaleMonitor)
+    assert isinstance(hm.guard, lm.DivergenceGuard)
+    assert isinstance(hm.grades, lm.GradientEarlyStopping)
+    assert hm.gwa is None
+    assert [type(m) for m in hm.monitors] == [
+        lm.SpectralAlignmentMonitor, lm.GradientNoiseScaleMonitor, lm.GradientEarlyStopping, lm.DivergenceGuard
+    ]
+    for m in hm.monitors:
+        assert m.idle_when_nothing_to_watch and not m.per_layer_scalars
+    # GradES changes training: off unless asked
+    assert lm.HealthMonitor().grades is None
+    assert all(m.per_layer_scalars for m in lm.HealthMonitor(per_layer_scalars=True).monitors)
+
+
+def test_callable_arguments_take_a_dotted_path() -> None:
+    path = "lightning_monitor.callbacks.gradient_weight_alignment.default_target_fn"
+    hm = lm.HealthMonitor(gwa=dict(target_fn=path))
+    assert hm.gwa.target_fn is default_target_fn
+    with pytest.raises(ValueError, match="gwa.target_fn"):
+        lm.HealthMonitor(gwa=dict(target_fn="no_such_module.fn"))
+
+
+def test_bad_settings_name_the_monitor() -> None:
+    with pytest.raises(TypeError, match="spectral.*SpectralAlignmentMonitor"):
+        lm.HealthMonitor(spectral=dict(no_such_argument=1))
+    with pytest.raises(TypeError, match="noise_scale"):
+        lm.HealthMonitor(noise_scale=3)
+
+
+def test_monitors_join_the_trainer_and_fold_per_layer_keys(tmp_path, tiny_gpt) -> None:
+    module, loader = tiny_gpt()
+    hm = lm.HealthMonitor(**FAST)
+    trainer = _trainer(tmp_path, [hm], max_steps=6)
+    trainer.fit(module, loader)
+
+    callbacks = trainer.callbacks
+    at = next(i for i, cb in enumerate(callbacks) if cb is hm)
+    assert callbacks[at + 1 : at + 1 + len(hm.monitors)] == hm.monitors  # right after the preset, in order
+    assert sum(cb is hm.guard for cb in callbacks) == 1
+    # every monitor was set up and ran its checks
+    assert hm.spectral.hub is hm.guard.hub
+    # the guard finds the other monitors in trainer.callbacks: their states travel with its snapshots
+    assert set(hm.guard._monitors(trainer)) == {m.state_key for m in (hm.spectral, hm.noise_scale, hm.gwa)}
+
+    ea = tb_event_accumulator(str(tmp_path))
+    scalars, histograms = set(ea.Tags()["scalars"]), set(ea.Tags()["histograms"])
+    assert {"sa/sign_diversity_mean", "sa/sigma_growth", "gns/b_simple", "gns/batch_size"} <= scalars
+    # per-layer statistics: one histogram per statistic, no scalar per layer ...
+    assert {"sa/layers/sign_diversity", "sa/layers/sigma", "sa/layers/mean_abs", "gns/layers/b_simple"} <= histograms
+    assert not [t for t in scalars if t.count("/") >= 2 and t.split("/")[0] in ("sa", "gns")]
+    assert len(ea.Histograms("sa/layers/sign_diversity")) == 3  # steps 0, 2, 4
+    # ... while callback_metrics keeps every per-layer key (EarlyStopping / ModelCheckpoint can use them)
+    assert "sa/model.blocks.0.attn.q_proj/sign_diversity" in trainer.callback_metrics
+    # the dashboard layout, written once
+    assert "custom_scalars__config__" in ea.Tags()["tensors"]
+    assert len(ea.Tensors("custom_scalars__config__")) == 1
+
+    # a second fit of the same trainer: the monitors are not added twice
+    trainer.fit_loop.epoch_loop.max_steps = 8
+    trainer.fit(module, loader)
+    assert [type(cb) for cb in trainer.callbacks].count(lm.DivergenceGuard) == 1
+
+
+def test_per_layer_scalars_on_keeps_one_scalar_per_layer(tmp_path, tiny_gpt) -> None:
+    module, loader = tiny_gpt()
+    trainer = _trainer(tmp_path, [lm.HealthMonitor(per_layer_scalars=True, gwa=False, **FAST)], max_steps=3)
+    trainer.fit(module, loader)
+    ea = tb_event_accumulator(str(tmp_path))
+    assert "sa/model.blocks.0.attn.q_proj/sign_diversity" in ea.Tags()["scalars"]
+    assert not [t for t in ea.Tags()["histograms"] if "/layers/" in t]
+
+
+def test_an_explicit_monitor_replaces_the_presets(tmp_path, tiny_gpt) -> None:
+    module, loader = tiny_gpt()
+    mine = lm.DivergenceGuard(action="warn", every_n_steps=2)
+    hm = lm.HealthMonitor(**FAST)
+    trainer = _trainer(tmp_path, [hm, mine], max_steps=2)
+    trainer.fit(module, loader)
+    guards = [cb for cb in trainer.callbacks if isinstance(cb, lm.DivergenceGuard)]
+    assert guards == [mine]
+    assert hm.spectral in trainer.callbacks
+
+
+class _States(pl.Callback):
+    """The preset's monitors' states when the fit starts (after a checkpoint's restore)."""
+
+    def __init__(self, hm: lm.HealthMonitor) -> None:
+        self.hm = hm
+        self.states: dict[str, Any] = {}
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.states = {m.state_key: m.state_dict() for m in self.hm.monitors}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True  # both NaN
+    return a == b
+
+
+def test_checkpoint_round_trip(tmp_path, tiny_gpt) -> None:
+    module, loader = tiny_gpt()
+    hm = lm.HealthMonitor(**FAST)
+    ckpt_cb = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=6, save_top_k=-1)
+    trainer = _trainer(tmp_path / "a", [hm, ckpt_cb], max_steps=6, enable_checkpointing=True)
+    trainer.fit(module, loader)
+    ckpt_path = ckpt_cb.best_model_path or ckpt_cb.last_model_path
+    saved = torch.load(ckpt_path, weights_only=False)["callbacks"]
+    for m in hm.monitors:  # one entry per monitor, under its own state key
+        assert m.state_key in saved, m.state_key
+
+    module2, _ = tiny_gpt()
+    hm2 = lm.HealthMonitor(**FAST)
+    probe = _States(hm2)
+    trainer2 = _trainer(tmp_path / "b", [probe, hm2], max_steps=8)
+    trainer2.fit(module2, loader, ckpt_path=ckpt_path)
+    assert probe.states.keys() == {m.state_key for m in hm2.monitors}
+    for key, state in probe.states.items():
+        assert _same(state, saved[key]), key
+    assert trainer2.global_step == 8
+
+
+class _NoLinear(pl.LightningModule):
+    """A regression on a bare weight: no nn.Linear (nothing for spectral alignment), no classifier head
+    (nothing for GWA)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = ((x @ self.w - y) ** 2).mean()
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_model_with_nothing_to_watch_for_some_monitors_trains(tmp_path) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, generator=g)
+    data = torch.utils.data.TensorDataset(x, x @ torch.ones(4, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    hm = lm.HealthMonitor(**FAST)
+    trainer = _trainer(tmp_path, [hm], max_steps=6)
+    trainer.fit(_NoLinear(), loader)
+    assert trainer.global_step == 6
+    assert hm.spectral.idle_reason and hm.gwa.idle_reason
+    assert hm.guard.idle_reason is None
+    idle = [a for a in hm.guard.hub.history if a.kind == "nothing_to_watch"]
+    assert {a.monitor for a in idle} >= {"sa", "gwa"}
+    assert all(a.severity == "warning" for a in idle)
+
+
+class _DumpRank(pl.Callback):
+    """Each rank writes which monitors it ran and the keys it published."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        torch.save(
+            {"callbacks": [type(cb).__name__ for cb in trainer.callbacks], "metrics": sorted(trainer.callback_metrics)},
+            f"{self.out_dir}/rank{trainer.global_rank}.pt",
+        )
+
+
+def test_ddp_every_rank_runs_the_presets_monitors(tmp_path, tiny_gpt) -> None:
+    from conftest import fit_ddp_spawn
+
+    module, loader = tiny_gpt()
+    trainer = _trainer(tmp_path, [lm.HealthMonitor(**FAST), _DumpRank(str(tmp_path))], max_steps=4, devices=2,
+                       strategy="ddp_spawn")
+    # tensors cross to the spawned ranks through shared memory; file descriptors cannot be resized in
+    # some sandboxes ("unable to resize file ... Invalid argument"), named files can
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        fit_ddp_spawn(trainer, module, loader)
+    finally:
+        torch.multiprocessing.set_sharing_strategy(previous)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0["callbacks"] == r1["callbacks"]
+    assert {"SpectralAlignmentMonitor", "GradientNoiseScaleMonitor", "GradientWeightAlignmentMonitor",
+            "DivergenceGuard"} <= set(r0["callbacks"])
+    assert r0["metrics"] == r1["metrics"] and "sa/sign_diversity_mean" in r0["metrics"]
