@@ -25,3 +25,22 @@ def test_against_numpy():
     assert math.isnan(robust_zscore(math.nan, h)) and robust_zscore(math.inf, h) == math.inf
     with pytest.raises(ValueError):
         difference_noise([1.0])
+
+
+def test_the_guards_cached_zscore_equals_the_functional_one():
+    # the guard caches its history's level and noise between changes; its z-scores must be robust_zscore's
+    import random
+
+    from lightning_monitor.callbacks.divergence_guard import _SeriesWatch
+
+    watch = _SeriesWatch(window=100, min_history=20, threshold=6.0, rel_floor=0.02)
+    rng = random.Random(0)
+    compared = 0
+    for step in range(300):
+        x = rng.gauss(1.0, 0.1) * (6.0 if step % 37 == 0 else 1.0)
+        z = watch.zscore(x, abs_floor=0.05)
+        if watch.ready:
+            assert z == pytest.approx(robust_zscore(x, list(watch.history), 10, 0.02, 0.05), rel=1e-12, abs=1e-12)
+            compared += 1
+        watch.update(step, x, abs_floor=0.05)
+    assert compared > 250

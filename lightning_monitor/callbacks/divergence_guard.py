@@ -16,7 +16,7 @@ from torch import Tensor
 from lightning_monitor._compat import foreach_norm, grad_scaler_scale
 from lightning_monitor.alerts import Alert, alerts_dir
 from lightning_monitor.callbacks.base import Monitor, _check_int, deprecated_aliases
-from lightning_monitor.functional.robust import difference_noise, median, robust_zscore
+from lightning_monitor.functional.robust import difference_noise, median
 from lightning_monitor.snapshot import TrainingSnapshot, scale_learning_rates
 
 __all__ = ["DivergenceGuard"]
@@ -60,23 +60,36 @@ class _SeriesWatch:
         self.recent = recent
         self.run = 0
         self.start: Optional[int] = None
+        self._cache: Optional[tuple[float, float]] = None
 
     @property
     def ready(self) -> bool:
         return len(self.history) >= max(self.min_history, 3)
 
+    def _stats(self) -> tuple[float, float]:
+        """(level, noise), computed once per change of the history."""
+        if self._cache is None:
+            values = list(self.history)
+            self._cache = (median(values[-self.recent:]), difference_noise(values) if len(values) > 1 else 0.0)
+        return self._cache
+
     def level(self) -> float:
         """The reference: median of the most recent normal values."""
-        return median(list(self.history)[-self.recent:])
+        return self._stats()[0]
 
     def noise(self) -> float:
         """Robust standard deviation of one value around the trend (from consecutive differences)."""
-        return difference_noise(list(self.history))
+        return self._stats()[1]
 
     def zscore(self, x: float, abs_floor: float = 1e-12) -> float:
+        """:func:`~lightning_monitor.functional.robust.robust_zscore` of ``x`` against the history (0 while not
+        ready), from the cached level and noise."""
         if not self.ready:
             return 0.0
-        return robust_zscore(x, list(self.history), self.recent, self.rel_floor, abs_floor)
+        if not math.isfinite(x):
+            return x
+        level, noise = self._stats()
+        return (x - level) / max(noise, self.rel_floor * abs(level), abs_floor)
 
     def update(self, step: int, x: float, abs_floor: float = 1e-12, ceiling: float = math.inf) -> tuple[bool, float]:
         """Feed one finite value; returns (anomalous, z)."""
@@ -88,6 +101,7 @@ class _SeriesWatch:
         else:
             self.run, self.start = 0, None
             self.history.append(x)
+            self._cache = None
         return anomalous, z
 
     def reseed(self, values: list[float]) -> None:
@@ -95,6 +109,7 @@ class _SeriesWatch:
         self.history.clear()
         self.history.extend(values)
         self.run, self.start = 0, None
+        self._cache = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": list(self.history), "run": self.run, "start": self.start}
@@ -102,6 +117,7 @@ class _SeriesWatch:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history.clear()
         self.history.extend(state.get("history", []))
+        self._cache = None
         self.run, self.start = int(state.get("run", 0)), state.get("start")
 
 
@@ -843,8 +859,9 @@ class DivergenceGuard(Monitor):
     @staticmethod
     def _all_finite(pl_module: pl.LightningModule) -> bool:
         """Whether every floating parameter and buffer is finite (one host transfer)."""
-        tensors = [t for t in pl_module.state_dict().values() if t.is_floating_point()]
-        return not tensors or bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+        tensors = [t for t in pl_module.state_dict().values() if t.is_floating_point() and t.numel()]
+        # a NaN or Inf anywhere makes its tensor's norm non-finite: one fused kernel for all of them
+        return not tensors or bool(torch.isfinite(torch.stack(foreach_norm(tensors, 2.0, dtype=torch.float32)).sum()))
 
     def _poisoned(self, step: int) -> str:
         self.alert(step, "nonfinite", "critical",
