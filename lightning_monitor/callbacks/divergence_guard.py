@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_monitor._compat import foreach_norm, grad_scaler_scale
+from lightning_monitor._sharded import local, squared_norms
 from lightning_monitor.alerts import Alert, alerts_dir
 from lightning_monitor.callbacks.base import Monitor, _check_int, deprecated_aliases
 from lightning_monitor.functional.robust import difference_noise, median
@@ -431,30 +432,34 @@ class DivergenceGuard(Monitor):
     ) -> None:
         step = trainer.global_step
         loss, self._loss_acc = self._loss_acc, None
+        no_loss = loss is None
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if grads:
-            # one fused kernel for the per-tensor norms (get_total_norm adds a Python-level copy per tensor)
-            gnorm = torch.linalg.vector_norm(torch.stack(foreach_norm(grads, 2.0, dtype=torch.float32)))
-        else:
-            gnorm = torch.zeros((), device=pl_module.device)
-        row = torch.stack([torch.full_like(gnorm, math.nan) if loss is None else loss.reshape(()).to(gnorm), gnorm])
+        # fused kernels for the per-tensor norms; a sharded (FSDP2) gradient contributes its local shard
+        plain_sq, shard_sq = squared_norms(grads)
+        zero = torch.zeros((), device=pl_module.device)
+        loss = torch.full_like(zero, math.nan) if loss is None else loss.reshape(()).to(zero)
         if trainer.world_size > 1:
-            # every rank judges the same (mean) series, so every per-step decision is the same on all ranks
-            row = trainer.strategy.reduce(row, reduce_op="mean")
+            # one all-reduce of two numbers: every rank judges the same mean loss, so every per-step decision is
+            # the same on all ranks; the shards' squared norms add up to the sharded gradients' total
+            part = trainer.strategy.reduce(torch.stack([loss / trainer.world_size, zero if shard_sq is None else shard_sq]),
+                                           reduce_op="sum")
+            loss, shard_sq = part[0], part[1]
+        total = (zero if plain_sq is None else plain_sq) + (zero if shard_sq is None else shard_sq)
+        row = torch.stack([loss, total.sqrt()])
         on_host = row.device.type == "cpu" and self._lag(trainer) == 0
         if self.zero_nonfinite_grads and grads and not on_host:
             bad = torch.isfinite(row.sum()).logical_not_()  # on the device: no sync
             for g in grads:
-                g.masked_fill_(bad, 0.0)
+                local(g).masked_fill_(bad, 0.0)
         if self._drop is None:  # a dropped batch is not judged
-            self._ring.append(self._copy_to_host(step, row, loss is None))
+            self._ring.append(self._copy_to_host(step, row, no_loss))
         critical, first_bad = self._judge_ready(trainer, pl_module, step)
         if self.zero_nonfinite_grads and grads and on_host and self._judged_now is not None:
             # no device to wait for: this step's values are already judged; touch the gradients only when needed
             now_loss, now_gnorm = self._judged_now
             if not math.isfinite(now_gnorm) or (now_loss is not None and not math.isfinite(now_loss)):
                 for g in grads:
-                    g.zero_()
+                    local(g).zero_()
         if self.is_due(step):
             more, bad_at = self._check(trainer, pl_module, step, not critical)
             critical += more
@@ -859,7 +864,7 @@ class DivergenceGuard(Monitor):
     @staticmethod
     def _all_finite(pl_module: pl.LightningModule) -> bool:
         """Whether every floating parameter and buffer is finite (one host transfer)."""
-        tensors = [t for t in pl_module.state_dict().values() if t.is_floating_point() and t.numel()]
+        tensors = [local(t) for t in pl_module.state_dict().values() if t.is_floating_point() and local(t).numel()]
         # a NaN or Inf anywhere makes its tensor's norm non-finite: one fused kernel for all of them
         return not tensors or bool(torch.isfinite(torch.stack(foreach_norm(tensors, 2.0, dtype=torch.float32)).sum()))
 
