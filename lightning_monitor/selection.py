@@ -6,13 +6,14 @@ Patterns are shell-style globs matched against the whole qualified name (``fnmat
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from fnmatch import fnmatchcase
 from typing import Optional, Union
 
-from torch import nn
+from torch import Tensor, nn
 
-__all__ = ["select_modules", "as_patterns"]
+__all__ = ["select_modules", "as_patterns", "hf_conv1d_type", "linear_types", "weight_matrix"]
 
 Patterns = Optional[Union[str, Sequence[str]]]
 
@@ -82,3 +83,30 @@ def select_modules(
             continue
         selected[name] = mod
     return selected
+
+
+def hf_conv1d_type() -> Optional[type[nn.Module]]:
+    """``transformers.pytorch_utils.Conv1D`` (GPT-2's projections: ``y = x @ W + b``, ``W`` of shape
+    ``[in, out]``) when ``transformers`` is loaded, else ``None``. Never imports it: a model holding such a
+    module has loaded it already."""
+    module = sys.modules.get("transformers.pytorch_utils")
+    conv1d = getattr(module, "Conv1D", None) if module is not None else None
+    return conv1d if isinstance(conv1d, type) and issubclass(conv1d, nn.Module) else None
+
+
+def linear_types() -> tuple[type[nn.Module], ...]:
+    """The module types that apply a weight matrix to the last dimension of their input: ``nn.Linear``,
+    and Hugging Face ``Conv1D`` when ``transformers`` is loaded (see :func:`weight_matrix`)."""
+    conv1d = hf_conv1d_type()
+    return (nn.Linear,) if conv1d is None else (nn.Linear, conv1d)
+
+
+def weight_matrix(module: nn.Module) -> Tensor:
+    """The ``[out, in]`` matrix ``W`` with which ``module`` maps an input row ``x`` to ``W x`` (plus bias):
+    an ``nn.Linear``'s weight; a Hugging Face ``Conv1D``'s weight transposed (a view, no copy); a
+    convolution's weight as ``[out, in * kernel]`` (its input rows are then the unfolded patches)."""
+    weight = module.weight
+    conv1d = hf_conv1d_type()
+    if conv1d is not None and isinstance(module, conv1d):
+        return weight.t()
+    return weight.reshape(weight.shape[0], -1)

@@ -39,3 +39,24 @@ def test_conv2d_memory_cap_exact() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
     check(model, F.mse_loss, torch.randn(5, 3, 7, 6), torch.randn(5, 4), max_fused_bytes=0)
+
+
+CONV1DS = {
+    "plain": lambda: nn.Conv1d(3, 4, 3),
+    "stride_pad": lambda: nn.Conv1d(3, 4, 3, stride=2, padding=1),
+    "groups_no_bias": lambda: nn.Conv1d(4, 6, 3, groups=2, bias=False),
+    "dilation": lambda: nn.Conv1d(3, 4, 2, dilation=2),
+    "same_reflect": lambda: nn.Conv1d(3, 4, 3, padding="same", padding_mode="reflect"),
+    "circular": lambda: nn.Conv1d(3, 4, 3, padding=1, padding_mode="circular"),
+    "depthwise": lambda: nn.Conv1d(3, 3, 3, groups=3, padding=1),
+}
+
+
+@pytest.mark.parametrize("kind", list(CONV1DS))
+def test_conv1d_exact(kind: str) -> None:
+    torch.manual_seed(0)
+    conv = CONV1DS[kind]()
+    model = nn.Sequential(conv, nn.Tanh(), nn.AdaptiveAvgPool1d(1), nn.Flatten())
+    x = torch.randn(5, conv.in_channels, 9)
+    probe = check(model, F.mse_loss, x, torch.randn(5, conv.out_channels))
+    assert probe.uncovered == []

@@ -276,3 +276,23 @@ def test_batched_subspaces_equal_one_at_a_time():
         assert abs(float(v.double() @ v_ref)) > 0.999
     with pytest.raises(ValueError, match="basis0"):
         top_singular_subspaces([ws[0]], [torch.randn(17, 4)], n_iter=2)
+
+
+def test_warm_started_pair_survives_a_swap_of_the_top_two_singular_values():
+    """The top two singular values swap between calls: the old v_1 is now exactly the second singular
+    vector (a single warm vector would stay there, 1 - |cos| = 1 with the new v_1)."""
+    g = torch.Generator().manual_seed(3)
+    u, _ = torch.linalg.qr(torch.randn(50, 50, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(40, 40, generator=g, dtype=torch.float64))
+    s = 0.5 * torch.linspace(1.0, 0.1, 40, dtype=torch.float64)
+    before, after = s.clone(), s.clone()
+    before[0], before[1] = 2.0, 1.0
+    after[0], after[1] = 1.0, 2.0  # direction 2 now on top
+    w0 = ((u[:, :40] * before) @ v.T).float()
+    w1 = ((u[:, :40] * after) @ v.T).float()
+    _, _, v_prev = top_singular_pair(w0)
+    assert abs(float(v_prev.double() @ v[:, 0])) > 0.999
+    sigma, u1, v1 = top_singular_pair(w1, v0=v_prev, n_iter=4)
+    assert abs(float(v1.double() @ v[:, 1])) > 0.999
+    assert float(sigma) == pytest.approx(2.0, rel=1e-4)
+    torch.testing.assert_close((w1 @ v1).double(), float(sigma) * u1.double(), atol=1e-4, rtol=0)

@@ -337,9 +337,11 @@ def test_selection_include_exclude_and_head():
 
 
 class ConvOnly(pl.LightningModule):
+    """No layer that multiplies its input by a weight matrix: a depthwise (grouped) convolution only."""
+
     def __init__(self):
         super().__init__()
-        self.conv = nn.Conv2d(1, 2, 3)
+        self.conv = nn.Conv2d(2, 2, 3, groups=2)
 
     def training_step(self, batch, batch_idx):
         return self.conv(batch[0]).mean()
@@ -349,10 +351,17 @@ class ConvOnly(pl.LightningModule):
 
 
 def test_model_without_linear_fails_at_setup(tmp_path):
+    from lightning_monitor.callbacks.base import NothingToWatch
+
     tr = trainer(tmp_path, [SpectralAlignmentMonitor()], max_steps=1)
-    data = DataLoader(TensorDataset(torch.randn(4, 1, 5, 5)), batch_size=2)
-    with pytest.raises(ValueError, match="no nn.Linear"):
+    data = DataLoader(TensorDataset(torch.randn(4, 2, 5, 5)), batch_size=2)
+    with pytest.raises(NothingToWatch, match="no nn.Linear"):
         tr.fit(ConvOnly(), data)
+    # with idle_when_nothing_to_watch (the preset's setting) the fit goes on, the monitor says so once
+    mon = SpectralAlignmentMonitor(every_n_steps=1)
+    mon.idle_when_nothing_to_watch = True
+    trainer(tmp_path, [mon], max_steps=2).fit(ConvOnly(), data)
+    assert mon.idle_reason is not None and "no nn.Linear" in mon.idle_reason and mon._n_checks == 0
 
 
 def test_only_head_linear_gives_clear_error():

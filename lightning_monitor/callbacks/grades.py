@@ -21,6 +21,7 @@ from lightning_monitor.functional.grades import (
     freeze_parameters,
     mean_abs,
     mean_abs_update,
+    no_component_reason,
     relative_ratio,
 )
 
@@ -50,9 +51,14 @@ class GradientEarlyStopping(Monitor):
     are frozen.
 
     A *component* is one weight matrix of a transformer block: attention q/k/v/o (or a fused qkv),
-    MLP gate/up/down (or fc/proj), or a LoRA adapter; found by name
-    (:func:`~lightning_monitor.functional.grades.find_components`) or given as glob patterns
-    (``include``). Every ``every_n_steps`` optimizer steps, in ``on_before_optimizer_step``
+    MLP gate/up/down (or fc/proj; GPT-2's ``Conv1D`` too), or a LoRA adapter; more generally any
+    ``nn.Linear``, Hugging Face ``Conv1D`` or convolution inside a numbered block (a ResNet's
+    ``layer1.0.conv1``); found by name (:func:`~lightning_monitor.functional.grades.find_components`) or
+    given as glob patterns (``include``). A model without any, or trained by several optimizers
+    (checked when the fit starts), raises
+    :class:`~lightning_monitor.callbacks.base.NothingToWatch`, or, with
+    ``idle_when_nothing_to_watch`` set (the preset sets it), says so in one warning alert and stays
+    idle. Every ``every_n_steps`` optimizer steps, in ``on_before_optimizer_step``
     (gradients unscaled under AMP, not yet clipped, already all-reduced under DDP), on the device:
 
     * ``criterion="grad"`` (the paper): :math:`s_c = \operatorname{mean}_{ij} |\partial L / \partial W_{ij}|`;
@@ -293,14 +299,17 @@ class GradientEarlyStopping(Monitor):
                 "the run has no end (max_steps=-1 and max_epochs=-1). Set `Trainer(max_steps=...)`, or give the grace "
                 "period in steps with `grace_steps=...`, or use `grace_fraction=0`."
             )
-        found = find_components(pl_module, self.include, self.exclude, trainable_only=False)
+        self.idle_reason = None
+        found = find_components(pl_module, self.include, self.exclude, trainable_only=False, allow_empty=True)
         # a component frozen before the run (and not by us) is not ours to watch
         self._components = {n: c for n, c in found.items() if c.weight.requires_grad or n in self.frozen}
         if not self._components:
-            raise ValueError(
-                f"GradientEarlyStopping: every component found in {type(pl_module).__name__} is already frozen "
+            self._names = []
+            self.nothing_to_watch(trainer, no_component_reason(pl_module, self.include) if not found else (
+                f"every component found in {type(pl_module).__name__} is already frozen "
                 f"({list(found)[:6]}...); nothing is left to watch."
-            )
+            ))
+            return
         self._names = list(self._components)
         self._check_saved_names()
         self._training = False
@@ -344,7 +353,17 @@ class GradientEarlyStopping(Monitor):
                 )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.idle_reason is not None:
+            return
         # optimizers exist from here on
+        if len(trainer.optimizers) > 1:
+            self.nothing_to_watch(
+                trainer,
+                f"the model has {len(trainer.optimizers)} optimizers: a component's gradient is read at one "
+                "optimizer's step, where the other optimizers' parameters hold stale or no gradients, so the "
+                "statistics would mix steps. GradES supports one optimizer.",
+            )
+            return
         in_optimizer = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
         missing = [n for n, c in self._components.items()
                    if n not in self.frozen and any(id(p) not in in_optimizer for p in c.params)]
@@ -375,6 +394,8 @@ class GradientEarlyStopping(Monitor):
         # holds the same parameters as when the checkpoint was written, so its state loads; the state
         # of the frozen parameters is freed here. No optimizer step comes before this hook.
         self._training = True
+        if self.idle_reason is not None:
+            return
         if self._freeze_pending:
             self._apply_frozen(trainer.optimizers)
             self._freeze_pending = False
@@ -392,6 +413,8 @@ class GradientEarlyStopping(Monitor):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         step = trainer.global_step
+        if self.idle_reason is not None:
+            return
         if step == self._last_step or not self.is_due(step) or len(self.frozen) == len(self._names):
             return
         self._last_step = step

@@ -15,12 +15,13 @@ from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_monitor.alerts import _tensorboard_writer, alerts_dir
-from lightning_monitor.callbacks.base import Monitor, _check_int, deprecated_aliases
+from lightning_monitor.callbacks.base import Monitor, NothingToWatch, _check_int, deprecated_aliases
 from lightning_monitor.functional.gwa import GWA_OFFSET, GWAMoments, alignment_from_parts
 
 __all__ = ["GradientWeightAlignmentMonitor", "default_target_fn"]
@@ -30,6 +31,10 @@ _TARGET_KEYS = ("y", "target", "targets", "label", "labels")
 _HIST_BINS = 100
 _FLUSH_ELEMENTS = 1 << 20  # kept logit + W z elements before scoring (4 MiB in fp32)
 _MIN_SAMPLES = 4
+#: share of negative scores in the first scored epoch above which the targets likely do not match
+_MISMATCH_FRACTION = 0.9
+#: Hugging Face causal LMs named otherwise than ``*ForCausalLM`` whose loss shifts the labels
+_CAUSAL_LM_NAMES = ("GPT2LMHeadModel", "OpenAIGPTLMHeadModel", "CTRLLMHeadModel")
 
 
 def default_target_fn(batch: Any) -> Tensor:
@@ -110,6 +115,21 @@ class GradientWeightAlignmentMonitor(Monitor):
         every_n_steps: score the batches of every this many optimizer steps (1: all samples, the
             paper's setting; larger values estimate the epoch's score from a subsample).
         warmup_steps: score nothing before this optimizer step.
+        shift_targets: targets ``[B, T]`` are the labels of a causal LM, which its loss shifts (the
+            logits at position ``t`` predict the label at ``t + 1``): score against ``labels[:, 1:]``, the
+            last position left out (``ignore_index``). ``None`` (default): shift when the model holds a
+            Hugging Face causal LM (``*ForCausalLM``, ``GPT2LMHeadModel`` ...) whose output layer is the head
+            and the targets are the ``labels`` of a dict batch read by the default ``target_fn``.
+
+    **Target mismatch.** When at least 90% of the scores of the first scored epoch are negative, a
+    warning alert (``target_mismatch``) says that the targets most likely do not match the logits
+    (unshifted causal-LM labels, the wrong head).
+
+    A model without a classifier head (no ``nn.Linear`` with >= 2 outputs, ``head`` not given), or
+    trained by several optimizers without an explicit ``head`` (a GAN's last layer is no classifier of
+    the targets; checked when training starts), raises
+    :class:`~lightning_monitor.callbacks.base.NothingToWatch` at setup, or, with
+    ``idle_when_nothing_to_watch`` set (the preset sets it), says so in one warning alert and stays idle.
     """
 
     name = "gwa"
@@ -132,8 +152,13 @@ class GradientWeightAlignmentMonitor(Monitor):
         log_histograms: bool = True,
         every_n_steps: int = 1,
         warmup_steps: int = 0,
+        shift_targets: Optional[bool] = None,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
+        if shift_targets is not None and not isinstance(shift_targets, bool):
+            raise TypeError(f"`shift_targets` must be True, False or None (detect), got {shift_targets!r}.")
+        self.shift_targets = shift_targets
+        self._shift = bool(shift_targets)
         if head is not None and (not isinstance(head, str) or not head):
             raise ValueError(f"`head` must be the qualified name of an nn.Linear module or None, got {head!r}.")
         for arg, fn in (("target_fn", target_fn), ("index_fn", index_fn)):
@@ -240,7 +265,14 @@ class GradientWeightAlignmentMonitor(Monitor):
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
-        self._head_name, self._head = self._find_head(pl_module)
+        self.idle_reason = None
+        self._head_name, self._head = None, None
+        try:
+            self._head_name, self._head = self._find_head(pl_module)
+        except NothingToWatch as err:
+            self.nothing_to_watch(trainer, str(err))
+            return
+        self._shift = self._causal_lm_shift(pl_module) if self.shift_targets is None else self.shift_targets
         self._checked = False
         # the same on every rank (the loggers are), so the gathered layout agrees
         self._want_histogram = self.log_histograms and any(isinstance(lg, TensorBoardLogger) for lg in trainer.loggers)
@@ -254,6 +286,18 @@ class GradientWeightAlignmentMonitor(Monitor):
             )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.idle_reason is not None:
+            return
+        if len(trainer.optimizers) > 1 and self.head is None:
+            self._disarm()
+            self._head = None
+            self.nothing_to_watch(
+                trainer,
+                f"the model has {len(trainer.optimizers)} optimizers (a GAN ...), so the last nn.Linear "
+                f"(`{self._head_name}`) need not be a classifier of the dataset's targets. Pass `head=` naming "
+                "the classifier head to score it.",
+            )
+            return
         self._warmup_resolved = self._resolve_warmup(trainer)
         self._check_score_consumers(trainer)
 
@@ -303,6 +347,25 @@ class GradientWeightAlignmentMonitor(Monitor):
             )
         return int(math.ceil(self.warmup_fraction * epochs - 1e-9))
 
+    def _causal_lm_shift(self, pl_module: pl.LightningModule) -> bool:
+        """Whether the head is the output layer of a Hugging Face causal LM inside ``pl_module`` (one whose
+        loss shifts the labels: ``loss_type == "ForCausalLM"``, a ``*ForCausalLM`` class, GPT-2's
+        ``GPT2LMHeadModel`` ...)."""
+        for module in pl_module.modules():
+            name = type(module).__name__
+            causal = getattr(module, "loss_type", None) == "ForCausalLM" or name.endswith("ForCausalLM") or (
+                name in _CAUSAL_LM_NAMES
+            )
+            get_output = getattr(module, "get_output_embeddings", None)
+            if not causal or not callable(get_output) or getattr(getattr(module, "config", None), "is_encoder_decoder", False):
+                continue
+            try:
+                if get_output() is self._head:
+                    return True
+            except Exception:  # a model whose output layer cannot be read: not detected
+                continue
+        return False
+
     def _find_head(self, pl_module: pl.LightningModule) -> tuple[str, nn.Linear]:
         modules = dict(pl_module.named_modules())
         if self.head is not None:
@@ -326,10 +389,9 @@ class GradientWeightAlignmentMonitor(Monitor):
             return self.head, module
         candidates = [(n, m) for n, m in modules.items() if isinstance(m, nn.Linear) and m.out_features >= 2]
         if not candidates:
-            raise ValueError(
-                f"GradientWeightAlignmentMonitor found no nn.Linear with >= 2 outputs in "
-                f"{type(pl_module).__name__}: GWA needs a linear classifier head producing softmax logits. "
-                "Pass `head='<name>'` if it is there under a wrapper."
+            raise NothingToWatch(
+                f"found no nn.Linear with >= 2 outputs in {type(pl_module).__name__}: GWA needs a linear "
+                "classifier head producing softmax logits. Pass `head='<name>'` if it is there under a wrapper."
             )
         name, module = candidates[-1]
         rank_zero_info(f"GradientWeightAlignmentMonitor: classifier head `{name}` ({module}).")
@@ -352,6 +414,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._scored_steps = 0
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.idle_reason is not None:
+            return
         self._reset_epoch(pl_module.device)
 
     # ------------------------------------------------------------------ per step
@@ -363,6 +427,14 @@ class GradientWeightAlignmentMonitor(Monitor):
         targets = self.target_fn(batch)
         if not isinstance(targets, Tensor):
             raise TypeError(f"`target_fn` must return a Tensor of targets, got {type(targets).__name__}.")
+        if self._shift and not targets.is_floating_point() and targets.dim() >= 2 and (
+            self.shift_targets or (self.target_fn is default_target_fn and isinstance(batch, Mapping)
+                                   and "labels" in batch)
+        ):
+            # a causal LM's logits at position t predict the label at t + 1 (its loss shifts the labels);
+            # the last position predicts nothing
+            fill = -100 if self.ignore_index is None else self.ignore_index
+            targets = F.pad(targets[..., 1:], (0, 1), value=fill)
         indices = None
         if self.index_fn is not None:
             indices = self.index_fn(batch)
@@ -534,6 +606,8 @@ class GradientWeightAlignmentMonitor(Monitor):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self.idle_reason is not None:
+            return
         if self._pending is not None:  # the head did not run in this batch's forward
             self._disarm()
             self._pending = None
@@ -546,6 +620,8 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._finish_epoch(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.idle_reason is not None:
+            return
         self._finish_epoch(trainer, pl_module)
 
     def release(self) -> None:
@@ -596,6 +672,17 @@ class GradientWeightAlignmentMonitor(Monitor):
                 metrics[self.key("kurtosis")] = kurtosis
             metrics[self.key("negative")] = negative
             metrics[self.key("negative_fraction")] = negative / count
+            if not any(h.get("count", 0) >= _MIN_SAMPLES for h in self.history):  # the first scored epoch
+                if negative >= _MISMATCH_FRACTION * count:
+                    self.alert(
+                        step, "target_mismatch", "warning",
+                        f"{negative / count:.1%} of the {count} GWA scores of the first scored epoch ({epoch}) are "
+                        "negative: nearly every sample's gradient points away from the head's weights, which "
+                        "usually means the targets do not match the logits (e.g. a causal LM's labels not shifted "
+                        "as its loss shifts them, or the wrong head). Check `target_fn`, `head` and "
+                        "`shift_targets`; the score is not meaningful until then.",
+                        value=negative / count, threshold=_MISMATCH_FRACTION,
+                    )
             defined = math.isfinite(score)
             bimodal = math.isfinite(kurtosis) and kurtosis + GWA_OFFSET <= 0
             self.condition(

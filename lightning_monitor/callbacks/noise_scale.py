@@ -28,6 +28,7 @@ from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor, nn
 
@@ -45,9 +46,14 @@ _METHODS = ("auto", "per_example", "ddp", "accumulation")
 
 
 def _sq_norms(tensors: list[Tensor]) -> Tensor:
-    """Squared L2 norm of each tensor, fp32, stacked (one kernel per dtype/device group)."""
+    """Squared L2 norm of each tensor, fp32, stacked (one kernel per dtype/device group). A sparse
+    gradient (``nn.Embedding(sparse=True)``) is coalesced first (its duplicate entries are summands)."""
     if not tensors:
         return torch.zeros(0)
+    if any(t.is_sparse for t in tensors):
+        return torch.stack([
+            t.coalesce().values().float().pow(2).sum() if t.is_sparse else t.float().pow(2).sum() for t in tensors
+        ])
     from lightning_monitor._compat import foreach_norm
 
     try:
@@ -87,8 +93,27 @@ class GradientNoiseScaleMonitor(Monitor):
             examples of the batch (Lightning's default losses), ``"sum"`` if summed.
         linear_strategy: for ``"per_example"``: see :class:`~lightning_monitor.probes.per_example.PerExampleGradNorms`
             (``"auto"``, ``"fused"``, ``"gram"``, ``"materialize"``).
+        min_coverage: for ``"per_example"``: below this share of the gradient's squared norm covered by
+            per-example norms (in (0, 1]), the estimate is marked partial (``gns/partial`` = 1, and the
+            coverage alert says so).
 
-    The monitor never stops or changes the run (it has no ``stop``); its alerts are advice (info).
+    **Coverage.** ``gns/coverage`` is logged at every check: the share of the batch gradient's squared
+    norm ``sum_covered |G_p|^2 / sum_all |G_p|^2`` carried by the parameters whose per-example norms are
+    measured (1 for ``"ddp"`` and ``"accumulation"``, which measure every trainable parameter), and
+    ``gns/partial`` (1 when the coverage is below ``min_coverage``). The first check that finds
+    parameters left out (no per-example rule for their module, such as BatchNorm; an input without a
+    separable batch dimension, such as positions broadcast over the batch) names them by module with the
+    reason and the share they carry: in a ``partial_coverage`` warning alert when the coverage is below
+    ``min_coverage``, else in a console warning (the estimate stands; a healthy run raises no alert); a
+    check that finds new ones says so again. ``B_simple`` is then that of the covered parameters.
+
+    A model with nothing to measure (no trainable parameter, or none that per-example hooks cover), or
+    one trained by several optimizers (checked when the fit starts: their losses would mix in one
+    estimate), raises :class:`~lightning_monitor.callbacks.base.NothingToWatch`, or, with
+    ``idle_when_nothing_to_watch`` set (the preset sets it), says so in one warning alert and stays idle.
+
+    The monitor never stops or changes the run (it has no ``stop``); its alerts are advice (info), the
+    coverage alert a warning.
     """
 
     name = "gns"
@@ -107,6 +132,7 @@ class GradientNoiseScaleMonitor(Monitor):
         min_checks: int = 5,
         loss_reduction: Literal["mean", "sum"] = "mean",
         linear_strategy: Literal["auto", "fused", "gram", "materialize"] = "auto",
+        min_coverage: float = 0.9,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
         if method not in _METHODS:
@@ -123,6 +149,9 @@ class GradientNoiseScaleMonitor(Monitor):
             raise ValueError(
                 f"`linear_strategy` must be 'auto', 'fused', 'gram' or 'materialize', got {linear_strategy!r}."
             )
+        if isinstance(min_coverage, bool) or not isinstance(min_coverage, (int, float)) or not 0.0 < min_coverage <= 1.0:
+            raise ValueError(f"`min_coverage` must be a number in (0, 1], got {min_coverage!r}.")
+        self.min_coverage = float(min_coverage)
         self.method: Method = method
         self.smoothing = float(smoothing)
         self.per_layer = bool(per_layer)
@@ -153,6 +182,8 @@ class GradientNoiseScaleMonitor(Monitor):
         self._module: Optional[nn.Module] = None  # the model, to re-read the trainable set at arming
         self._flags: tuple[bool, ...] = ()  # requires_grad of every parameter when last selected
         self._measurable = False  # something trainable is measured (else checks are skipped)
+        self._reported: set[str] = set()  # uncovered parameters named in a coverage alert
+        self._selected: set[str] = set()  # modules selected by include / exclude
 
     @property
     def beta(self) -> float:
@@ -202,6 +233,7 @@ class GradientNoiseScaleMonitor(Monitor):
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
+        self.idle_reason = None
         self._reset_runtime()
         world = trainer.world_size
         accumulate = trainer.accumulate_grad_batches
@@ -237,18 +269,21 @@ class GradientNoiseScaleMonitor(Monitor):
         self.resolved_method = method
 
         self._module = pl_module
-        self._select(pl_module, initial=True)
+        reason = self._select(pl_module, initial=True)
+        if reason is not None:
+            self.nothing_to_watch(trainer, reason)
 
     @staticmethod
     def _trainable_flags(pl_module: nn.Module) -> tuple[bool, ...]:
         return tuple(p.requires_grad for p in pl_module.parameters())
 
-    def _select(self, pl_module: nn.Module, initial: bool) -> None:
+    def _select(self, pl_module: nn.Module, initial: bool) -> Optional[str]:
         """Read what this monitor measures: the trainable parameters, the per-example probe over them and
         the per-layer groups. At setup, and again at arming when ``requires_grad`` flags changed since (a
         parameter frozen by GradientEarlyStopping or by the user, or unfrozen): no hook is registered on a
         parameter that no longer requires a gradient, and newly trainable ones are measured too. Mid-run,
-        nothing left to measure is not an error: checks are skipped until something is."""
+        nothing left to measure is not an error: checks are skipped until something is. Returns why
+        nothing can be measured at setup, else ``None``."""
         self._flags = self._trainable_flags(pl_module)
         self._probe = None
         self._layers = {}
@@ -256,10 +291,11 @@ class GradientNoiseScaleMonitor(Monitor):
         self._params = {n: p for n, p in pl_module.named_parameters() if p.requires_grad}
         if not self._params:
             if initial:
-                raise ValueError("GradientNoiseScaleMonitor: the model has no trainable parameters.")
+                return "the model has no trainable parameters."
             log.info("GradientNoiseScaleMonitor: no trainable parameter is left; checks are skipped.")
-            return
+            return None
         selected = self._selected_layers(pl_module)
+        self._selected = selected
         if self.resolved_method == "per_example":
             probe = PerExampleGradNorms(
                 pl_module,
@@ -269,21 +305,15 @@ class GradientNoiseScaleMonitor(Monitor):
             )
             if not probe.covered:
                 if initial:
-                    raise ValueError(
-                        "GradientNoiseScaleMonitor(method='per_example'): no parameter of the model is covered by "
-                        f"per-example hooks (uncovered: {probe.uncovered[:8]}); use method='ddp' or "
-                        "'accumulation', or widen `include`."
+                    return (
+                        "method='per_example': no parameter of the model is covered by per-example hooks "
+                        f"(uncovered: {probe.uncovered[:8]}); use method='ddp' or 'accumulation', or widen `include`."
                     )
                 log.info(
                     "GradientNoiseScaleMonitor: no trainable parameter left is covered by per-example hooks "
                     "(uncovered: %s); checks are skipped.", ", ".join(probe.uncovered[:6]),
                 )
-                return
-            if probe.uncovered and initial:
-                log.info(
-                    "GradientNoiseScaleMonitor: per-example norms leave out %d parameter(s) (%s); the noise scale "
-                    "is that of the covered ones.", len(probe.uncovered), ", ".join(probe.uncovered[:6]),
-                )
+                return None
             self._probe = probe
             names = probe.covered
         else:
@@ -295,6 +325,7 @@ class GradientNoiseScaleMonitor(Monitor):
                 if _layer_of(n) in selected:
                     layers[_layer_of(n)].append(n)
             self._layers = dict(layers)
+        return None
 
     def _selected_layers(self, pl_module: pl.LightningModule) -> set[str]:
         """Modules with trainable parameters of their own, filtered by ``include`` / ``exclude``."""
@@ -304,6 +335,17 @@ class GradientNoiseScaleMonitor(Monitor):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # with one micro-batch per step, tensor hooks on the parameters see this rank's gradient before
         # DDP reduces it; a communication hook is needed only to read the accumulated local gradient
+        if self.idle_reason is not None:
+            return
+        if len(trainer.optimizers) > 1:
+            self._disarm()
+            self.nothing_to_watch(
+                trainer,
+                f"the model has {len(trainer.optimizers)} optimizers (a GAN, an actor-critic ...): each step's "
+                "gradient would mix the losses they minimise, and the noise scale is defined for one loss. Use "
+                "one GradientNoiseScaleMonitor on a model with one optimizer.",
+            )
+            return
         if self.resolved_method == "ddp" and trainer.accumulate_grad_batches > 1 and not self._ddp_registered:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -321,6 +363,8 @@ class GradientNoiseScaleMonitor(Monitor):
     # ------------------------------------------------------------------ arming
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
+        if self.idle_reason is not None:
+            return
         if not self.is_due(step):
             if self._armed_step is not None:
                 self._disarm()
@@ -389,7 +433,7 @@ class GradientNoiseScaleMonitor(Monitor):
     # ------------------------------------------------------------------ the check
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         step = trainer.global_step
-        if self._armed_step != step:
+        if self.idle_reason is not None or self._armed_step != step:
             return
         try:
             self._check(trainer, step)
@@ -469,6 +513,11 @@ class GradientNoiseScaleMonitor(Monitor):
         raw: dict[str, Tensor] = {}
         g2, tr = noise_scale_estimates(small_vec.sum(), big_vec.sum(), b_small, b_big)
         raw["g2"], raw["tr"] = g2, tr
+        measured = set(names)
+        rest = [p.grad.detach() for n, p in self._params.items() if n not in measured and p.grad is not None]
+        if rest:  # the share of the gradient's squared norm the measured parameters carry, on device
+            covered_sq = big_vec.sum()
+            raw["coverage"] = covered_sq / (covered_sq + _sq_norms(rest).to(big_vec.device).sum()).clamp_min(1e-30)
         if self._layers:
             index = {n: i for i, n in enumerate(names)}
             for layer, pnames in self._layers.items():
@@ -483,10 +532,14 @@ class GradientNoiseScaleMonitor(Monitor):
         if not self.ema.update(host["g2"], host["tr"]):
             log.debug("GradientNoiseScaleMonitor: non-finite gradient norms at step %d, skipped.", step)
             return
+        coverage = host.get("coverage", 1.0)
+        partial = not coverage >= self.min_coverage
         metrics: dict[str, float] = {
             self.key("g2"): float(self.ema.g2.value),
             self.key("trace_sigma"): float(self.ema.trace_sigma.value),
             self.key("batch_size"): float(b_big),
+            self.key("coverage"): coverage,
+            self.key("partial"): float(partial),
         }
         b_simple = self.ema.b_simple
         if math.isfinite(b_simple):
@@ -499,7 +552,44 @@ class GradientNoiseScaleMonitor(Monitor):
             if math.isfinite(ema.b_simple):
                 metrics[self.key("b_simple", layer)] = ema.b_simple
         self.log_metrics(trainer, metrics, step)
+        self._coverage_alert(step, measured, coverage, partial)
         self._batch_alerts(step, float(b_big), b_simple)
+
+    def _coverage_alert(self, step: int, measured: set[str], coverage: float, partial: bool) -> None:
+        """One warning alert naming the trainable parameters left out of the estimate (by module, with
+        the reason), when a check finds some not named before."""
+        left = [n for n in self._params if n not in measured and self._params[n].grad is not None]
+        new = [n for n in left if n not in self._reported]
+        if not new:
+            return
+        self._reported.update(new)
+        reasons = self._probe.reasons if self._probe is not None else {}
+        selected = self._selected if (self.include or self.exclude) else None
+        by_module: dict[str, list[str]] = defaultdict(list)
+        why: dict[str, str] = {}
+        for n in left:
+            layer = _layer_of(n)
+            by_module[layer].append(n.rsplit(".", 1)[-1])
+            if selected is not None and layer not in selected:
+                why.setdefault(layer, "left out by include/exclude")
+            else:
+                why.setdefault(layer, reasons.get(n, "no handler for its module type"))
+        shown = "; ".join(f"{m} ({', '.join(ps)}): {why[m]}" for m, ps in list(by_module.items())[:12])
+        more = f"; ... ({len(by_module) - 12} more modules)" if len(by_module) > 12 else ""
+        message = (
+            f"Per-example gradient norms leave out {len(left)} trainable parameter(s) of {len(by_module)} module(s), "
+            f"{1.0 - coverage:.1%} of the gradient's squared norm (gns/coverage = {coverage:.3f}); B_simple is that "
+            "of the covered parameters."
+        )
+        if partial:
+            self.alert(
+                step, "partial_coverage", "warning",
+                f"{message} The estimate is partial (gns/partial = 1): the covered share is below "
+                f"min_coverage={self.min_coverage:g}. Left out: {shown}{more}.",
+                value=coverage, threshold=self.min_coverage,
+            )
+        else:  # the estimate stands: said on the console, no alert on a healthy run
+            rank_zero_warn(f"GradientNoiseScaleMonitor: {message} Left out: {shown}{more}.")
 
     def _batch_alerts(self, step: int, batch: float, b_simple: float) -> None:
         if self.ema.count < self.min_checks or not math.isfinite(b_simple):

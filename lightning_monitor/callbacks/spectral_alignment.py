@@ -1,14 +1,24 @@
 """SpectralAlignmentMonitor: early warning of loss explosions from the sign diversity of spectral
 alignment (Qiu et al., arXiv 2510.04202).
 
-On every due step the monitor samples the input rows of each selected ``nn.Linear`` during the
-forward pass, and in ``on_before_optimizer_step`` (weights not yet updated, so they are the weights
-that saw those inputs) it computes per layer
+On every due step the monitor samples the input rows of each selected layer during the forward
+pass, and in ``on_before_optimizer_step`` (weights not yet updated, so they are the weights that saw
+those inputs) it computes per layer
 
 * ``sigma``: the top singular value of ``W`` by warm-started power iteration (the singular vectors
   persist between checks and in the checkpoint);
 * the alignments ``a_t = cos(x_t, v_1)`` of the sampled rows with the top right singular vector;
 * ``sign_diversity`` ``D = 2 min(p, 1 - p)`` (``p``: fraction of positive ``a_t``) and ``mean_abs``.
+
+Layers: ``nn.Linear`` (``W`` its weight, the rows its input's last dimension); Hugging Face ``Conv1D``
+(GPT-2's projections, ``y = x @ W + b``: ``W`` is its weight transposed); ``nn.Conv2d`` with
+``groups=1`` (``W`` its weight as the ``[C_out, C_in * kh * kw]`` matrix, the rows its input patches,
+exactly what the convolution multiplies: ``y_l = W p_l + b`` for the patch ``p_l`` at output position
+``l``; a few random examples are unfolded per check, only as many as hold ``max_rows`` patches). Grouped
+and depthwise convolutions are left out: their weight is block diagonal, one ``[C_out/g, C_in/g * k]``
+matrix per group, with no single top singular direction over the layer's input. So is the ``out_proj``
+of an ``nn.MultiheadAttention``, whose weight is used without calling it; any other selected layer that
+does not run in a check's forward is named once in a ``layers_not_called`` warning alert.
 
 Rules (model level; every threshold is relative to the run's own history):
 
@@ -46,7 +56,7 @@ from lightning_monitor.functional.spectral import (
     top_singular_subspaces,
 )
 from lightning_monitor.probes.inputs import InputCapture
-from lightning_monitor.selection import as_patterns, select_modules
+from lightning_monitor.selection import as_patterns, linear_types, select_modules, weight_matrix
 
 __all__ = ["SpectralAlignmentMonitor", "find_output_head"]
 
@@ -84,7 +94,8 @@ class SpectralAlignmentMonitor(Monitor):
     Args:
         every_n_steps: check every this many optimizer steps.
         warmup_steps: no check before this optimizer step.
-        include: glob pattern(s) of ``nn.Linear`` qualified names to monitor (default: all).
+        include: glob pattern(s) of qualified names of the layers to monitor (default: every ``nn.Linear``,
+            Hugging Face ``Conv1D`` and ungrouped ``nn.Conv2d``).
         exclude: glob pattern(s) to leave out.
         head: the output head, left out of the selection unless named exactly in ``include``:
             ``"auto"`` (the rule of :func:`find_output_head`), a qualified module name, or ``None``
@@ -124,6 +135,14 @@ class SpectralAlignmentMonitor(Monitor):
     ``sa/<layer>/mean_abs``, ``sa/<layer>/sigma``, ``sa/sign_diversity_mean``,
     ``sa/collapsed_fraction``, ``sa/diversity_ratio``, ``sa/sigma_max``, ``sa/sigma_growth``; with
     ``log_histograms`` the TensorBoard histogram ``sa/<layer>/alignment``.
+
+    With several optimizers (a GAN) the check runs at the first optimizer step of a due step, over every
+    selected layer of every network: each layer's statistics are its own, and the model-level rules
+    count the layers of all networks together (narrow ``include`` to one network to judge it alone).
+
+    A model with no such layer (or none left after ``include``/``exclude`` and the head) raises
+    :class:`~lightning_monitor.callbacks.base.NothingToWatch` at setup, or, with
+    ``idle_when_nothing_to_watch`` set (the preset sets it), says so in one warning alert and stays idle.
 
     Example::
 
@@ -201,7 +220,7 @@ class SpectralAlignmentMonitor(Monitor):
         self.log_histograms = bool(log_histograms)
         self.seed = seed
 
-        self.layers: dict[str, nn.Linear] = {}
+        self.layers: dict[str, nn.Module] = {}
         self._capture: Optional[InputCapture] = None
         self._armed_step: Optional[int] = None
         self._last_check: Optional[int] = None
@@ -209,6 +228,7 @@ class SpectralAlignmentMonitor(Monitor):
         self._vectors: dict[str, Tensor] = {}
         self._history: dict[str, list[float]] = {}
         self._n_checks = 0
+        self._not_called: set[str] = set()  # selected layers reported as not called
         self._streak = 0
         self._growth_streak = 0
         self._sigma_history: list[tuple[int, dict[str, float]]] = []
@@ -259,19 +279,38 @@ class SpectralAlignmentMonitor(Monitor):
         super()._reset_run_state()
         self._vectors, self._history, self._sigma_history = {}, {}, []
         self._n_checks = self._streak = self._growth_streak = 0
+        self._not_called = set()
         self._sampler_state = {}
         self._armed_step = self._last_check = None
 
     # ------------------------------------------------------------------ setup
-    def select_layers(self, model: nn.Module) -> dict[str, nn.Linear]:
-        """The ``nn.Linear`` modules this monitor watches in ``model`` (see ``include``/``exclude``/``head``)."""
-        if not any(isinstance(m, nn.Linear) for m in model.modules()):
-            raise ValueError(
-                f"SpectralAlignmentMonitor: {type(model).__name__} has no nn.Linear layer, and spectral "
-                "alignment is defined for linear layers only. Remove the monitor, or use it on a model with "
-                "nn.Linear projections."
+    @staticmethod
+    def _watchable(module: nn.Module) -> bool:
+        if isinstance(module, nn.Conv2d):
+            return module.groups == 1
+        return isinstance(module, linear_types())
+
+    def select_layers(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The layers this monitor watches in ``model`` (see ``include``/``exclude``/``head``): every
+        ``nn.Linear``, Hugging Face ``Conv1D`` and ungrouped ``nn.Conv2d``.
+
+        Raises:
+            NothingToWatch: (a ``ValueError``) the model has no such layer, or none is left.
+        """
+        from lightning_monitor.callbacks.base import NothingToWatch
+
+        if not any(self._watchable(m) for m in model.modules()):
+            raise NothingToWatch(
+                f"SpectralAlignmentMonitor: {type(model).__name__} has no nn.Linear layer (nor a Hugging Face "
+                "Conv1D or an ungrouped nn.Conv2d), and spectral alignment is defined for layers that multiply "
+                "their input by a weight matrix. Remove the monitor, or use it on a model with such layers."
             )
-        selected = select_modules(model, self.include, self.exclude, (nn.Linear,), owner="SpectralAlignmentMonitor")
+        types = linear_types() + (nn.Conv2d,)
+        selected = select_modules(model, self.include, self.exclude, types, owner="SpectralAlignmentMonitor")
+        # nn.MultiheadAttention multiplies by its out_proj's weight without calling out_proj: no input to see
+        opaque = [n + "." for n, m in model.named_modules() if n and isinstance(m, nn.MultiheadAttention)]
+        selected = {n: m for n, m in selected.items()
+                    if self._watchable(m) and not any(n.startswith(p) for p in opaque)}
         head = find_output_head(model) if self.head == AUTO else self.head
         if head is not None and head not in self.include:
             if self.head != AUTO and head not in dict(model.named_modules()):
@@ -281,16 +320,25 @@ class SpectralAlignmentMonitor(Monitor):
                 )
             selected.pop(head, None)
         if not selected:
-            raise ValueError(
-                "SpectralAlignmentMonitor: no nn.Linear layer left to monitor after `include`/`exclude` and "
-                f"leaving out the output head {head!r}. Widen `include`, or pass `head=None` to monitor the "
-                "head too."
+            raise NothingToWatch(
+                "SpectralAlignmentMonitor: no nn.Linear layer (nor Conv1D, ungrouped Conv2d) left to monitor after "
+                f"`include`/`exclude` and leaving out the output head {head!r}. Widen `include`, or pass "
+                "`head=None` to monitor the head too."
             )
-        return selected  # type: ignore[return-value]
+        return selected
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        self.layers = self.select_layers(pl_module)
+        from lightning_monitor.callbacks.base import NothingToWatch
+
+        self.idle_reason = None
+        self.layers = {}
+        self._capture = None
+        try:
+            self.layers = self.select_layers(pl_module)
+        except NothingToWatch as err:
+            self.nothing_to_watch(trainer, str(err).removeprefix("SpectralAlignmentMonitor: "))
+            return
         self._capture = InputCapture(self.layers, max_rows=self.max_rows, seed=self.seed)
         state = getattr(self, "_sampler_state", None)
         if state:
@@ -308,7 +356,7 @@ class SpectralAlignmentMonitor(Monitor):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
-        if self._capture is None:
+        if self.idle_reason is not None or self._capture is None:
             return
         if self._armed_step is not None and self._armed_step != step:
             self._capture.release()  # a due step whose optimizer step never came (skipped): drop it
@@ -322,7 +370,7 @@ class SpectralAlignmentMonitor(Monitor):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         step = trainer.global_step
-        if self._capture is None or self._armed_step != step or self._last_check == step:
+        if self.idle_reason is not None or self._capture is None or self._armed_step != step or self._last_check == step:
             return
         self._last_check = step
         rows = self._capture.take()
@@ -337,7 +385,7 @@ class SpectralAlignmentMonitor(Monitor):
         alignments: dict[str, Tensor] = {}
         names = [n for n in self.layers if n in rows]  # layers that did not run this step are skipped
         pairs = top_singular_subspaces(
-            [self.layers[n].weight for n in names], [self._vectors.get(n) for n in names],
+            [weight_matrix(self.layers[n]) for n in names], [self._vectors.get(n) for n in names],
             n_iter=self.n_iter, n_vectors=self.n_vectors,
         )
         for name, (sigma, _, v, basis) in zip(names, pairs):
@@ -350,6 +398,16 @@ class SpectralAlignmentMonitor(Monitor):
         return metrics, alignments
 
     def check(self, trainer: pl.Trainer, step: int, rows: dict[str, Tensor]) -> dict[str, float]:
+        silent = [n for n in self.layers if n not in rows and n not in self._not_called]
+        if silent:  # said once per layer: a layer whose forward does not run has no input to align
+            self._not_called.update(silent)
+            self.alert(
+                step, "layers_not_called", "warning",
+                f"{len(silent)} selected layer(s) did not run in the training step's forward, so they have no "
+                f"inputs to align and are left out of this check: {', '.join(silent[:8])}"
+                f"{' ...' if len(silent) > 8 else ''}. (A layer whose weight is used without calling the "
+                "layer is never seen; narrow `include`/`exclude` to silence this.)",
+            )
         metrics, alignments = self.measure(rows)
         rows.clear()
         if not alignments:

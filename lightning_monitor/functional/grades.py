@@ -41,12 +41,14 @@ import torch
 from torch import Tensor, nn
 
 from lightning_monitor._compat import foreach_norm, foreach_sub
+from lightning_monitor.selection import linear_types
 
 __all__ = [
     "Component",
     "PROJECTION_NAMES",
     "LORA_NAMES",
     "find_components",
+    "no_component_reason",
     "mean_abs",
     "mean_abs_update",
     "relative_ratio",
@@ -116,8 +118,13 @@ def _auto_match(name: str, module: nn.Module, component: Component) -> bool:
         return component.weight.dim() >= 2
     if segments[-1] in _ALL_PROJECTIONS:
         return component.weight.dim() >= 2
-    # plain nn.Linear inside a repeated block (a child of a ModuleList: a numeric name segment)
-    return isinstance(module, nn.Linear) and bool(_BLOCK_INDEX.search(name))
+    # a weight matrix inside a repeated block (a child of a ModuleList or Sequential: a numeric name
+    # segment): nn.Linear, Hugging Face Conv1D, a convolution (ResNet stages: `layer1.0.conv1`)
+    return isinstance(module, _matrix_types()) and bool(_BLOCK_INDEX.search(name))
+
+
+def _matrix_types() -> tuple[type[nn.Module], ...]:
+    return linear_types() + (nn.modules.conv._ConvNd,)
 
 
 def find_components(
@@ -126,14 +133,17 @@ def find_components(
     exclude: Patterns = None,
     trainable_only: bool = True,
     owner: str = "GradientEarlyStopping",
+    allow_empty: bool = False,
 ) -> dict[str, Component]:
     """The components of ``model``, by qualified name, in ``named_modules`` order.
 
     Without ``include``, components are found by name: projections of every naming scheme in
     :data:`PROJECTION_NAMES` (HF ``q_proj`` ... ``down_proj``; GPT-2 ``c_attn``/``c_proj``/``c_fc``, also
     its ``Conv1D``), LoRA adapters (modules or 2-D parameters named ``lora_A``/``lora_B``), and any
-    ``nn.Linear`` inside a repeated block (a name with a numeric segment such as ``blocks.3``).
-    Embeddings, norms and an output head outside the blocks are not components. With ``include``
+    ``nn.Linear``, Hugging Face ``Conv1D`` or convolution inside a repeated block (a name with a numeric
+    segment such as ``blocks.3`` or ResNet's ``layer1.0.conv1``). Embeddings, norms and an output head or
+    stem outside the blocks are not components. The statistics are element-wise means, so a
+    ``Conv1D``'s transposed layout and a convolution's kernel need nothing special. With ``include``
     (fnmatch globs on module names), exactly the matching modules that own a ``weight`` are
     components, whatever their type (so an embedding or the head can be asked for).
 
@@ -142,6 +152,8 @@ def find_components(
         exclude: glob patterns removed from the result.
         trainable_only: keep only components whose weight requires a gradient (e.g. not the frozen
             base weights of a LoRA model).
+        allow_empty: return an empty dict when nothing is found instead of raising (the reason is
+            :func:`no_component_reason`).
 
     Raises:
         ValueError: a pattern matches no module, or no component is found (the message lists the
@@ -184,15 +196,22 @@ def find_components(
                 found[full] = Component(full, p, (p,))
     if trainable_only:
         found = {n: c for n, c in found.items() if c.weight.requires_grad}
-    if not found:
-        how = "`include` patterns" if inc else "the naming schemes (q_proj/k_proj/v_proj/o_proj, " \
-            "gate_proj/up_proj/down_proj, c_attn/c_proj/c_fc, lora_A/lora_B, nn.Linear inside numbered blocks)"
-        raise ValueError(
-            f"{owner}: no trainable component of {type(model).__name__} matches {how}. Pass "
-            "`include=[...]` glob patterns naming the modules to watch (e.g. 'layers.*.attn.*'). "
-            f"Module names seen: {_preview(names)}."
-        )
+    if not found and not allow_empty:
+        raise ValueError(f"{owner}: {no_component_reason(model, include)}")
     return found
+
+
+def no_component_reason(model: nn.Module, include: Patterns = None) -> str:
+    """Why :func:`find_components` found no trainable component in ``model``."""
+    names = [n for n, _ in model.named_modules() if n]
+    how = "`include` patterns" if _patterns(include, "include") else (
+        "the naming schemes (q_proj/k_proj/v_proj/o_proj, gate_proj/up_proj/down_proj, c_attn/c_proj/c_fc, "
+        "lora_A/lora_B, nn.Linear, Conv1D or convolutions inside numbered blocks)"
+    )
+    return (
+        f"no trainable component of {type(model).__name__} matches {how}. Pass `include=[...]` glob patterns "
+        f"naming the modules to watch (e.g. 'layers.*.attn.*'). Module names seen: {_preview(names)}."
+    )
 
 
 # --------------------------------------------------------------------------- statistics

@@ -79,6 +79,14 @@ def top_singular_pair(
     ``(s_2 / s_1)^2`` per iteration. With a repeated top singular value any unit vector of the top
     singular subspace is an answer; ``sigma`` is still exact.
 
+    A warm start guards against the top two singular values swapping between calls (training promotes
+    the second direction past the first: ``v0`` is then the new *second* singular vector, from which a
+    single power iteration never moves): it iterates the two-vector block ``[v0, s]`` (``s`` the fixed
+    start vector) and returns the best vector of its span, so the new top direction is found in
+    ``n_iter`` iterations when the third singular value is well below the top two. When the top few
+    singular values are all close, track a larger block across calls with :func:`top_singular_subspace`
+    (what the monitor does).
+
     Args:
         weight: ``(out, in)`` matrix; more dimensions (a convolution kernel) are flattened to
             ``(out, -1)``. Any real dtype; computed in fp32.
@@ -115,6 +123,15 @@ def top_singular_pair(
             )
         v = _unit(v0.detach().to(dtype=w.dtype, device=w.device), start)
     zeros_out = torch.zeros(n_out, dtype=w.dtype, device=w.device)
+    if v0 is not None and n_in > 1:
+        # the guard against a swap of the top two singular values between calls: v0 is then (close to)
+        # the new second direction, which a single vector never leaves. Iterate the block [v0, s] (s the
+        # fixed start vector) and take the best unit vector of its span (Rayleigh-Ritz), as
+        # top_singular_subspace does: a direction that overtook v0 is found when the third singular
+        # value leaves room for n_iter iterations; the sign of v0 is kept.
+        basis = _orthonormalize(torch.stack([v, start], dim=1))
+        sigma, u, v, _ = _block_iteration(w[None], basis[None], v[None], n_iter)
+        return sigma[0], u[0], v[0]
     for _ in range(n_iter):
         u = _unit(w @ v, zeros_out)
         v = _unit(u @ w, v)  # = W^T u, without a transposed BLAS call (much slower on CPU)

@@ -2,7 +2,8 @@
 
 :class:`InputCapture` installs nothing until :meth:`InputCapture.arm` is called (on a monitored step
 only). Each armed layer then records, on its *first* forward call, at most ``max_rows`` rows of its
-input ``x[..., in_features]`` (all leading dimensions flattened: batch, sequence, ...), picked at random
+input ``x[..., in_features]`` (all leading dimensions flattened: batch, sequence, ...; for an ``nn.Conv2d``
+its input patches, the rows its weight ``[C_out, C_in * kh * kw]`` multiplies), picked at random
 without replacement, detached, in their own dtype and on their own device; the hook then removes
 itself, so later calls (gradient accumulation, activation re-computation, validation) cost nothing.
 :meth:`InputCapture.take` hands the rows over and forgets them.
@@ -88,7 +89,10 @@ class InputCapture:
                 handle.remove()
             if not args or not isinstance(args[0], Tensor):
                 return
-            self._captured[name] = self.sample(args[0])
+            if isinstance(module, nn.Conv2d):
+                self._captured[name] = self.sample_patches(module, args[0])
+            else:
+                self._captured[name] = self.sample(args[0])
 
         return hook
 
@@ -103,6 +107,33 @@ class InputCapture:
             else:
                 rows = rows.clone()
         return rows
+
+    def sample_patches(self, conv: nn.Conv2d, x: Tensor) -> Tensor:
+        """At most ``max_rows`` random input patches of ``conv`` (rows of its unfolded input,
+        ``(rows, C_in * kh * kw)``, fp32, the columns of ``weight.reshape(C_out, -1)``), taken from as few
+        randomly chosen examples as hold that many patch positions: only those examples are unfolded."""
+        from lightning_monitor.probes.per_example.conv import unfold_input
+
+        with torch.no_grad():
+            x = x.detach()
+            if x.dim() == 3:  # an unbatched input
+                x = x.unsqueeze(0)
+            gen = self._generator(x.device)
+            positions = 1
+            for size, k, s, d, p in zip(x.shape[2:], conv.kernel_size, conv.stride, conv.dilation,
+                                        conv.padding if not isinstance(conv.padding, str) else (0, 0)):
+                if conv.padding == "same":
+                    positions *= size
+                else:
+                    positions *= max((size + 2 * p - d * (k - 1) - 1) // s + 1, 1)
+            n = min(x.shape[0], -(-self.max_rows // positions))
+            if n < x.shape[0]:
+                x = x.index_select(0, torch.randperm(x.shape[0], generator=gen, device=x.device)[:n])
+            rows = unfold_input(conv, x).transpose(1, 2).reshape(-1, x.shape[1] * conv.kernel_size[0] * conv.kernel_size[1])
+            if rows.shape[0] > self.max_rows:
+                idx = torch.randperm(rows.shape[0], generator=gen, device=rows.device)[: self.max_rows]
+                rows = rows.index_select(0, idx)
+            return rows
 
     def state_dict(self) -> dict[str, Optional[Any]]:
         return {"generators": {str(d): g.get_state() for d, g in self._generators.items()}}

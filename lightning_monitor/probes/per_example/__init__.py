@@ -9,16 +9,21 @@ into the squared norm of each example's gradient for each of the module's parame
 Layout (one file per module type, as opacus' grad samplers; a dispatch table as BackPACK's):
 
 * :mod:`.registry`: :class:`Handler`, the table :data:`HANDLERS` and the decorator :func:`register`;
-* :mod:`.linear` (``nn.Linear``, with the fused path), :mod:`.embedding` (``nn.Embedding``),
-  :mod:`.norm` (``nn.LayerNorm``, ``nn.RMSNorm``), :mod:`.conv` (``nn.Conv2d``): the handlers;
+* :mod:`.linear` (``nn.Linear``, with the fused path; Hugging Face ``Conv1D``), :mod:`.embedding`
+  (``nn.Embedding``), :mod:`.norm` (``nn.LayerNorm``, ``nn.RMSNorm``, Hugging Face Llama-style RMSNorm,
+  ``nn.GroupNorm``; ``nn.BatchNorm*`` refused with its reason), :mod:`.conv` (``nn.Conv2d``,
+  ``nn.Conv1d``): the handlers;
 * :mod:`.strategy`: the one rule (cost and memory) choosing fused / Gram / materialised for
   Linear-form layers; :mod:`.kernels`: the Linear-form math shared by Linear and Conv2d;
 * :mod:`.probe`: :class:`PerExampleGradNorms` (hooks, shared parameters, coverage verification).
 
 Covering a new module type is a new file with a ``@register(MyModule)`` :class:`Handler` subclass,
-imported before the probe is built. Parameters that no handler covers (``nn.MultiheadAttention``,
-``nn.BatchNorm*``, custom modules, an Embedding with ``scale_grad_by_freq``) are listed in
-:attr:`PerExampleGradNorms.uncovered`, never silently mixed in. A parameter used more than once in one
+imported before the probe is built (a type of an optional library by name: :func:`register_by_name`).
+Parameters that no handler covers (``nn.MultiheadAttention``, ``nn.BatchNorm*``, custom modules, an
+Embedding with ``scale_grad_by_freq``), and those of modules whose input has no separable batch
+dimension (positions broadcast over the batch, found by the probe, see :class:`PerExampleGradNorms`),
+are listed in :attr:`PerExampleGradNorms.uncovered` with the reason in
+:attr:`PerExampleGradNorms.reasons`, never silently mixed in. A parameter used more than once in one
 forward (a module called twice, tied weights) gets its per-example gradients materialised and summed over
 its uses before the norm, so the cross terms are exact.
 
@@ -53,9 +58,11 @@ from lightning_monitor.probes.per_example.kernels import (
 from lightning_monitor.probes.per_example.probe import PerExampleGradNorms
 from lightning_monitor.probes.per_example.registry import (
     HANDLERS,
+    HANDLERS_BY_NAME,
     Handler,
     handler_for,
     register,
+    register_by_name,
 )
 from lightning_monitor.probes.per_example.strategy import LinearRule, LinearStrategy
 
@@ -63,6 +70,7 @@ __all__ = [
     "CPU_CHUNK_BYTES",
     "GRAM_OVER_FUSED",
     "HANDLERS",
+    "HANDLERS_BY_NAME",
     "Handler",
     "LinearRule",
     "LinearStrategy",
@@ -72,4 +80,5 @@ __all__ = [
     "per_example_linear",
     "project_matrix",
     "register",
+    "register_by_name",
 ]

@@ -1,41 +1,74 @@
-"""``nn.Conv2d``: the Linear form on unfolded patches, one group at a time (stride, dilation, groups,
-``padding="same"`` at stride 1, non-zero padding modes); the weight norms by the rule of
-:class:`~.strategy.LinearRule` (Gram or materialised, never fused), bias ``||sum_l d_l||^2``."""
+"""``nn.Conv2d`` and ``nn.Conv1d`` (stride, dilation, groups, ``padding="same"`` at stride 1, non-zero
+padding modes): the per-example weight gradients by one weight-gradient convolution over the batch
+folded into the groups (:func:`per_example_conv_grads`, no unfolding), or the Gram form of the Linear
+form on unfolded patches, by the rule of :class:`~.strategy.LinearRule`; bias ``||sum_l d_l||^2``. A
+plain zero-padded convolution takes the fused path: its backward returns the sum of the per-example
+gradients as the weight gradient (:class:`_FusedConv`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_monitor._compat import has_forward_pre_hooks
 from lightning_monitor.probes.per_example.kernels import linear_sq_norms, project_matrix
 from lightning_monitor.probes.per_example.registry import Handler, register
 from lightning_monitor.probes.per_example.strategy import LinearRule
 
 
-def _patches(m: nn.Conv2d, x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
-    """Per group: patches ``(B * groups, L, C_in/groups * kh * kw)`` and grads ``(B * groups, L, C_out/groups)``."""
-    kh, kw = m.kernel_size
+def _padded(m: nn.Module, x: Tensor) -> tuple[Tensor, list[int]]:
+    """``x`` padded as the layer pads it where a convolution's own ``padding`` cannot (``"same"``, a
+    non-zero ``padding_mode``), and the padding left to the convolution."""
+    ks, dil = tuple(m.kernel_size), tuple(m.dilation)
     if isinstance(m.padding, str):
         if m.padding == "valid":
-            pad = [0, 0, 0, 0]
-        else:  # "same" (nn.Conv2d refuses it with a stride > 1)
-            pad = []
-            for k, dil in ((kw, m.dilation[1]), (kh, m.dilation[0])):
-                total = dil * (k - 1)
-                pad += [total // 2, total - total // 2]
-        x = F.pad(x, pad, mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
-        padding: Any = 0
-    elif m.padding_mode != "zeros":
-        # what nn.Conv2d pads with for a non-"zeros" padding_mode: its integer padding, last dim first,
-        # each side (torch's private `_reversed_padding_repeated_twice`, built from the public `padding`)
-        x = F.pad(x, [p for p in reversed(m.padding) for _ in range(2)], mode=m.padding_mode)
-        padding = 0
-    else:
-        padding = m.padding
-    u = F.unfold(x.float(), (kh, kw), dilation=m.dilation, padding=padding, stride=m.stride)  # B, C k k, L
+            return x, [0] * len(ks)
+        pad = []  # "same" (torch refuses it with a stride > 1)
+        for k, d in zip(reversed(ks), reversed(dil)):
+            total = d * (k - 1)
+            pad += [total // 2, total - total // 2]
+        return F.pad(x, pad, mode="constant" if m.padding_mode == "zeros" else m.padding_mode), [0] * len(ks)
+    if m.padding_mode != "zeros":
+        # what torch pads with for a non-"zeros" padding_mode: its integer padding, last dim first, each
+        # side (torch's private `_reversed_padding_repeated_twice`, built from the public `padding`)
+        return F.pad(x, [p for p in reversed(m.padding) for _ in range(2)], mode=m.padding_mode), [0] * len(ks)
+    return x, list(m.padding)
+
+
+def unfold_input(m: nn.Module, x: Tensor) -> Tensor:
+    """The input patches of a convolution as ``F.unfold`` lays them out, ``(B, C_in * kernel, L)``, in fp32,
+    padded as the layer pads (``padding="same"``, non-zero padding modes), so that the layer's output is
+    ``weight.reshape(C_out, -1) @ patches`` (per group). ``nn.Conv1d`` runs as a Conv2d of height 1."""
+    x, padding = _padded(m, x)
+    ks, dil, stride = tuple(m.kernel_size), tuple(m.dilation), tuple(m.stride)
+    if isinstance(m, nn.Conv1d):
+        x, ks, dil, stride, padding = x.unsqueeze(2), (1,) + ks, (1,) + dil, (1,) + stride, [0] + padding
+    return F.unfold(x.float(), ks, dilation=dil, padding=padding, stride=stride)
+
+
+def per_example_conv_grads(m: nn.Module, x: Tensor, g: Tensor) -> Tensor:
+    """``[B, *weight.shape]``: each example's weight gradient, in fp32, by one weight-gradient convolution
+    over the batch folded into the groups (``B * groups``): the kernel autograd uses for the layer's own
+    weight gradient, without unfolding the input."""
+    b, grp = x.shape[0], m.groups
+    w = m.weight
+    x, padding = _padded(m, x.float())
+    nd = len(m.kernel_size)
+    # only the shape of the weight matters to the weight gradient
+    shape_only = w.detach().float().repeat(b, *([1] * (w.dim() - 1)))
+    gw = torch.ops.aten.convolution_backward(
+        g.float().reshape(1, b * g.shape[1], *g.shape[2:]), x.reshape(1, b * x.shape[1], *x.shape[2:]), shape_only,
+        None, list(m.stride), padding, list(m.dilation), False, [0] * nd, b * grp, [False, True, False],
+    )[1]
+    return gw.reshape(b, *w.shape)
+
+
+def _patches(m: nn.Module, x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """Per group: patches ``(B * groups, L, C_in/groups * kernel)`` and grads ``(B * groups, L, C_out/groups)``."""
+    u = unfold_input(m, x)  # B, C k k, L
     b, _, length = u.shape
     grp = m.groups
     a = u.reshape(b, grp, -1, length).permute(0, 1, 3, 2).reshape(b * grp, length, -1)
@@ -43,40 +76,150 @@ def _patches(m: nn.Conv2d, x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
     return a, d
 
 
-@register(nn.Conv2d)
+@register(nn.Conv2d, nn.Conv1d)
 class Conv2dHandler(Handler):
     def capture(self, m: nn.Module, x: Tensor) -> Any:
-        return x if x.dim() == 4 else None
+        return x if x.dim() == (3 if isinstance(m, nn.Conv1d) else 4) else None
+
+    def batch_dims(self, m: nn.Module, x: Tensor) -> int:
+        return 1
 
     def sq_norms(self, m: nn.Module, x: Tensor, g: Tensor, rule: LinearRule) -> dict[str, Tensor]:
         b = x.shape[0]
-        a, d = _patches(m, x, g)
-        strategy = rule.choose(t=a.shape[1], d_in=a.shape[2], d_out=d.shape[2], batch=b,
-                               device_type=a.device.type, groups=m.groups)
-        out = {"weight": linear_sq_norms(a, d, strategy).reshape(b, m.groups).sum(1)}
+        d_in, d_out = m.weight[0].numel(), m.out_channels // m.groups
+        strategy = rule.choose(t=g[0, 0].numel(), d_in=d_in, d_out=d_out, batch=b, device_type=x.device.type,
+                               groups=m.groups)
+        if strategy == "gram":
+            a, d = _patches(m, x, g)
+            out = {"weight": linear_sq_norms(a, d, "gram").reshape(b, m.groups).sum(1)}
+        else:
+            out = {"weight": per_example_conv_grads(m, x, g).flatten(1).pow(2).sum(1)}
         if m.bias is not None:
             out["bias"] = g.float().flatten(2).sum(2).pow(2).sum(1)
         return out
 
     def grads(self, m: nn.Module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
-        b = x.shape[0]
-        a, d = _patches(m, x, g)
-        out = {"weight": torch.bmm(d.transpose(1, 2), a).reshape(b, *m.weight.shape)}
+        out = {"weight": per_example_conv_grads(m, x, g)}
         if m.bias is not None:
             out["bias"] = g.float().flatten(2).sum(2)
         return out
 
     def project(self, m: nn.Module, x: Tensor, g: Tensor, uv: dict[str, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+        """``u^T G v`` without unfolding: the patches' products with ``v`` are one convolution of the input
+        with ``v`` as ``k`` kernels per group (padded as the layer pads, by its own ``_conv_forward``)."""
         out = {}
         if "weight" in uv:
             u, v = uv["weight"]
             b, grp, k = x.shape[0], m.groups, u.shape[0]
-            a, d = _patches(m, x, g)
-            a = a.reshape(b, grp, a.shape[1], -1)
-            d = d.reshape(b, grp, d.shape[1], -1)
-            du = torch.einsum("bglo,kgo->bglk", d, u.reshape(k, grp, -1))
-            av = torch.einsum("bglc,kc->bglk", a, v)
-            out["weight"] = (du * av).sum((0, 1, 2))
+            kernels = v.reshape(k, m.in_channels // grp, *m.kernel_size).repeat(grp, *([1] * (1 + len(m.kernel_size))))
+            av = m._conv_forward(x.float(), kernels.float(), None).reshape(b, grp, k, -1)
+            du = torch.einsum("bgol,kgo->bgkl", g.float().reshape(b, grp, m.out_channels // grp, -1),
+                              u.reshape(k, grp, -1))
+            out["weight"] = (du * av).sum((0, 1, 3))
         if "bias" in uv:
-            out["bias"] = project_matrix(g.float().sum((0, 2, 3)), *uv["bias"])
+            out["bias"] = project_matrix(g.float().transpose(0, 1).flatten(1).sum(1), *uv["bias"])
         return out
+
+    def patch_forward(self, m: nn.Module, uses: Any, rule: LinearRule) -> Optional[Callable[[Tensor], Tensor]]:
+        """The fused forward on a plain zero-padded ``nn.Conv2d`` / ``nn.Conv1d`` (no custom ``forward``, no
+        pre-hooks) when the requested strategy is ``"auto"`` or ``"fused"``: its backward forms each
+        example's weight gradient (:func:`per_example_conv_grads`: one weight-gradient convolution over the
+        batch folded into the groups, the kernel autograd itself uses) and returns their sum as the weight
+        gradient instead of autograd's own weight-gradient convolution, taking each squared norm on the way.
+        Per call, :meth:`LinearRule.choose` decides: Gram on unfolded patches for short maps and wide layers,
+        or when the batch's per-example gradients exceed the cap."""
+        fusable = (
+            rule.strategy in ("auto", "fused")
+            and type(m).forward in (nn.Conv2d.forward, nn.Conv1d.forward)
+            and "forward" not in m.__dict__
+            and not has_forward_pre_hooks(m)
+            and m.padding_mode == "zeros"
+            and not isinstance(m.padding, str)
+        )
+        if not fusable:
+            return None
+
+        def fused_forward(x: Tensor) -> Tensor:
+            w, b = m.weight, m.bias
+            mode = uses.note(x)
+            if mode in ("dry", "skip") or x.dim() != w.dim():
+                out = m._conv_forward(x, w, b)
+                if mode == "record":
+                    uses.record(x, out, rule)
+                return out
+            needs = x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)
+            choice = None
+            if needs:
+                length = 1
+                for size, k, st, dil, pad in zip(x.shape[2:], m.kernel_size, m.stride, m.dilation, m.padding):
+                    length *= max((size + 2 * pad - dil * (k - 1) - 1) // st + 1, 1)
+                choice = rule.choose(t=length, d_in=w[0].numel(), d_out=m.out_channels // m.groups,
+                                     batch=x.shape[0], device_type=x.device.type, fused=True, groups=m.groups,
+                                     held_examples=x.shape[0])
+            if mode == "replay":  # the same operations as the recorded forward, nothing recorded
+                return _FusedConv.apply(x, w, b, m, None) if choice == "fused" else m._conv_forward(x, w, b)
+            if choice == "fused":
+                return _FusedConv.apply(x, w, b, m, _sink(uses.expect(x)))
+            out = m._conv_forward(x, w, b)
+            uses.record(x, out, LinearRule(choice) if choice is not None else rule)
+            return out
+
+        return fused_forward
+
+
+def _sink(done: Callable[..., None]) -> Callable[..., None]:
+    """Adapts :class:`_FusedConv`'s results to the probe's ``done(grad_output, results)``."""
+
+    def sink(grad: Tensor, sqs: dict[str, Tensor], sums: dict[str, Tensor],
+             grads: Callable[[], dict[str, Tensor]]) -> None:
+        done(grad, (lambda: sqs, grads, lambda uv: {k: project_matrix(sums[k], *uv[k]) for k in uv}))
+
+    return sink
+
+
+class _FusedConv(torch.autograd.Function):
+    """A zero-padded convolution whose backward forms the weight gradient as the sum of the per-example
+    gradients, taking their squared norms on the way (see :meth:`Conv2dHandler.patch_forward`); the input
+    gradient is autograd's own kernel."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], m: nn.Module,
+                sink: Optional[Callable[..., None]]) -> Tensor:
+        device = x.device.type
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        if torch.is_autocast_enabled(device):
+            dt = torch.get_autocast_dtype(device)
+            x, weight = x.to(dt), weight.to(dt)
+            bias = None if bias is None else bias.to(dt)
+            with torch.autocast(device, enabled=False):
+                out = m._conv_forward(x, weight, bias)
+        else:
+            out = m._conv_forward(x, weight, bias)
+        ctx.save_for_backward(x, weight)
+        ctx.m, ctx.sink, ctx.has_bias = m, sink, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        x, weight = ctx.saved_tensors
+        m = ctx.m
+        grad = grad.to(weight.dtype)
+        nd = len(m.kernel_size)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.ops.aten.convolution_backward(
+                grad, x, weight, None, list(m.stride), list(m.padding), list(m.dilation), False, [0] * nd,
+                m.groups, [True, False, False],
+            )[0]
+        per_w = per_example_conv_grads(m, x, grad)
+        per_b = grad.float().flatten(2).sum(2) if ctx.has_bias else None
+        total = per_w.sum(0)
+        if ctx.sink is not None:
+            sqs = {"weight": torch.linalg.vector_norm(per_w.flatten(1), dim=1).pow(2)}
+            sums = {"weight": total}
+            if per_b is not None:
+                sqs["bias"], sums["bias"] = per_b.pow(2).sum(1), per_b.sum(0)
+            ctx.sink(grad, sqs, sums, lambda: {"weight": per_w, **({"bias": per_b} if per_b is not None else {})})
+        grad_w = total.to(ctx.dtypes[0]) if ctx.needs_input_grad[1] else None
+        grad_b = per_b.sum(0).to(ctx.dtypes[1]) if per_b is not None and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None

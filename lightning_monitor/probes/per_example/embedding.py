@@ -36,6 +36,9 @@ class EmbeddingHandler(Handler):
     def capture(self, m: nn.Module, idx: Tensor) -> Any:
         return idx if idx.dim() >= 1 else None
 
+    def batch_dims(self, m: nn.Module, idx: Tensor) -> int:
+        return idx.dim()
+
     def sq_norms(self, m: nn.Module, idx: Tensor, g: Tensor, rule: Any) -> dict[str, Tensor]:
         rows, example, _ = _rows(m, idx, g)
         sq = torch.zeros(idx.shape[0], device=rows.device, dtype=torch.float32)

@@ -21,7 +21,7 @@ from lightning_monitor.probes.per_example.kernels import (
     per_example_linear,
     project_matrix,
 )
-from lightning_monitor.probes.per_example.registry import Handler, register
+from lightning_monitor.probes.per_example.registry import Handler, register, register_by_name
 from lightning_monitor.probes.per_example.strategy import LinearRule
 
 
@@ -74,17 +74,22 @@ class LinearHandler(Handler):
 
         def fused_forward(x: Tensor) -> Tensor:
             w, b = m.weight, m.bias
-            use_rule = rule
-            needs = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
+            mode = uses.note(x)
+            if mode in ("dry", "skip"):
+                return F.linear(x, w, b)
+            use_rule, choice = rule, None
+            needs = x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)
             if needs and x.dim() >= 2:
                 batch = x.shape[0]
                 t = x.numel() // max(batch * x.shape[-1], 1)
                 if t > 1:
                     choice = rule.choose(t=t, d_in=m.in_features, d_out=m.out_features, batch=batch,
                                          device_type=x.device.type, fused=True)
-                    if choice == "fused":
-                        return _FusedLinear.apply(x, w, b, _sink(uses.expect(batch)))
                     use_rule = LinearRule(choice)  # decided here: the plain hook must not decide again
+            if mode == "replay":  # the same operations as the recorded forward, nothing recorded
+                return _FusedLinear.apply(x, w, b, None) if choice == "fused" else F.linear(x, w, b)
+            if choice == "fused":
+                return _FusedLinear.apply(x, w, b, _sink(uses.expect(x)))
             out = F.linear(x, w, b)
             uses.record(x, out, use_rule)
             return out
@@ -93,13 +98,13 @@ class LinearHandler(Handler):
 
 
 def _sink(done: Callable[..., None]) -> Callable[..., None]:
-    """Adapts :class:`_FusedLinear`'s results to the probe's ``done(sq_fn, grads_fn, proj_fn)``."""
+    """Adapts :class:`_FusedLinear`'s results to the probe's ``done(grad_output, results)``."""
 
-    def sink(sq_w: Tensor, sq_b: Optional[Tensor], s_w: Tensor, s_b: Optional[Tensor],
+    def sink(grad: Tensor, sq_w: Tensor, sq_b: Optional[Tensor], s_w: Tensor, s_b: Optional[Tensor],
              grads: Callable[[], dict[str, Tensor]]) -> None:
         sqs = {"weight": sq_w} if sq_b is None else {"weight": sq_w, "bias": sq_b}
         sums = {"weight": s_w} if s_b is None else {"weight": s_w, "bias": s_b}
-        done(lambda: sqs, grads, lambda uv: {k: project_matrix(sums[k], *uv[k]) for k in uv})
+        done(grad, (lambda: sqs, grads, lambda uv: {k: project_matrix(sums[k], *uv[k]) for k in uv}))
 
     return sink
 
@@ -132,6 +137,10 @@ class _FusedLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad = grad.to(weight.dtype)
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        if ctx.sink is None:  # a recomputation by activation checkpointing (its backward does not run)
+            grad_w = grad.reshape(-1, grad.shape[-1]).T.matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+            return grad_x, grad_w, grad_b, None
         b = x.shape[0]
         a = x.reshape(b, -1, x.shape[-1])
         d = grad.reshape(b, -1, grad.shape[-1])
@@ -146,7 +155,53 @@ class _FusedLinear(torch.autograd.Function):
                 out["bias"] = per_b.float()
             return out
 
-        ctx.sink(sq_w, sq_b, sum_w, sum_b, grads)
+        ctx.sink(grad, sq_w, sq_b, sum_w, sum_b, grads)
         grad_w = sum_w.to(ctx.dtypes[0]) if ctx.needs_input_grad[1] else None
         grad_b = sum_b.to(ctx.dtypes[1]) if sum_b is not None and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None
+
+
+@register_by_name("transformers.pytorch_utils.Conv1D")
+class HFConv1DHandler(Handler):
+    """Hugging Face ``Conv1D`` (GPT-2's projections): ``y = x @ W + b`` with ``W`` of shape ``[in, out]``, a
+    Linear with the weight transposed. Example ``i``'s weight gradient is ``A_i^T D_i`` (the transpose
+    of a Linear's ``D_i^T A_i``, same norm; Gram or materialised by :class:`~.strategy.LinearRule`, not
+    fused), bias ``||sum_t d_it||^2``."""
+
+    def unsupported(self, m: nn.Module) -> Optional[str]:
+        w = getattr(m, "weight", None)
+        if not isinstance(w, nn.Parameter) or w.dim() != 2:
+            return "not the Conv1D layout (a 2-D weight [in, out])"
+        return None
+
+    def capture(self, m: nn.Module, x: Tensor) -> Any:
+        return x if x.dim() >= 2 else None
+
+    def sq_norms(self, m: nn.Module, x: Tensor, g: Tensor, rule: LinearRule) -> dict[str, Tensor]:
+        d_in, d_out = m.weight.shape
+        a, d = as_seq(x, d_in), as_seq(g, d_out)
+        b, t = a.shape[:2]
+        strategy = rule.choose(t=t, d_in=d_in, d_out=d_out, batch=b, device_type=a.device.type)
+        out = {"weight": linear_sq_norms(a, d, strategy)}
+        if getattr(m, "bias", None) is not None:
+            out["bias"] = d.float().sum(1).pow(2).sum(1)
+        return out
+
+    def grads(self, m: nn.Module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
+        d_in, d_out = m.weight.shape
+        a, d = as_seq(x, d_in).float(), as_seq(g, d_out).float()
+        out = {"weight": torch.bmm(a.transpose(1, 2), d)}
+        if getattr(m, "bias", None) is not None:
+            out["bias"] = d.sum(1)
+        return out
+
+    def project(self, m: nn.Module, x: Tensor, g: Tensor, uv: dict[str, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+        d_in, d_out = m.weight.shape
+        a, d = x.reshape(-1, d_in).float(), g.reshape(-1, d_out).float()
+        out = {}
+        if "weight" in uv:  # rows of W are inputs: u^T (A^T D) v = sum_t (a_t . u)(d_t . v)
+            u, v = uv["weight"]
+            out["weight"] = ((a @ u.T) * (d @ v.T)).sum(0)
+        if "bias" in uv:
+            out["bias"] = project_matrix(d.sum(0), *uv["bias"])
+        return out

@@ -1,16 +1,50 @@
-"""``nn.LayerNorm`` and ``nn.RMSNorm``: per example, weight ``sum_t d_t * xhat_t`` and bias ``sum_t d_t``
-(``xhat`` the normalised input, recomputed in fp32), squared."""
+"""Normalisation layers: per example, weight ``sum_t d_t * xhat_t`` and bias ``sum_t d_t`` (``xhat`` the
+normalised input, recomputed in fp32 as the layer computes it), squared.
+
+* ``nn.LayerNorm`` and ``nn.RMSNorm`` (``eps=None`` is the epsilon of the type torch computes in: fp32
+  for fp16/bf16 inputs, as ``F.rms_norm`` does);
+* the RMSNorm of Hugging Face Llama and of the models whose ``forward`` is the same code (Mistral,
+  Qwen2/3, Phi-3 ...: checked on the bytecode, registered by name so that ``transformers`` is never
+  imported here): ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``, normalised in fp32;
+* ``nn.GroupNorm``: per channel, over the spatial positions (``xhat`` normalised per group).
+
+``nn.BatchNorm*`` is not covered: its batch statistics couple the examples of a batch, so an example's
+gradient is not the gradient of a loss of that example alone.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_monitor.probes.per_example.kernels import project_matrix
-from lightning_monitor.probes.per_example.registry import Handler, register
+from lightning_monitor.probes.per_example.registry import Handler, register, register_by_name
+
+_LLAMA_RMSNORM = ("transformers.models.llama.modeling_llama", "LlamaRMSNorm")
+#: Hugging Face RMSNorm classes whose forward is checked to be Llama's (see :func:`_computes_as_llama`).
+HF_RMSNORMS = (
+    "transformers.models.llama.modeling_llama.LlamaRMSNorm",
+    "transformers.models.mistral.modeling_mistral.MistralRMSNorm",
+    "transformers.models.mixtral.modeling_mixtral.MixtralRMSNorm",
+    "transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeRMSNorm",
+    "transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeRMSNorm",
+    "transformers.models.phi3.modeling_phi3.Phi3RMSNorm",
+    "transformers.models.granite.modeling_granite.GraniteRMSNorm",
+    "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RMSNorm",
+    "transformers.models.smollm3.modeling_smollm3.SmolLM3RMSNorm",
+)
+
+
+def _opmath_eps(dtype: torch.dtype) -> float:
+    """The epsilon ``F.rms_norm`` uses for ``eps=None``: that of the type it computes in (fp32 for fp16 and
+    bf16 inputs, fp64 for fp64)."""
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
 
 
 def _normalized(m: nn.Module, x: Tensor) -> Tensor:
@@ -18,17 +52,27 @@ def _normalized(m: nn.Module, x: Tensor) -> Tensor:
     xf = x.float()
     if isinstance(m, nn.LayerNorm):
         return F.layer_norm(xf, shape, None, None, m.eps)
-    eps = m.eps if m.eps is not None else torch.finfo(x.dtype).eps
+    eps = m.eps if m.eps is not None else _opmath_eps(x.dtype)
     return F.rms_norm(xf, shape, None, eps)
 
 
 class NormHandler(Handler):
+    def batch_dims(self, m: nn.Module, x: Tensor) -> int:
+        return max(x.dim() - len(tuple(m.normalized_shape)), 0)
+
+    def normalized(self, m: nn.Module, x: Tensor) -> Tensor:
+        """The normalised input in fp32, as the layer computes it."""
+        return _normalized(m, x)
+
+    def feature_shape(self, m: nn.Module) -> tuple[int, ...]:
+        return tuple(m.normalized_shape)
+
     def grads(self, m: nn.Module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
         with torch.no_grad():
             b = x.shape[0]
-            xhat = _normalized(m, x)
+            xhat = self.normalized(m, x)
             d = g.float()
-            keep = (b, -1) + tuple(m.normalized_shape)
+            keep = (b, -1) + self.feature_shape(m)
             out: dict[str, Tensor] = {}
             if getattr(m, "weight", None) is not None:
                 out["weight"] = (d * xhat).reshape(keep).sum(1)
@@ -45,3 +89,70 @@ class NormHandler(Handler):
 
 
 register(nn.LayerNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))(NormHandler)
+
+
+def _computes_as_llama(cls: type) -> bool:
+    """Whether ``cls.forward`` is the same code as Hugging Face's ``LlamaRMSNorm.forward`` (the model
+    file defining ``cls`` is loaded; Llama's is imported from the same library if it is not)."""
+    try:
+        ref = getattr(importlib.import_module(_LLAMA_RMSNORM[0]), _LLAMA_RMSNORM[1]).forward.__code__
+        code = cls.forward.__code__  # type: ignore[attr-defined]
+    except (ImportError, AttributeError):
+        return False
+    return code.co_code == ref.co_code and code.co_names == ref.co_names and code.co_consts == ref.co_consts
+
+
+@register_by_name(*HF_RMSNORMS, when=_computes_as_llama)
+class HFRMSNormHandler(NormHandler):
+    """``weight * (x * rsqrt(mean(x^2, -1) + variance_epsilon)).to(x.dtype)``, normalised in fp32."""
+
+    def unsupported(self, m: nn.Module) -> Optional[str]:
+        w = getattr(m, "weight", None)
+        if not isinstance(w, nn.Parameter) or w.dim() != 1 or not hasattr(m, "variance_epsilon"):
+            return "not the Llama RMSNorm layout (a 1-D weight and variance_epsilon)"
+        return None
+
+    def batch_dims(self, m: nn.Module, x: Tensor) -> int:
+        return max(x.dim() - 1, 0)
+
+    def feature_shape(self, m: nn.Module) -> tuple[int, ...]:
+        return tuple(m.weight.shape)
+
+    def normalized(self, m: nn.Module, x: Tensor) -> Tensor:
+        xf = x.float()
+        xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
+        return xhat.to(x.dtype).float()
+
+
+@register(nn.GroupNorm)
+class GroupNormHandler(NormHandler):
+    """Input ``[N, C, *]``: per channel ``c``, weight ``sum_l d_cl * xhat_cl``, bias ``sum_l d_cl``."""
+
+    def capture(self, m: nn.Module, x: Tensor) -> Any:
+        return x if x.dim() >= 2 else None
+
+    def batch_dims(self, m: nn.Module, x: Tensor) -> int:
+        return 1
+
+    def grads(self, m: nn.Module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
+        with torch.no_grad():
+            b, c = x.shape[:2]
+            d = g.float().reshape(b, c, -1)
+            out: dict[str, Tensor] = {}
+            if m.weight is not None:
+                xhat = F.group_norm(x.float(), m.num_groups, None, None, m.eps).reshape(b, c, -1)
+                out["weight"] = (d * xhat).sum(2)
+            if m.bias is not None:
+                out["bias"] = d.sum(2)
+            return out
+
+
+@register(nn.modules.batchnorm._BatchNorm)
+class BatchNormHandler(Handler):
+    """Never covers: the reason is what :attr:`PerExampleGradNorms.reasons` reports."""
+
+    def unsupported(self, m: nn.Module) -> Optional[str]:
+        return (
+            "its batch statistics couple the examples of a batch (in training mode), so an example's gradient "
+            "is not that of a loss of the example alone"
+        )

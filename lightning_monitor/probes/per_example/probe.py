@@ -3,13 +3,17 @@ collects what their hooks compute, sums the uses of shared parameters and verifi
 
 from __future__ import annotations
 
+import fnmatch
 import functools
+import sys
 import warnings
 from collections import defaultdict
-from typing import Any, Callable, Literal, Optional
+from collections.abc import Mapping
+from typing import Any, Callable, Literal, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call
 from torch.utils.hooks import RemovableHandle
 
 from lightning_monitor.probes.per_example.kernels import project_matrix
@@ -40,43 +44,121 @@ def _unwrap(module: nn.Module) -> nn.Module:
     return module
 
 
+def _in_backward() -> bool:
+    """Whether the autograd engine runs a backward pass on this thread now: a module's forward then is a
+    recomputation by activation checkpointing."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
+def _first_batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[int]:
+    """Dimension 0 of the first tensor among a call's arguments (one level into lists, tuples and dicts),
+    the batch size by Lightning's convention (``extract_batch_size``)."""
+    for value in (*args, *kwargs.values()):
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+        for item in items:
+            if isinstance(item, Tensor) and item.dim() >= 1:
+                return int(item.shape[0])
+    return None
+
+
+def _resize_batch(value: Any, batch: int, size: int) -> Any:
+    """``value`` with every tensor whose dimension 0 is ``batch`` cut (or repeated) to ``size`` examples,
+    through lists, tuples and dicts."""
+    if isinstance(value, Tensor):
+        if value.dim() >= 1 and value.shape[0] == batch:
+            return value[:size] if size <= batch else value.repeat_interleave(-(-size // batch), dim=0)[:size]
+        return value
+    if isinstance(value, dict):
+        return type(value)({k: _resize_batch(v, batch, size) for k, v in value.items()})
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_resize_batch(v, batch, size) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_resize_batch(v, batch, size) for v in value)
+    return value
+
+
+def _scaling_dim(shape: tuple[int, ...], small_shape: tuple[int, ...], batch: int, small: int) -> Union[int, str]:
+    """The dimension of a module's input that holds the batch, from the input's shape on the whole batch
+    and on a ``small``-example slice of it; or why there is none."""
+    if len(shape) != len(small_shape):
+        return f"the rank of its input {shape} changes with the batch size"
+    diff = [i for i, (n, m) in enumerate(zip(shape, small_shape)) if n != m]
+    if not diff:
+        return (
+            f"its input {shape} has no batch dimension (it does not change with the batch size, e.g. positions "
+            "broadcast over the batch), so per-example gradients are not separable there"
+        )
+    if len(diff) > 1:
+        return f"several dimensions of its input {shape} change with the batch size"
+    i = diff[0]
+    if shape[i] == batch and small_shape[i] == small:
+        return i
+    return f"the batch is folded into dimension {i} of its input {shape} together with other positions"
+
+
+def _project_sparse(c: Tensor, u: Tensor, v: Tensor) -> Tensor:
+    """:func:`~.kernels.project_matrix` of a sparse COO gradient (``nn.Embedding(sparse=True)``), without
+    densifying it when only its rows are sparse."""
+    c = c.coalesce()
+    if c.sparse_dim() != 1:
+        return project_matrix(c.to_dense(), u, v)
+    rows = c.indices()[0]
+    values = c.values().float().reshape(rows.numel(), -1)
+    return (u[:, rows] * (values @ v.T).T).sum(1)
+
+
+class _Use(NamedTuple):
+    """One call of a hooked module whose backward is awaited: what the backward needs to finish it."""
+
+    uses: _Uses
+    shape: tuple[int, ...]
+    ctx: Any
+    rule: LinearRule
+
+
 class _Uses:
-    """The probe's side of one hooked module: counts each use in a forward and hands the handler's
-    results for it to :meth:`PerExampleGradNorms._consume` (see :meth:`Handler.patch_forward`)."""
+    """The probe's side of one hooked module: notes each call and hands the handler's results for it to
+    the probe (see :meth:`Handler.patch_forward`)."""
 
-    def __init__(self, probe: PerExampleGradNorms, module: nn.Module, handler: Handler,
+    def __init__(self, probe: PerExampleGradNorms, name: str, module: nn.Module, handler: Handler,
                  params: list[tuple[str, int]]) -> None:
-        self.probe, self.module, self.handler, self.params = probe, module, handler, params
+        self.probe, self.name, self.module, self.handler, self.params = probe, name, module, handler, params
 
-    def expect(self, batch: int) -> Callable[..., None]:
-        """Count one use of the module on ``batch`` examples; its backward calls the returned
-        ``done(sq_fn, grads_fn, proj_fn)`` once."""
+    def note(self, x: Tensor) -> str:
+        """Note one call of the module on input ``x``; says what the caller does with it: ``"record"``
+        (a use whose backward comes: :meth:`expect` or :meth:`record` it), ``"skip"`` (no gradient),
+        ``"replay"`` (activation checkpointing recomputes a recorded use: repeat the forward's operations,
+        record nothing) or ``"dry"`` (the probe's batch-size run: plain forward)."""
+        return self.probe._note_call(self, x)
+
+    def expect(self, x: Tensor, ctx: Any = None, rule: Optional[LinearRule] = None) -> Callable[..., None]:
+        """Count one use of the module on input ``x``; its backward calls the returned
+        ``done(grad_output, results=None)`` once. ``results``: the ``(sq_fn, grads_fn, proj_fn)`` the
+        backward computed itself, valid when the batch lies along dimension 0 of ``x``."""
         for _, pid in self.params:
             self.probe._outstanding[pid] += 1
-        return functools.partial(self.probe._consume, self.params, batch)
+        self.probe._fwd_uses[self.name] += 1
+        use = _Use(self, tuple(x.shape), x if ctx is None else ctx, rule or self.probe._rule)
+        return functools.partial(self.probe._finish, use)
 
     def record(self, x: Tensor, output: Any, rule: LinearRule) -> None:
         """One use with input ``x``: capture it and hook the output gradient."""
-        if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
+        if not isinstance(output, Tensor) or not output.requires_grad:
             return
-        m, handler = self.module, self.handler
-        ctx = handler.capture(m, x)
+        ctx = self.handler.capture(self.module, x)
         if ctx is None:
             return
-        done = self.expect(x.shape[0])
+        done = self.expect(x, ctx, rule)
 
         def grad_hook(grad: Tensor) -> None:
             with torch.no_grad():
-                done(
-                    lambda: handler.sq_norms(m, ctx, grad, rule),
-                    lambda: handler.grads(m, ctx, grad),
-                    lambda uv: handler.project(m, ctx, grad, uv),
-                )
+                done(grad)
 
         output.register_hook(grad_hook)
 
     def forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if args and isinstance(args[0], Tensor):
+        if args and isinstance(args[0], Tensor) and self.note(args[0]) == "record":
             self.record(args[0], output, self.probe._rule)
 
 
@@ -101,14 +183,44 @@ class PerExampleGradNorms:
             :class:`~lightning_monitor.probes.per_example.strategy.LinearRule`. Inputs ``(B, d)`` always
             use ``||a_i||^2 ||d_i||^2``.
         include: optional predicate ``(qualified name, module) -> bool`` restricting the modules hooked.
-        batch_size: the number of examples expected over the backward passes read together; a module
-            whose input's leading dimension does not match (an input broadcast over the batch) is moved to
-            :attr:`uncovered`. ``None``: the most common count among the parameters.
+        batch_size: the number of examples expected over the backward passes read together; a parameter
+            with another count is moved to :attr:`uncovered`. ``None``: the most common count among the
+            parameters.
+        batch_dims: glob patterns of hooked module names -> the dimension of the module's input that holds
+            the batch (``None``: it has none, the module is left out), declared instead of found (see
+            below); the first matching pattern applies. E.g. ``{"*": 0}`` when every hooked input is
+            batch-first, ``{"pos_emb": None}``.
         max_fused_bytes: memory cap of the per-example gradients a layer holds at once (``"auto"``).
         verify: check, for every covered parameter, that the hooked modules account for its whole
             gradient (two random projections of both, compared when the norms are read; one small host
             sync). A parameter also used outside its module (``x @ emb.weight.T``) is then moved to
             :attr:`uncovered` instead of being silently wrong.
+
+    **Which dimension holds the batch.** Shapes alone cannot tell it: a sequence-first input ``[T, B, d]``
+    with ``T == B``, or positions ``[T, d]`` broadcast over a batch of ``B == T`` examples, look like
+    batch-first inputs. So the probe finds it by scaling: the first time it meets a hooked module's input
+    shape, at the end of the outermost forward call that ran the module (an *entry*: the model, or a
+    submodule the training step calls itself), it runs that call again without gradients on a slice of 2
+    examples of its arguments (1 for a batch of 2; tensors whose dimension 0 is the batch size, the
+    first tensor argument's dimension 0), with the other hooks silenced, the buffers restored and the
+    random state forked, and reads which input dimension followed the batch size. That dimension is the
+    batch (moved to the front for the handler); an input that does not change has no batch dimension
+    (positions broadcast over the batch), one where the batch is folded with other positions
+    (``[B * T, d]``) or where several dimensions change cannot be split per example: such a module's
+    parameters go to :attr:`uncovered` with the reason. The result is kept per module and input shape,
+    so the extra small forward runs once per new shape. A model that fails on the slice (one that
+    requires a fixed batch size) leaves the modules of that call uncovered, with the reason;
+    ``batch_dims`` declares them instead.
+
+    **Activation checkpointing.** ``torch.utils.checkpoint`` with ``use_reentrant=False`` recomputes a
+    segment's forward during the backward to refill saved tensors: those recomputed calls are recognised
+    and not counted (the forward's hooks stand); with ``use_reentrant=True`` the forward runs without
+    gradients and the recomputation is where the gradients flow: the uses are recorded there. Both are
+    exact.
+
+    **Sparse gradients** (``nn.Embedding(sparse=True)``): the embedding's per-example norms come from
+    its dense output gradient as usual, and the verification projects the sparse weight gradient
+    directly.
 
     Example::
 
@@ -127,6 +239,7 @@ class PerExampleGradNorms:
         batch_size: Optional[int] = None,
         max_fused_bytes: int = 256 * 2**20,
         verify: bool = True,
+        batch_dims: Optional[Mapping[str, Optional[int]]] = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"`module` must be a torch.nn.Module, got {type(module).__name__}.")
@@ -146,6 +259,15 @@ class PerExampleGradNorms:
         self.batch_size = batch_size
         self.max_fused_bytes = max_fused_bytes
         self.verify = bool(verify)
+        if batch_dims is not None and not all(
+            isinstance(k, str) and (v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0))
+            for k, v in dict(batch_dims).items()
+        ):
+            raise ValueError(
+                "`batch_dims` must map module name patterns to a dimension >= 0 or None, got "
+                f"{dict(batch_dims)!r}."
+            )
+        self.batch_dims = dict(batch_dims or {})
         self._proj: dict[int, tuple[Tensor, Tensor]] = {}
         self._handles: list[RemovableHandle] = []
         self._patched: list[nn.Module] = []
@@ -158,14 +280,26 @@ class PerExampleGradNorms:
         self._modules: dict[str, tuple[nn.Module, Handler, list[tuple[str, int]]]] = {}
         covered: set[int] = set()
         self.reasons: dict[str, str] = {}
+        fallback: dict[int, str] = {}  # why a parameter of a module that is not hooked is left out
         for mname, mod in self.module.named_modules(remove_duplicate=False):
             handler = handler_for(mod)
             own = [(ln, p) for ln, p in mod.named_parameters(recurse=False) if p.requires_grad]
-            if handler is None or not own:
+            if not own:
                 continue
             if include is not None and not include(mname, mod):
+                for _, p in own:
+                    fallback.setdefault(id(p), "left out by the probe's `include`")
                 continue
-            if any(mname.startswith(pre) for pre in opaque_prefixes):
+            container = next((pre for pre in opaque_prefixes if mname.startswith(pre)), None)
+            if container is not None:
+                outer = type(self.module.get_submodule(container[:-1])).__name__
+                for _, p in own:
+                    fallback.setdefault(id(p), f"inside {outer}, which uses its parameters without calling "
+                                               f"this {type(mod).__name__}")
+                continue
+            if handler is None:
+                for _, p in own:
+                    fallback.setdefault(id(p), f"no handler for its module type ({type(mod).__name__})")
                 continue
             reason = handler.unsupported(mod)
             if reason is not None:
@@ -176,12 +310,19 @@ class PerExampleGradNorms:
             covered.update(id(p) for _, p in own)
         uncovered_ids = [pid for pid in trainable if pid not in covered]
         for pid in uncovered_ids:
-            self.reasons.setdefault(trainable[pid], "no handler for its module type (or used outside its module)")
+            self.reasons.setdefault(trainable[pid], fallback.get(pid, "used outside its module"))
         # a parameter tied into an unsupported module is uncovered as a whole
         self._covered_ids = [pid for pid in trainable if pid in covered and trainable[pid] not in self.reasons]
         self._names = trainable
         self._not_reached: list[str] = []
         self._static_uncovered = [trainable[pid] for pid in trainable if pid not in self._covered_ids]
+        # (module name, input shape) -> the input dimension holding the batch, or why there is none
+        self._bdims: dict[tuple[str, tuple[int, ...]], Union[int, str]] = {}
+        self._dry: Optional[list[tuple[str, tuple[int, ...]]]] = None  # calls seen by the batch-size run
+        self._depth = 0  # nesting of entry calls now running
+        self._entries: Optional[tuple[tuple[str, ...], list[nn.Module]]] = None  # modules holding hooked ones
+        self._entry: Optional[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = None
+        self._calls: list[tuple[str, tuple[int, ...]]] = []  # hooked calls of the running entry
         self._reset_state()
 
     # -------------------------------------------------------------- bookkeeping
@@ -192,6 +333,8 @@ class PerExampleGradNorms:
         self._fp_mod: dict[int, Tensor] = {}
         self._fp_total: dict[int, Tensor] = {}
         self._verified = True
+        self._fwd_uses: dict[str, int] = defaultdict(int)  # uses recorded in forward, per module
+        self._recomputed: dict[str, int] = defaultdict(int)  # of those, recomputed by checkpointing
 
     def reset(self) -> None:
         """Forget the norms of previous backward passes. Parameters found uncoverable at run time (used
@@ -226,20 +369,35 @@ class PerExampleGradNorms:
         if self._active:
             return
         covered = set(self._covered_ids)
-        for mod, handler, params in self._modules.values():
+        hooked: list[str] = []
+        for mname, (mod, handler, params) in self._modules.items():
             todo = [(ln, pid) for ln, pid in params if pid in covered]
             if not todo:
                 continue
-            uses = _Uses(self, mod, handler, todo)
+            hooked.append(mname)
+            uses = _Uses(self, mname, mod, handler, todo)
             forward = handler.patch_forward(mod, uses, self._rule)
             if forward is not None:
                 mod.forward = forward  # type: ignore[method-assign]
                 self._patched.append(mod)
             else:
                 self._handles.append(mod.register_forward_hook(uses.forward_hook))
+        # entry hooks on every module holding a hooked one (registered after the hooks above, so that a
+        # hooked module called as an entry has noted its call before its entry hook ends)
+        key = tuple(hooked)
+        if self._entries is None or self._entries[0] != key:
+            holders = {""}
+            for h in hooked:
+                parts = h.split(".")
+                holders.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+            self._entries = (key, [m for n, m in self.module.named_modules() if n in holders])
+        for mod in self._entries[1]:
+            self._handles.append(mod.register_forward_pre_hook(self._entry_pre, with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(self._entry_post, with_kwargs=True, always_call=True))
         if self.verify:
             for pid in self._covered_ids:
                 self._handles.append(self._params[pid].register_hook(self._make_leaf_hook(pid)))
+        self._depth, self._entry, self._calls = 0, None, []
         self._active = True
 
     def detach(self) -> None:
@@ -250,7 +408,155 @@ class PerExampleGradNorms:
         for mod in self._patched:
             mod.__dict__.pop("forward", None)
         self._patched.clear()
+        self._depth, self._entry, self._calls = 0, None, []
         self._active = False
+
+    # -------------------------------------------------------------- batch dimension
+    def _declared(self, name: str) -> Optional[tuple[Optional[int]]]:
+        """``(dim,)`` declared for module ``name`` by ``batch_dims``, or ``None`` if none is."""
+        for pattern, dim in self.batch_dims.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                return (dim,)
+        return None
+
+    def _note_call(self, uses: _Uses, x: Tensor) -> str:
+        """See :meth:`_Uses.note`."""
+        if self._dry is not None:
+            self._dry.append((uses.name, tuple(x.shape)))
+            return "dry"
+        if _in_backward():
+            # activation checkpointing: without reentrance it recomputes uses already recorded in the
+            # forward (their gradient hooks stand); with it, the forward ran without gradients and this
+            # is the use whose backward comes
+            if self._recomputed[uses.name] < self._fwd_uses[uses.name]:
+                self._recomputed[uses.name] += 1
+                return "replay"
+            return "record" if torch.is_grad_enabled() else "skip"
+        self._calls.append((uses.name, tuple(x.shape)))
+        return "record" if torch.is_grad_enabled() else "skip"
+
+    def _entry_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._dry is not None or _in_backward():
+            return
+        self._depth += 1
+        if self._depth == 1:
+            self._entry, self._calls = (module, args, kwargs), []
+
+    def _entry_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if self._dry is not None or _in_backward() or self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth > 0 or self._entry is None:
+            return
+        entry, calls, self._entry, self._calls = self._entry, self._calls, None, []
+        if sys.exc_info()[0] is not None:  # the forward raised: nothing to resolve
+            return
+        todo = sorted({c for c in calls if c not in self._bdims and self._declared(c[0]) is None})
+        if todo:
+            self._resolve_batch_dims(entry, calls, todo)
+
+    def _resolve_batch_dims(self, entry: tuple[nn.Module, tuple[Any, ...], dict[str, Any]],
+                            calls: list[tuple[str, tuple[int, ...]]], todo: list[tuple[str, tuple[int, ...]]]) -> None:
+        """Find the batch dimension of each ``(module, input shape)`` in ``todo`` by running the entry call
+        again on a slice of its batch (see the class docstring)."""
+        module, args, kwargs = entry
+        batch = _first_batch_size(args, kwargs)
+        if batch is None:
+            for key in todo:
+                self._bdims[key] = "its batch dimension is unknown: the model's call has no tensor argument"
+            return
+        small = 1 if batch == 2 else 2
+        dry: list[tuple[str, tuple[int, ...]]] = []
+        # the run works on copies of the buffers (BatchNorm statistics stay as they are: the real ones are
+        # saved for the backward, and must keep their version)
+        buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+        devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+        error: Optional[BaseException] = None
+        self._dry = dry
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the model's warnings belong to its real calls
+                functional_call(module, buffers, _resize_batch(args, batch, small),
+                                _resize_batch(kwargs, batch, small), strict=False)
+        except Exception as err:  # the model may require its batch size: the modules stay unresolved
+            error = err
+        finally:
+            self._dry = None
+        full: dict[str, list[tuple[int, ...]]] = defaultdict(list)
+        part: dict[str, list[tuple[int, ...]]] = defaultdict(list)
+        for name, shape in calls:
+            full[name].append(shape)
+        for name, shape in dry:
+            part[name].append(shape)
+        for name, shape in todo:
+            if error is not None:
+                why = f"{type(error).__name__}: {str(error)[:120]}"
+                self._bdims[(name, shape)] = (
+                    f"its batch dimension could not be found: the model failed on a {small}-example slice of "
+                    f"the batch ({why}); declare it with `batch_dims`"
+                )
+                continue
+            if len(full[name]) != len(part[name]):
+                self._bdims[(name, shape)] = (
+                    "its batch dimension could not be found: it runs a different number of times on a "
+                    "smaller batch; declare it with `batch_dims`"
+                )
+                continue
+            found = {_scaling_dim(a, b, batch, small) for a, b in zip(full[name], part[name]) if a == shape}
+            self._bdims[(name, shape)] = found.pop() if len(found) == 1 else (
+                f"calls on inputs of shape {shape} disagree on the batch dimension"
+            )
+
+    def _batch_dim(self, use: _Use) -> Union[int, str]:
+        """The input dimension holding the batch for this use, or why it is not known."""
+        declared = self._declared(use.uses.name)
+        if declared is not None:
+            dim = declared[0]
+            if dim is None:
+                return "declared without a batch dimension (`batch_dims`)"
+        else:
+            found = self._bdims.get((use.uses.name, use.shape))
+            if found is None:
+                return "its batch dimension is unknown: the module ran outside a forward call of the model"
+            if isinstance(found, str):
+                return found
+            dim = found
+        limit = use.uses.handler.batch_dims(use.uses.module, use.ctx) if isinstance(use.ctx, Tensor) else 1
+        if dim >= limit:
+            return (
+                f"the batch lies along dimension {dim} of its input {use.shape}, which is one of the "
+                f"{type(use.uses.module).__name__}'s own dimensions"
+            )
+        return dim
+
+    def _finish(self, use: _Use, grad: Tensor,
+                results: Optional[tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]] = None) -> None:
+        """The backward of one use: its per-example results, with the batch moved to dimension 0."""
+        dim = self._batch_dim(use)
+        if isinstance(dim, str):
+            self._drop(use.uses.params, dim)
+            return
+        ctx, g = use.ctx, grad
+        if dim != 0:
+            ctx, g, results = ctx.movedim(dim, 0), g.movedim(dim, 0), None
+        if results is None:
+            m, handler, rule = use.uses.module, use.uses.handler, use.rule
+            results = (
+                lambda: handler.sq_norms(m, ctx, g, rule),
+                lambda: handler.grads(m, ctx, g),
+                lambda uv: handler.project(m, ctx, g, uv),
+            )
+        self._consume(use.uses.params, int(g.shape[0]), *results)
+
+    def _drop(self, params: list[tuple[str, int]], reason: str) -> None:
+        """One use that cannot be split per example: its parameters go to :attr:`uncovered`."""
+        for _, pid in params:
+            self._outstanding[pid] -= 1
+            self._pending.pop(pid, None)
+            name = self._names[pid]
+            if name not in self._not_reached:
+                self._not_reached.append(name)
+                self.reasons[name] = reason
 
     @property
     def active(self) -> bool:
@@ -318,7 +624,7 @@ class PerExampleGradNorms:
     def _make_leaf_hook(self, pid: int) -> Callable[[Tensor], None]:
         def leaf_hook(grad: Tensor) -> None:
             with torch.no_grad():
-                fp = project_matrix(grad.detach(), *self._uv(pid))
+                fp = (_project_sparse if grad.is_sparse else project_matrix)(grad.detach(), *self._uv(pid))
                 prev = self._fp_total.get(pid)
                 self._fp_total[pid] = fp if prev is None else prev + fp
 
@@ -342,7 +648,7 @@ class PerExampleGradNorms:
                 self._not_reached.append(name)
                 self.reasons[name] = (
                     "its gradient has contributions the hooks did not see (used outside its module, "
-                    "e.g. x @ emb.weight.T)"
+                    "e.g. x @ emb.weight.T, or its module computes otherwise than its handler assumes)"
                 )
 
     # -------------------------------------------------------------- results

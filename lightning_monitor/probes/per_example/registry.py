@@ -3,6 +3,10 @@
 Covering a new module type is one new file: a :class:`Handler` subclass decorated with
 ``@register(MyModule)`` (as opacus' ``register_grad_sampler``), imported once. Lookups walk the MRO, so
 a subclass uses the handler of its nearest registered base class.
+
+A type from an optional library (``transformers.pytorch_utils.Conv1D``) is registered by its qualified
+name with :func:`register_by_name`, so that the probe never imports that library: a model holding such
+a module has imported it already.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from typing import Any, Callable, Optional, TypeVar, Union
 
 from torch import Tensor, nn
 
-__all__ = ["HANDLERS", "Handler", "handler_for", "register"]
+__all__ = ["HANDLERS", "HANDLERS_BY_NAME", "Handler", "handler_for", "register", "register_by_name"]
 
 
 class Handler:
@@ -25,7 +29,16 @@ class Handler:
     * :meth:`patch_forward` when the probe is armed (optional: a replacement ``forward``).
 
     Every result is keyed by the module's local parameter name (``"weight"``, ``"bias"``) and is fp32.
+
+    The probe hands every method the module's input with the batch along dimension 0: when the batch
+    lies along another dimension (sequence-first ``[T, B, d]``), it is moved to the front first, which
+    the handler allows for the leading :meth:`batch_dims` dimensions of the input.
     """
+
+    def batch_dims(self, module: nn.Module, x: Tensor) -> int:
+        """How many leading dimensions of the input ``x`` may hold the batch (the rest are the module's
+        own feature dimensions). Default: all but the last (a Linear-form layer)."""
+        return max(x.dim() - 1, 0)
 
     def unsupported(self, module: nn.Module) -> Optional[str]:
         """Why this instance cannot be covered, or ``None``."""
@@ -54,14 +67,20 @@ class Handler:
 
     def patch_forward(self, module: nn.Module, uses: Any, rule: Any) -> Optional[Callable[..., Tensor]]:
         """A ``forward`` to install while the probe is armed, or ``None`` for a plain forward hook.
-        ``uses`` is the probe's per-module recorder: ``uses.record(x, output, rule)`` does what the plain
-        forward hook does, ``uses.expect(batch)`` counts one use and returns the callback
-        ``done(sq_fn, grads_fn, proj_fn)`` that its backward must call once."""
+        ``uses`` is the probe's per-module recorder. The forward first calls ``uses.note(x)``, which says
+        what to do with this call: ``"record"``: ``uses.record(x, output, rule)`` does what the plain
+        forward hook does, or ``uses.expect(x)`` counts one use and returns the callback
+        ``done(grad_output, results=None)`` that its backward must call once (``results``: its own
+        ``(sq_fn, grads_fn, proj_fn)``, used when the batch lies along dimension 0); ``"skip"`` and
+        ``"dry"``: the plain forward; ``"replay"``: the same operations as the recorded call (activation
+        checkpointing recomputes it), recording nothing."""
         return None
 
 
 #: Module type -> handler. Subclasses use their nearest registered base class (:func:`handler_for`).
 HANDLERS: dict[type[nn.Module], Handler] = {}
+#: ``"module.QualName"`` of a type -> (handler, predicate on the class or None) (:func:`register_by_name`).
+HANDLERS_BY_NAME: dict[str, tuple[Handler, Optional[Callable[[type], bool]]]] = {}
 
 H = TypeVar("H", bound=Union[Handler, type])
 
@@ -83,10 +102,32 @@ def register(*module_types: type[nn.Module]) -> Callable[[H], H]:
     return deco
 
 
+def register_by_name(*qualified_names: str, when: Optional[Callable[[type], bool]] = None) -> Callable[[H], H]:
+    """Like :func:`register`, for types named ``"package.module.ClassName"`` (their defining module and
+    ``__qualname__``), without importing them. ``when(cls)``, if given, must also hold for a class to use
+    the handler (e.g. that its ``forward`` computes what the handler assumes)."""
+    if not qualified_names or not all(isinstance(n, str) and "." in n for n in qualified_names):
+        raise TypeError(f"register_by_name() takes 'package.module.ClassName' strings, got {qualified_names!r}.")
+
+    def deco(handler: H) -> H:
+        instance = handler() if isinstance(handler, type) else handler
+        if not isinstance(instance, Handler):
+            raise TypeError(f"register_by_name(): {handler!r} is not a Handler.")
+        for n in qualified_names:
+            HANDLERS_BY_NAME[n] = (instance, when)
+        return handler
+
+    return deco
+
+
 def handler_for(module: nn.Module) -> Optional[Handler]:
-    """The handler of ``module``'s type or of its nearest registered base class."""
+    """The handler of ``module``'s type or of its nearest registered base class (by type or by name)."""
     for cls in type(module).__mro__:
         handler = HANDLERS.get(cls)  # type: ignore[arg-type]
         if handler is not None:
             return handler
+        if HANDLERS_BY_NAME:
+            entry = HANDLERS_BY_NAME.get(f"{cls.__module__}.{cls.__qualname__}")
+            if entry is not None and (entry[1] is None or entry[1](cls)):
+                return entry[0]
     return None

@@ -66,16 +66,20 @@ class LinearRule:
     max_bytes: Optional[int] = None
 
     def choose(self, *, t: int, d_in: int, d_out: int, batch: int, device_type: str,
-               fused: bool = False, groups: int = 1) -> str:
+               fused: bool = False, groups: int = 1, held_examples: Optional[int] = None) -> str:
         """``"fused"``, ``"gram"`` or ``"materialize"`` for a layer of ``groups`` blocks ``d_in -> d_out``
-        on ``batch`` examples of ``t`` positions; ``fused``: whether the layer can take the fused path."""
+        on ``batch`` examples of ``t`` positions; ``fused``: whether the layer can take the fused path;
+        ``held_examples``: how many examples' gradients that path holds at once (default: a CPU chunk
+        for the fused path, the batch otherwise)."""
         if self.strategy in ("gram", "materialize"):
             return self.strategy
         if self.strategy == "fused" and fused:
             return "fused"
         path = "fused" if fused else "materialize"
         per = 4 * groups * d_in * d_out  # one example's weight gradient, fp32
-        held = per * (examples_at_once(device_type, batch, per) if fused else batch)
+        if held_examples is None:
+            held_examples = examples_at_once(device_type, batch, per) if fused else batch
+        held = per * held_examples
         if self.max_bytes is not None and held > self.max_bytes:
             return "gram"
         w = _knob("GRAM_OVER_FUSED") if fused else t

@@ -1,0 +1,57 @@
+"""GradES components beyond nn.Linear: GPT-2's Hugging Face Conv1D projections and the convolutions of a
+ResNet's stages; what is not a component (stems, heads, norms, embeddings)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_monitor.functional.grades import find_components, mean_abs
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+
+def test_gpt2_conv1d_projections_are_components() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=31, n_positions=8, n_embd=16, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(cfg)
+    comps = find_components(model)
+    assert sorted(comps) == sorted(
+        f"transformer.h.{i}.{m}" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    )
+    c = comps["transformer.h.0.attn.c_attn"]
+    assert c.weight.shape == (16, 48) and len(c.params) == 2  # [in, out] layout, weight and bias frozen together
+
+
+def test_conv1d_inside_a_numbered_block_under_any_name() -> None:
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    blocks = nn.ModuleList(nn.ModuleDict({"mix": Conv1D(4, 4), "ln": nn.LayerNorm(4)}) for _ in range(2))
+    model = nn.ModuleDict({"blocks": blocks, "out": Conv1D(3, 4)})
+    assert sorted(find_components(model)) == ["blocks.0.mix", "blocks.1.mix"]
+
+
+def test_resnet_stage_convolutions_are_components() -> None:
+    from coverage_table import ResNet
+
+    model = ResNet()
+    comps = find_components(model)
+    expected = [f"layer{i}.{j}.conv{k}" for i in (1, 2) for j in (0, 1) for k in (1, 2)] + ["layer2.0.downsample.0"]
+    assert sorted(comps) == sorted(expected)  # not the stem conv1, the BatchNorms nor the fc head
+    # the statistic is the element-wise mean |gradient|, whatever the kernel's shape
+    w = comps["layer1.0.conv1"].weight
+    g = torch.randn_like(w)
+    assert torch.allclose(mean_abs([g]), g.abs().mean().reshape(1))
+
+
+def test_nothing_found_can_be_asked_without_raising() -> None:
+    model = nn.Sequential()
+    model.add_module("emb", nn.Embedding(5, 4))
+    assert find_components(model, allow_empty=True) == {}
+    with pytest.raises(ValueError, match="no trainable component"):
+        find_components(model)

@@ -1,0 +1,136 @@
+"""GWA on a Hugging Face causal LM: the labels are shifted as the model's loss shifts them, -100 tokens
+are not samples, and unshifted targets raise a warning; against scores computed here from the head's
+inputs (closed form of the paper's gamma)."""
+
+from __future__ import annotations
+
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_monitor import GradientWeightAlignmentMonitor, read_alerts
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, T = 23, 8
+
+
+class Tokens(Dataset):
+    def __init__(self, n: int = 16) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(1, VOCAB, (n, T), generator=g)
+        self.labels = self.ids.clone()
+        self.labels[::3, :2] = -100  # padding-like positions that are not samples
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+class CausalLM(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=16, n_layer=1, n_head=2,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        self.model = transformers.GPT2LMHeadModel(cfg)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)  # fixed weights: the scores can be recomputed
+
+
+def reference_scores(module: CausalLM, data: Tokens, shift: bool) -> torch.Tensor:
+    """gamma_i = (y_i - p_i)^T W z_i / (||z_i|| ||y_i - p_i|| ||W||_F) per scored token."""
+    seen = {}
+    head = module.model.lm_head
+    h = head.register_forward_hook(lambda m, a, o: seen.update(z=a[0].detach(), logits=o.detach()))
+    with torch.no_grad():
+        module.model(input_ids=data.ids)
+    h.remove()
+    z, logits = seen["z"], seen["logits"]
+    labels = torch.cat([data.labels[:, 1:], torch.full((len(data), 1), -100)], 1) if shift else data.labels
+    keep = labels != -100
+    z, logits, labels = z[keep], logits[keep], labels[keep]
+    r = torch.nn.functional.one_hot(labels, VOCAB).double() - logits.double().softmax(-1)
+    w = head.weight.detach().double()
+    return (r * (z.double() @ w.T)).sum(-1) / (z.double().norm(dim=-1) * r.norm(dim=-1) * w.norm())
+
+
+def run(tmp_path, gwa):
+    torch.manual_seed(0)
+    module = CausalLM()
+    data = Tokens()
+    logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=logger, callbacks=[gwa], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1)
+    trainer.fit(module, DataLoader(data, batch_size=8))
+    path = os.path.join(logger.log_dir, "alerts.jsonl")
+    return module, data, (read_alerts(path) if os.path.exists(path) else [])
+
+
+def test_labels_shifted_and_ignored_tokens_dropped(tmp_path) -> None:
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False)
+    module, data, alerts = run(tmp_path, gwa)
+    assert gwa._shift
+    ref = reference_scores(module, data, shift=True)
+    rec = gwa.history[0]
+    assert rec["count"] == ref.numel() == 16 * T - 16 - 6  # each last position, and label[1] = -100 of 6 rows
+    assert rec["mean"] == pytest.approx(float(ref.mean()), rel=1e-4)
+    assert rec["negative"] == float((ref < 0).sum())
+    assert not [a for a in alerts if a.kind == "target_mismatch"]
+
+
+def test_unshifted_targets_scored_as_given(tmp_path) -> None:
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False, shift_targets=False)
+    module, data, _ = run(tmp_path, gwa)
+    ref = reference_scores(module, data, shift=False)
+    assert not gwa._shift and gwa.history[0]["count"] == ref.numel()
+    assert gwa.history[0]["mean"] == pytest.approx(float(ref.mean()), rel=1e-4)
+
+
+class Fixed(pl.LightningModule):
+    """A classifier with frozen weights (lr = 0) and a bias-free head: its logits are W z."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh())
+        self.head = torch.nn.Linear(16, 5, bias=False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.head(self.body(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize("pick, warns", [("argmin", True), ("argmax", False)])
+def test_nearly_all_negative_scores_warn_once(tmp_path, pick: str, warns: bool) -> None:
+    """Targets chosen as each sample's least likely class give (y - p)^T W z < 0 for every sample: the
+    scores of the first scored epoch are all negative and a target_mismatch warning is raised (once)."""
+    module = Fixed()
+    x = torch.randn(64, 6)
+    with torch.no_grad():
+        logits = module.head(module.body(x))
+    y = getattr(logits, pick)(-1)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False)
+    logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=logger, callbacks=[gwa], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(module, DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16))
+    path = os.path.join(logger.log_dir, "alerts.jsonl")
+    alerts = read_alerts(path) if os.path.exists(path) else []
+    mismatch = [a for a in alerts if a.kind == "target_mismatch"]
+    assert [h["negative"] / h["count"] for h in gwa.history] == ([1.0, 1.0] if warns else [0.0, 0.0])
+    assert len(mismatch) == int(warns)
+    if warns:
+        assert mismatch[0].severity == "warning" and mismatch[0].value == 1.0

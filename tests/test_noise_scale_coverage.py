@@ -1,0 +1,167 @@
+"""GradientNoiseScaleMonitor: the coverage of the per-example norms is logged and said, sparse gradients
+and activation checkpointing in Trainer.fit, and a model with nothing to measure."""
+
+from __future__ import annotations
+
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tb_scalars
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_monitor import GradientNoiseScaleMonitor, read_alerts
+from lightning_monitor.callbacks.base import NothingToWatch
+
+
+class Classifier(pl.LightningModule):
+    """``body`` then a Linear head, SGD; ``sparse`` embeds integer inputs."""
+
+    def __init__(self, body: nn.Module, width: int) -> None:
+        super().__init__()
+        self.body = body
+        self.head = nn.Linear(width, 3)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.head(self.body(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def run(model, x, y, tmp_path, monitor, steps=4):
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    trainer = pl.Trainer(accelerator="cpu", logger=logger, max_steps=steps, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1,
+                         callbacks=[monitor])
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=8))
+    alerts_file = os.path.join(logger.log_dir, "alerts.jsonl")
+    alerts = read_alerts(alerts_file) if os.path.exists(alerts_file) else []
+    return tb_scalars(logger.log_dir), alerts
+
+
+def test_batchnorm_model_coverage_logged_and_alerted_once(tmp_path) -> None:
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16))
+    model = Classifier(body, 16)
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    mon = GradientNoiseScaleMonitor(every_n_steps=1, min_coverage=0.999999)
+    tags, alerts = run(model, x, y, tmp_path, mon)
+    coverage = [v for _, v in tags["gns/coverage"]]
+    assert len(coverage) == 4 and all(0.0 < c < 1.0 for c in coverage)
+    assert all(v == 1.0 for _, v in tags["gns/partial"])
+    cov = [a for a in alerts if a.kind == "partial_coverage"]
+    assert len(cov) == 1 and cov[0].severity == "warning"  # once, not every check
+    assert "body.1 (weight, bias)" in cov[0].message and "batch statistics" in cov[0].message
+    assert "partial" in cov[0].message
+
+
+def test_high_coverage_said_on_the_console_not_as_an_alert(tmp_path) -> None:
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16))
+    model = Classifier(body, 16)
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    with pytest.warns(UserWarning, match=r"leave out 2 trainable parameter\(s\) of 1 module.*body.1 \(weight, bias\)"):
+        tags, alerts = run(model, x, y, tmp_path, GradientNoiseScaleMonitor(every_n_steps=1, min_coverage=0.5))
+    assert all(0.5 < v < 1.0 for _, v in tags["gns/coverage"]) and all(v == 0.0 for _, v in tags["gns/partial"])
+    assert alerts == []  # a healthy run raises no alert
+
+
+def test_coverage_matches_the_gradient_share(tmp_path) -> None:
+    """gns/coverage is |G_covered|^2 / |G|^2 of the batch gradient, computed independently here."""
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU())
+    model = Classifier(body, 16)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    twin = Classifier(nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU()), 16)
+    twin.load_state_dict(model.state_dict())
+    F.cross_entropy(twin.head(twin.body(x)), y).backward()
+    sq = {n: float(p.grad.pow(2).sum()) for n, p in twin.named_parameters()}
+    expected = 1.0 - (sq["body.1.weight"] + sq["body.1.bias"]) / sum(sq.values())
+    tags, _ = run(model, x, y, tmp_path, GradientNoiseScaleMonitor(every_n_steps=1), steps=1)
+    assert tags["gns/coverage"][0][1] == pytest.approx(expected, rel=1e-5)
+    assert tags["gns/partial"][0][1] == float(expected < 0.9)
+
+
+def test_fully_covered_model_has_coverage_one_and_no_alert(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = Classifier(nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.ReLU()), 16)
+    tags, alerts = run(model, torch.randn(32, 6), torch.randint(0, 3, (32,)), tmp_path,
+                       GradientNoiseScaleMonitor(every_n_steps=2))
+    assert [v for _, v in tags["gns/coverage"]] == [1.0, 1.0]
+    assert not [a for a in alerts if a.kind == "partial_coverage"]
+
+
+class EmbeddingBody(nn.Module):
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8, sparse=sparse)
+
+    def forward(self, idx):
+        return self.emb(idx).mean(1)
+
+
+def test_sparse_embedding_in_fit_same_as_dense(tmp_path) -> None:
+    """A sparse embedding gradient trains under the monitor and gives the estimates of the dense one."""
+    x, y = torch.randint(0, 20, (32, 5)), torch.randint(0, 3, (32,))
+    runs = {}
+    for sparse in (True, False):
+        torch.manual_seed(0)
+        model = Classifier(EmbeddingBody(sparse), 8)
+        runs[sparse] = run(model, x, y, tmp_path / str(sparse), GradientNoiseScaleMonitor(every_n_steps=1))
+    (tags, alerts), (dense, _) = runs[True], runs[False]
+    assert [v for _, v in tags["gns/coverage"]] == [1.0] * 4
+    for key in ("gns/g2", "gns/trace_sigma"):
+        assert [v for _, v in tags[key]] == pytest.approx([v for _, v in dense[key]], rel=1e-5)
+    assert not [a for a in alerts if a.kind == "partial_coverage"]
+
+
+class CheckpointedBody(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.a, self.b = nn.Linear(6, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return checkpoint(lambda t: torch.tanh(self.b(t)), h, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_in_fit_fully_covered(tmp_path, reentrant: bool) -> None:
+    torch.manual_seed(0)
+    model = Classifier(CheckpointedBody(reentrant), 16)
+    tags, alerts = run(model, torch.randn(32, 6), torch.randint(0, 3, (32,)), tmp_path,
+                       GradientNoiseScaleMonitor(every_n_steps=1))
+    assert [v for _, v in tags["gns/coverage"]] == [1.0] * 4
+    assert not [a for a in alerts if a.kind == "partial_coverage"]
+
+
+class OnlyBatchNorm(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(3)
+
+    def training_step(self, batch, batch_idx):
+        return self.bn(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_nothing_to_watch_raises_or_stays_idle(tmp_path) -> None:
+    x, y = torch.randn(16, 3), torch.randint(0, 3, (16,))
+    with pytest.raises(NothingToWatch, match="no parameter of the model is covered"):
+        run(OnlyBatchNorm(), x, y, tmp_path, GradientNoiseScaleMonitor(every_n_steps=1), steps=2)
+    mon = GradientNoiseScaleMonitor(every_n_steps=1)
+    mon.idle_when_nothing_to_watch = True
+    tags, alerts = run(OnlyBatchNorm(), x, y, tmp_path, mon, steps=2)
+    assert mon.idle_reason is not None and "covered" in mon.idle_reason
+    assert not [t for t in tags if t.startswith("gns/")]
+    assert [a.kind for a in alerts] == ["nothing_to_watch"]

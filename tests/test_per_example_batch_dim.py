@@ -1,0 +1,231 @@
+"""Which input dimension holds the batch: sequence-first inputs, positions broadcast over the batch
+(also when their length equals the batch size), activation checkpointing, sparse gradients; every case
+against per-example gradients from torch.func, or listed as uncovered with its reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_per_example import TinyTransformer, ce_seq, check, oracle, probe_run
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_monitor import PerExampleGradNorms
+
+
+class SeqFirst(nn.Module):
+    """Takes ``[B, T, d]``, runs its middle Linear sequence-first on ``[T, B, d]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 6)
+        self.mid = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.inp(x)).transpose(0, 1)  # [T, B, d]
+        h = torch.tanh(self.mid(h)).transpose(0, 1)
+        return self.out(h)
+
+
+class BroadcastPositions(nn.Module):
+    """A Linear applied to position features ``[T, d]`` broadcast over the batch."""
+
+    def __init__(self, t: int) -> None:
+        super().__init__()
+        self.register_buffer("pos_feat", torch.randn(t, 4))
+        self.pos = nn.Linear(4, 6)
+        self.inp = nn.Linear(5, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.inp(x) + self.pos(self.pos_feat[: x.shape[1]])))
+
+
+@pytest.mark.parametrize("t", [4, 6])  # T == B (ambiguous by shape) and T != B
+def test_sequence_first_linear_exact(t: int) -> None:
+    torch.manual_seed(0)
+    model = SeqFirst()
+    x, y = torch.randn(4, t, 5), torch.randint(0, 3, (4, t))
+    probe = check(model, ce_seq, x, y)
+    assert probe.uncovered == []
+
+
+@pytest.mark.parametrize("strategy", ["auto", "gram"])  # fused (auto) and plain-hook paths
+def test_sequence_first_square_fused_and_plain(strategy: str) -> None:
+    torch.manual_seed(1)
+    model = SeqFirst()
+    x, y = torch.randn(5, 5, 5), torch.randint(0, 3, (5, 5))
+    assert check(model, ce_seq, x, y, linear_strategy=strategy).uncovered == []
+
+
+@pytest.mark.parametrize("t", [4, 6])
+def test_linear_on_broadcast_positions_listed_uncovered(t: int) -> None:
+    torch.manual_seed(0)
+    model = BroadcastPositions(8)
+    x, y = torch.randn(4, t, 5), torch.randint(0, 3, (4, t))
+    probe = check(model, ce_seq, x, y)  # the rest stays exact
+    assert sorted(probe.uncovered) == ["pos.bias", "pos.weight"]
+    assert "no batch dimension" in probe.reasons["pos.weight"] or "batch" in probe.reasons["pos.weight"]
+
+
+def test_embedding_of_positions_with_length_equal_to_batch_listed_uncovered() -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer(broadcast_pos=True)  # pos(arange(T)), T = 7
+    x, y = torch.randint(0, 11, (7, 7)), torch.randint(0, 11, (7, 7))
+    probe = check(model, ce_seq, x, y)
+    assert probe.uncovered == ["pos.weight"]
+    assert "no batch dimension" in probe.reasons["pos.weight"]
+    # verify=False does not bring it back: the batch dimension is found independently of the check
+    assert probe_run(model, ce_seq, x, y, verify=False).uncovered == ["pos.weight"]
+
+
+def test_example_gpt_with_batch_size_equal_to_block_size() -> None:
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, n_layer=1, d_model=16, n_head=2))
+    x, y = torch.randint(0, 40, (8, 8)), torch.randint(0, 40, (8, 8))
+    probe = check(model, ce_seq, x, y)
+    assert probe.uncovered == ["pos_emb.weight"]
+    assert "no batch dimension" in probe.reasons["pos_emb.weight"]
+    assert len(probe.covered) == len(list(model.parameters())) - 1
+
+
+def test_batch_dims_declared() -> None:
+    torch.manual_seed(0)
+    model = BroadcastPositions(8)
+    x, y = torch.randn(4, 4, 5), torch.randint(0, 3, (4, 4))
+    probe = check(model, ce_seq, x, y, batch_dims={"pos": None, "*": 0})
+    assert sorted(probe.uncovered) == ["pos.bias", "pos.weight"]
+    assert "declared" in probe.reasons["pos.weight"]
+    with pytest.raises(ValueError, match="batch_dims"):
+        PerExampleGradNorms(model, batch_dims={"pos": -1})
+
+
+def test_model_failing_on_a_smaller_batch_is_listed_uncovered() -> None:
+    class FixedBatch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(3, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            if x.shape[0] != 6:
+                raise ValueError("this model takes batches of 6")
+            return self.a(x)
+
+    model = FixedBatch()
+    probe = probe_run(model, F.cross_entropy, torch.randn(6, 3), torch.randint(0, 4, (6,)))
+    assert probe.per_parameter() == {}
+    assert sorted(probe.uncovered) == ["a.bias", "a.weight"]
+    assert "batches of 6" in probe.reasons["a.weight"] and "batch_dims" in probe.reasons["a.weight"]
+
+
+def test_batch_size_run_leaves_no_trace() -> None:
+    """The small run restores buffers (BatchNorm statistics) and the random state."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Dropout(0.5), nn.Linear(6, 3))
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    twin = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Dropout(0.5), nn.Linear(6, 3))
+    twin.load_state_dict(model.state_dict())
+    torch.manual_seed(5)
+    F.cross_entropy(twin(x), y).backward()
+    after = torch.rand(1)
+    torch.manual_seed(5)
+    probe = probe_run(model, F.cross_entropy, x, y)
+    assert torch.equal(torch.rand(1), after)
+    for a, b in zip(model.state_dict().values(), twin.state_dict().values()):
+        assert torch.equal(a, b)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+    assert sorted(probe.uncovered) == ["1.bias", "1.weight"]
+    assert "batch statistics" in probe.reasons["1.weight"]
+
+
+# ----------------------------------------------------------------------------- activation checkpointing
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.a, self.b, self.n, self.c = nn.Linear(6, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 3)
+
+    def segment(self, h: Tensor) -> Tensor:
+        return self.n(torch.tanh(self.b(h)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.a(x))
+        if self.reentrant is None:
+            h = self.segment(h)
+        else:
+            h = checkpoint(self.segment, h, use_reentrant=self.reentrant)
+        return self.c(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("strategy", ["auto", "gram"])
+def test_activation_checkpointing_exact(reentrant: bool, strategy: str) -> None:
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant)
+    plain = Checkpointed(None)  # torch.func does not run checkpointed code: the oracle runs the same weights
+    plain.load_state_dict(model.state_dict())
+    x, y = torch.randn(5, 4, 6), torch.randint(0, 3, (5, 4))
+    if reentrant:
+        x.requires_grad_(True)  # the reentrant form needs an input that requires a gradient
+    probe = probe_run(model, ce_seq, x, y, linear_strategy=strategy)
+    ref = oracle(plain, ce_seq, x.detach(), y)
+    assert probe.uncovered == []
+    per = probe.per_parameter()
+    assert set(per) == set(ref)
+    for name, value in per.items():
+        torch.testing.assert_close(value.double(), ref[name], rtol=1e-4, atol=1e-10)
+
+
+# ----------------------------------------------------------------------------- sparse gradients
+
+
+def test_sparse_embedding_exact_with_verification() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 3))
+    x, y = torch.randint(0, 10, (5, 3)), torch.randint(0, 3, (5, 3))
+    probe = probe_run(model, ce_seq, x, y)
+    dense = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 3))
+    dense.load_state_dict(model.state_dict())
+    ref = oracle(dense, ce_seq, x, y)
+    assert probe.uncovered == []
+    for name, value in probe.per_parameter().items():
+        torch.testing.assert_close(value.double(), ref[name], rtol=1e-4, atol=1e-10)
+    assert model[0].weight.grad.is_sparse
+
+
+class CheckpointedConv(nn.Module):
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.a, self.b, self.head = nn.Conv2d(3, 6, 3, padding=1), nn.Conv2d(6, 6, 3, stride=2), nn.Linear(6, 3)
+
+    def segment(self, h: Tensor) -> Tensor:
+        return torch.tanh(self.b(h))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.a(x))
+        h = self.segment(h) if self.reentrant is None else checkpoint(self.segment, h, use_reentrant=self.reentrant)
+        return self.head(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_of_fused_convolutions_exact(reentrant: bool) -> None:
+    torch.manual_seed(0)
+    model = CheckpointedConv(reentrant)
+    plain = CheckpointedConv(None)
+    plain.load_state_dict(model.state_dict())
+    x, y = torch.randn(5, 3, 8, 8), torch.randint(0, 3, (5,))
+    if reentrant:
+        x.requires_grad_(True)
+    probe = probe_run(model, F.cross_entropy, x, y)
+    ref = oracle(plain, F.cross_entropy, x.detach(), y)
+    assert probe.uncovered == []
+    for name, value in probe.per_parameter().items():
+        torch.testing.assert_close(value.double(), ref[name], rtol=1e-4, atol=1e-10)

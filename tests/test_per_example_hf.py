@@ -1,0 +1,117 @@
+"""Hugging Face module types in the per-example probe (``transformers.pytorch_utils.Conv1D``, Llama's
+RMSNorm), registered by name, against torch.func; and whole tiny random-init HF models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_per_example import ce_seq, check
+from torch import Tensor, nn
+
+transformers = pytest.importorskip("transformers")
+
+from transformers.pytorch_utils import Conv1D  # noqa: E402
+
+
+class GPT2Like(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_fc = Conv1D(12, 5)  # nf=12 outputs, nx=5 inputs: weight [5, 12]
+        self.c_proj = Conv1D(3, 12)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+@pytest.mark.parametrize("shape", [(6, 5), (4, 7, 5)])
+@pytest.mark.parametrize("strategy", ["auto", "gram", "materialize"])
+def test_conv1d_transposed_linear_exact(shape: tuple[int, ...], strategy: str) -> None:
+    torch.manual_seed(0)
+    model = GPT2Like()
+    x, y = torch.randn(*shape), torch.randint(0, 3, shape[:-1])
+    probe = check(model, ce_seq, x, y, linear_strategy=strategy)
+    assert probe.uncovered == []
+
+
+def test_conv1d_used_twice_exact() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = Conv1D(5, 5)
+            self.b = Conv1D(3, 5)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.b(torch.tanh(self.a(torch.tanh(self.a(x)))))
+
+    torch.manual_seed(0)
+    probe = check(Twice(), ce_seq, torch.randn(4, 3, 5), torch.randint(0, 3, (4, 3)))
+    assert probe.uncovered == []
+
+
+def test_llama_rmsnorm_exact() -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(5, 8)
+            self.norm = LlamaRMSNorm(8, eps=1e-6)
+            self.out = nn.Linear(8, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.out(self.norm(self.inp(x)))
+
+    torch.manual_seed(0)
+    model = M()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+    probe = check(model, ce_seq, torch.randn(4, 6, 5), torch.randint(0, 3, (4, 6)))
+    assert probe.uncovered == []
+
+
+def test_rmsnorm_with_other_code_is_not_covered() -> None:
+    """An HF RMSNorm computing otherwise (Gemma: ``(1 + w)``) is left to no handler, not guessed."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    from lightning_monitor import PerExampleGradNorms
+
+    model = nn.Sequential(nn.Linear(4, 8), GemmaRMSNorm(8))
+    probe = PerExampleGradNorms(model)
+    assert probe.uncovered == ["1.weight"]
+
+
+def _tiny_gpt2() -> nn.Module:
+    cfg = transformers.GPT2Config(vocab_size=37, n_positions=8, n_embd=16, n_layer=2, n_head=2,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _tiny_llama() -> nn.Module:
+    cfg = transformers.LlamaConfig(vocab_size=37, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+class Logits(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(input_ids=idx).logits
+
+
+@pytest.mark.parametrize("make", [_tiny_gpt2, _tiny_llama], ids=["gpt2", "llama"])
+def test_hf_causal_lm_exact(make) -> None:
+    """Every parameter but the position embedding (GPT-2's ``wpe`` is indexed by positions broadcast
+    over the batch, here with block size == batch size) is covered and exact."""
+    torch.manual_seed(0)
+    model = Logits(make())
+    model.model.config._attn_implementation = "eager"  # torch.func's reference: no fused-kernel batching rule needed
+    x, y = torch.randint(0, 37, (8, 8)), torch.randint(0, 37, (8, 8))
+    probe = check(model, ce_seq, x, y)
+    expected = {"model.transformer.wpe.weight"} if make is _tiny_gpt2 else set()
+    assert set(probe.uncovered) == expected
+    if expected:
+        assert "no batch dimension" in probe.reasons["model.transformer.wpe.weight"]
