@@ -40,8 +40,8 @@ __all__ = ["Monitor", "NothingToWatch", "resolve_callable"]
 
 
 class NothingToWatch(ValueError):
-    """Raised at setup by a monitor that finds nothing in the model to watch (no layer of a type it
-    handles, no classifier head ...). Used explicitly, a monitor raises it and the fit aborts with the
+    """Raised by a monitor that finds nothing in the model to watch (no layer of a type it handles, no
+    classifier head ...), at setup, or at the start of the fit for what only exists then (the optimizers). Used explicitly, a monitor raises it and the fit aborts with the
     reason; a monitor whose ``idle_when_nothing_to_watch`` is set (the preset sets it) says so once in a
     warning alert and stays idle instead (:meth:`Monitor.nothing_to_watch`)."""
 

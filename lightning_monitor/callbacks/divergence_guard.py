@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections import deque
@@ -15,7 +14,7 @@ from torch import Tensor
 
 from lightning_monitor._compat import foreach_norm, grad_scaler_scale
 from lightning_monitor._sharded import local, squared_norms
-from lightning_monitor.alerts import Alert, alerts_dir
+from lightning_monitor.alerts import Alert, alerts_dir, read_records
 from lightning_monitor.callbacks.base import Monitor, _check_int, deprecated_aliases
 from lightning_monitor.functional.robust import difference_noise, median
 from lightning_monitor.snapshot import TrainingSnapshot, scale_learning_rates
@@ -356,11 +355,9 @@ class DivergenceGuard(Monitor):
             if not os.path.isfile(skip):
                 raise FileNotFoundError(f"`skip_batches` names {skip!r}, which is not a file (an alerts.jsonl).")
             out: list[tuple[int, int]] = []
-            with open(skip, encoding="utf-8") as fh:
-                for line in fh:
-                    record = json.loads(line) if line.strip() else {}
-                    if record.get("kind") == "rolled_back" and record.get("details"):
-                        out += [(int(e), int(b)) for e, b in record["details"].get("batches", [])]
+            for _, record in read_records(skip)[0]:  # a torn last line (a killed run) is skipped
+                if record.get("kind") == "rolled_back" and record.get("details"):
+                    out += [(int(e), int(b)) for e, b in record["details"].get("batches", [])]
             return out
         return [(int(e), int(b)) for e, b in skip]
 
