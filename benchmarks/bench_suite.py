@@ -1,13 +1,13 @@
-"""The whole suite left on, at its default cadences, against the same training without it.
+"""``HealthMonitor()`` left on at its defaults, against the same training without it.
 
 Example GPT on CPU (one thread), two sizes. Each repetition trains the same seeded run twice, with no
-callback and with SpectralAlignmentMonitor (every 50 steps), GradientNoiseScaleMonitor (every 10,
-per-example norms), GradientWeightAlignmentMonitor (every step, on the lm_head: tokens are the samples)
-and DivergenceGuard (checks every 10), alternating which goes first. Reported: median seconds per step
-(first 20 steps excluded), the median of the per-pair ratios, and the time spent inside the suite's
-callback hooks (its on_* methods; the probes' forward and backward hooks are not included) as a share
-of the monitored run's training time. GradientEarlyStopping is left out: it changes the training it
-measures (see bench_grades.py).
+callback and with ``HealthMonitor()`` (SpectralAlignmentMonitor every 50 steps, GradientNoiseScaleMonitor
+every 10 with per-example norms, GradientWeightAlignmentMonitor every step on the lm_head (tokens are the
+samples), DivergenceGuard judging every step, the dashboard), alternating which goes first. Reported:
+median seconds per step (first 20 steps excluded), the median of the per-pair ratios, and the time spent
+inside each monitor's callback hooks (its on_* methods; the probes' forward and backward hooks are not
+included) as a share of the monitored run's training time. GradientEarlyStopping is off in the preset:
+it changes the training it measures (see bench_grades.py).
 
 Run: python benchmarks/bench_suite.py [--quick]
 """
@@ -57,13 +57,12 @@ def timed(callback: Callback, clock: list) -> Callback:
     return callback
 
 
-def suite(clock: list) -> list[Callback]:
-    return [timed(cb, clock) for cb in (
-        lm.SpectralAlignmentMonitor(),
-        lm.GradientNoiseScaleMonitor(),
-        lm.GradientWeightAlignmentMonitor(log_histograms=False),
-        lm.DivergenceGuard(),
-    )]
+def suite(clocks: dict) -> list[Callback]:
+    """``HealthMonitor()`` with every monitor's hooks timed into ``clocks[<monitor name>]``."""
+    health = lm.HealthMonitor()
+    for monitor in health.monitors:
+        timed(monitor, clocks.setdefault(monitor.name, [0.0]))
+    return [timed(health, clocks.setdefault("preset", [0.0]))]
 
 
 def run(config: dict, steps: int, callbacks: list[Callback], root: str) -> float:
@@ -88,24 +87,30 @@ def main() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     steps, reps = (120, 2) if args.quick else (220, 4)
     print(f"torch {torch.__version__}, 1 thread, {steps} steps per run, {reps} pairs, load {os.getloadavg()[0]:.1f}")
-    print("\n| model | ms/step without | ms/step with the suite | ratio (median of pairs) | time in the suite's callback hooks |")
-    print("|---|---|---|---|---|")
+    names = ("sa", "gns", "gwa", "guard", "preset")
+    print("\n| model | ms/step without | ms/step with HealthMonitor() | ratio (median of pairs) | time in the hooks: "
+          + " | ".join(names) + " | all |")
+    print("|---|---|---|---|" + "---|" * (len(names) + 1))
     for label, config in SIZES.items():
-        base, mon, ratios, shares = [], [], [], []
+        base, mon, ratios = [], [], []
+        shares: dict[str, list[float]] = {n: [] for n in names + ("all",)}
         for rep in range(reps):
             order = ("base", "suite") if rep % 2 == 0 else ("suite", "base")
             result = {}
             for which in order:
-                clock = [0.0]
-                per_step = run(config, steps, suite(clock) if which == "suite" else [], args.root)
+                clocks: dict = {}
+                per_step = run(config, steps, suite(clocks) if which == "suite" else [], args.root)
                 result[which] = per_step
                 if which == "suite":
-                    shares.append(clock[0] / (per_step * steps))
+                    for n in names:
+                        shares[n].append(clocks.get(n, [0.0])[0] / (per_step * steps))
+                    shares["all"].append(sum(c[0] for c in clocks.values()) / (per_step * steps))
             base.append(result["base"])
             mon.append(result["suite"])
             ratios.append(result["suite"] / result["base"])
+        cells = " | ".join(f"{100 * statistics.median(shares[n]):.2f}%" for n in names + ("all",))
         print(f"| {label} | {1e3 * statistics.median(base):.2f} | {1e3 * statistics.median(mon):.2f} | "
-              f"{statistics.median(ratios):.3f} | {100 * statistics.median(shares):.2f}% |", flush=True)
+              f"{statistics.median(ratios):.3f} | {cells} |", flush=True)
     print(f"\nload at the end {os.getloadavg()[0]:.1f}")
 
 
