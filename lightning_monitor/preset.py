@@ -84,6 +84,9 @@ class HealthMonitor(Callback):
             see :attr:`~lightning_monitor.Monitor.per_layer_scalars`.
         dashboard: write the TensorBoard Custom Scalars layout of the run
             (:mod:`lightning_monitor.dashboard`) to every TensorBoard logger at the start of the fit.
+        progress_bar: add a ``health`` word to Lightning's progress bar (when it is on): ``ok``, or the
+            worst condition active among the monitors (``warning: guard/loss_creep``, ``critical: ...``),
+            or ``rolled back xN`` after the guard rolled the run back. Read from host state only: no sync.
     """
 
     #: Arguments the preset gives a monitor unless the setting overrides them (the monitor's own
@@ -112,11 +115,13 @@ class HealthMonitor(Callback):
         grades: MonitorSetting = False,
         per_layer_scalars: bool = False,
         dashboard: bool = True,
+        progress_bar: bool = True,
     ) -> None:
         super().__init__()
         settings = {"spectral": spectral, "noise_scale": noise_scale, "gwa": gwa, "guard": guard, "grades": grades}
         self.per_layer_scalars = bool(per_layer_scalars)
         self.dashboard = bool(dashboard)
+        self.progress_bar = bool(progress_bar)
         self.spectral: Optional[SpectralAlignmentMonitor] = None
         self.noise_scale: Optional[GradientNoiseScaleMonitor] = None
         self.gwa: Optional[GradientWeightAlignmentMonitor] = None
@@ -187,3 +192,31 @@ class HealthMonitor(Callback):
             from lightning_monitor.dashboard import write_dashboard
 
             write_dashboard(trainer)
+        bar = trainer.progress_bar_callback
+        if self.progress_bar and bar is not None and not getattr(bar.get_metrics, "_health_word", False):
+            original = bar.get_metrics
+
+            def get_metrics(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+                return {**original(trainer, pl_module), "health": self.health_word(trainer)}
+
+            get_metrics._health_word = True  # type: ignore[attr-defined]
+            bar.get_metrics = get_metrics  # this bar instance only
+
+    @staticmethod
+    def health_word(trainer: pl.Trainer) -> str:
+        """One word on the run's health from the monitors' host state (no device access): the worst active
+        condition (``critical: <monitor>/<kind>``, ``warning: ...``), else ``rolled back xN`` if the guard
+        rolled the run back, else ``ok``."""
+        worst: Optional[tuple[int, str]] = None
+        rollbacks = 0
+        for cb in trainer.callbacks:
+            if not isinstance(cb, Monitor):
+                continue
+            rollbacks += len(getattr(cb, "rollbacks", []) or [])
+            for (kind, _), severity in cb.active_conditions().items():
+                rank = {"warning": 1, "critical": 2}.get(severity, 0)
+                if rank and (worst is None or rank > worst[0]):
+                    worst = (rank, f"{severity}: {cb.name}/{kind}")
+        if worst is not None:
+            return worst[1]
+        return f"rolled back x{rollbacks}" if rollbacks else "ok"

@@ -227,3 +227,35 @@ def test_ddp_every_rank_runs_the_presets_monitors(tmp_path, tiny_gpt) -> None:
     assert {"SpectralAlignmentMonitor", "GradientNoiseScaleMonitor", "GradientWeightAlignmentMonitor",
             "DivergenceGuard"} <= set(r0["callbacks"])
     assert r0["metrics"] == r1["metrics"] and "sa/sign_diversity_mean" in r0["metrics"]
+
+
+def test_the_progress_bar_shows_a_health_word(tmp_path, tiny_gpt) -> None:
+    # a NaN at step 12: the guard rolls back; before it, "ok"; after it, "rolled back x1"
+    pl.seed_everything(0)
+    module, loader = tiny_gpt(nan_at_step=12)
+    seen: dict[int, str] = {}
+
+    class Read(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen[trainer.global_step] = trainer.progress_bar_callback.get_metrics(trainer, pl_module)["health"]
+
+    health = lm.HealthMonitor(spectral=False, noise_scale=False, gwa=False, guard=dict(every_n_steps=5))
+    trainer = pl.Trainer(max_steps=20, accelerator="cpu", logger=False, callbacks=[health, Read()],
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+    trainer.fit(module, loader)
+    assert [r["step"] for r in health.guard.rollbacks] == [12]
+    assert seen[5] == "ok" and seen[20] == "rolled back x1"
+    # a condition in force is named, the worst first
+    health.guard._conditions[("loss_creep", None)] = "warning"
+    assert lm.HealthMonitor.health_word(trainer) == "warning: guard/loss_creep"
+    health.guard._conditions[("nonfinite", None)] = "critical"
+    assert lm.HealthMonitor.health_word(trainer) == "critical: guard/nonfinite"
+
+    # progress_bar=False leaves the bar alone
+    pl.seed_everything(0)
+    module, loader = tiny_gpt()
+    quiet = lm.HealthMonitor(spectral=False, noise_scale=False, gwa=False, progress_bar=False)
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=False, callbacks=[quiet], enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=str(tmp_path / "q"))
+    trainer.fit(module, loader)
+    assert "health" not in trainer.progress_bar_callback.get_metrics(trainer, module)
