@@ -214,6 +214,9 @@ class DivergenceGuard(Monitor):
             accelerator, where the asynchronous copy has finished by then).
         surge: an anomalous loss above ``1 + surge`` times its recent level is tested on the recent batches
             at once.
+        optimizer_index: with several optimizers (manual optimization, e.g. a GAN's generator and
+            discriminator), the optimizer whose loss series is judged; the steps of the others are checked
+            for non-finite gradients only, so two losses are never mixed in one series.
     """
 
     name = "guard"
@@ -248,6 +251,7 @@ class DivergenceGuard(Monitor):
         dirpath: Optional[str] = None,
         lag_steps: Optional[int] = None,
         surge: float = 0.3,
+        optimizer_index: int = 0,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
         if action not in ("rollback", "stop", "warn"):
@@ -276,6 +280,7 @@ class DivergenceGuard(Monitor):
             _check_int("lag_steps", lag_steps, 0)
         self.lag_steps = lag_steps
         self.surge = _positive("surge", surge)
+        self.optimizer_index = _check_int("optimizer_index", optimizer_index, 0)
         self.action = action
         self.snapshot_every_n_checks = snapshot_every_n_checks
         #: steps between snapshots (``None``: no snapshots)
@@ -377,6 +382,16 @@ class DivergenceGuard(Monitor):
                     f"DivergenceGuard cannot create `{what}` {directory!r} ({err.strerror}); pass a writable directory."
                 ) from err
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        n = len(trainer.optimizers)
+        if n > 1:
+            if self.optimizer_index >= n:
+                raise ValueError(f"DivergenceGuard(optimizer_index={self.optimizer_index}): the run has {n} optimizers.")
+            rank_zero_warn(
+                f"DivergenceGuard: {n} optimizers; the loss judged is the one of optimizer {self.optimizer_index} "
+                "(`optimizer_index`); the steps of the others are checked for non-finite gradients only."
+            )
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)
         if self._hub is not None:
@@ -429,6 +444,9 @@ class DivergenceGuard(Monitor):
     ) -> None:
         step = trainer.global_step
         loss, self._loss_acc = self._loss_acc, None
+        if len(trainer.optimizers) > 1 and optimizer is not trainer.optimizers[min(self.optimizer_index,
+                                                                                    len(trainer.optimizers) - 1)]:
+            loss = None  # another optimizer's loss (a GAN's other network): its gradients are checked, not its loss
         no_loss = loss is None
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         # fused kernels for the per-tensor norms; a sharded (FSDP2) gradient contributes its local shard
