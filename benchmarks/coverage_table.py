@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -413,6 +414,8 @@ def finite_report(run: ZooRun) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "model_coverage.md"))
+    parser.add_argument("--readme", default=os.path.join(ROOT, "README.md"),
+                        help="README whose coverage block to update ('' to leave it)")
     args = parser.parse_args()
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     runs = []
@@ -427,6 +430,37 @@ def main() -> None:
     with open(args.out, "w", encoding="utf-8") as fh:
         fh.write(text)
     print(text)
+    if args.readme:
+        update_readme(args.readme, text)
+
+
+README_START, README_END = "<!-- coverage table: benchmarks/coverage_table.py -->", "<!-- end of coverage table -->"
+
+
+def update_readme(path: str, text: str) -> None:
+    """Replace the block between the README's coverage markers with the table of ``text``, each cell cut to
+    its verdict (covered / partial with its share / not applicable); the reasons stay in the full table."""
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+
+    def short(cell: str) -> str:
+        cell = cell.strip()
+        if cell.startswith("partial"):
+            share = re.search(r"[0-9.]+%", cell)
+            return f"partial ({share.group(0)})" if share else "partial"
+        return cell.split(":")[0]
+
+    table = [rows[0], rows[1]] + [
+        "| " + " | ".join([cells[0].strip()] + [short(c) for c in cells[1:]]) + " |"
+        for cells in (row.strip("|").split("|") for row in rows[2:])
+    ]
+    with open(path, encoding="utf-8") as fh:
+        readme = fh.read()
+    if README_START not in readme or README_END not in readme:
+        raise SystemExit(f"{path}: no coverage markers ({README_START} ... {README_END})")
+    head, rest = readme.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(head + README_START + "\n" + "\n".join(table) + "\n" + README_END + tail)
 
 
 if __name__ == "__main__":
