@@ -16,7 +16,7 @@ from torch import Tensor
 
 from lightning_monitor._compat import foreach_norm
 
-__all__ = ["is_sharded", "local", "replication", "squared_norms"]
+__all__ = ["check_strategy", "check_tensor_parallel", "full", "global_norm", "is_sharded", "local", "replication", "squared_norms"]
 
 try:  # torch >= 2.4: public
     from torch.distributed.tensor import DTensor, Replicate
@@ -61,3 +61,53 @@ def squared_norms(tensors: Sequence[Tensor]) -> tuple[Optional[Tensor], Optional
         part = part / count if count > 1 else part
         shard_sq = part if shard_sq is None else shard_sq + part
     return plain_sq, shard_sq
+
+
+def full(t: Tensor) -> Tensor:
+    """The whole tensor: ``t.full_tensor()`` of a ``DTensor`` (a collective: call it on every rank, and only
+    where the cost of gathering ``t`` is meant), else ``t``."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
+def global_norm(t: Tensor) -> Tensor:
+    """The fp32 L2 norm of the whole of ``t``: of a ``DTensor`` from its local shard and one all-reduce of
+    one float over the default process group (every rank must call it), no gather; else ``t``'s own."""
+    if not is_sharded(t):
+        return torch.linalg.vector_norm(t, dtype=torch.float32)
+    _, sq = squared_norms([t])
+    assert sq is not None
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        sq = sq.clone()
+        dist.all_reduce(sq)
+    return sq.sqrt()
+
+
+def check_strategy(trainer: object, owner: str, what: str) -> None:
+    """Refuse, at setup, a strategy that flattens parameters into 1-D shards (Lightning's ``FSDPStrategy``,
+    FSDP1, and ``DeepSpeedStrategy``): there ``module.weight`` and its gradient are pieces of a flat
+    buffer, not the layer's matrix, so ``what`` cannot be computed from them. FSDP2 (``ModelParallelStrategy``,
+    ``DTensor`` parameters), DDP and one device pass."""
+    kind = type(getattr(trainer, "strategy", None)).__name__
+    if "FSDP" in kind or "DeepSpeed" in kind:
+        raise ValueError(
+            f"{owner} does not support {kind}: it keeps parameters (and gradients) as flattened 1-D shards, "
+            f"so {what}. Use ModelParallelStrategy (FSDP2 `fully_shard`: DTensor parameters, supported), DDP or "
+            "a single device; see docs/distributed.md."
+        )
+
+
+def check_tensor_parallel(trainer: object, owner: str, why: str) -> None:
+    """Refuse, at setup, ``ModelParallelStrategy`` with ``tensor_parallel_size > 1`` for a monitor that reads
+    layer inputs or outputs, which tensor-parallel layers hold sharded (``why`` says what it reads)."""
+    strategy = getattr(trainer, "strategy", None)
+    if type(strategy).__name__ != "ModelParallelStrategy":
+        return
+    tp = getattr(strategy, "_tensor_parallel_size", 1)
+    if isinstance(tp, int) and tp > 1:
+        raise ValueError(
+            f"{owner} does not support tensor parallelism (ModelParallelStrategy(tensor_parallel_size={tp})): {why}, "
+            "which tensor-parallel layers hold sharded. Use tensor_parallel_size=1 (FSDP2 data parallel only, "
+            "supported); see docs/distributed.md."
+        )

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "sharded_guard.py")
 
@@ -35,3 +36,86 @@ def test_guard_under_fsdp2_judges_and_acts_as_under_ddp(tmp_path):
     assert fsdp[0]["alerts"] == ddp[0]["alerts"] == [[34, "loss_explosion"]]
     assert fsdp[0]["weights"] == fsdp[1]["weights"]
     assert fsdp[0]["weights"] == pytest.approx(ddp[0]["weights"], rel=1e-5, abs=1e-6)
+
+
+MONITORS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "sharded_monitors.py")
+
+
+def _close(a: dict, b: dict, rel: float) -> bool:
+    return a.keys() == b.keys() and all(v == pytest.approx(b[k], rel=rel, abs=1e-7) for k, v in a.items())
+
+
+def test_monitors_under_fsdp2_log_what_they_log_under_ddp(tmp_path):
+    """SpectralAlignmentMonitor, GradientEarlyStopping (freezing a component mid-run), GradientNoiseScaleMonitor
+    (per_example) and GradientWeightAlignmentMonitor on the same model, data and seed: FSDP2 (2 gloo ranks,
+    DTensor parameters) against DDP. Both runs at once (each is mostly process start-up)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    procs = {}
+    for s in ("fsdp2", "ddp"):
+        (tmp_path / s).mkdir()
+        procs[s] = subprocess.Popen([sys.executable, MONITORS, "--strategy", s, "--out", str(tmp_path / s)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    logs = {s: p.communicate(timeout=300)[0] for s, p in procs.items()}
+    for s, p in procs.items():
+        assert p.returncode == 0, logs[s][-3000:]
+    res = {s: [json.load(open(tmp_path / s / f"{s}-rank{r}.json")) for r in (0, 1)] for s in procs}
+    for s in res:
+        for r in (0, 1):
+            assert res[s][r]["error"] is None, (s, r, res[s][r]["error"])
+    fsdp, ddp = res["fsdp2"], res["ddp"]
+    for r in (0, 1):
+        for mon in ("sa", "grades", "gns", "gwa"):
+            got, want = fsdp[r]["logged"][mon], ddp[r]["logged"][mon]
+            assert got, (mon, "logged nothing")
+            assert got.keys() == want.keys(), mon  # the same checks, on the same steps
+            for step in want:  # per-rank values (SA's alignments, GNS's small batch are each rank's own data)
+                assert _close(got[step], want[step], rel=1e-4), (mon, r, step, got[step], want[step])
+        assert fsdp[r]["alerts"] == ddp[r]["alerts"]
+    # decisions identical on both ranks: GradES froze the same component on the same step, as under DDP
+    assert fsdp[0]["frozen"] == fsdp[1]["frozen"] == ddp[0]["frozen"] == {"net.2": 10}
+    for mon in ("grades", "gwa"):  # reduced across ranks: the same values on both
+        assert fsdp[0]["logged"][mon] == fsdp[1]["logged"][mon]
+    # SA's top singular values come from the gathered weight: the same on both ranks
+    for step, vals in fsdp[0]["logged"]["sa"].items():
+        sig = {k: v for k, v in vals.items() if k.endswith("/sigma")}
+        assert sig and sig == {k: fsdp[1]["logged"]["sa"][step][k] for k in sig}
+
+
+def test_noise_scale_refuses_what_fsdp2_cannot_measure():
+    from types import SimpleNamespace
+
+    from lightning_monitor import GradientNoiseScaleMonitor
+
+    trainer = SimpleNamespace(strategy=SimpleNamespace(_tensor_parallel_size=1))
+    with pytest.raises(ValueError, match="communication hook"):
+        GradientNoiseScaleMonitor._check_model_parallel(trainer, "ddp")
+    with pytest.raises(ValueError, match="reduce-scatters every micro-batch"):
+        GradientNoiseScaleMonitor._check_model_parallel(trainer, "accumulation")
+    GradientNoiseScaleMonitor._check_model_parallel(trainer, "per_example")
+    trainer.strategy._tensor_parallel_size = 2
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        GradientNoiseScaleMonitor._check_model_parallel(trainer, "per_example")
+
+
+@pytest.mark.parametrize("kind", ["FSDPStrategy", "DeepSpeedStrategy"])
+def test_flat_sharding_strategies_are_refused_at_setup(kind):
+    """FSDP1 and DeepSpeed keep parameters as flat 1-D shards (GPU only: not run here): refused at setup."""
+    from lightning_monitor import GradientNoiseScaleMonitor, GradientWeightAlignmentMonitor, SpectralAlignmentMonitor
+
+    trainer = type("Trainer", (), {})()  # weak-referenceable, unlike a SimpleNamespace
+    trainer.strategy, trainer.loggers, trainer.default_root_dir = type(kind, (), {})(), [], "."
+    trainer.global_rank, trainer.world_size = 0, 1
+    for cls in (SpectralAlignmentMonitor, GradientNoiseScaleMonitor, GradientWeightAlignmentMonitor):
+        with pytest.raises(ValueError, match=f"does not support {kind}.*ModelParallelStrategy"):
+            cls().setup(trainer, torch.nn.Linear(2, 2), "fit")
+
+
+def test_tensor_parallel_is_refused_at_setup_by_the_activation_readers():
+    from lightning_monitor import GradientWeightAlignmentMonitor, SpectralAlignmentMonitor
+
+    trainer = type("Trainer", (), {})()
+    trainer.strategy = type("ModelParallelStrategy", (), {"_tensor_parallel_size": 2})()
+    trainer.loggers, trainer.default_root_dir, trainer.global_rank, trainer.world_size = [], ".", 0, 1
+    for cls in (SpectralAlignmentMonitor, GradientWeightAlignmentMonitor):
+        with pytest.raises(ValueError, match="does not support tensor parallelism"):
+            cls().setup(trainer, torch.nn.Linear(2, 2), "fit")

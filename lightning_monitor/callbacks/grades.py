@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_monitor._sharded import is_sharded, local, replication
 from lightning_monitor.callbacks.base import Monitor, _check_int, deprecated_aliases
 from lightning_monitor.functional.grades import (
     Component,
@@ -29,6 +30,26 @@ __all__ = ["GradientEarlyStopping"]
 
 Criterion = Literal["grad", "update"]
 Threshold = Literal["relative", "absolute"]
+
+
+def _full_mean_abs(tensors: Sequence[Tensor]) -> Tensor:
+    return mean_abs(tensors)
+
+
+def _scaled_parts(shards: Sequence[Tensor], fulls: Sequence[Tensor]) -> Tensor:
+    """This rank's part of ``mean |T|`` for each DTensor ``T`` of ``fulls`` from its local shard: the
+    shard's L1 norm over the full element count (over the replication count too, so that a shard held
+    by several ranks is counted once); summed over the ranks, ``mean |T|``. An empty shard gives 0."""
+    if not shards:
+        return torch.zeros(0)
+    device = shards[0].device
+    l1 = torch.stack([s.detach().abs().sum(dtype=torch.float32) for s in shards])
+    denom = torch.tensor([float(f.numel() * replication(f)) for f in fulls], dtype=torch.float32, device=device)
+    return l1 / denom
+
+
+def _local_mean_abs(tensors: Sequence[Tensor]) -> Tensor:
+    return _scaled_parts([local(t) for t in tensors], tensors)
 
 
 def _as_tuple(patterns: Optional[Union[str, Sequence[str]]]) -> Optional[tuple[str, ...]]:
@@ -89,7 +110,10 @@ class GradientEarlyStopping(Monitor):
 
     Under DDP, statistics are all-reduced before the decision, so every rank freezes the same set on
     the same step; DDP must be built with ``find_unused_parameters=True`` (frozen parameters then
-    count as globally unused and keep ``.grad is None``); other settings are refused at setup.
+    count as globally unused and keep ``.grad is None``); other settings are refused at setup. Under
+    FSDP2 (``ModelParallelStrategy``, DTensor parameters) each rank computes its shards' part of every
+    statistic and one all-reduce sums them: the same values and decisions as unsharded. FSDP1 and
+    DeepSpeed (flat parameters) are refused at setup; see ``docs/distributed.md``.
 
     Args:
         tau: freeze threshold (> 0): a fraction of the reference (relative) or a value of the statistic
@@ -325,7 +349,8 @@ class GradientEarlyStopping(Monitor):
         if "FSDP" in kind or "DeepSpeed" in kind:
             raise ValueError(
                 f"GradientEarlyStopping does not support {kind}: it freezes parameters by `requires_grad`, which "
-                "sharded flat parameters cannot do per matrix. Use a single device or DDP."
+                "sharded flat parameters cannot do per matrix. Use ModelParallelStrategy (FSDP2 `fully_shard`, "
+                "supported), DDP or a single device; see docs/distributed.md."
             )
         if isinstance(strategy, DDPStrategy):
             from lightning_monitor._compat import ddp_kwargs
@@ -364,6 +389,19 @@ class GradientEarlyStopping(Monitor):
                 "statistics would mix steps. GradES supports one optimizer.",
             )
             return
+        # FSDP2 (`fully_shard` in configure_model, after setup) replaces every parameter by a new DTensor
+        # parameter: read the components' parameters again, now that the model is final
+        found = find_components(pl_module, self.include, self.exclude, trainable_only=False, allow_empty=True)
+        self._components = {n: found[n] for n in self._components if n in found}
+        self._names = [n for n in self._names if n in self._components]
+        flags = {is_sharded(p) for c in self._components.values() for p in c.params}
+        self._sharded = True in flags
+        if self._sharded and trainer.world_size > 1 and len(flags) > 1:
+            raise ValueError(
+                "GradientEarlyStopping: some watched parameters are sharded (FSDP2 DTensors) and others are plain "
+                "tensors; under FSDP2 every watched module must be inside a `fully_shard`-ed module (a plain "
+                "parameter's gradient is not reduced across ranks). Shard them, or leave them out with `exclude=[...]`."
+            )
         in_optimizer = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
         missing = [n for n, c in self._components.items()
                    if n not in self.frozen and any(id(p) not in in_optimizer for p in c.params)]
@@ -424,7 +462,11 @@ class GradientEarlyStopping(Monitor):
             self.log_metrics(trainer, {self.key("frozen_fraction"): self.frozen_fraction}, step)
             return
         device = stat.device
-        if trainer.world_size > 1:
+        if getattr(self, "_sharded", False) and trainer.world_size > 1:
+            # FSDP2: each rank holds its part of each component's mean |.| (see _local_mean_abs): summed, the
+            # statistic of the full tensors, the same on every rank (one all-reduce of one float per component)
+            stat = trainer.strategy.reduce(stat, reduce_op="sum")
+        elif trainer.world_size > 1:
             stat = trainer.strategy.reduce(stat, reduce_op="mean")
         n = len(self._names)
         position = {name: i for i, name in enumerate(self._names)}
@@ -479,6 +521,7 @@ class GradientEarlyStopping(Monitor):
 
     def _statistic(self, active: list[str], step: int) -> Optional[Tensor]:
         comps = [self._components[n] for n in active]
+        mean_abs = _local_mean_abs if getattr(self, "_sharded", False) else _full_mean_abs
         if self.criterion == "grad":
             grads = [c.weight.grad for c in comps]
             if all(g is not None for g in grads):
@@ -492,6 +535,8 @@ class GradientEarlyStopping(Monitor):
             return out
         # criterion == "update"
         weights = [c.weight.detach() for c in comps]
+        if getattr(self, "_sharded", False):
+            return self._sharded_update(active, weights, step)
         if self._snapshot_step is None or any(n not in self._snapshot for n in active):
             self._snapshot = {n: w.clone() for n, w in zip(active, weights)}
             self._snapshot_step = step
@@ -501,6 +546,21 @@ class GradientEarlyStopping(Monitor):
         from lightning_monitor._compat import foreach_copy_
 
         foreach_copy_(previous, weights)
+        self._snapshot_step = step
+        return stat
+
+    def _sharded_update(self, active: list[str], weights: list[Tensor], step: int) -> Optional[Tensor]:
+        """The update criterion on DTensor weights: snapshots of the local shards, this rank's part of each
+        component's mean |weight change| (summed across ranks by the caller)."""
+        if self._snapshot_step is None or any(n not in self._snapshot for n in active):
+            self._snapshot = {n: local(w).clone() for n, w in zip(active, weights)}
+            self._snapshot_step = step
+            return None
+        steps = max(1, step - self._snapshot_step)
+        diffs = [local(w) - self._snapshot[n] for n, w in zip(active, weights)]
+        stat = _scaled_parts(diffs, weights) / steps
+        for n, w in zip(active, weights):
+            self._snapshot[n].copy_(local(w))
         self._snapshot_step = step
         return stat
 

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_monitor.alerts import _tensorboard_writer, alerts_dir
+from lightning_monitor._sharded import full, global_norm, is_sharded
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch, _check_int, deprecated_aliases
 from lightning_monitor.functional.gwa import GWA_OFFSET, GWAMoments, alignment_from_parts
 
@@ -265,6 +266,10 @@ class GradientWeightAlignmentMonitor(Monitor):
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
+        from lightning_monitor._sharded import check_strategy, check_tensor_parallel
+
+        check_strategy(trainer, "GradientWeightAlignmentMonitor", "the head's weight norm and W z cannot be read from them")
+        check_tensor_parallel(trainer, "GradientWeightAlignmentMonitor", "it scores the head's input features and logits")
         self.idle_reason = None
         self._head_name, self._head = None, None
         try:
@@ -467,12 +472,19 @@ class GradientWeightAlignmentMonitor(Monitor):
             targets = self._conform_targets(targets, out)
         z = inputs[0].detach()
         w = module.weight.detach()
+        sharded_head = is_sharded(w)  # FSDP2 resharded the head after its forward: read it from the shards
         if out.dtype == w.dtype == z.dtype and out.dtype in (torch.float32, torch.float64):
             # W z from the logits themselves (an nn.Linear: logits = W z + b)
-            wz = out if module.bias is None else torch.sub(out, module.bias.detach())
-            w_norm = torch.linalg.vector_norm(w)
+            if module.bias is None:
+                wz = out
+            else:  # a sharded bias (FSDP2) is gathered: one vector of the class count
+                wz = torch.sub(out, full(module.bias.detach()))
+            # a sharded weight's norm: from the local shard and one all-reduce of one float, no gather
+            w_norm = global_norm(w).to(w.dtype) if sharded_head else torch.linalg.vector_norm(w)
             z_norm = torch.linalg.vector_norm(z, dim=-1)  # the features enter the score only by their norm
         else:  # reduced precision (autocast): W z again in float32, with autocast off
+            if sharded_head:  # W z needs the whole head: gathered on due steps only (see docs/distributed.md)
+                w = full(w)
             with torch.autocast(device_type=z.device.type, enabled=False):
                 w32 = w.float()
                 z32 = z.float()

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from lightning_monitor.callbacks.base import Monitor, deprecated_aliases
 from lightning_monitor.functional.noise_scale import NoiseScaleEMA, noise_scale_estimates
+from lightning_monitor._sharded import is_sharded, local, replication
 from lightning_monitor.probes.per_example import PerExampleGradNorms
 from lightning_monitor.selection import Patterns, as_patterns, select_modules
 
@@ -233,13 +234,23 @@ class GradientNoiseScaleMonitor(Monitor):
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
+        from lightning_monitor._sharded import check_strategy
+
+        check_strategy(trainer, "GradientNoiseScaleMonitor",
+                       "the squared norm of the whole gradient cannot be read from each rank's flat gradient shard")
         self.idle_reason = None
         self._reset_runtime()
         world = trainer.world_size
         accumulate = trainer.accumulate_grad_batches
         method = self.method
+        model_parallel = type(trainer.strategy).__name__ == "ModelParallelStrategy"
         if method == "auto":
-            method = "ddp" if world >= 2 else ("accumulation" if accumulate > 1 else "per_example")
+            if model_parallel:  # FSDP2: no DDP communication hook to read the local gradient
+                method = "accumulation" if accumulate > 1 else "per_example"
+            else:
+                method = "ddp" if world >= 2 else ("accumulation" if accumulate > 1 else "per_example")
+        if model_parallel:
+            self._check_model_parallel(trainer, method)
         if method == "ddp":
             if world < 2:
                 raise ValueError(
@@ -272,6 +283,46 @@ class GradientNoiseScaleMonitor(Monitor):
         reason = self._select(pl_module, initial=True)
         if reason is not None:
             self.nothing_to_watch(trainer, reason)
+
+    @staticmethod
+    def _check_model_parallel(trainer: pl.Trainer, method: str) -> None:
+        """Refuse at setup what cannot be measured under ModelParallelStrategy (FSDP2 / tensor parallel)."""
+        if method == "ddp":
+            raise ValueError(
+                "GradientNoiseScaleMonitor(method='ddp') reads each rank's gradient in a DDP communication hook, "
+                "which FSDP2 (ModelParallelStrategy) does not have: its gradients are reduce-scattered. Use "
+                "method='per_example' (per-example norms from this rank's activations, reduced as scalars)."
+            )
+        if method == "accumulation":
+            raise ValueError(
+                "GradientNoiseScaleMonitor(method='accumulation') is not supported under ModelParallelStrategy: "
+                "FSDP2 reduce-scatters every micro-batch's gradient, so the small-batch (local) gradient is never "
+                "seen. Use method='per_example'."
+            )
+        tp = getattr(trainer.strategy, "_tensor_parallel_size", 1)
+        if isinstance(tp, int) and tp > 1:
+            raise ValueError(
+                f"GradientNoiseScaleMonitor(method='per_example') under tensor parallelism (tensor_parallel_size={tp}) "
+                "is not supported: the per-example norms are computed from each layer's input and output gradient, "
+                "which tensor parallel layers hold sharded. Use data_parallel only (tensor_parallel_size=1)."
+            )
+
+    def _sq_norms_global(self, trainer: pl.Trainer, parts: list[list[Tensor]]) -> list[Tensor]:
+        """:func:`_sq_norms` of each list in ``parts``; with DTensor gradients (FSDP2) from the local shards
+        (over their replication count), a plain gradient over the world size, summed across ranks in one
+        all-reduce of one float per tensor: the squared norms of the full gradients, on every rank."""
+        flat = [t for part in parts for t in part]
+        if not any(is_sharded(t) for t in flat):
+            return [_sq_norms(part) for part in parts]
+        world = max(trainer.world_size, 1)
+        vec = _sq_norms([local(t) for t in flat])
+        div = torch.tensor([float(replication(t)) if is_sharded(t) else float(world) for t in flat], device=vec.device)
+        vec = trainer.strategy.reduce(vec / div, reduce_op="sum") if world > 1 else vec / div
+        out, at = [], 0
+        for part in parts:
+            out.append(vec[at:at + len(part)])
+            at += len(part)
+        return out
 
     @staticmethod
     def _trainable_flags(pl_module: nn.Module) -> tuple[bool, ...]:
@@ -346,6 +397,12 @@ class GradientNoiseScaleMonitor(Monitor):
                 "one GradientNoiseScaleMonitor on a model with one optimizer.",
             )
             return
+        # FSDP2 (`fully_shard` in configure_model, after setup) replaces every parameter by a new DTensor
+        # parameter: read the parameters (and build the probe) again when they changed
+        if self._module is not None and self._params:
+            current = {n: p for n, p in pl_module.named_parameters() if p.requires_grad}
+            if any(current.get(n) is not p for n, p in self._params.items()):
+                self._select(pl_module, initial=False)
         if self.resolved_method == "ddp" and trainer.accumulate_grad_batches > 1 and not self._ddp_registered:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -507,17 +564,18 @@ class GradientNoiseScaleMonitor(Monitor):
             keep = [i for i, g in enumerate(grads) if g is not None]
             names = [names[i] for i in keep]
             grads = [grads[i] for i in keep]
-        big_vec = _sq_norms([g.detach() for g in grads])  # .grad is unscaled at this hook
+        measured = set(names)
+        rest = [p.grad.detach() for n, p in self._params.items() if n not in measured and p.grad is not None]
+        # .grad is unscaled at this hook
+        big_vec, rest_vec = self._sq_norms_global(trainer, [[g.detach() for g in grads], rest])
         small_vec = torch.stack([small[n] for n in names]).to(big_vec.device)
 
         raw: dict[str, Tensor] = {}
         g2, tr = noise_scale_estimates(small_vec.sum(), big_vec.sum(), b_small, b_big)
         raw["g2"], raw["tr"] = g2, tr
-        measured = set(names)
-        rest = [p.grad.detach() for n, p in self._params.items() if n not in measured and p.grad is not None]
         if rest:  # the share of the gradient's squared norm the measured parameters carry, on device
             covered_sq = big_vec.sum()
-            raw["coverage"] = covered_sq / (covered_sq + _sq_norms(rest).to(big_vec.device).sum()).clamp_min(1e-30)
+            raw["coverage"] = covered_sq / (covered_sq + rest_vec.to(big_vec.device).sum()).clamp_min(1e-30)
         if self._layers:
             index = {n: i for i, n in enumerate(names)}
             for layer, pnames in self._layers.items():

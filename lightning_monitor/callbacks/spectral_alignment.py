@@ -49,6 +49,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
+from lightning_monitor._sharded import is_sharded
 from lightning_monitor.callbacks.base import Monitor, _check_int
 from lightning_monitor.functional.spectral import (
     sign_diversity,
@@ -329,7 +330,11 @@ class SpectralAlignmentMonitor(Monitor):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        from lightning_monitor._sharded import check_strategy, check_tensor_parallel
         from lightning_monitor.callbacks.base import NothingToWatch
+
+        check_strategy(trainer, "SpectralAlignmentMonitor", "a layer's weight matrix (its top singular vector) cannot be read from them")
+        check_tensor_parallel(trainer, "SpectralAlignmentMonitor", "it aligns each layer's input rows")
 
         self.idle_reason = None
         self.layers = {}
@@ -384,10 +389,21 @@ class SpectralAlignmentMonitor(Monitor):
         metrics: dict[str, Tensor] = {}
         alignments: dict[str, Tensor] = {}
         names = [n for n in self.layers if n in rows]  # layers that did not run this step are skipped
-        pairs = top_singular_subspaces(
-            [weight_matrix(self.layers[n]) for n in names], [self._vectors.get(n) for n in names],
-            n_iter=self.n_iter, n_vectors=self.n_vectors,
-        )
+        mats = {n: weight_matrix(self.layers[n]) for n in names}
+        plain = [n for n in names if not is_sharded(mats[n])]
+        found = dict(zip(plain, top_singular_subspaces(
+            [mats[n] for n in plain], [self._vectors.get(n) for n in plain], n_iter=self.n_iter, n_vectors=self.n_vectors,
+        )))
+        # FSDP2 (DTensor weights): each sharded layer is gathered alone (one all-gather of its weight, on due
+        # steps only) and freed before the next, so the peak is one layer; the iteration then runs on the full
+        # matrix, identical on every rank, exactly as unsharded
+        for n in names:
+            if n not in found:
+                full = mats[n].full_tensor()
+                found[n] = top_singular_subspaces([full], [self._vectors.get(n)], n_iter=self.n_iter,
+                                                  n_vectors=self.n_vectors)[0]
+                del full
+        pairs = [found[n] for n in names]
         for name, (sigma, _, v, basis) in zip(names, pairs):
             self._vectors[name] = basis
             a = spectral_alignment(rows[name], v)

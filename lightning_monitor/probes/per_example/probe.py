@@ -441,6 +441,10 @@ class PerExampleGradNorms:
         self._depth += 1
         if self._depth == 1:
             self._entry, self._calls = (module, args, kwargs), []
+            # Lightning's DDP / FSDP wrappers call the LightningModule with its `forward` patched, for this
+            # one call, to run `training_step` (the patch restores `forward` as it starts): keep the forward
+            # this call used, so that the dry run on a slice runs the same code
+            self._entry_forward = module.__dict__.get("forward")
 
     def _entry_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if self._dry is not None or _in_backward() or self._depth == 0:
@@ -473,7 +477,13 @@ class PerExampleGradNorms:
         devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
         error: Optional[BaseException] = None
         self._dry = dry
+        used = getattr(self, "_entry_forward", None)
+        missing = object()
+        now = module.__dict__.get("forward", missing)
+        swap = used is not None and now is not used
         try:
+            if swap:
+                module.forward = used  # type: ignore[method-assign]
             with torch.no_grad(), torch.random.fork_rng(devices=devices), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the model's warnings belong to its real calls
                 functional_call(module, buffers, _resize_batch(args, batch, small),
@@ -482,6 +492,11 @@ class PerExampleGradNorms:
             error = err
         finally:
             self._dry = None
+            if swap:
+                if now is missing:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.forward = now  # type: ignore[method-assign]
         full: dict[str, list[tuple[int, ...]]] = defaultdict(list)
         part: dict[str, list[tuple[int, ...]]] = defaultdict(list)
         for name, shape in calls:

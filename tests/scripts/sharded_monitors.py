@@ -1,0 +1,148 @@
+"""A 2-rank run of the monitors (SpectralAlignmentMonitor, GradientEarlyStopping, GradientNoiseScaleMonitor
+with ``method='per_example'``, GradientWeightAlignmentMonitor) on CPU (gloo): ``--strategy fsdp2``
+(ModelParallelStrategy, every Linear ``fully_shard``-ed, parameters and gradients DTensors) or ``--strategy ddp``.
+The same model, data and seed either way. Each rank writes every value its monitors logged, their alerts and the
+GradES frozen set to ``<out>/<strategy>-rank<r>.json``. ``--only NAME`` attaches one monitor (``sa``, ``grades``,
+``gns``, ``gwa``); ``--gns-method`` picks the noise-scale method (the default, ``per_example``, is supported
+under FSDP2). Run by tests/test_sharded.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_monitor import (
+    GradientEarlyStopping,
+    GradientNoiseScaleMonitor,
+    GradientWeightAlignmentMonitor,
+    SpectralAlignmentMonitor,
+)
+
+warnings.filterwarnings("ignore")
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self, shard: bool) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        self.shard = shard
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(2048, 8, generator=g)
+        self.y = (self.x @ torch.randn(8, 4, generator=g)).argmax(-1)
+
+    def configure_model(self) -> None:
+        if not self.shard:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for m in self.net:
+            if isinstance(m, torch.nn.Linear):
+                fully_shard(m, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def forward(self, x, y=None):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+
+    def train_dataloader(self):  # the distributed sampler gives each rank its own half, the same under both
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x, self.y), batch_size=16)
+
+
+def record(monitor, sink: dict) -> None:
+    """Wrap ``monitor.log_metrics`` to keep every logged value per step."""
+    original = monitor.log_metrics
+
+    def log_metrics(trainer, metrics, step, *args, **kwargs):
+        host = original(trainer, metrics, step, *args, **kwargs)
+        sink.setdefault(str(step), {}).update({k: float(v) for k, v in host.items()})
+        return host
+
+    monitor.log_metrics = log_metrics
+
+
+def time_calls(obj, method: str, sink: list, when=None) -> None:
+    """Wrap ``obj.<method>`` to record its wall time per call (the check's cost, communication included);
+    with ``when``, only the calls whose arguments it accepts."""
+    import time
+
+    original = getattr(obj, method)
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if when is None or when(*args):
+                sink.append(time.perf_counter() - t0)
+
+    setattr(obj, method, timed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", choices=("fsdp2", "ddp"), required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--only", default=None)
+    parser.add_argument("--gns-method", default="per_example")
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    if args.strategy == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    else:
+        strategy = "ddp_find_unused_parameters_true"  # GradES freezes parameters mid-run
+    monitors = {
+        "sa": SpectralAlignmentMonitor(every_n_steps=5, baseline_checks=2, head=None),
+        "grades": GradientEarlyStopping(tau=0.011, threshold="absolute", grace_steps=10, every_n_steps=2,
+                                        smoothing=0.5, stop=False),
+        "gns": GradientNoiseScaleMonitor(method=args.gns_method, every_n_steps=4),
+        "gwa": GradientWeightAlignmentMonitor(every_n_steps=1, log_histograms=False),
+    }
+    if args.only:
+        monitors = {k: v for k, v in monitors.items() if k in args.only.split(",")}
+    logged: dict[str, dict] = {k: {} for k in monitors}
+    for k, m in monitors.items():
+        record(m, logged[k])
+    timings: dict[str, list] = {}
+    for k, method in (("sa", "measure"), ("grades", "on_before_optimizer_step"), ("gns", "_check"),
+                      ("gwa", "_on_head_forward")):
+        if k in monitors:
+            due = (lambda trainer, *_: monitors["grades"].is_due(trainer.global_step)) if k == "grades" else None
+            time_calls(monitors[k], method, timings.setdefault(k, []), due)
+    trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", devices=2, strategy=strategy,
+                         callbacks=list(monitors.values()), logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=args.out)
+    model = Classifier(shard=args.strategy == "fsdp2")
+    result = {"error": None}
+    try:
+        trainer.fit(model)
+    except Exception as err:  # a refusal at setup: written down, compared by the test
+        result["error"] = f"{type(err).__name__}: {err}"
+    result["logged"] = logged
+    result["seconds_per_check"] = {k: sorted(v)[len(v) // 2] if v else None for k, v in timings.items()}  # median
+    result["alerts"] = {k: [(a.step, a.kind, a.severity) for a in m.hub.history] for k, m in monitors.items()
+                        if getattr(m, "hub", None) is not None}
+    if "grades" in monitors:
+        result["frozen"] = dict(monitors["grades"].frozen)
+    with open(os.path.join(args.out, f"{args.strategy}-rank{trainer.global_rank}.json"), "w") as fh:
+        json.dump(result, fh)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
