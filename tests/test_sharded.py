@@ -119,3 +119,30 @@ def test_tensor_parallel_is_refused_at_setup_by_the_activation_readers():
     for cls in (SpectralAlignmentMonitor, GradientWeightAlignmentMonitor):
         with pytest.raises(ValueError, match="does not support tensor parallelism"):
             cls().setup(trainer, torch.nn.Linear(2, 2), "fit")
+
+
+def test_the_guard_refuses_deepspeed_and_sums_fsdp1_shards(tmp_path):
+    """DeepSpeed holds gradients and optimizer state in its engine: the guard refuses it at setup (idle under
+    the preset). FSDP1 (GPU only: not run here) keeps plain flat gradient shards: the guard sums their
+    squared norms across the ranks, as it does for DTensor shards."""
+    from lightning_monitor import DivergenceGuard
+    from lightning_monitor.callbacks.base import NothingToWatch
+
+    def fake(kind):
+        trainer = type("Trainer", (), {})()
+        trainer.strategy, trainer.loggers, trainer.default_root_dir = type(kind, (), {})(), [], str(tmp_path)
+        trainer.global_rank, trainer.world_size, trainer.global_step = 0, 1, 0
+        return trainer
+
+    with pytest.raises(NothingToWatch, match="DeepSpeedStrategy holds the gradients"):
+        DivergenceGuard().setup(fake("DeepSpeedStrategy"), torch.nn.Linear(2, 2), "fit")
+    idle = DivergenceGuard()
+    idle.idle_when_nothing_to_watch = True
+    idle.setup(fake("DeepSpeedStrategy"), torch.nn.Linear(2, 2), "fit")
+    assert "DeepSpeed" in idle.idle_reason
+    guard = DivergenceGuard()
+    guard.setup(fake("FSDPStrategy"), torch.nn.Linear(2, 2), "fit")
+    assert guard._flat_shards and guard.idle_reason is None
+    plain = DivergenceGuard()
+    plain.setup(fake("DDPStrategy"), torch.nn.Linear(2, 2), "fit")
+    assert not plain._flat_shards

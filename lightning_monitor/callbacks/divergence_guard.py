@@ -319,6 +319,7 @@ class DivergenceGuard(Monitor):
         # per-step values on their way to the host: (step, [loss, grad norm], copy-done event or None, no loss)
         self._ring: deque[tuple[int, Tensor, Any, bool]] = deque()
         self._judged_through = -1  # the last step judged
+        self._flat_shards = False  # FSDP1: plain gradients are this rank's shards
         self._judged_now: Optional[tuple[Optional[float], float]] = None  # this step's values, if judged already
         self._restored: list[tuple[int, Optional[float], float]] = []  # buffered values restored from a checkpoint
         self._loss_acc: Optional[Tensor] = None
@@ -371,6 +372,14 @@ class DivergenceGuard(Monitor):
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
+        kind = type(trainer.strategy).__name__
+        if "DeepSpeed" in kind:
+            self.nothing_to_watch(
+                trainer, f"{kind} holds the gradients and optimizer state in its engine's partitions, which the guard "
+                "can neither read per step nor snapshot; use DDP, FSDP2 (ModelParallelStrategy) or FSDP.")
+            return
+        # FSDP1 keeps each rank's gradients as plain flat shards: their squared norms add up across the ranks
+        self._flat_shards = "FSDP" in kind
         self.hub.subscribe(self._on_alert)
         for directory, what in ((self.dirpath, "dirpath"), (self.snapshot_dir, "snapshot_dir")):
             if directory is None:
@@ -383,6 +392,8 @@ class DivergenceGuard(Monitor):
                 ) from err
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.idle_reason is not None:
+            return
         n = len(trainer.optimizers)
         if n > 1:
             if self.optimizer_index >= n:
@@ -414,6 +425,8 @@ class DivergenceGuard(Monitor):
 
     # ------------------------------------------------------------------ every step, on device
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.idle_reason is not None:
+            return
         self._batch, self._batch_idx = batch, batch_idx
         self._recent_batches.append((trainer.global_step, batch, batch_idx))
         self._lr_trace.append((trainer.global_step, self._float_lrs(trainer)))
@@ -430,6 +443,8 @@ class DivergenceGuard(Monitor):
             self._drop = TrainingSnapshot.capture(trainer, pl_module, {}, trainer.global_step, self._lr_scale)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self.idle_reason is not None:
+            return
         loss = loss.detach().float().sum()  # a [1, 1] loss, or a vector passed with its own gradient
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and scaler.is_enabled():
@@ -442,6 +457,8 @@ class DivergenceGuard(Monitor):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        if self.idle_reason is not None:
+            return
         step = trainer.global_step
         loss, self._loss_acc = self._loss_acc, None
         if len(trainer.optimizers) > 1 and optimizer is not trainer.optimizers[min(self.optimizer_index,
@@ -451,6 +468,8 @@ class DivergenceGuard(Monitor):
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         # fused kernels for the per-tensor norms; a sharded (FSDP2) gradient contributes its local shard
         plain_sq, shard_sq = squared_norms(grads)
+        if self._flat_shards and plain_sq is not None:
+            plain_sq, shard_sq = None, plain_sq if shard_sq is None else shard_sq + plain_sq
         zero = torch.zeros((), device=pl_module.device)
         loss = torch.full_like(zero, math.nan) if loss is None else loss.reshape(()).to(zero)
         if trainer.world_size > 1:
