@@ -34,6 +34,8 @@ _FLUSH_ELEMENTS = 1 << 20  # kept logit + W z elements before scoring (4 MiB in 
 _MIN_SAMPLES = 4
 #: share of negative scores in the first scored epoch above which the targets likely do not match
 _MISMATCH_FRACTION = 0.9
+#: a best score above this many times the scores of both neighbouring epochs is an uncertain pick (a spike)
+_SPIKE = 1.25
 #: Hugging Face causal LMs named otherwise than ``*ForCausalLM`` whose loss shifts the labels
 _CAUSAL_LM_NAMES = ("GPT2LMHeadModel", "OpenAIGPTLMHeadModel", "CTRLLMHeadModel")
 
@@ -187,6 +189,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         self.history: list[dict[str, Any]] = []
         self.best_epoch: Optional[int] = None
         self.best_score: Optional[float] = None
+        #: why the best epoch may be a poor pick (see :meth:`_uncertainty`), or None
+        self.pick_uncertain: Optional[str] = None
         self.wait = 0
         self.dip_epoch: Optional[int] = None
         self.stopped_epoch: Optional[int] = None
@@ -229,6 +233,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         super()._reset_run_state()
         self.history = []
         self.best_epoch = self.best_score = self.dip_epoch = self.stopped_epoch = None
+        self.pick_uncertain = None
         self.wait = 0
         self._fell = False
         self._prev_score = self._prev_epoch = None
@@ -718,6 +723,14 @@ class GradientWeightAlignmentMonitor(Monitor):
         self.history.append(record)
         if self.best_epoch is not None:
             metrics[self.key("best_epoch")] = float(self.best_epoch)
+            self.pick_uncertain = self._uncertainty()
+            metrics[self.key("uncertain")] = float(self.pick_uncertain is not None)
+            self.condition(
+                step, "uncertain_pick", self.pick_uncertain is not None, "warning",
+                f"GWA's best epoch so far ({self.best_epoch}) is uncertain: {self.pick_uncertain}. Check it against "
+                "a validation metric before keeping its checkpoint.",
+                value=self.best_score, clear_message=f"GWA's best epoch ({self.best_epoch}) no longer looks uncertain.",
+            )
         if metrics:
             # loggers get every defined score; callback_metrics only a selectable one: outside the
             # window (with mask_warmup) the key is left as it was, absent before the first
@@ -748,6 +761,26 @@ class GradientWeightAlignmentMonitor(Monitor):
         elif self.best_epoch is not None:
             self.wait += 1
         return score is not None
+
+    def _uncertainty(self) -> Optional[str]:
+        """Why the current best epoch may be a poor pick, or ``None``. Two patterns measured on settings the
+        rules were not made on (``benchmarks/gwa_validity.py``, BENCHMARKS.md): a pick at the first epoch of
+        the window while the score was still falling into it (the true maximum sat inside the warm-up), and a
+        one-epoch spike (a dip of the kurtosis), above 1.25x the scores on both sides. Re-checked every epoch."""
+        if self.best_epoch is None or self.best_score is None:
+            return None
+        scores = {h["epoch"]: h["score"] for h in self.history if h.get("score") is not None}
+        best, epoch = self.best_score, self.best_epoch
+        before = [(e, v) for e, v in sorted(scores.items()) if e < epoch]
+        if epoch == self._warmup_resolved and before and before[-1][1] > best:
+            e, v = before[-1]
+            return (f"it is the first epoch after the warm-up and the score was still falling into it "
+                    f"(epoch {e}: {v:.4g} against {best:.4g})")
+        prev, nxt = scores.get(epoch - 1), scores.get(epoch + 1)
+        if prev is not None and nxt is not None and prev > 0 and nxt > 0 and best > _SPIKE * max(prev, nxt):
+            return (f"a one-epoch spike ({best:.4g} against {prev:.4g} and {nxt:.4g} on either side), usually a "
+                    "passing dip of the scores' kurtosis")
+        return None
 
     def _maybe_stop(self, trainer: pl.Trainer, epoch: int, step: int) -> None:
         decision = self.best_epoch is not None and self.wait >= self.patience
