@@ -56,22 +56,66 @@ def tiny_gpt():
 
 
 def fit_ddp_spawn(trainer: Any, *args: Any, **kwargs: Any) -> None:
-    """``trainer.fit`` under ``ddp_spawn``, tolerating a rank that aborts while its process *exits*.
+    """``trainer.fit`` under ``ddp_spawn``, tolerating (loudly) a rank that aborts while its process *exits*.
 
     On our 2-core test machine a spawned gloo rank occasionally died with SIGABRT ("terminate called without
     an active exception") in interpreter shutdown, after ``fit`` and ``on_train_end`` had completed: in the
     GradES DDP test, and in the noise-scale DDP test while it used a DDP communication hook (a plain DDP
-    model without our callbacks did not abort in 15 runs; the cause is not found). The DDP tests judge the
-    results every rank writes in ``on_train_end`` and fail if a rank did not get that far; a SIGABRT is
-    reported as a warning, any other failure is re-raised.
+    model without our callbacks did not abort in 15 runs). Not reproduced since: 0 aborts in 40+ spawned
+    2-rank runs with the whole suite, GradES freezing, and the noise scale's communication hook attached
+    (issue 12; the cause is not found). The DDP tests judge the results every rank writes in
+    ``on_train_end`` and fail if a rank did not get that far; any failure other than a SIGABRT is re-raised.
+
+    A SIGABRT is counted in ``fit_ddp_spawn.aborts`` and reported as a warning *and* on stderr, so it shows
+    in any log; with ``LIGHTNING_MONITOR_STRICT_DDP_EXIT=1`` it fails the test instead (to hunt the cause).
     """
     import warnings
 
     from torch.multiprocessing.spawn import ProcessExitedException
 
+    if not any(isinstance(c, _DestroyGlooGroupAtExit) for c in trainer.callbacks):
+        trainer.callbacks.append(_DestroyGlooGroupAtExit())
     try:
         trainer.fit(*args, **kwargs)
     except ProcessExitedException as err:
-        if err.signal_name != "SIGABRT":
+        if err.signal_name != "SIGABRT" or os.environ.get("LIGHTNING_MONITOR_STRICT_DDP_EXIT") == "1":
             raise
-        warnings.warn(f"a spawned rank aborted at process exit after training: {err}")
+        fit_ddp_spawn.aborts.append(f"rank {err.error_index} (pid {err.pid}): {err}")
+        message = (
+            f"SPAWNED DDP RANK ABORTED AT PROCESS EXIT after training (abort #{len(fit_ddp_spawn.aborts)} in this "
+            f"session; issue 12, please report): {err}"
+        )
+        print(message, file=sys.stderr, flush=True)
+        warnings.warn(message)
+
+
+fit_ddp_spawn.aborts = []  # type: ignore[attr-defined]
+
+
+from lightning.pytorch.callbacks import Callback as _Callback  # noqa: E402
+
+
+class _DestroyGlooGroupAtExit(_Callback):
+    """In each spawned rank: destroy the process group at interpreter exit, while the interpreter is alive.
+
+    Lightning registers ``destroy_process_group`` at exit for NCCL only, so a gloo group is torn down during
+    interpreter finalization, and Gloo's worker threads may still hold work objects (the communication
+    hook's futures and their Python callbacks, tensors) whose destruction then takes the GIL of a dying
+    interpreter: SIGABRT (the suspected cause of the exit aborts, see pytorch/pytorch PR #179291). A
+    mitigation: the abort was not reproduced here, so it is not proven to be the cause.
+    """
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        import atexit
+
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+            atexit.register(_destroy_process_group_if_initialized)
+
+
+def _destroy_process_group_if_initialized() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -459,6 +459,9 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._handle.remove()
             self._handle = None
 
+    # never traced by torch.compile: it keeps Python state that changes every step (a traced hook would recompile
+    # each step until dynamo gives up); the head's own forward stays compiled
+    @torch.compiler.disable
     def _on_head_forward(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
         """Keep what the step's scores need: a few detached tensors, one or two small kernels."""
         pending, self._pending = self._pending, None
