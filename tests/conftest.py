@@ -119,3 +119,21 @@ def _destroy_process_group_if_initialized() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- the slow set
+# Tests that start other processes: the demo and the CLI as subprocesses, the sharded (FSDP2) jobs, the SIGKILL
+# resume, every DDP spawn (2 gloo ranks), the compiled model and every order of the five callbacks. The
+# README's test command runs the rest (`-m "not slow"`, under 2 minutes on 2 cores); CI (`.ci/run`) runs both.
+_SLOW_FILES = ("test_demo.py", "test_sharded.py", "test_resume_alerts.py", "test_compile.py", "test_permutations.py",
+               "test_noise_scale_ddp_accumulation.py")
+_SLOW_TESTS = ("test_cli.py::test_example_yaml_trains_with_a_short_name_added",
+               "test_cli.py::test_short_names_resolve_when_lightning_is_imported_after_the_package")
+
+
+def pytest_collection_modifyitems(config: Any, items: list) -> None:
+    for item in items:
+        path = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
+        name = item.nodeid.rsplit("/", 1)[-1]
+        if path in _SLOW_FILES or name.split("[")[0] in _SLOW_TESTS or "ddp" in item.name.lower():
+            item.add_marker(pytest.mark.slow)

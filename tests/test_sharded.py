@@ -14,8 +14,20 @@ import torch
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "sharded_guard.py")
 
 
+# what a parent process's earlier distributed run leaves in the environment (ddp_spawn sets MASTER_PORT in
+# the test process): a launched job must choose its own port, or two jobs collide and wait for each other
+_DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
+              "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def _clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
 def _run(strategy: str, out: str) -> list[dict]:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env = _clean_env()
     proc = subprocess.run([sys.executable, SCRIPT, "--strategy", strategy, "--out", out], capture_output=True,
                           text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -49,7 +61,7 @@ def test_monitors_under_fsdp2_log_what_they_log_under_ddp(tmp_path):
     """SpectralAlignmentMonitor, GradientEarlyStopping (freezing a component mid-run), GradientNoiseScaleMonitor
     (per_example) and GradientWeightAlignmentMonitor on the same model, data and seed: FSDP2 (2 gloo ranks,
     DTensor parameters) against DDP. Both runs at once (each is mostly process start-up)."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env = _clean_env()
     procs = {}
     for s in ("fsdp2", "ddp"):
         (tmp_path / s).mkdir()
