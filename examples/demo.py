@@ -111,9 +111,11 @@ def report(run: dict[str, Any]) -> None:
               f"first spectral-alignment warning: "
               + next((f"step {a.step} (sa/{a.kind})" for a in warnings if a.monitor == "sa"), "none"))
     for r in run["rollbacks"]:
-        lr = "learning rate kept" if r["lr_factor"] == 1.0 else f"learning rate now {r['lr_scale']:.3g}x its schedule"
-        if r["lr_ceiling"]:
-            lr += f", capped at {r['lr_ceiling'][0][0]:.3g}"
+        cap = f"capped at {r['lr_ceiling'][0][0]:.3g}" if r["lr_ceiling"] else ""
+        if r["lr_factor"] == 1.0:
+            lr = f"learning rate {cap}" if cap else "learning rate kept"
+        else:
+            lr = f"learning rate now {r['lr_scale']:.3g}x its schedule" + (f", {cap}" if cap else "")
         print(f"   rolled back at step {r['step']} to the state of step {r['to_step']}: {r['skipped']} batches skipped, {lr}")
     if run["stopped_step"] is not None:
         print(f"   stopped by the DivergenceGuard at step {run['stopped_step']}; last good state: {run['checkpoint']}")
