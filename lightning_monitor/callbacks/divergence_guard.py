@@ -30,6 +30,11 @@ _REFERENCES = 4
 _EARLY_PATIENCE = 10
 
 
+def _at(rows: Optional[list[list[Any]]], i: int, j: int) -> Any:
+    """``rows[i][j]`` (per optimizer, per parameter group), or ``None`` where there is none."""
+    return rows[i][j] if rows is not None and i < len(rows) and j < len(rows[i]) else None
+
+
 def _is_critical(alert: Optional[Alert]) -> bool:
     return alert is not None and alert.severity == "critical"
 
@@ -430,11 +435,7 @@ class DivergenceGuard(Monitor):
         self._batch, self._batch_idx = batch, batch_idx
         self._recent_batches.append((trainer.global_step, batch, batch_idx))
         self._lr_trace.append((trainer.global_step, self._float_lrs(trainer)))
-        if self._lr_ceiling is not None:  # host floats only: no device work
-            for opt, ceilings in zip(trainer.optimizers, self._lr_ceiling):
-                for group, ceiling in zip(opt.param_groups, ceilings):
-                    if isinstance(group["lr"], float) and group["lr"] > ceiling:
-                        group["lr"] = ceiling
+        self._apply_lr_ceiling(trainer)
         key = (trainer.current_epoch, batch_idx)
         if self.snapshot_every_n_steps is not None:
             self._seen.append((trainer.global_step, *key))
@@ -931,6 +932,15 @@ class DivergenceGuard(Monitor):
                 return snap
         return None
 
+    def _apply_lr_ceiling(self, trainer: pl.Trainer) -> None:
+        """Hold every float learning rate at or below its ceiling (host floats only: no device work)."""
+        if self._lr_ceiling is None:
+            return
+        for opt, ceilings in zip(trainer.optimizers, self._lr_ceiling):
+            for group, ceiling in zip(opt.param_groups, ceilings):
+                if isinstance(group["lr"], float) and group["lr"] > ceiling:
+                    group["lr"] = ceiling
+
     @staticmethod
     def _float_lrs(trainer: pl.Trainer) -> list[list[Optional[float]]]:
         """Every parameter group's learning rate (``None`` for a tensor rate: reading it would sync)."""
@@ -956,10 +966,9 @@ class DivergenceGuard(Monitor):
         self._recent_batches.clear()  # skipped data, and losses of weights no longer there
         self._normal_recent.clear()
         self._hard_batch = None
-        best = self._lr_at_min
-        pairs = [(n, b) for i, group in enumerate(lr_now) for j, n in enumerate(group)
-                 for b in [best[i][j] if best is not None and i < len(best) and j < len(best[i]) else None]]
-        rose = diverged and any(n is not None and b is not None and n > 1.001 * b for n, b in pairs)
+        best, before = self._lr_at_min, self._lr_ceiling
+        rose = diverged and any(n is not None and b is not None and n > 1.001 * b
+                                for i, row in enumerate(lr_now) for j, n in enumerate(row) for b in [_at(best, i, j)])
         steady = diverged and not rose and not bad_batch
         factor = self.lr_factor ** (repeat + steady)
         self._lr_scale *= factor
@@ -969,19 +978,15 @@ class DivergenceGuard(Monitor):
             for i, opt in enumerate(trainer.optimizers):
                 row = []
                 for j, group in enumerate(opt.param_groups):
-                    c = group["lr"] if isinstance(group["lr"], float) else math.inf
-                    if rose and pairs:
-                        n, b = lr_now[i][j], best[i][j] if best is not None else None
-                        c = min([c] + [b for b in [b] if b is not None] + [self.lr_factor * n for n in [n] if n is not None])
-                    if self._lr_ceiling is not None and i < len(self._lr_ceiling) and j < len(self._lr_ceiling[i]):
-                        c = min(c, self._lr_ceiling[i][j] * factor)
-                    row.append(c)
+                    caps = [group["lr"] if isinstance(group["lr"], float) else math.inf]
+                    if rose:  # the rate of the best smoothed loss, and a fraction of the rate that diverged
+                        caps += [b for b in [_at(best, i, j)] if b is not None]
+                        caps += [self.lr_factor * n for n in [_at(lr_now, i, j)] if n is not None]
+                    caps += [c * factor for c in [_at(before, i, j)] if c is not None]
+                    row.append(min(caps))
                 ceilings.append(row)
             self._lr_ceiling = ceilings
-            for opt, row in zip(trainer.optimizers, ceilings):
-                for group, ceiling in zip(opt.param_groups, row):
-                    if isinstance(group["lr"], float):
-                        group["lr"] = min(group["lr"], ceiling)
+            self._apply_lr_ceiling(trainer)
         batches = [[e, b] for s, e, b in self._seen if snap.step <= s <= step]
         self._skip.update((e, b) for e, b in batches)
         self._seen = [e for e in self._seen if e[0] < snap.step]

@@ -20,6 +20,16 @@ from lightning_monitor import DivergenceGuard
 warnings.filterwarnings("ignore")
 
 
+def shard_every_linear(net: torch.nn.Sequential, mesh) -> None:
+    """FSDP2: ``fully_shard`` every Linear of ``net``, then ``net`` itself, over ``mesh``."""
+    from torch.distributed.fsdp import fully_shard
+
+    for m in net:
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+
+
 class Regression(pl.LightningModule):
     def __init__(self, jump_at: int, shard: bool) -> None:
         super().__init__()
@@ -30,15 +40,8 @@ class Regression(pl.LightningModule):
         self.y = self.x @ torch.randn(8, 1, generator=g)
 
     def configure_model(self) -> None:
-        if not self.shard:
-            return
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = self.device_mesh["data_parallel"]
-        for m in self.net:
-            if isinstance(m, torch.nn.Linear):
-                fully_shard(m, mesh=mesh)
-        fully_shard(self.net, mesh=mesh)
+        if self.shard:
+            shard_every_linear(self.net, self.device_mesh["data_parallel"])
 
     def training_step(self, batch, batch_idx):
         if self.global_step == self.jump_at:

@@ -24,6 +24,9 @@ from lightning_monitor import (
     SpectralAlignmentMonitor,
 )
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sharded_guard import shard_every_linear  # noqa: E402
+
 warnings.filterwarnings("ignore")
 
 
@@ -38,15 +41,8 @@ class Classifier(pl.LightningModule):
         self.y = (self.x @ torch.randn(8, 4, generator=g)).argmax(-1)
 
     def configure_model(self) -> None:
-        if not self.shard:
-            return
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = self.device_mesh["data_parallel"]
-        for m in self.net:
-            if isinstance(m, torch.nn.Linear):
-                fully_shard(m, mesh=mesh)
-        fully_shard(self.net, mesh=mesh)
+        if self.shard:
+            shard_every_linear(self.net, self.device_mesh["data_parallel"])
 
     def forward(self, x, y=None):
         return self.net(x)

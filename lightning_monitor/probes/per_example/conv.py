@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_monitor._compat import has_forward_pre_hooks
-from lightning_monitor.probes.per_example.kernels import linear_sq_norms, project_matrix
+from lightning_monitor.probes.per_example.kernels import forward_under_autocast, linear_sq_norms, project_matrix
 from lightning_monitor.probes.per_example.registry import Handler, register
 from lightning_monitor.probes.per_example.strategy import LinearRule
 
@@ -185,16 +185,8 @@ class _FusedConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], m: nn.Module,
                 sink: Optional[Callable[..., None]]) -> Tensor:
-        device = x.device.type
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        if torch.is_autocast_enabled(device):
-            dt = torch.get_autocast_dtype(device)
-            x, weight = x.to(dt), weight.to(dt)
-            bias = None if bias is None else bias.to(dt)
-            with torch.autocast(device, enabled=False):
-                out = m._conv_forward(x, weight, bias)
-        else:
-            out = m._conv_forward(x, weight, bias)
+        out, x, weight = forward_under_autocast(m._conv_forward, x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.m, ctx.sink, ctx.has_bias = m, sink, bias is not None
         return out

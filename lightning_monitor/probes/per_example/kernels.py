@@ -3,12 +3,30 @@ used by the verification. Shared by the Linear and Conv2d handlers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Optional
+
 import torch
 from torch import Tensor
 
 from lightning_monitor.probes.per_example.strategy import LinearRule, examples_at_once
 
 __all__ = ["as_seq", "linear_sq_norms", "per_example_linear", "project_matrix"]
+
+
+def forward_under_autocast(fn: Callable[[Tensor, Tensor, Optional[Tensor]], Tensor], x: Tensor, weight: Tensor,
+                           bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(fn(x, weight, bias), x, weight)`` inside a custom ``autograd.Function``'s forward, where autocast does
+    not cast: under autocast the operands are cast to its dtype first (as the layer's own forward would be),
+    and the cast ``x`` and ``weight`` are returned for ``save_for_backward``."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return fn(x, weight, bias), x, weight
+    dt = torch.get_autocast_dtype(device)
+    x, weight = x.to(dt), weight.to(dt)
+    bias = None if bias is None else bias.to(dt)
+    with torch.autocast(device, enabled=False):
+        return fn(x, weight, bias), x, weight
 
 
 def as_seq(x: Tensor, d: int) -> Tensor:

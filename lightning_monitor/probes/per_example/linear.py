@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from lightning_monitor._compat import has_forward_pre_hooks
 from lightning_monitor.probes.per_example.kernels import (
     as_seq,
+    forward_under_autocast,
     linear_sq_norms,
     per_example_linear,
     project_matrix,
@@ -117,16 +118,8 @@ class _FusedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], sink: Callable[..., None]) -> Tensor:
-        device = x.device.type
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        if torch.is_autocast_enabled(device):
-            dt = torch.get_autocast_dtype(device)
-            x, weight = x.to(dt), weight.to(dt)
-            bias = None if bias is None else bias.to(dt)
-            with torch.autocast(device, enabled=False):
-                out = F.linear(x, weight, bias)
-        else:
-            out = F.linear(x, weight, bias)
+        out, x, weight = forward_under_autocast(F.linear, x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         ctx.sink = sink
