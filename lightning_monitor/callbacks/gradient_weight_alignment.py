@@ -197,6 +197,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._fell = False
         self._prev_score: Optional[float] = None
         self._prev_epoch: Optional[int] = None
+        # a saved epoch to continue after a resume (see on_save_checkpoint)
+        self._resume_open: Optional[dict[str, Any]] = None
 
         # run state
         self._head_name: Optional[str] = None
@@ -237,6 +239,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         self.wait = 0
         self._fell = False
         self._prev_score = self._prev_epoch = None
+        self._resume_open = None
+        self._before_partial = None
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -253,18 +257,63 @@ class GradientWeightAlignmentMonitor(Monitor):
         )
         return state
 
+    def _selection_state(self) -> dict[str, Any]:
+        return dict(best_epoch=self.best_epoch, best_score=self.best_score, wait=self.wait, dip_epoch=self.dip_epoch,
+                    fell=self._fell, prev_score=self._prev_score, prev_epoch=self._prev_epoch)
+
+    def _load_selection_state(self, state: dict[str, Any]) -> None:
+        self.best_epoch = state.get("best_epoch")
+        self.best_score = state.get("best_score")
+        self.wait = int(state.get("wait", 0))
+        self.dip_epoch = state.get("dip_epoch")
+        self._fell = bool(state.get("fell", False))
+        self._prev_score = state.get("prev_score")
+        self._prev_epoch = state.get("prev_epoch")
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._note_state_loaded()
+        # the epoch a checkpoint was saved in, continued by on_train_epoch_start if the resume lands in it
+        self._resume_open = state_dict.get("open_epoch")
         self.history = [dict(h) for h in state_dict.get("history", [])]
-        self.best_epoch = state_dict.get("best_epoch")
-        self.best_score = state_dict.get("best_score")
-        self.wait = int(state_dict.get("wait", 0))
-        self.dip_epoch = state_dict.get("dip_epoch")
+        self._load_selection_state(state_dict)
         self.stopped_epoch = state_dict.get("stopped_epoch")
-        self._fell = bool(state_dict.get("fell", False))
-        self._prev_score = state_dict.get("prev_score")
-        self._prev_epoch = state_dict.get("prev_epoch")
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint saved inside an epoch (or after an epoch cut short by the end of training) carries
+        that epoch's accumulators, reduced over the ranks, so a resume into the same epoch scores all of
+        it. Added here, not in :meth:`state_dict`: the guard's snapshots need none of it."""
+        if self._head is None or self._epoch_open is None or (self._finished and self._before_partial is None):
+            return
+        self._flush()
+        state, negative, lo, hi, hist, top = self._reduce(trainer)
+        keep = top[0].argsort()[: self.suspects]
+        checkpoint.setdefault("callbacks", {}).setdefault(self.state_key, {})["open_epoch"] = {
+            "epoch": self._epoch_open, "moments": state, "negative": negative, "minmax": [lo, hi], "hist": hist,
+            "top": top[:, keep], "scored_steps": self._scored_steps,
+            "recorded": self._finished, "before": self._before_partial,
+        }
+
+    def _continue_epoch(self, trainer: pl.Trainer, device: Optional[torch.device]) -> None:
+        """Resumed inside the epoch a checkpoint was saved in: its accumulators continue (on rank 0, the
+        others start from zero: the sums are reduced at the epoch's end), and a score recorded for the
+        epoch cut short is replaced by the whole epoch's."""
+        saved, self._resume_open = self._resume_open, None
+        if saved is None or saved.get("epoch") != trainer.current_epoch:
+            return
+        if trainer.global_rank == 0:
+            self._moments = GWAMoments.from_state(torch.as_tensor(saved["moments"], dtype=torch.float64).to(device))
+            self._negative = torch.as_tensor(saved["negative"], dtype=torch.float64, device=device).reshape(())
+            self._hist = torch.as_tensor(saved["hist"], dtype=torch.float64).to(device)
+            self._minmax = torch.tensor(saved["minmax"], dtype=torch.float64, device=device)
+            top = torch.as_tensor(saved["top"], dtype=torch.float64).to(device)
+            self._top[:, : top.shape[1]] = top[:, : self._top.shape[1]]
+        self._scored_steps = int(saved.get("scored_steps", 0))
+        if saved.get("recorded"):
+            if self.history and self.history[-1].get("epoch") == saved["epoch"]:
+                self.history.pop()
+            if saved.get("before") is not None:
+                self._load_selection_state(saved["before"])
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -310,6 +359,12 @@ class GradientWeightAlignmentMonitor(Monitor):
             return
         self._warmup_resolved = self._resolve_warmup(trainer)
         self._check_score_consumers(trainer)
+        # the epoch training starts in: Lightning calls on_train_epoch_start for it only when it starts at its
+        # first batch (not after a resume inside it)
+        self._reset_epoch(pl_module.device)
+        self._epoch_open = trainer.current_epoch
+        if self._resume_open is not None:
+            self._continue_epoch(trainer, pl_module.device)
 
     def _check_score_consumers(self, trainer: pl.Trainer) -> None:
         """Warn about Lightning callbacks on ``gwa/score`` that fail while the key has no value: it
@@ -422,11 +477,17 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._stashed = 0
         self._finished = False
         self._scored_steps = 0
+        self._epoch_open: Optional[int] = None
+        #: the selection state before a record of an epoch cut short (replaced if a resume continues it)
+        self._before_partial: Optional[dict[str, Any]] = None
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.idle_reason is not None:
             return
+        if self._epoch_open == trainer.current_epoch and not self._finished:
+            return  # set up by on_train_start
         self._reset_epoch(pl_module.device)
+        self._epoch_open = trainer.current_epoch
 
     # ------------------------------------------------------------------ per step
     def on_train_batch_start(
@@ -637,12 +698,13 @@ class GradientWeightAlignmentMonitor(Monitor):
             )
         # the hook's batch_idx is the loop's batch count in this epoch minus one (also after a mid-epoch resume)
         if trainer.is_last_batch or batch_idx + 1 >= trainer.num_training_batches:
-            self._finish_epoch(trainer, pl_module)
+            self._finish_epoch(trainer, pl_module, complete=True)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.idle_reason is not None:
             return
-        self._finish_epoch(trainer, pl_module)
+        # reached without the epoch's last batch: training ended inside the epoch (max_steps, a stop)
+        self._finish_epoch(trainer, pl_module, complete=False)
 
     def release(self) -> None:
         """The base calls this when training ends, on an exception and at teardown."""
@@ -658,28 +720,41 @@ class GradientWeightAlignmentMonitor(Monitor):
             return packed.unsqueeze(0)
         return trainer.strategy.all_gather(packed).reshape(trainer.world_size, -1)
 
-    def _finish_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _reduce(self, trainer: pl.Trainer) -> tuple[Tensor, float, float, float, Tensor, Tensor]:
+        """The epoch's accumulators of every rank, on the host: moments, negatives, min, max, histogram and
+        the suspects' columns (``[5, ranks * k]``). One gather, one host transfer."""
+        k = self.suspects
+        packed = torch.cat(
+            [self._moments.state, self._negative.reshape(1), self._minmax, self._hist, self._top.reshape(-1)]
+        )
+        rows = self._gather(trainer, packed).to("cpu", torch.float64)
+        state = GWAMoments.combine(rows[:, :5])
+        negative = float(rows[:, 5].sum())
+        lo, hi = float(rows[:, 6].min()), float(rows[:, 7].max())
+        hist = rows[:, 8 : 8 + _HIST_BINS].sum(0)
+        top = rows[:, 8 + _HIST_BINS :].reshape(rows.shape[0], 5, k).permute(1, 0, 2).reshape(5, -1)
+        return state, negative, lo, hi, hist, top
+
+    def _finish_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, complete: bool) -> None:
         if self._finished or self._head is None or trainer.sanity_checking:
             return
         self._finished = True
         self._disarm()  # no scoring in a validation loop that follows
         self._flush()
         epoch, step = trainer.current_epoch, trainer.global_step
-        k = self.suspects
-        packed = torch.cat(
-            [self._moments.state, self._negative.reshape(1), self._minmax, self._hist, self._top.reshape(-1)]
-        )
-        rows = self._gather(trainer, packed).to("cpu", torch.float64)  # the one host transfer
-        state = GWAMoments.combine(rows[:, :5])
-        negative = float(rows[:, 5].sum())
-        lo, hi = float(rows[:, 6].min()), float(rows[:, 7].max())
-        hist = rows[:, 8 : 8 + _HIST_BINS].sum(0)
-        top = rows[:, 8 + _HIST_BINS :].reshape(rows.shape[0], 5, k).permute(1, 0, 2).reshape(5, -1)
+        state, negative, lo, hi, hist, top = self._reduce(trainer)
         stats = GWAMoments.from_state(state).compute(GWA_OFFSET, min_count=_MIN_SAMPLES)
         count = int(stats.count)
         score, mean, kurtosis = float(stats.score), float(stats.mean), float(stats.kurtosis)
 
         record: dict[str, Any] = {"epoch": epoch, "step": step, "count": count, "score": None, "eligible": False}
+        if not complete:
+            record["partial"] = True
+            # a resume into this epoch replaces the record and the selection it made with the whole epoch's
+            self._before_partial = self._selection_state()
+        full = [h["count"] for h in self.history if not h.get("partial") and h.get("count", 0) >= _MIN_SAMPLES]
+        # an epoch cut short on less than half of a whole epoch's samples is logged but not selected
+        small = not complete and bool(full) and count < 0.5 * max(full)
         metrics: dict[str, float] = {}
         if count < _MIN_SAMPLES:
             rank_zero_warn(
@@ -720,7 +795,7 @@ class GradientWeightAlignmentMonitor(Monitor):
             if defined:
                 metrics[self.key("score")] = score
                 record.update(score=score, mean=mean, kurtosis=kurtosis)
-        eligible = self._select(epoch, record.get("score"))
+        eligible = False if small else self._select(epoch, record.get("score"))
         record["eligible"] = eligible
         record["negative"] = negative
         self.history.append(record)
@@ -738,7 +813,7 @@ class GradientWeightAlignmentMonitor(Monitor):
             # loggers get every defined score; callback_metrics only a selectable one: outside the
             # window (with mask_warmup) the key is left as it was, absent before the first
             # selectable epoch and the last selectable score after it (no placeholder value)
-            masked = self.mask_warmup and not eligible
+            masked = (self.mask_warmup and not eligible) or small
             self.log_metrics(trainer, metrics, step, loggers_only=(self.key("score"),) if masked else ())
         if count >= _MIN_SAMPLES and self._want_histogram and trainer.global_rank == 0:
             self._write_histogram(trainer, hist, lo, hi, count, state, step)
