@@ -355,3 +355,57 @@ def test_the_same_guard_in_a_second_trainer_starts_clean(tmp_path):
     capture = _Capture()
     _trainer(tmp_path / "b", [guard, capture], 100).fit(_Regression())
     assert guard.rollbacks == [] and guard.hub.history == [] and capture.dropped == []
+
+
+def test_snapshot_files_outlive_a_killed_process_and_serve_the_resumed_run(tmp_path, monkeypatch):
+    from lightning_monitor.snapshot import TrainingSnapshot
+
+    snaps = str(tmp_path / "snaps")
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=55, save_top_k=-1)
+    guard = DivergenceGuard(every_n_steps=5, snapshot_every_n_checks=5, snapshot_dir=snaps)  # at 0, 25, 50
+    pl.seed_everything(0)
+    with monkeypatch.context() as patch:  # a process killed before its teardown leaves its files behind
+        patch.setattr(TrainingSnapshot, "discard", lambda self: None)
+        _trainer(tmp_path / "a", [guard, ckpt], 55, enable_checkpointing=True).fit(_Regression())
+    state = torch.load(tmp_path / "ck" / "epoch=0-step=55.ckpt", weights_only=False)["callbacks"][guard.state_key]
+    assert [f["step"] for f in state["snapshot_files"]] == [25, 50]  # keep_snapshots=2
+
+    # resumed with the glitch ahead: the divergence at 61 goes back to the snapshot of step 50, taken by the killed
+    # process (without it the resumed run's only snapshot would be of step 55 or later)
+    pl.seed_everything(0)
+    resumed = DivergenceGuard(every_n_steps=5, snapshot_every_n_checks=5, snapshot_dir=snaps)
+    capture = _Capture(step=62)
+    trainer = _trainer(tmp_path / "b", [resumed, capture], 120)
+    trainer.fit(_Regression(glitch=(60, 61, 62)), ckpt_path=str(tmp_path / "ck" / "epoch=0-step=55.ckpt"))
+    assert [(r["step"], r["to_step"]) for r in resumed.rollbacks] == [(61, 50)]
+    pl.seed_everything(0)
+    ref = _Capture(step=50)
+    _trainer(tmp_path / "ref", [ref], 50, logger=False).fit(_Regression())
+    _assert_same(capture.module, ref.module)
+    # the resumed run's end deletes the files it took over (the step-0 file is one the killed process dropped)
+    assert os.listdir(snaps) == ["guard-snapshot-rank0-step=0.pt"]
+
+
+def test_snapshot_files_missing_on_resume_are_left_out(tmp_path, monkeypatch):
+    from lightning_monitor.snapshot import TrainingSnapshot
+
+    snaps = str(tmp_path / "snaps")
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=55, save_top_k=-1)
+    pl.seed_everything(0)
+    with monkeypatch.context() as patch:
+        patch.setattr(TrainingSnapshot, "discard", lambda self: None)
+        _trainer(tmp_path / "a", [DivergenceGuard(every_n_steps=5, snapshot_every_n_checks=5, snapshot_dir=snaps),
+                                  ckpt], 55, enable_checkpointing=True).fit(_Regression())
+    for name in os.listdir(snaps):
+        if "step=50" in name:
+            os.remove(os.path.join(snaps, name))
+
+    class _Snaps(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if not hasattr(self, "steps"):
+                self.steps = [s.step for s in resumed._snapshots]
+
+    resumed = DivergenceGuard(every_n_steps=5, snapshot_every_n_checks=5, snapshot_dir=snaps)
+    probe = _Snaps()
+    _trainer(tmp_path / "b", [resumed, probe], 57).fit(_Regression(), ckpt_path=str(tmp_path / "ck" / "epoch=0-step=55.ckpt"))
+    assert probe.steps == [25]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections import deque
 from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_monitor._compat import foreach_norm, grad_scaler_scale
@@ -176,6 +177,10 @@ class DivergenceGuard(Monitor):
     the last check normal and every parameter and buffer finite (a refused one is tried again at the next
     check), in host memory (``snapshot_dir=None``) or in files; the newest ``keep_snapshots`` are kept. The trainer's step counter is not rewound: logged
     steps stay monotonic, ``max_steps`` keeps counting, and the skipped batches are simply not learned from.
+    Snapshot files are listed in every checkpoint: a run resumed from it after the process died (files are
+    deleted when a fit ends) goes on with the listed snapshots whose files every rank still has, so its
+    first rollback can reach back before the resume. Snapshots in host memory do not outlive the process;
+    a resumed run takes its first at its first check.
 
     Args:
         action: what the guard may do on a critical decision: ``"rollback"``, ``"stop"`` or ``"warn"``
@@ -341,6 +346,7 @@ class DivergenceGuard(Monitor):
         self._verdict: Optional[tuple[int, list[str], Optional[int]]] = None  # a check's findings, acted on at batch end
         self._seen: list[tuple[int, int, int]] = []  # (step, epoch, batch_idx) since the oldest snapshot
         self._snapshots: list[TrainingSnapshot] = []
+        self._snapshot_files: list[dict[str, Any]] = []  # a checkpoint's snapshot files, adopted at train start
         self._lr_scale = 1.0
         self._lr_ceiling: Optional[list[list[float]]] = None  # per optimizer and group, after a repeated divergence
         self._external: list[Alert] = []
@@ -395,6 +401,10 @@ class DivergenceGuard(Monitor):
                 raise PermissionError(
                     f"DivergenceGuard cannot create `{what}` {directory!r} ({err.strerror}); pass a writable directory."
                 ) from err
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.idle_reason is None and self._snapshot_files:
+            self._adopt_snapshot_files(trainer)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.idle_reason is not None:
@@ -1044,6 +1054,7 @@ class DivergenceGuard(Monitor):
         for snap in self._snapshots:
             snap.discard()
         self._snapshots, self._seen, self._drop, self._verdict = [], [], None, None
+        self._snapshot_files = []
         self._recent_batches.clear()
         self._normal_recent.clear()
         self._lr_trace.clear()
@@ -1081,6 +1092,10 @@ class DivergenceGuard(Monitor):
             lr_ceiling=self._lr_ceiling,
             stop_checkpoint=self.stop_checkpoint,
             stopped_step=self.stopped_step,
+            snapshot_files=[
+                {"step": s.step, "epoch": s.epoch, "lr_scale": s.lr_scale, "path": s.path, "guard": s.guard}
+                for s in self._snapshots if s.path is not None
+            ],
         )
         return state
 
@@ -1096,3 +1111,24 @@ class DivergenceGuard(Monitor):
         self._lr_ceiling = state_dict.get("lr_ceiling")
         self.stop_checkpoint = state_dict.get("stop_checkpoint")
         self.stopped_step = state_dict.get("stopped_step")
+        self._snapshot_files = [dict(f) for f in state_dict.get("snapshot_files", [])]
+
+    def _adopt_snapshot_files(self, trainer: pl.Trainer) -> None:
+        """After a resume: take over the checkpoint's snapshot files that every rank still has (each rank's own
+        file, named by its rank). One boolean reduction per file listed (at most ``keep_snapshots`` + 1)."""
+        files, self._snapshot_files = self._snapshot_files, []
+        rank = trainer.global_rank
+        for meta in sorted(files, key=lambda f: f["step"]):
+            if any(s.step == meta["step"] for s in self._snapshots):
+                continue
+            name = re.sub(r"-rank\d+-", f"-rank{rank}-", os.path.basename(meta["path"]))
+            path = os.path.join(os.path.dirname(meta["path"]), name)
+            if not trainer.strategy.reduce_boolean_decision(os.path.isfile(path), all=True):
+                continue
+            snap = TrainingSnapshot(step=int(meta["step"]), epoch=int(meta["epoch"]), lr_scale=float(meta["lr_scale"]),
+                                    path=path, guard=dict(meta.get("guard") or {}))
+            self._snapshots.append(snap)
+        self._snapshots.sort(key=lambda s: s.step)
+        if self._snapshots:
+            rank_zero_info(f"DivergenceGuard: resumed with the snapshot(s) of step(s) "
+                           f"{', '.join(str(s.step) for s in self._snapshots)} from `snapshot_dir`.")
