@@ -8,7 +8,18 @@ components freeze, and the cost of the statistic before any freeze.
 3. Overhead: runs with a tau that never freezes, interleaved with baseline runs in the same process;
    the ratio of median step times.
 
-Run: ``/work/venv/bin/python benchmarks/bench_grades.py`` (``--quick`` for a smoke run).
+``--prefix`` runs only another measurement: the time per step once a prefix of the blocks is frozen, with
+and without ``cut_frozen_prefix``. An 8-block GPT (d_model 128, 512 tokens a step, embeddings frozen, a
+45-character vocabulary, so that the blocks' forward and backward are nearly all of a step) is trained by
+a plain loop (forward, backward, AdamW step; single thread, process CPU time per step) with nothing
+frozen, and with the components of its first ``k`` blocks frozen (``freeze_parameters``), without and
+with the cut (the rest of those blocks frozen as ``frozen_prefix`` says, which is what the callback does);
+the configurations take turns, a few steps each, over several rounds. The expected ratio of each
+configuration is the share of the step's compute left: the FLOPs of its forward and backward
+(``torch.utils.flop_counter``) over those with nothing frozen.
+
+Run: ``/work/venv/bin/python benchmarks/bench_grades.py`` (``--quick`` for a smoke run;
+``--prefix`` for the frozen-prefix measurement only).
 """
 
 from __future__ import annotations
@@ -32,9 +43,15 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
-from gpt import STOI, GPTConfig, GPTModule, make_loader  # noqa: E402
+from gpt import GPT, STOI, GPTConfig, GPTModule, make_loader  # noqa: E402
 
 from lightning_monitor import GradientEarlyStopping  # noqa: E402
+from lightning_monitor.functional.grades import (  # noqa: E402
+    block_container,
+    find_components,
+    freeze_parameters,
+    frozen_prefix,
+)
 
 DIGITS = {STOI[c] for c in "0123456789"}
 
@@ -156,6 +173,85 @@ def finetune(
     }
 
 
+def _prefix_model(cfg: GPTConfig, k: int, cut: bool) -> tuple[GPT, torch.optim.Optimizer]:
+    """The GPT with its embeddings frozen and the components of its first ``k`` blocks frozen; with ``cut``
+    also the rest of those blocks (their norms), so that the backward stops at the end of block ``k - 1``."""
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    model.tok_emb.weight.requires_grad_(False)
+    model.pos_emb.weight.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    comps = find_components(model)
+    container = block_container(model, comps)
+    assert container == "blocks"
+    freeze_parameters([p for n, c in comps.items() if int(n.split(".")[1]) < k for p in c.params], [opt])
+    if cut:
+        prefix = frozen_prefix(model, container)
+        assert prefix.depth == k and not prefix.front
+        freeze_parameters(prefix.params.values(), [opt])
+    return model, opt
+
+
+def _prefix_step(model: GPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    opt.zero_grad(set_to_none=True)
+    logits = model(x)
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+    opt.step()
+
+
+def _step_flops(model: GPT, x: torch.Tensor, y: torch.Tensor) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model.zero_grad(set_to_none=True)
+    with FlopCounterMode(display=False) as counter:
+        logits = model(x)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def prefix_benchmark(args: argparse.Namespace) -> None:
+    """Time per step with a frozen prefix of ``k`` of the blocks, with and without the cut, against the
+    share of the step's FLOPs left (see the module docstring)."""
+    n = args.prefix_layers
+    cfg = GPTConfig(n_layer=n, n_head=4, d_model=args.prefix_d_model, block_size=64, mlp_ratio=4)
+    ks = [k for k in args.prefix_k if 0 < k <= n]
+    configs = [(0, False)] + [(k, cut) for k in ks for cut in (False, True)]
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (args.prefix_batch, cfg.block_size + 1), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    models = {c: _prefix_model(cfg, *c) for c in configs}
+    flops = {c: _step_flops(models[c][0], x, y) for c in configs}
+    for model, opt in models.values():  # warm-up: allocators, AdamW state
+        for _ in range(2):
+            _prefix_step(model, opt, x, y)
+    cpu: dict[tuple[int, bool], list[float]] = {c: [] for c in configs}
+    wall: dict[tuple[int, bool], list[float]] = {c: [] for c in configs}
+    for _ in range(args.prefix_reps):  # the configurations take turns
+        for c in configs:
+            model, opt = models[c]
+            for _ in range(args.prefix_steps):
+                t0, c0 = time.perf_counter(), time.process_time()
+                _prefix_step(model, opt, x, y)
+                cpu[c].append(time.process_time() - c0)
+                wall[c].append(time.perf_counter() - t0)
+    med = statistics.median
+    base_cpu, base_wall, base_flops = med(cpu[0, False]), med(wall[0, False]), flops[0, False]
+    print(f"\nfrozen prefix: GPT {n} blocks, d_model {cfg.d_model}, {args.prefix_batch}x{cfg.block_size} tokens a step, "
+          f"embeddings frozen, AdamW, 1 thread; {args.prefix_reps} interleaved rounds of {args.prefix_steps} steps per "
+          f"configuration; forward+backward {base_flops / 1e9:.2f} GFLOP a step with nothing frozen")
+    print("expected = FLOPs of the step's forward and backward over those with nothing frozen; measured = median "
+          "CPU time per step over that with nothing frozen")
+    print("\n| frozen blocks | cut | compute frozen | expected ratio | median CPU ms/step | measured ratio "
+          "| median wall ms/step | wall ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for k, cut in configs:
+        expected = flops[k, cut] / base_flops
+        c_ms, w_ms = 1000 * med(cpu[k, cut]), 1000 * med(wall[k, cut])
+        print(f"| {k}/{n} | {'yes' if cut else 'no'} | {100 * (1 - expected):.1f}% | {expected:.3f} | {c_ms:.1f} | "
+              f"{c_ms / (1000 * base_cpu):.3f} | {w_ms:.1f} | {w_ms / (1000 * base_wall):.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small model and few steps (smoke run)")
@@ -173,6 +269,14 @@ def main() -> None:
     parser.add_argument("--no-overhead", action="store_true", help="skip the overhead measurement")
     parser.add_argument("--overhead-reps", type=int, default=5)
     parser.add_argument("--overhead-steps", type=int, default=30)
+    parser.add_argument("--prefix", action="store_true",
+                        help="only measure the time per step with a frozen prefix of the blocks, with and without the cut")
+    parser.add_argument("--prefix-layers", type=int, default=8)
+    parser.add_argument("--prefix-d-model", type=int, default=128)
+    parser.add_argument("--prefix-batch", type=int, default=8)
+    parser.add_argument("--prefix-k", type=int, nargs="+", default=[2, 4, 6], help="numbers of frozen leading blocks")
+    parser.add_argument("--prefix-reps", type=int, default=8, help="interleaved rounds")
+    parser.add_argument("--prefix-steps", type=int, default=6, help="steps per configuration and round")
     args = parser.parse_args()
     if args.quick:
         args.d_model, args.layers, args.pretrain_steps, args.steps = 64, 2, 60, 80
@@ -181,6 +285,9 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("lightning_monitor").setLevel(logging.ERROR)
+    if args.prefix:
+        prefix_benchmark(args)
+        return
 
     cfg = GPTConfig(n_layer=args.layers, n_head=4, d_model=args.d_model, block_size=64)
     root = tempfile.mkdtemp(prefix="bench_grades_")

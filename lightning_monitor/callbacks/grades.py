@@ -16,10 +16,12 @@ from lightning_monitor._sharded import is_sharded, local, replication
 from lightning_monitor.callbacks.base import Monitor, _check_int, deprecated_aliases
 from lightning_monitor.functional.grades import (
     Component,
+    block_container,
     ema_update,
     find_components,
     freeze_mask,
     freeze_parameters,
+    frozen_prefix,
     mean_abs,
     mean_abs_update,
     no_component_reason,
@@ -100,6 +102,21 @@ class GradientEarlyStopping(Monitor):
     optimizer state is freed, and it stays frozen. When the frozen fraction of components reaches
     ``max_frozen_ratio`` the trainer stops (``trainer.should_stop``, reduced across ranks).
 
+    A block whose matrices are all frozen still costs the gradient with respect to its input whenever a
+    parameter before it trains: its own norms and biases, or the embeddings. With
+    ``cut_frozen_prefix=True``, once the first ``k`` blocks (the numbered children of the one
+    ``nn.ModuleList``/``nn.Sequential`` holding every component, e.g. ``model.layers``) have all their
+    weight matrices frozen and nothing in front of the blocks trains (the parameters listed before the
+    blocks by ``named_parameters()``: the embeddings, frozen by the user or as components named in
+    ``include``), the remaining parameters of those ``k`` blocks (norm scales and shifts, other 1-D
+    parameters) are frozen too, the same way: no tensor before block ``k`` then requires a gradient and
+    the backward stops there, while the gradients of every parameter still trainable are unchanged.
+    The parameters frozen so are :attr:`cut` (name -> step). Trainable embeddings keep the backward
+    running through the blocks, so nothing is cut (said once in an info alert ``prefix_not_cut``); so
+    does a model whose components are not all in the numbered blocks of one container (info alert
+    ``prefix_cut_unavailable``). The default is ``False`` because the cut freezes parameters that are
+    not components and that the plain rule keeps training (the norms of the frozen blocks).
+
     Resuming (``trainer.fit(ckpt_path=...)``) re-freezes the checkpoint's set in ``on_train_start``,
     after ``configure_optimizers`` ran and the optimizer state was loaded, and before the first step:
     an optimizer over ``filter(lambda p: p.requires_grad, model.parameters())`` is built over the same
@@ -137,6 +154,9 @@ class GradientEarlyStopping(Monitor):
         stop: whether the monitor may stop the run: stop training once ``max_frozen_ratio`` of the
             components is frozen (default). ``False``: it only freezes (its own action, always on) and
             training goes on with whatever is left trainable.
+        cut_frozen_prefix: when the leading blocks have all their matrices frozen and nothing in front of
+            them trains, freeze the rest of those blocks (norms) so that the backward stops at their end
+            (see above). Off by default: it freezes parameters the plain rule keeps training.
 
     The monitor has no ``patience``: a component freezes at the first check past the grace period whose
     smoothed statistic is below the threshold (``smoothing`` plays that role).
@@ -161,6 +181,7 @@ class GradientEarlyStopping(Monitor):
         every_n_steps: int = 5,
         warmup_steps: int = 0,
         stop: bool = True,
+        cut_frozen_prefix: bool = False,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
@@ -186,6 +207,9 @@ class GradientEarlyStopping(Monitor):
         self.exclude = exclude
         self.stop = bool(stop)
         self.log_stats = bool(log_stats)
+        if not isinstance(cut_frozen_prefix, bool):
+            raise ValueError(f"`cut_frozen_prefix` must be True or False, got {cut_frozen_prefix!r}.")
+        self.cut_frozen_prefix = cut_frozen_prefix
 
         self._components: dict[str, Component] = {}
         self._names: list[str] = []
@@ -203,6 +227,10 @@ class GradientEarlyStopping(Monitor):
         # a restored frozen set waits for on_train_start, after the optimizer state is loaded
         self._freeze_pending = False
         self._training = False  # between on_train_start and the end of the run
+        self.cut: dict[str, int] = {}  # parameter frozen by the prefix cut -> step
+        self.cut_depth = 0  # number of leading blocks the backward no longer runs through
+        self._container: Optional[str] = None
+        self._front_said = False
 
     # ------------------------------------------------------------------ identity / state
     @property
@@ -232,6 +260,9 @@ class GradientEarlyStopping(Monitor):
         self._saved_names = []
         self._freeze_pending = False
         self._training = False
+        self.cut, self.cut_depth = {}, 0
+        self._container = None
+        self._front_said = False
 
     @property
     def component_patterns(self) -> Optional[Union[str, Sequence[str]]]:
@@ -268,6 +299,8 @@ class GradientEarlyStopping(Monitor):
             smoothed=to_list(self._smoothed),
             reference=to_list(ref),
             stopped_at=self.stopped_at,
+            cut=dict(self.cut),
+            cut_depth=self.cut_depth,
         )
         return state
 
@@ -282,18 +315,20 @@ class GradientEarlyStopping(Monitor):
         self._smoothed = as_tensor(state_dict.get("smoothed"))
         self._n_ref_checks = int(state_dict.get("reference_checks_done", 0))
         self.stopped_at = state_dict.get("stopped_at")
+        self.cut = {str(k): int(v) for k, v in state_dict.get("cut", {}).items()}
+        self.cut_depth = int(state_dict.get("cut_depth", 0))
         self._snapshot, self._snapshot_step = {}, None
         if self._components:
             self._check_saved_names()
         trainer = self._bound_trainer()
         if self._components and self._training and trainer is not None:
             # loaded while training (by hand): freeze now, freeing the optimizer state
-            self._apply_frozen(trainer.optimizers)
+            self._apply_frozen(trainer)
         else:
             # a checkpoint restored by Trainer.fit(ckpt_path=...) is loaded after setup and before
             # configure_optimizers; freezing there would leave the frozen parameters out of an optimizer
             # built over those that require a gradient, and its saved state would not load
-            self._freeze_pending = bool(self.frozen)
+            self._freeze_pending = bool(self.frozen or self.cut)
 
     def _check_saved_names(self) -> None:
         saved = self._saved_names
@@ -307,9 +342,77 @@ class GradientEarlyStopping(Monitor):
         if unknown:
             raise ValueError(f"GradientEarlyStopping: frozen components {unknown} of the checkpoint are not in this model.")
 
-    def _apply_frozen(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    def _apply_frozen(self, trainer: pl.Trainer) -> None:
         for name in self.frozen:
-            freeze_parameters(self._components[name].params, optimizers)
+            freeze_parameters(self._components[name].params, trainer.optimizers)
+        if self.cut:
+            params = dict(trainer.lightning_module.named_parameters())
+            unknown = sorted(set(self.cut) - set(params))
+            if unknown:
+                raise ValueError(
+                    f"GradientEarlyStopping: parameters {unknown[:6]} frozen by the prefix cut of the checkpoint are "
+                    "not in this model."
+                )
+            freeze_parameters([params[n] for n in self.cut], trainer.optimizers)
+
+    def _cut_prefix(self, trainer: pl.Trainer, step: int) -> None:
+        """With ``cut_frozen_prefix``: freeze what is left of the leading fully frozen blocks when nothing in
+        front of them trains, so that the backward stops at their end (see the class docstring). Derived
+        from the frozen set and the model alone, so every rank cuts the same parameters on the same step."""
+        if not self.cut_frozen_prefix or self._container is None:
+            return
+        module = trainer.lightning_module
+        prefix = frozen_prefix(module, self._container)
+        if prefix.depth == 0 or (prefix.depth <= self.cut_depth and not prefix.params):
+            return
+        blocks = f"blocks {self._container}.0..{prefix.depth - 1}" if prefix.depth > 1 else f"block {self._container}.0"
+        if prefix.front:
+            if not self._front_said:
+                self._front_said = True
+                self.alert(
+                    step, "prefix_not_cut", "info",
+                    f"The weight matrices of {blocks} are all frozen, but {len(prefix.front)} parameter(s) in "
+                    f"front of the blocks train ({list(prefix.front)[:4]}): the backward still runs through the "
+                    "frozen blocks to reach them. Freeze them (requires_grad=False) for cut_frozen_prefix to stop it there.",
+                    value=float(prefix.depth),
+                )
+            return
+        freeze_parameters(prefix.params.values(), trainer.optimizers)
+        for name in prefix.params:
+            self.cut[name] = step
+        self.cut_depth = prefix.depth
+        self.alert(
+            step, "prefix_cut", "info",
+            f"The backward now stops at the end of {blocks} (weight matrices all frozen, nothing trainable in "
+            f"front of the blocks); froze the {len(prefix.params)} parameter(s) left there "
+            f"({list(prefix.params)[:4]}{'...' if len(prefix.params) > 4 else ''}).",
+            value=float(prefix.depth), details={"params": list(prefix.params)},
+        )
+        self._verify_cut(module, prefix.depth, step)
+
+    def _verify_cut(self, module: torch.nn.Module, depth: int, step: int) -> None:
+        """At the next training forward of the first block after the cut, check that nothing entering it
+        requires a gradient (something trainable that ``named_parameters()`` lists after the blocks but that
+        runs before them would keep the backward going); say so once if it does."""
+        blocks = list(module.get_submodule(self._container or "").children())
+        if depth >= len(blocks):
+            return
+
+        def check(block: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if not (torch.is_grad_enabled() and block.training):
+                return
+            handle.remove()
+            inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
+            if any(t.requires_grad for t in inputs):
+                self.alert(
+                    step, "prefix_cut_ineffective", "warning",
+                    f"cut_frozen_prefix froze the rest of the first {depth} block(s), but the input of block {depth} "
+                    "still requires a gradient: something trainable runs before the blocks that named_parameters() "
+                    "lists after them, so the backward still runs through the frozen blocks.",
+                    value=float(depth),
+                )
+
+        handle = self.arm(blocks[depth].register_forward_pre_hook(check, with_kwargs=True))
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -338,7 +441,14 @@ class GradientEarlyStopping(Monitor):
         self._check_saved_names()
         self._training = False
         # a frozen set loaded before the run is applied at on_train_start (see there)
-        self._freeze_pending = bool(self.frozen)
+        self._freeze_pending = bool(self.frozen or self.cut)
+        self._container = block_container(pl_module, self._names) if self.cut_frozen_prefix else None
+        if self.cut_frozen_prefix and self._container is None:
+            self.alert(
+                trainer.global_step, "prefix_cut_unavailable", "info",
+                "cut_frozen_prefix: the components are not all inside the numbered blocks of one nn.ModuleList or "
+                f"nn.Sequential ({self._names[:4]}...), so the block order is unknown; the backward is not cut.",
+            )
 
     @staticmethod
     def _check_strategy(trainer: pl.Trainer) -> None:
@@ -396,6 +506,12 @@ class GradientEarlyStopping(Monitor):
         self._names = [n for n in self._names if n in self._components]
         flags = {is_sharded(p) for c in self._components.values() for p in c.params}
         self._sharded = True in flags
+        if self._sharded and self._container is not None:
+            self._container = None
+            self.alert(
+                trainer.global_step, "prefix_cut_unavailable", "info",
+                "cut_frozen_prefix is not applied to sharded (FSDP2) parameters; the backward is not cut.",
+            )
         if self._sharded and trainer.world_size > 1 and len(flags) > 1:
             raise ValueError(
                 "GradientEarlyStopping: some watched parameters are sharded (FSDP2 DTensors) and others are plain "
@@ -435,8 +551,9 @@ class GradientEarlyStopping(Monitor):
         if self.idle_reason is not None:
             return
         if self._freeze_pending:
-            self._apply_frozen(trainer.optimizers)
+            self._apply_frozen(trainer)
             self._freeze_pending = False
+        self._cut_prefix(trainer, trainer.global_step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
@@ -516,6 +633,8 @@ class GradientEarlyStopping(Monitor):
                 f"{len(self.frozen)}/{len(self._names)} components frozen.",
                 value=value, threshold=self.tau, layer=name,
             )
+        if newly:
+            self._cut_prefix(trainer, step)
         if decide:
             self._maybe_stop(trainer, step)
 

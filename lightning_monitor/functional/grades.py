@@ -16,6 +16,9 @@ Two statistics, both element-wise means so that they do not grow with the size o
 The *relative* (scale-free) rule freezes ``c`` when ``s_c < tau * r_c``, where ``r_c`` is the mean of
 the component's own statistic over its first few checks; the *absolute* rule when ``s_c < tau``.
 
+:func:`block_container` and :func:`frozen_prefix` find the leading blocks whose matrices are all frozen
+and what is left to freeze in them for the backward to stop at their end.
+
 Example:
     >>> import torch
     >>> from torch import nn
@@ -55,6 +58,9 @@ __all__ = [
     "freeze_mask",
     "ema_update",
     "freeze_parameters",
+    "PrefixCut",
+    "block_container",
+    "frozen_prefix",
 ]
 
 #: Leaf names of projection matrices, by naming scheme. Adding a scheme is adding one entry.
@@ -289,3 +295,103 @@ def freeze_parameters(params: Iterable[nn.Parameter], optimizers: Iterable[torch
         for p in [q for q in opt.state if id(q) in ids]:
             del opt.state[p]
     return count
+
+
+# --------------------------------------------------------------------------- frozen prefix
+
+
+@dataclass(frozen=True)
+class PrefixCut:
+    """Where the backward can stop: the leading blocks whose weight matrices are all frozen.
+
+    Attributes:
+        depth: the number ``k`` of leading blocks whose weight matrices (parameters of two or more
+            dimensions) are all frozen; the backward can stop at the end of block ``k - 1``.
+        params: the parameters of those blocks that still require a gradient (norm scales and shifts,
+            biases outside the components), by qualified name: freezing them cuts the backward there.
+        front: qualified names of the trainable parameters in front of the blocks (embeddings): while
+            any is trainable, the backward has to run through the blocks to reach it.
+    """
+
+    depth: int
+    params: dict[str, nn.Parameter]
+    front: tuple[str, ...]
+
+
+def _block_path(name: str) -> Optional[tuple[str, str]]:
+    """``(container, index)`` of the first numeric segment of a qualified name, or ``None``."""
+    segments = name.split(".")
+    for i, segment in enumerate(segments):
+        if segment.isdigit():
+            return ".".join(segments[:i]), segment
+    return None
+
+
+def block_container(model: nn.Module, names: Iterable[str]) -> Optional[str]:
+    """The qualified name of the one ``nn.ModuleList`` or ``nn.Sequential`` whose numbered children (the
+    blocks) hold every component in ``names`` (``blocks`` for ``blocks.0.attn.q_proj``, ``model.layers``
+    for Hugging Face ``model.layers.0.self_attn.q_proj``, ``transformer.h`` for GPT-2), or ``None`` when
+    the components are not all under the numbered children of one such container (a component outside
+    the blocks, an encoder and a decoder, a ResNet's several stages). ``""`` is the model itself.
+
+    Example:
+        >>> blocks = nn.ModuleList(nn.ModuleDict({"q_proj": nn.Linear(4, 4)}) for _ in range(2))
+        >>> block_container(nn.ModuleDict({"blocks": blocks}), ["blocks.0.q_proj", "blocks.1.q_proj"])
+        'blocks'
+    """
+    containers = set()
+    for name in names:
+        path = _block_path(name)
+        if path is None:
+            return None
+        containers.add(path[0])
+    if len(containers) != 1:
+        return None
+    container = containers.pop()
+    try:
+        module = model.get_submodule(container)
+    except AttributeError:
+        return None
+    return container if isinstance(module, (nn.ModuleList, nn.Sequential)) else None
+
+
+def frozen_prefix(model: nn.Module, container: str) -> PrefixCut:
+    """The leading blocks of ``container`` (see :func:`block_container`) whose weight matrices are all
+    frozen, what is left to freeze in them, and what trains in front of them.
+
+    A block counts when every parameter of it with two or more dimensions has ``requires_grad=False``
+    and none of its trainable parameters is shared with a module outside the leading blocks; blocks
+    are taken in the container's order and the first that does not count ends the prefix. The *front*
+    is every parameter that ``model.named_parameters()`` lists before the container's first one
+    (embeddings, a ViT's class token and position embedding), the modules registered before the blocks.
+
+    Freezing :attr:`PrefixCut.params` when :attr:`PrefixCut.front` is empty leaves no tensor before the
+    end of the prefix that requires a gradient, so autograd records no graph there and the backward
+    stops at the end of the prefix; the gradients of every parameter still trainable are unchanged.
+    """
+    blocks = model.get_submodule(container)
+    base = f"{container}." if container else ""
+    named = list(model.named_parameters())
+    first = next((i for i, (n, _) in enumerate(named) if n.startswith(base)), len(named))
+    front = tuple(n for n, p in named[:first] if p.requires_grad)
+    names_of: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(n)
+    depth = 0
+    params: dict[str, nn.Parameter] = {}
+    prefixes: list[str] = []
+    for child, block in blocks.named_children():
+        prefix = f"{base}{child}."
+        own = [(f"{prefix}{n}", p) for n, p in block.named_parameters()]
+        if any(p.requires_grad and p.dim() >= 2 for _, p in own):
+            break
+        inside = prefixes + [prefix]
+        shared = any(
+            not any(m.startswith(q) for q in inside) for _, p in own if p.requires_grad for m in names_of[id(p)]
+        )
+        if shared:
+            break
+        prefixes.append(prefix)
+        depth += 1
+        params.update((n, p) for n, p in own if p.requires_grad)
+    return PrefixCut(depth, params, front)
