@@ -271,7 +271,7 @@ def report(results: list[dict[str, Any]], args, wall: float) -> str:
 
     # pooled over settings, per noise level (the issue's targets)
     p("")
-    p("### Pooled over settings (targets of issue 14)")
+    p("### Pooled over settings (against the targets)")
     p("")
     p("| noise | runs | median GWA - val pick | runs worse than -3 pt | first after warm-up | median suspects precision |")
     p("|---|---|---|---|---|---|")
