@@ -2,14 +2,17 @@
 
 Example GPT on CPU (one thread), two sizes. Each repetition trains the same seeded run twice, with no
 callback and with ``HealthMonitor()`` (SpectralAlignmentMonitor every 50 steps, GradientNoiseScaleMonitor
-every 10 with per-example norms, GradientWeightAlignmentMonitor every step on the lm_head (tokens are the
+every 50 with per-example norms, GradientWeightAlignmentMonitor every 10th step on the lm_head (tokens are the
 samples), DivergenceGuard judging every step, the dashboard), alternating which goes first. Reported:
 median seconds per step (first 20 steps excluded), the median of the per-pair ratios, and the time spent
 inside each monitor's callback hooks (its on_* methods; the probes' forward and backward hooks are not
 included) as a share of the monitored run's training time. GradientEarlyStopping is off in the preset:
 it changes the training it measures (see bench_grades.py).
 
-Run: python benchmarks/bench_suite.py [--quick]
+``--only sa`` (``gns``, ``gwa``, ``guard``; or several, comma-separated) keeps only those monitors of the
+preset, at the preset's settings: one monitor's own overhead.
+
+Run: python benchmarks/bench_suite.py [--quick] [--only sa,gns,gwa,guard]
 """
 
 from __future__ import annotations
@@ -57,9 +60,13 @@ def timed(callback: Callback, clock: list) -> Callback:
     return callback
 
 
-def suite(clocks: dict) -> list[Callback]:
-    """``HealthMonitor()`` with every monitor's hooks timed into ``clocks[<monitor name>]``."""
-    health = lm.HealthMonitor()
+SLOTS = {"sa": "spectral", "gns": "noise_scale", "gwa": "gwa", "guard": "guard"}
+
+
+def suite(clocks: dict, only: tuple[str, ...] = ()) -> list[Callback]:
+    """``HealthMonitor()`` (with only the monitors named in ``only`` when given) with every monitor's hooks
+    timed into ``clocks[<monitor name>]``."""
+    health = lm.HealthMonitor(**{slot: False for name, slot in SLOTS.items() if only and name not in only})
     for monitor in health.monitors:
         timed(monitor, clocks.setdefault(monitor.name, [0.0]))
     return [timed(health, clocks.setdefault("preset", [0.0]))]
@@ -80,13 +87,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--root", default="benchmarks/out/suite")
+    parser.add_argument("--only", default="", help="comma-separated monitors to keep: sa, gns, gwa, guard")
     args = parser.parse_args()
+    only = tuple(n for n in args.only.split(",") if n)
+    unknown = [n for n in only if n not in SLOTS]
+    if unknown:
+        parser.error(f"--only: unknown monitors {unknown}; choose from {list(SLOTS)}")
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     for name in ("lightning", "lightning.pytorch", "lightning_monitor"):
         logging.getLogger(name).setLevel(logging.ERROR)
     steps, reps = (120, 2) if args.quick else (220, 4)
-    print(f"torch {torch.__version__}, 1 thread, {steps} steps per run, {reps} pairs, load {os.getloadavg()[0]:.1f}")
+    print(f"torch {torch.__version__}, 1 thread, {steps} steps per run, {reps} pairs, load {os.getloadavg()[0]:.1f}"
+          + (f", only {', '.join(only)}" if only else ""))
     names = ("sa", "gns", "gwa", "guard", "preset")
     print("\n| model | ms/step without | ms/step with HealthMonitor() | ratio (median of pairs) | time in the hooks: "
           + " | ".join(names) + " | all |")
@@ -99,7 +112,7 @@ def main() -> None:
             result = {}
             for which in order:
                 clocks: dict = {}
-                per_step = run(config, steps, suite(clocks) if which == "suite" else [], args.root)
+                per_step = run(config, steps, suite(clocks, only) if which == "suite" else [], args.root)
                 result[which] = per_step
                 if which == "suite":
                     for n in names:

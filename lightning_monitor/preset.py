@@ -66,6 +66,25 @@ class HealthMonitor(Callback):
     saves its state under its own ``state_key``, and resumes from a checkpoint. A monitor of the same
     type passed to the Trainer explicitly takes the place of the preset's (one guard, not two).
 
+    **Cadences.** The preset is meant to stay on in every run, so where a monitor's own default would
+    cost a noticeable share of a small model's step it samples more sparsely (measured by
+    ``benchmarks/bench_suite.py``; pass the monitor's argument to get its own default back):
+
+    * ``noise_scale``: ``every_n_steps=50`` (the monitor's own default: 10). A due step runs the
+      per-example gradient-norm probe through the forward and backward pass, which costs about half a
+      step of the example GPT on CPU (5% of the run at every 10 steps, 1% at every 50). The noise scale
+      drifts over thousands of steps and the monitor smooths its checks (``smoothing=0.9``, about ten
+      checks), so one check per 50 steps, as for spectral alignment, still follows it; its alerts wait
+      for ``min_checks=5`` checks (250 steps).
+    * ``gwa``: ``every_n_steps=10`` (the monitor's own default: 1, the paper's setting). GWA is judged
+      once per epoch on the distribution of the epoch's per-sample scores; scoring the batches of every
+      10th step estimates that distribution's mean and kurtosis from a tenth of the samples (at the
+      example GPT's 1024 scored tokens a step, the scores of all steps cost 6% of the run, a tenth of
+      them 0.6%). An epoch of fewer than about 40 optimizer steps gets few scored batches (fewer than 4
+      samples: no score for that epoch, with a warning): pass ``gwa={"every_n_steps": 1}`` there.
+
+    The guard keeps its cadence: it judges every step's loss and gradient norm.
+
     Nothing aborts because a monitor has nothing to watch in this model (no ``nn.Linear`` layer for
     spectral alignment, no classifier head for GWA ...): such a monitor says so once in a
     ``nothing_to_watch`` warning alert and stays idle
@@ -93,8 +112,8 @@ class HealthMonitor(Callback):
     #: defaults for everything else).
     DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
         "spectral": {},
-        "noise_scale": {},
-        "gwa": {},
+        "noise_scale": {"every_n_steps": 50},
+        "gwa": {"every_n_steps": 10},
         "guard": {},
         "grades": {},
     }

@@ -17,7 +17,7 @@ from lightning_monitor._compat import foreach_norm, grad_scaler_scale
 from lightning_monitor._sharded import local, squared_norms
 from lightning_monitor.alerts import Alert, alerts_dir, read_records
 from lightning_monitor.callbacks.base import Monitor, _check_int, deprecated_aliases
-from lightning_monitor.functional.robust import difference_noise, median
+from lightning_monitor.functional.robust import MAD_TO_STD, median
 from lightning_monitor.snapshot import TrainingSnapshot, scale_learning_rates
 
 __all__ = ["DivergenceGuard"]
@@ -60,6 +60,8 @@ class _SeriesWatch:
 
     def __init__(self, window: int, min_history: int, threshold: float, rel_floor: float, recent: int = 10) -> None:
         self.history: deque[float] = deque(maxlen=window)
+        # |history[t + 1] - history[t]|, kept along with the history: the noise needs no pass over it per value
+        self._diffs: deque[float] = deque(maxlen=max(window - 1, 1))
         self.min_history = min_history
         self.threshold = threshold
         self.rel_floor = rel_floor
@@ -76,7 +78,12 @@ class _SeriesWatch:
         """(level, noise), computed once per change of the history."""
         if self._cache is None:
             values = list(self.history)
-            self._cache = (median(values[-self.recent:]), difference_noise(values) if len(values) > 1 else 0.0)
+            if len(self._diffs) != max(len(values) - 1, 0):  # the history was changed from outside: rebuild
+                self._diffs.clear()
+                self._diffs.extend(abs(b - a) for a, b in zip(values, values[1:]))
+            # difference_noise(values), from the kept differences
+            noise = MAD_TO_STD * median(list(self._diffs)) / math.sqrt(2.0) if len(values) > 1 else 0.0
+            self._cache = (median(values[-self.recent:]), noise)
         return self._cache
 
     def level(self) -> float:
@@ -106,6 +113,8 @@ class _SeriesWatch:
             self.run += 1
         else:
             self.run, self.start = 0, None
+            if self.history:
+                self._diffs.append(abs(x - self.history[-1]))
             self.history.append(x)
             self._cache = None
         return anomalous, z
@@ -114,6 +123,7 @@ class _SeriesWatch:
         """Make ``values`` the new normal (after a data shift)."""
         self.history.clear()
         self.history.extend(values)
+        self._diffs.clear()  # rebuilt by _stats
         self.run, self.start = 0, None
         self._cache = None
 
@@ -123,6 +133,7 @@ class _SeriesWatch:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history.clear()
         self.history.extend(state.get("history", []))
+        self._diffs.clear()  # rebuilt by _stats
         self._cache = None
         self.run, self.start = int(state.get("run", 0)), state.get("start")
 
@@ -481,16 +492,12 @@ class DivergenceGuard(Monitor):
         plain_sq, shard_sq = squared_norms(grads)
         if self._flat_shards and plain_sq is not None:
             plain_sq, shard_sq = None, plain_sq if shard_sq is None else shard_sq + plain_sq
-        zero = torch.zeros((), device=pl_module.device)
-        loss = torch.full_like(zero, math.nan) if loss is None else loss.reshape(()).to(zero)
-        if trainer.world_size > 1:
-            # one all-reduce of two numbers: every rank judges the same mean loss, so every per-step decision is
-            # the same on all ranks; the shards' squared norms add up to the sharded gradients' total
-            part = trainer.strategy.reduce(torch.stack([loss / trainer.world_size, zero if shard_sq is None else shard_sq]),
-                                           reduce_op="sum")
-            loss, shard_sq = part[0], part[1]
-        total = (zero if plain_sq is None else plain_sq) + (zero if shard_sq is None else shard_sq)
-        row = torch.stack([loss, total.sqrt()])
+        if (shard_sq is None and plain_sq is not None and loss is not None and trainer.world_size == 1
+                and plain_sq.dtype == torch.get_default_dtype() and plain_sq.device == pl_module.device):
+            # the common case, the same row with two kernels fewer (no zero tensor to add)
+            row = torch.stack([loss.reshape(()).to(plain_sq), plain_sq.sqrt()])
+        else:
+            row = self._row(trainer, pl_module, loss, plain_sq, shard_sq)
         on_host = row.device.type == "cpu" and self._lag(trainer) == 0
         if self.zero_nonfinite_grads and grads and not on_host:
             bad = torch.isfinite(row.sum()).logical_not_()  # on the device: no sync
@@ -512,6 +519,21 @@ class DivergenceGuard(Monitor):
                 first_bad = bad_at if first_bad is None else min(first_bad, bad_at)
         if critical or self.is_due(step):
             self._verdict = (step, critical, first_bad)
+
+    @staticmethod
+    def _row(trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Optional[Tensor], plain_sq: Optional[Tensor],
+             shard_sq: Optional[Tensor]) -> Tensor:
+        """``[loss, gradient norm]`` of the step (NaN for no loss), reduced over the ranks; on the device."""
+        zero = torch.zeros((), device=pl_module.device)
+        loss = torch.full_like(zero, math.nan) if loss is None else loss.reshape(()).to(zero)
+        if trainer.world_size > 1:
+            # one all-reduce of two numbers: every rank judges the same mean loss, so every per-step decision is
+            # the same on all ranks; the shards' squared norms add up to the sharded gradients' total
+            part = trainer.strategy.reduce(torch.stack([loss / trainer.world_size, zero if shard_sq is None else shard_sq]),
+                                           reduce_op="sum")
+            loss, shard_sq = part[0], part[1]
+        total = (zero if plain_sq is None else plain_sq) + (zero if shard_sq is None else shard_sq)
+        return torch.stack([loss, total.sqrt()])
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -674,16 +696,9 @@ class DivergenceGuard(Monitor):
         reasons: list[str] = []
         bad_loss = loss is not None and not math.isfinite(loss)
         bad_grad = not math.isfinite(gnorm) and not scaler_on  # a scaler skips overflowing steps itself
-        what = " and ".join(n for n, b in (("loss", bad_loss), ("gradient norm", bad_grad)) if b)
-        value = loss if bad_loss else gnorm
-        if _is_critical(self.condition(
-            step, "nonfinite", bool(what), "critical",
-            f"Non-finite {what} ({value}) at step {step}; the step's gradients were "
-            f"{'zeroed' if self.zero_nonfinite_grads else 'left as they are'}. Lower the learning rate, "
-            "clip gradients, or check the batch and the precision settings.",
-            value=value, clear_message="Loss and gradient norm are finite again.",
-        )):
-            reasons.append(f"non-finite {what} at step {step}")
+        # the common step (all finite, no condition active) skips the condition and its message: a no-op there
+        if (bad_loss or bad_grad or ("nonfinite", None) in self._conditions) and self._nonfinite(
+                step, bad_loss, bad_grad, loss, gnorm, reasons):
             return reasons, step, False
         start, surge = None, False
         if loss is not None and math.isfinite(loss):
@@ -696,7 +711,7 @@ class DivergenceGuard(Monitor):
                 step, loss, abs_floor=self.initial_floor * anchor, ceiling=self.blowup * anchor)
             start = self._loss_watch.start if anomalous else None
             surge = anomalous and ready and z > self.z_threshold and loss > (1.0 + self.surge) * level
-            if not anomalous and self._loss_watch.run == 0:
+            if not anomalous and self._loss_watch.run == 0 and ("loss_explosion", None) in self._conditions:
                 self.condition(step, "loss_explosion", False, "critical", "",
                                clear_message="The loss is back within its recent history.")
             if self._creep(step, loss, anchor):
@@ -704,6 +719,22 @@ class DivergenceGuard(Monitor):
         if self.corroborate:
             reasons += self._corroborate(step)
         return reasons, start, surge
+
+    def _nonfinite(self, step: int, bad_loss: bool, bad_grad: bool, loss: Optional[float], gnorm: float,
+                   reasons: list[str]) -> bool:
+        """Update the ``nonfinite`` condition; True (with the reason appended) when it is raised critical."""
+        what = " and ".join(n for n, b in (("loss", bad_loss), ("gradient norm", bad_grad)) if b)
+        value = loss if bad_loss else gnorm
+        if _is_critical(self.condition(
+            step, "nonfinite", bool(what), "critical",
+            f"Non-finite {what} ({value}) at step {step}; the step's gradients were "
+            f"{'zeroed' if self.zero_nonfinite_grads else 'left as they are'}. Lower the learning rate, "
+            "clip gradients, or check the batch and the precision settings.",
+            value=value, clear_message="Loss and gradient norm are finite again.",
+        )):
+            reasons.append(f"non-finite {what} at step {step}")
+            return True
+        return False
 
     def _anchor(self) -> float:
         """The initial loss level: the first finite loss, or the median of the first three if lower (one blown-up
@@ -734,7 +765,7 @@ class DivergenceGuard(Monitor):
             active = ema > limit and self._loss_watch.level() > 0.5 * (self._ema_min + limit)
         # one warning per lowest value: a loss that wobbles around the limit without a new low is not news again
         repeat = active and ("loss_creep", None) not in self._conditions and self._ema_min >= self._creep_warned_at
-        if not repeat:
+        if not repeat and (active or ("loss_creep", None) in self._conditions):  # else a no-op: skipped
             raised = self.condition(
                 step, "loss_creep", active, "warning",
                 f"The smoothed loss ({ema:.4g}) has risen {100 * (ema / self._ema_min - 1):.0f}% above its lowest "
