@@ -19,7 +19,8 @@ configuration is the share of the step's compute left: the FLOPs of its forward 
 (``torch.utils.flop_counter``) over those with nothing frozen.
 
 Run: ``/work/venv/bin/python benchmarks/bench_grades.py`` (``--quick`` for a smoke run;
-``--prefix`` for the frozen-prefix measurement only).
+``--prefix`` for the frozen-prefix measurement only; ``--grades-kwargs '{"reference_at": "grace_end"}'`` for
+further arguments of the callback).
 """
 
 from __future__ import annotations
@@ -267,6 +268,9 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions of each fine-tuning run")
     parser.add_argument("--no-overhead", action="store_true", help="skip the overhead measurement")
+    parser.add_argument("--grades-kwargs", default="{}",
+                        help="JSON object of further GradientEarlyStopping arguments, e.g. '{\"reference_at\": \"grace_end\"}' "
+                             "(tau, every_n_steps, criterion, grace_fraction, smoothing: use their flags)")
     parser.add_argument("--overhead-reps", type=int, default=5)
     parser.add_argument("--overhead-steps", type=int, default=30)
     parser.add_argument("--prefix", action="store_true",
@@ -278,6 +282,13 @@ def main() -> None:
     parser.add_argument("--prefix-reps", type=int, default=8, help="interleaved rounds")
     parser.add_argument("--prefix-steps", type=int, default=6, help="steps per configuration and round")
     args = parser.parse_args()
+    extra = json.loads(args.grades_kwargs)
+    if not isinstance(extra, dict):
+        parser.error("--grades-kwargs must be a JSON object")
+    clash = sorted(set(extra) & {"tau", "every_n_steps", "criterion", "grace_fraction", "smoothing", "log_stats"})
+    if clash:
+        parser.error(f"--grades-kwargs: set {clash} with their own flags (--tau, --every, --criterion, --grace, --smoothing)")
+    GradientEarlyStopping(**extra)  # fail on a bad argument before any training
     if args.quick:
         args.d_model, args.layers, args.pretrain_steps, args.steps = 64, 2, 60, 80
         args.overhead_reps, args.overhead_steps, args.reps = 2, 20, 1
@@ -296,7 +307,7 @@ def main() -> None:
 
     def make_cb(tau: float, every: int) -> TimedGradES:
         return TimedGradES(tau=tau, criterion=args.criterion, grace_fraction=args.grace,
-                                     smoothing=args.smoothing, every_n_steps=every, log_stats=True)
+                           smoothing=args.smoothing, every_n_steps=every, log_stats=True, **extra)
 
     # --- 1. fine-tuning: baseline vs GradES, same seed, same budget; repetitions interleaved
     base_runs, grades_runs = [], []
@@ -313,7 +324,8 @@ def main() -> None:
     print("\n| run | steps | wall-clock (s) | wall speedup | CPU time (s) | CPU speedup | val loss | vs baseline "
           "| answer-digit acc |")
     print("|---|---|---|---|---|---|---|---|---|")
-    name = f"GradES (tau={args.tau:g}, {args.criterion}, EMA {args.smoothing:g}, every {args.every})"
+    name = f"GradES (tau={args.tau:g}, {args.criterion}, EMA {args.smoothing:g}, every {args.every}" + "".join(
+        f", {k}={v!r}" for k, v in extra.items()) + ")"
     for label, r, runs, sp, csp in (("full fine-tuning", base, base_runs, 1.0, 1.0),
                                     (name, grades, grades_runs, med(speedups), med(cpu_speedups))):
         print(f"| {label} | {r['steps']} | {med(x['wall'] for x in runs):.1f} | {sp:.2f}x | "

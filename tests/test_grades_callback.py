@@ -76,7 +76,7 @@ def _csv_rows(logger: CSVLogger) -> dict[int, dict[str, float]]:
 @pytest.mark.parametrize("criterion", ["grad", "update"])
 def test_logged_statistics_match_numpy_oracle(tmp_path: Path, criterion: str) -> None:
     rec = Recorder()
-    cb = GradientEarlyStopping(tau=1e-9, criterion=criterion, every_n_steps=3, grace_steps=0, reference_checks=2,
+    cb = GradientEarlyStopping(tau=1e-9, reference_at="early", criterion=criterion, every_n_steps=3, grace_steps=0, reference_checks=2,
                                smoothing=0.5)
     logger = CSVLogger(tmp_path)
     _trainer(tmp_path, [rec, cb], max_steps=13, logger=logger).fit(_module(), _loader())
@@ -112,7 +112,7 @@ def test_logged_statistics_match_numpy_oracle(tmp_path: Path, criterion: str) ->
 
 def _ratios_at(tmp_path: Path, step: int) -> dict[str, float]:
     """A first run that freezes nothing: the ratio of every component at ``step``."""
-    cb = GradientEarlyStopping(tau=1e-9, every_n_steps=3, grace_steps=step)
+    cb = GradientEarlyStopping(tau=1e-9, reference_at="early", every_n_steps=3, grace_steps=step)
     logger = CSVLogger(tmp_path / "probe")
     _trainer(tmp_path / "probe", [cb], max_steps=step + 1, logger=logger).fit(_module(), _loader())
     row = _csv_rows(logger)[step]
@@ -128,7 +128,7 @@ def test_freeze_keeps_frozen_weights_and_resume_restores_the_set(tmp_path: Path)
     assert len(expected_first) == 6
 
     rec = Recorder()
-    cb = GradientEarlyStopping(tau=tau, every_n_steps=3, grace_steps=grace)
+    cb = GradientEarlyStopping(tau=tau, reference_at="early", every_n_steps=3, grace_steps=grace)
     logger = TensorBoardLogger(tmp_path, name="run")
     trainer = _trainer(tmp_path, [cb, rec], max_steps=15, logger=logger)
     module = _module()
@@ -177,7 +177,7 @@ def test_freeze_keeps_frozen_weights_and_resume_restores_the_set(tmp_path: Path)
             self.names = {n.rsplit(".", 1)[0] for n, p in pl_module.named_parameters() if not p.requires_grad}
 
     probe = FrozenAtStart()
-    cb2 = GradientEarlyStopping(tau=tau, every_n_steps=3, grace_steps=grace)
+    cb2 = GradientEarlyStopping(tau=tau, reference_at="early", every_n_steps=3, grace_steps=grace)
     module2 = _module(seed=1)
     _trainer(tmp_path, [cb2, probe], max_steps=21, logger=CSVLogger(tmp_path / "resumed")).fit(module2, _loader(), ckpt_path=ckpt)
     assert probe.names == set(frozen_at_save)
@@ -194,12 +194,13 @@ def test_stops_when_all_components_are_frozen(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path, [cb], max_steps=40, logger=logger)
     module = _module()
     trainer.fit(module, _loader())
-    assert cb.frozen == {n: 4 for n in cb.components} and cb.stopped_at == 4
-    assert trainer.global_step == 5  # the step that froze everything was the last one
+    # default reference_at="grace_end": the reference is taken at step 4, the first judged check is step 6
+    assert cb.frozen == {n: 6 for n in cb.components} and cb.stopped_at == 6
+    assert trainer.global_step == 7  # the step that froze everything was the last one
     assert all(not module.get_submodule(n).weight.requires_grad for n in cb.components)
     alerts = read_alerts(os.path.join(logger.log_dir, "alerts.jsonl"))
     assert [a.kind for a in alerts if a.kind == "stop"] == ["stop"]
-    assert _csv_rows(logger)[4]["grades/frozen_fraction"] == 1.0
+    assert _csv_rows(logger)[6]["grades/frozen_fraction"] == 1.0
 
 
 def test_grace_fraction_of_the_planned_steps(tmp_path: Path) -> None:
@@ -207,7 +208,8 @@ def test_grace_fraction_of_the_planned_steps(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path, [cb], max_steps=20)
     trainer.fit(_module(), _loader())
     assert cb.grace_end == 5  # 25% of max_steps=20
-    assert set(cb.frozen.values()) == {6} and trainer.global_step == 7  # first check at or after step 5
+    # default reference_at="grace_end": reference at the first check at or after step 5 (6), freeze at the next (8)
+    assert set(cb.frozen.values()) == {8} and trainer.global_step == 9
 
 
 def test_max_frozen_ratio_stops_early(tmp_path: Path) -> None:
@@ -339,7 +341,7 @@ class DeadBranchLM(pl.LightningModule):
 
 
 def test_ddp_two_ranks_freeze_identically(tmp_path: Path) -> None:
-    cb = GradientEarlyStopping(tau=1e-4, every_n_steps=2, grace_steps=4)
+    cb = GradientEarlyStopping(tau=1e-4, reference_at="early", every_n_steps=2, grace_steps=4)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp_spawn_find_unused_parameters_true", max_steps=12,
         logger=CSVLogger(tmp_path), enable_progress_bar=False, enable_model_summary=False,

@@ -91,7 +91,7 @@ def _grads_and_block0_backward(module: GPTModule, batch: tuple[torch.Tensor, tor
 
 
 def test_cut_stops_the_backward_and_keeps_trainable_gradients(tmp_path: Path) -> None:
-    cb = GradientEarlyStopping(tau=1e6, include=BLOCK0, every_n_steps=1, grace_steps=2, stop=False,
+    cb = GradientEarlyStopping(tau=1e6, reference_at="early", include=BLOCK0, every_n_steps=1, grace_steps=2, stop=False,
                                cut_frozen_prefix=True)
     module = _module()
     trainer = _trainer(tmp_path, [cb], max_steps=5)
@@ -161,7 +161,7 @@ def test_hf_block_containers() -> None:
 
 def test_fit_cuts_and_resume_restores_the_cut(tmp_path: Path) -> None:
     losses = LossRecorder()
-    cb = GradientEarlyStopping(tau=1e6, every_n_steps=2, grace_steps=4, stop=False, cut_frozen_prefix=True)
+    cb = GradientEarlyStopping(tau=1e6, reference_at="early", every_n_steps=2, grace_steps=4, stop=False, cut_frozen_prefix=True)
     module = _module()
     trainer = _trainer(tmp_path, [cb, losses], max_steps=10)
     trainer.fit(module, _loader())
@@ -186,7 +186,7 @@ def test_fit_cuts_and_resume_restores_the_cut(tmp_path: Path) -> None:
             self.frozen = {n for n, p in pl_module.named_parameters() if not p.requires_grad}
 
     probe = FrozenAtStart()
-    cb2 = GradientEarlyStopping(tau=1e6, every_n_steps=2, grace_steps=4, stop=False, cut_frozen_prefix=True)
+    cb2 = GradientEarlyStopping(tau=1e6, reference_at="early", every_n_steps=2, grace_steps=4, stop=False, cut_frozen_prefix=True)
     module2 = _module(seed=1)
     losses2 = LossRecorder()
     _trainer(tmp_path / "resumed", [cb2, probe, losses2], max_steps=14).fit(module2, _loader(), ckpt_path=ckpt)
@@ -203,7 +203,7 @@ def test_fit_cuts_and_resume_restores_the_cut(tmp_path: Path) -> None:
 
 
 def test_trainable_embeddings_keep_the_blocks_in_the_backward(tmp_path: Path) -> None:
-    cb = GradientEarlyStopping(tau=1e6, every_n_steps=2, grace_steps=4, stop=False, cut_frozen_prefix=True)
+    cb = GradientEarlyStopping(tau=1e6, reference_at="early", every_n_steps=2, grace_steps=4, stop=False, cut_frozen_prefix=True)
     module = _module(GPTModule)
     trainer = _trainer(tmp_path, [cb], max_steps=10)
     trainer.fit(module, _loader())
@@ -214,7 +214,7 @@ def test_trainable_embeddings_keep_the_blocks_in_the_backward(tmp_path: Path) ->
 
 
 def test_option_off_cuts_nothing(tmp_path: Path) -> None:
-    cb = GradientEarlyStopping(tau=1e6, every_n_steps=2, grace_steps=4, stop=False)
+    cb = GradientEarlyStopping(tau=1e6, reference_at="early", every_n_steps=2, grace_steps=4, stop=False)
     module = _module()
     trainer = _trainer(tmp_path, [cb], max_steps=6)
     trainer.fit(module, _loader())
@@ -245,7 +245,7 @@ class TwoStacks(pl.LightningModule):
 
 
 def test_unknown_block_structure_is_said_once_and_nothing_cut(tmp_path: Path) -> None:
-    cb = GradientEarlyStopping(tau=1e6, every_n_steps=2, grace_steps=2, stop=False, cut_frozen_prefix=True)
+    cb = GradientEarlyStopping(tau=1e6, reference_at="early", every_n_steps=2, grace_steps=2, stop=False, cut_frozen_prefix=True)
     module = TwoStacks()
     trainer = _trainer(tmp_path, [cb], max_steps=6)
     trainer.fit(module, make_loader("arith", block_size=16, batch_size=4, n_samples=64))
@@ -273,7 +273,7 @@ class EmbeddingAfterBlocks(TwoStacks):
 
 
 def test_a_cut_that_does_not_stop_the_backward_is_reported(tmp_path: Path) -> None:
-    cb = GradientEarlyStopping(tau=1e6, include="blocks.0.1", every_n_steps=2, grace_steps=2, stop=False,
+    cb = GradientEarlyStopping(tau=1e6, reference_at="early", include="blocks.0.1", every_n_steps=2, grace_steps=2, stop=False,
                                cut_frozen_prefix=True)
     trainer = _trainer(tmp_path, [cb], max_steps=6)
     trainer.fit(EmbeddingAfterBlocks(), make_loader("arith", block_size=16, batch_size=4, n_samples=64))
@@ -292,10 +292,10 @@ def test_bad_option(value: Any) -> None:
 
 
 def test_checkpoint_cut_of_another_model_is_refused(tmp_path: Path) -> None:
-    cb = GradientEarlyStopping(tau=1e6, every_n_steps=2, grace_steps=4, stop=False, cut_frozen_prefix=True)
+    cb = GradientEarlyStopping(tau=1e6, reference_at="early", every_n_steps=2, grace_steps=4, stop=False, cut_frozen_prefix=True)
     state = cb.state_dict()
     state.update(cut={"model.blocks.7.ln_1.weight": 4}, cut_depth=8)
-    cb2 = GradientEarlyStopping(tau=1e6, every_n_steps=2, grace_steps=4, stop=False, cut_frozen_prefix=True)
+    cb2 = GradientEarlyStopping(tau=1e6, reference_at="early", every_n_steps=2, grace_steps=4, stop=False, cut_frozen_prefix=True)
     cb2.load_state_dict(state)
     with pytest.raises(ValueError, match=r"frozen by the prefix cut of the checkpoint are not in this model"):
         _trainer(tmp_path, [cb2], max_steps=2).fit(_module(), _loader())
@@ -321,7 +321,7 @@ class DDPProbe(FrozenEmbeddings):
 
 
 def test_ddp_two_ranks_cut_identically(tmp_path: Path) -> None:
-    cb = GradientEarlyStopping(tau=1e6, every_n_steps=2, grace_steps=4, stop=False, cut_frozen_prefix=True)
+    cb = GradientEarlyStopping(tau=1e6, reference_at="early", every_n_steps=2, grace_steps=4, stop=False, cut_frozen_prefix=True)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp_spawn_find_unused_parameters_true", max_steps=8,
         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,

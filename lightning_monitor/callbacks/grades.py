@@ -32,6 +32,7 @@ __all__ = ["GradientEarlyStopping"]
 
 Criterion = Literal["grad", "update"]
 Threshold = Literal["relative", "absolute"]
+ReferenceAt = Literal["early", "grace_end"]
 
 
 def _full_mean_abs(tensors: Sequence[Tensor]) -> Tensor:
@@ -89,8 +90,18 @@ class GradientEarlyStopping(Monitor):
       W_{ij}(t-k)| / k`, the weight change per element and step since the previous check.
 
     ``threshold="relative"`` (default) freezes ``c`` when :math:`\tilde s_c < \tau\, r_c`, where
-    :math:`r_c` is the mean of :math:`s_c` over the first ``reference_checks`` checks and
-    :math:`\tilde s_c` is :math:`s_c` smoothed by an EMA (``smoothing``; 0 = the paper's raw value).
+    :math:`\tilde s_c` is :math:`s_c` smoothed by an EMA (``smoothing``; 0 = the paper's raw value) and the
+    reference :math:`r_c` is set by ``reference_at``:
+
+    * ``"early"``: the mean of :math:`s_c` over the first ``reference_checks`` checks (the start of the
+      run). In a fine-tuning on a new task those checks fall in the task-switch transient, whose gradients
+      are several times the later ones: the reference is inflated and a ratio below ``tau`` may only mean
+      that the transient is over (``docs/grades_validity.md``).
+    * ``"grace_end"``: :math:`\tilde s_c` at the first check at or after the end of the grace period (the
+      smoothed level once the transient is over; ``reference_checks`` is unused); ``c`` may freeze from
+      its next check on. A component without a value at that check takes its reference at its first check
+      with one.
+
     The ratio is free of the matrix size, the loss scale and the learning rate, so one ``tau`` carries
     over between models and schedules; the paper's absolute rule (``threshold="absolute"``,
     :math:`s_c < \tau`) needs a new ``tau`` for every model (values in the wild span 1e-10 .. 2.4).
@@ -144,7 +155,11 @@ class GradientEarlyStopping(Monitor):
         include: glob patterns of module names to use as components instead of the naming schemes.
             Deprecated alias: ``components``.
         exclude: glob patterns of module names that are never components.
-        reference_checks: number of first checks whose mean is the relative reference (>= 1).
+        reference_checks: number of first checks whose mean is the relative reference (>= 1), with
+            ``reference_at="early"``.
+        reference_at: where the relative reference is taken: ``"early"`` (the first ``reference_checks``
+            checks) or ``"grace_end"`` (the smoothed statistic at the first check at or after the end of
+            the grace period); see above.
         smoothing: EMA coefficient in [0, 1) applied to the statistic before the comparison, per check
             (``m = smoothing * m + (1 - smoothing) * s``; 0 = the paper's raw value).
         log_stats: log ``grades/<component>/stat`` and ``/ratio`` at every check.
@@ -182,12 +197,13 @@ class GradientEarlyStopping(Monitor):
         warmup_steps: int = 0,
         stop: bool = True,
         cut_frozen_prefix: bool = False,
+        reference_at: ReferenceAt = "grace_end",
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
             raise ValueError(
                 f"`tau` must be a finite number > 0, got {tau!r}. With threshold='relative' it is a fraction of "
-                "each component's early statistic (e.g. 0.5); with threshold='absolute' a value of the statistic."
+                "each component's reference statistic (e.g. 0.5; see `reference_at`); with threshold='absolute' a value of the statistic."
             )
         if criterion not in ("grad", "update"):
             raise ValueError(f"`criterion` must be 'grad' (mean |gradient|) or 'update' (weight change), got {criterion!r}.")
@@ -200,6 +216,12 @@ class GradientEarlyStopping(Monitor):
             raise ValueError("`max_frozen_ratio` must be > 0 (training stops once this fraction is frozen), got 0.")
         self.smoothing = _check_fraction("smoothing", smoothing, 0.0, 1.0, high_inclusive=False)
         self.reference_checks = _check_int("reference_checks", reference_checks, 1)
+        if not isinstance(reference_at, str) or reference_at not in ("early", "grace_end"):
+            raise ValueError(
+                f"`reference_at` must be 'early' (mean of the first `reference_checks` checks) or 'grace_end' (the "
+                f"smoothed statistic at the end of the grace period), got {reference_at!r}."
+            )
+        self.reference_at: ReferenceAt = reference_at
         self.tau = float(tau)
         self.criterion: Criterion = criterion
         self.threshold: Threshold = threshold
@@ -280,9 +302,15 @@ class GradientEarlyStopping(Monitor):
         return len(self.frozen) / len(self._names) if self._names else 0.0
 
     def reference(self) -> Optional[Tensor]:
-        """The per-component reference ``r_c`` (mean of the first checks), or ``None`` before any."""
+        """The per-component reference ``r_c`` (see ``reference_at``), or ``None`` before any. With
+        ``reference_at="grace_end"``: ``None`` until the end of the grace period, then NaN for a component
+        whose reference is not taken yet."""
         if self._ref_sum is None or self._ref_cnt is None:
             return None
+        if self.reference_at == "grace_end":
+            if self._n_ref_checks < 1:  # host-side: no device sync
+                return None
+            return torch.where(self._ref_cnt > 0, self._ref_sum, torch.full_like(self._ref_sum, float("nan")))
         return self._ref_sum / self._ref_cnt.clamp(min=1.0)
 
     def state_dict(self) -> dict[str, Any]:
@@ -298,6 +326,7 @@ class GradientEarlyStopping(Monitor):
             reference_checks_done=self._n_ref_checks,
             smoothed=to_list(self._smoothed),
             reference=to_list(ref),
+            reference_at=self.reference_at,
             stopped_at=self.stopped_at,
             cut=dict(self.cut),
             cut_depth=self.cut_depth,
@@ -314,6 +343,17 @@ class GradientEarlyStopping(Monitor):
         self._ref_cnt = as_tensor(state_dict.get("reference_count"))
         self._smoothed = as_tensor(state_dict.get("smoothed"))
         self._n_ref_checks = int(state_dict.get("reference_checks_done", 0))
+        saved_at = state_dict.get("reference_at", "early")  # checkpoints from before the option: "early"
+        if saved_at != self.reference_at and self._ref_sum is not None:
+            warnings.warn(
+                f"GradientEarlyStopping: the checkpoint's reference was taken with reference_at={saved_at!r}, this "
+                f"monitor uses reference_at={self.reference_at!r}: the saved reference is dropped and taken again by "
+                "this rule from the next checks.",
+                stacklevel=2,
+            )
+            self._ref_sum = torch.zeros_like(self._ref_sum)
+            self._ref_cnt = torch.zeros_like(self._ref_sum)
+            self._n_ref_checks = 0
         self.stopped_at = state_dict.get("stopped_at")
         self.cut = {str(k): int(v) for k, v in state_dict.get("cut", {}).items()}
         self.cut_depth = int(state_dict.get("cut_depth", 0))
@@ -591,7 +631,8 @@ class GradientEarlyStopping(Monitor):
         full = torch.full((n,), float("nan"), device=device).index_copy(0, index, stat)
         finite = torch.isfinite(full)
         self._move_state(device, n)
-        if self._n_ref_checks < self.reference_checks:
+        late = self.reference_at == "grace_end"
+        if not late and self._n_ref_checks < self.reference_checks:
             self._ref_sum = self._ref_sum + torch.where(finite, full, torch.zeros_like(full))
             self._ref_cnt = self._ref_cnt + finite.float()
             self._n_ref_checks += 1
@@ -601,12 +642,26 @@ class GradientEarlyStopping(Monitor):
             ema = torch.where(torch.isfinite(self._smoothed), ema_update(self._smoothed, full, self.smoothing), full)
             smoothed = torch.where(finite, ema, self._smoothed)
         self._smoothed = smoothed
+        past_grace = step >= (self.grace_end or 0)
+        judgeable: Optional[Tensor] = None  # grace_end: the components whose reference predates this check
+        if late and self.threshold == "relative" and past_grace:
+            # the reference is the smoothed (all-reduced) statistic at the first check past the grace period,
+            # taken once per component: the same on every rank
+            judgeable = self._ref_cnt > 0
+            take = ~judgeable & torch.isfinite(smoothed)
+            self._ref_sum = torch.where(take, smoothed, self._ref_sum)
+            self._ref_cnt = torch.where(take, torch.ones_like(self._ref_cnt), self._ref_cnt)
+            self._n_ref_checks = 1
         reference = self.reference() if self.threshold == "relative" else None
-        decide = step >= (self.grace_end or 0) and (
-            self.threshold == "absolute" or self._n_ref_checks >= self.reference_checks)
+        decide = past_grace and (
+            self.threshold == "absolute" or late or self._n_ref_checks >= self.reference_checks)
         ratio = relative_ratio(smoothed, reference) if reference is not None else torch.full_like(full, float("nan"))
+        if reference is not None and late:
+            ratio = torch.where(torch.isnan(reference), torch.full_like(ratio, float("nan")), ratio)
         judged = smoothed if reference is None else ratio
         mask = freeze_mask(smoothed, reference, self.tau) if decide else torch.zeros_like(finite)
+        if judgeable is not None:
+            mask = mask & judgeable
         # every value this check needs on the host, in one transfer
         stat_h, ratio_h, judged_h, mask_h = torch.stack([full, ratio, judged, mask.float()]).cpu().tolist()
         newly = [n for n in active if mask_h[position[n]] > 0.5]
@@ -616,7 +671,7 @@ class GradientEarlyStopping(Monitor):
                 if not math.isfinite(stat_h[position[name]]):
                     continue  # no gradient this step (module unused)
                 metrics[self.key("stat", name)] = stat_h[position[name]]
-                if reference is not None:
+                if reference is not None and not math.isnan(ratio_h[position[name]]):
                     metrics[self.key("ratio", name)] = ratio_h[position[name]]
         for name in newly:
             freeze_parameters(self._components[name].params, trainer.optimizers)
@@ -626,7 +681,8 @@ class GradientEarlyStopping(Monitor):
         self.log_metrics(trainer, metrics, step)
         for name in newly:
             value = judged_h[position[name]]
-            how = f"fell to {value:.3g} of its early value" if reference is not None else f"is {value:.3g}"
+            when = "early" if self.reference_at == "early" else "end-of-grace"
+            how = f"fell to {value:.3g} of its {when} value" if reference is not None else f"is {value:.3g}"
             self.alert(
                 step, "frozen", "info",
                 f"Froze {name}: its smoothed {self.criterion} statistic {how} (< tau={self.tau:g}); "
