@@ -148,7 +148,7 @@ def main() -> None:
     # the healthy run: nothing about divergence and nothing critical (a coverage note is information, not alarm)
     clean = not [a for a in healthy["alerts"] if a.severity == "critical" or a.monitor == "guard"]
     ok = clean and rescued
-    print(f"\nThe healthy run ran clean; the diverging run was rolled back {len(rollbacks)} time(s) and went on "
+    print(f"\nThe healthy run was never rolled back or stopped and raised nothing critical; the diverging run was rolled back {len(rollbacks)} time(s) and went on "
           f"learning (train loss {diverging['train_loss']:.3f} at the end, "
           f"{rollbacks[0]['loss_before']:.3f} before the first explosion)." if ok
           else "\nUnexpected outcome: see the alerts above.")

@@ -17,7 +17,7 @@ def test_demo_quick_runs_and_the_guard_rescues_the_diverging_run(tmp_path):
         capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "The healthy run ran clean; the diverging run was rolled back" in out.stdout, out.stdout[-3000:]
+    assert "raised nothing critical; the diverging run was rolled back" in out.stdout, out.stdout[-3000:]
     assert f"tensorboard --logdir {tmp_path}" in out.stdout
     # each run in its own versioned folder; the healthy run raised nothing about divergence
     healthy = tmp_path / "healthy" / "version_0" / "alerts.jsonl"
