@@ -151,6 +151,10 @@ def test_relative_rule_and_ema() -> None:
     assert ratio.tolist()[:4] == pytest.approx([0.1, 0.6, 0.0, float("inf")])
     assert freeze_mask(stat, ref, tau=0.5).tolist() == [True, False, True, False, False, False]
     assert freeze_mask(stat, None, tau=0.5).tolist() == [True, False, True, False, False, True]
+    # a reference not taken yet (NaN): no ratio, no freeze, even for a zero statistic
+    pending = torch.tensor([float("nan"), float("nan")])
+    assert relative_ratio(torch.tensor([0.0, 1.0]), pending).isnan().all()
+    assert freeze_mask(torch.tensor([0.0, 1.0]), pending, tau=0.5).tolist() == [False, False]
     prev, new = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 0.0])
     assert ema_update(prev, new, 0.25).tolist() == pytest.approx([0.25 * 1 + 0.75 * 3, 0.25 * 2])
     assert ema_update(None, new, 0.9) is new

@@ -492,12 +492,7 @@ class DivergenceGuard(Monitor):
         plain_sq, shard_sq = squared_norms(grads)
         if self._flat_shards and plain_sq is not None:
             plain_sq, shard_sq = None, plain_sq if shard_sq is None else shard_sq + plain_sq
-        if (shard_sq is None and plain_sq is not None and loss is not None and trainer.world_size == 1
-                and plain_sq.dtype == torch.get_default_dtype() and plain_sq.device == pl_module.device):
-            # the common case, the same row with two kernels fewer (no zero tensor to add)
-            row = torch.stack([loss.reshape(()).to(plain_sq), plain_sq.sqrt()])
-        else:
-            row = self._row(trainer, pl_module, loss, plain_sq, shard_sq)
+        row = self._row(trainer, pl_module, loss, plain_sq, shard_sq)
         on_host = row.device.type == "cpu" and self._lag(trainer) == 0
         if self.zero_nonfinite_grads and grads and not on_host:
             bad = torch.isfinite(row.sum()).logical_not_()  # on the device: no sync
@@ -523,16 +518,19 @@ class DivergenceGuard(Monitor):
     @staticmethod
     def _row(trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Optional[Tensor], plain_sq: Optional[Tensor],
              shard_sq: Optional[Tensor]) -> Tensor:
-        """``[loss, gradient norm]`` of the step (NaN for no loss), reduced over the ranks; on the device."""
-        zero = torch.zeros((), device=pl_module.device)
-        loss = torch.full_like(zero, math.nan) if loss is None else loss.reshape(()).to(zero)
+        """``[loss, gradient norm]`` of the step (NaN for no loss), reduced over the ranks; on the device. Only
+        what is there is added: on one process with plain gradients, the row is two kernels."""
+        dtype, device = torch.get_default_dtype(), pl_module.device
+        loss = (torch.full((), math.nan, dtype=dtype, device=device) if loss is None
+                else loss.reshape(()).to(device=device, dtype=dtype))
         if trainer.world_size > 1:
             # one all-reduce of two numbers: every rank judges the same mean loss, so every per-step decision is
             # the same on all ranks; the shards' squared norms add up to the sharded gradients' total
-            part = trainer.strategy.reduce(torch.stack([loss / trainer.world_size, zero if shard_sq is None else shard_sq]),
-                                           reduce_op="sum")
+            shard = torch.zeros((), dtype=dtype, device=device) if shard_sq is None else shard_sq
+            part = trainer.strategy.reduce(torch.stack([loss / trainer.world_size, shard]), reduce_op="sum")
             loss, shard_sq = part[0], part[1]
-        total = (zero if plain_sq is None else plain_sq) + (zero if shard_sq is None else shard_sq)
+        parts = [t for t in (plain_sq, shard_sq) if t is not None]
+        total = torch.zeros((), dtype=dtype, device=device) if not parts else parts[0] if len(parts) == 1 else parts[0] + parts[1]
         return torch.stack([loss, total.sqrt()])
 
     def on_train_batch_end(

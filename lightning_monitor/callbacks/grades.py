@@ -656,8 +656,6 @@ class GradientEarlyStopping(Monitor):
         decide = past_grace and (
             self.threshold == "absolute" or late or self._n_ref_checks >= self.reference_checks)
         ratio = relative_ratio(smoothed, reference) if reference is not None else torch.full_like(full, float("nan"))
-        if reference is not None and late:
-            ratio = torch.where(torch.isnan(reference), torch.full_like(ratio, float("nan")), ratio)
         judged = smoothed if reference is None else ratio
         mask = freeze_mask(smoothed, reference, self.tau) if decide else torch.zeros_like(finite)
         if judgeable is not None:

@@ -255,10 +255,12 @@ def mean_abs_update(current: Sequence[Tensor], previous: Sequence[Tensor], steps
 
 def relative_ratio(stat: Tensor, reference: Tensor) -> Tensor:
     """``stat / reference`` where ``reference > 0``; where ``reference == 0`` (a component that never
-    moved), ``0`` if ``stat == 0`` else ``inf``."""
+    moved), ``0`` if ``stat == 0`` else ``inf``; NaN where the reference is NaN (not taken yet), so that
+    such a component never freezes."""
     ref_ok = reference > 0
     safe = torch.where(ref_ok, reference, torch.ones_like(reference))
     fallback = torch.where(stat == 0, torch.zeros_like(stat), torch.full_like(stat, float("inf")))
+    fallback = torch.where(torch.isnan(reference), torch.full_like(stat, float("nan")), fallback)
     return torch.where(ref_ok, stat / safe, fallback)
 
 
