@@ -29,7 +29,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_monitor.callbacks.base import Monitor, resolve_callable
+from lightning_monitor._args import resolve_callable
+from lightning_monitor.callbacks.base import Monitor
 from lightning_monitor.callbacks.divergence_guard import DivergenceGuard
 from lightning_monitor.callbacks.grades import GradientEarlyStopping
 from lightning_monitor.callbacks.gradient_weight_alignment import GradientWeightAlignmentMonitor

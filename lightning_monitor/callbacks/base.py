@@ -1,10 +1,23 @@
-"""The core every monitor of the suite shares.
+"""The core every monitor of the suite shares: its lifecycle, cadence, logging, alerts and state.
 
+* **Lifecycle.** A monitor is its method in four overridable stages; the base calls them and carries
+  everything around them:
+
+  - :meth:`Monitor.select` once per fit, at setup: find what to watch (raise :class:`NothingToWatch`
+    when there is nothing);
+  - :meth:`Monitor.arm` at the first batch of a due step: register the hooks the check needs, keeping
+    each handle with :meth:`Monitor.keep`;
+  - :meth:`Monitor.compute` in ``on_before_optimizer_step`` of an armed step (gradients ready, weights not
+    yet updated): the check's values as named tensors, on the device;
+  - :meth:`Monitor.judge` with those values on the host (one transfer): alerts and decisions; it returns
+    the values to log.
+
+  :meth:`Monitor.release` removes every kept handle after the check, when a due step's optimizer step
+  never comes, and on every exit path (end of training, an exception, teardown, a second ``fit``).
 * **Cadence** on optimizer steps: a monitor is *due* at step ``s`` (``trainer.global_step`` when the
   step's gradients are ready, i.e. the number of optimizer steps already taken) when
   ``s >= warmup_steps`` and ``(s - warmup_steps) % every_n_steps == 0``. A monitor that is not due
   returns at once from every hook: no hook armed, no tensor touched, no host sync.
-* **Selection** of modules by qualified-name glob and by type (:func:`~lightning_monitor.selection.select_modules`).
 * **Logging** of statistics to every logger in ``trainer.loggers`` under ``<monitor>/<layer>/<stat>``
   (``<layer>`` is the module's qualified name) or ``<monitor>/<stat>`` for model-level values, at the
   step they describe. Values stay tensors on the model's device until this moment; all of a check's
@@ -13,20 +26,18 @@
   ``per_layer_scalars`` off, the per-layer values of a check reach the loggers folded into one
   TensorBoard histogram per statistic (``<monitor>/layers/<stat>``) instead of one scalar per layer.
 * **Alerts** through the trainer's :class:`~lightning_monitor.alerts.AlertHub`, with conditions that
-  raise one alert when they start (or escalate) and one when they clear.
+  raise one alert when they start (or escalate) and one when they clear; :class:`Streak` counts the
+  consecutive checks a condition held (``patience`` is in checks), :meth:`Monitor.decide` reduces a
+  decision across ranks and :meth:`Monitor.request_stop` stops the run on every rank together.
 * **State**: ``state_dict`` / ``load_state_dict`` hold the active conditions; subclasses extend them.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import inspect
 import math
-import warnings
 import weakref
-from collections.abc import Callable, Collection, Mapping
-from typing import Any, Optional, TypeVar, Union
+from collections.abc import Collection, Mapping
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -34,9 +45,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerStatus
 from torch import Tensor
 
+from lightning_monitor._args import check_int, deprecated_aliases, resolve_callable
 from lightning_monitor.alerts import SEVERITY_LEVELS, Alert, AlertHub, Severity, _tensorboard_writer
 
-__all__ = ["Monitor", "NothingToWatch", "resolve_callable"]
+__all__ = ["Monitor", "NothingToWatch", "Streak", "deprecated_aliases", "resolve_callable"]
 
 
 class NothingToWatch(ValueError):
@@ -57,75 +69,24 @@ def _callback_metrics_store(trainer: pl.Trainer) -> dict[str, Any]:
     return callback_metrics_store(trainer)
 
 
-_Init = TypeVar("_Init", bound=Callable[..., None])
+class Streak:
+    """The number of consecutive checks a condition held: ``update(active)`` counts one more while it
+    holds and restarts at 0 when it does not; ``patience`` thresholds compare against :attr:`count`."""
 
+    __slots__ = ("count",)
 
-def deprecated_aliases(**aliases: str) -> Callable[[_Init], _Init]:
-    """Decorator of a monitor's ``__init__``: each ``old="new"`` makes the keyword ``old`` a deprecated
-    alias of the argument ``new`` (the suite's one vocabulary, see the README). Passing ``old`` emits a
-    ``DeprecationWarning`` and passes its value as ``new``; passing both (``new`` by keyword or by
-    position) raises a ``ValueError``. The aliases stay one release.
-    """
+    def __init__(self, count: int = 0) -> None:
+        self.count = int(count)
 
-    def wrap(init: _Init) -> _Init:
-        signature = inspect.signature(init)
-        for new in aliases.values():
-            if new not in signature.parameters:
-                raise TypeError(f"{init.__qualname__} has no argument {new!r} to alias.")
+    def update(self, active: bool) -> int:
+        self.count = self.count + 1 if active else 0
+        return self.count
 
-        @functools.wraps(init)
-        def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
-            for old, new in aliases.items():
-                if old not in kwargs:
-                    continue
-                value = kwargs.pop(old)
-                owner = type(self).__name__
-                if new in kwargs or new in signature.bind_partial(self, *args).arguments:
-                    raise ValueError(f"{owner}: pass `{new}` only; `{old}` is its deprecated alias.")
-                warnings.warn(
-                    f"{owner}(`{old}`=...) is deprecated and will be removed in the next release: use `{new}`.",
-                    DeprecationWarning,
-                    stacklevel=2,
-                )
-                kwargs[new] = value
-            init(self, *args, **kwargs)
+    def __ge__(self, patience: int) -> bool:
+        return self.count >= patience
 
-        wrapper.deprecated_aliases = dict(aliases)  # type: ignore[attr-defined]
-        return wrapper  # type: ignore[return-value]
-
-    return wrap
-
-
-def resolve_callable(arg: str, value: Any) -> Any:
-    """``value`` when it is ``None`` or callable; for a string, the callable its dotted import path
-    names (``"my_package.data.targets"``, the way LightningCLI YAML spells a function). So an argument
-    such as ``target_fn`` takes either. A path that does not import, or names something that is not
-    callable, is an error that says which argument and which path."""
-    if value is None or callable(value):
-        return value
-    if not isinstance(value, str):
-        raise TypeError(f"`{arg}` must be a callable or a dotted import path string, got {type(value).__name__}.")
-    parts = value.split(".")
-    for split in range(len(parts) - 1, 0, -1):
-        try:
-            obj: Any = importlib.import_module(".".join(parts[:split]))
-        except ImportError:
-            continue
-        try:
-            for name in parts[split:]:
-                obj = getattr(obj, name)
-        except AttributeError:
-            break
-        if not callable(obj):
-            raise TypeError(f"`{arg}`={value!r} names a {type(obj).__name__}, not a callable.")
-        return obj
-    raise ValueError(f"`{arg}`={value!r} is not an importable dotted path (`package.module.function`).")
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
-    return value
+    def __repr__(self) -> str:
+        return f"Streak({self.count})"
 
 
 class _TrainerRef:
@@ -175,8 +136,8 @@ class Monitor(Callback):
 
     def __init__(self, every_n_steps: int = 50, warmup_steps: int = 0) -> None:
         super().__init__()
-        self.every_n_steps = _check_int("every_n_steps", every_n_steps, 1)
-        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
+        self.every_n_steps = check_int("every_n_steps", every_n_steps, 1)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         self._hub: Optional[AlertHub] = None
         # (kind, layer) -> severity of the active condition
         self._conditions: dict[tuple[str, Optional[str]], str] = {}
@@ -184,6 +145,8 @@ class Monitor(Callback):
         self.idle_when_nothing_to_watch = False
         #: the reason this monitor is idle (nothing to watch), or None while it watches something
         self.idle_reason: Optional[str] = None
+        self._armed_step: Optional[int] = None  # the due step whose hooks are armed
+        self._checked_step: Optional[int] = None  # the last step checked (several optimizers: once a step)
 
     # ------------------------------------------------------------------ identity / state
     @property
@@ -194,13 +157,112 @@ class Monitor(Callback):
         return {"conditions": [[kind, layer, sev] for (kind, layer), sev in self._conditions.items()]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Subclasses extend this (calling it first): the state loaded is that of the next run."""
+        self._note_state_loaded()
         self._conditions = {(kind, layer): sev for kind, layer, sev in state_dict.get("conditions", [])}
 
-    # ------------------------------------------------------------------ lifecycle
+    # ------------------------------------------------------------------ the stages a monitor overrides
+    def select(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Once per fit, at setup (after the trainer is bound and a reused instance was reset): find what
+        to watch. Raise :class:`NothingToWatch` when the model offers nothing (see :meth:`nothing_to_watch`)."""
+
+    def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[bool]:
+        """At the first batch of a due step: register the hooks the check needs (each handle kept with
+        :meth:`keep`). Return ``False`` to skip this step's check."""
+        return None
+
+    def compute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[Mapping[str, Number]]:
+        """In ``on_before_optimizer_step`` of the armed step: the check's values, named by :meth:`key`,
+        as tensors on the device (no host sync), or ``None`` when there is nothing to judge."""
+        return None
+
+    def judge(self, trainer: pl.Trainer, step: int, values: dict[str, float]) -> Mapping[str, float]:
+        """The computed values on the host (one transfer for all): raise alerts, take decisions, and
+        return the values to log (by default ``values`` as they are)."""
+        return values
+
+    # ------------------------------------------------------------------ the lifecycle the base runs
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._hub = AlertHub.for_trainer(trainer)
-        if stage == "fit" and self._bind_trainer(trainer):
+        if stage != "fit":
+            return
+        if self._bind_trainer(trainer):
             self._reset_run_state()
+        self._release_all()
+        self.idle_reason = None
+        self._armed_step = self._checked_step = None
+        try:
+            self.select(trainer, pl_module)
+        except NothingToWatch as err:
+            self.nothing_to_watch(trainer, str(err).removeprefix(f"{type(self).__name__}: "))
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if self.idle_reason is not None or self._armed_step == step:
+            return  # idle, or a later micro-batch of the armed step
+        if self._armed_step is not None:
+            self.release()  # a due step whose optimizer step never came (skipped): drop it
+        if self.is_due(step) and self._checked_step != step and self.arm(trainer, pl_module, step) is not False:
+            self._armed_step = step
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        step = trainer.global_step
+        if self._armed_step != step or self._checked_step == step or self.idle_reason is not None:
+            return
+        self._checked_step = step
+        try:
+            values = self.compute(trainer, pl_module, step)
+            if values is not None:
+                logged = self.judge(trainer, step, self.to_host(values))
+                if logged:
+                    self.log_metrics(trainer, logged, step)
+        finally:
+            self.release()
+
+    def keep(self, handle: Any, until_end: bool = False) -> Any:
+        """Keep a hook handle (``register_forward_hook``, ``register_hook`` ...) until :meth:`release`,
+        or with ``until_end`` until the fit ends (or fails, or the instance is set up again); returns it."""
+        self.__dict__.setdefault("_kept_to_end" if until_end else "_kept", []).append(handle)
+        return handle
+
+    def release(self) -> None:
+        """Remove every handle kept by :meth:`keep` for the step and disarm (subclasses extend this to
+        drop what they captured). Called after each check and on every exit path."""
+        for handle in self.__dict__.pop("_kept", []):
+            handle.remove()
+        self._armed_step = None
+
+    def _release_all(self) -> None:
+        self.release()
+        for handle in self.__dict__.pop("_kept_to_end", []):
+            handle.remove()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._release_all()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._release_all()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._release_all()
+
+    # ------------------------------------------------------------------ decisions, on every rank
+    @staticmethod
+    def decide(trainer: pl.Trainer, decision: bool, all: bool = False) -> bool:  # noqa: A002 - Lightning's name
+        """``decision`` reduced across ranks: true when it holds on any rank (on every rank with
+        ``all=True``). Every rank must call it at the same point."""
+        return bool(trainer.strategy.reduce_boolean_decision(bool(decision), all=all))
+
+    def request_stop(self, trainer: pl.Trainer, step: int, decision: bool, kind: str, message: str,
+                     value: Optional[float] = None, threshold: Optional[float] = None) -> bool:
+        """Stop the run on every rank together when ``decision`` holds on any rank (reduced by
+        :meth:`decide`, so every rank must call this): sets ``trainer.should_stop`` and raises one info
+        alert ``kind``. Returns whether this call stopped the run (``False`` once it is stopping)."""
+        if not self.decide(trainer, decision) or trainer.should_stop:
+            return False
+        trainer.should_stop = True
+        self.alert(step, kind, "info", message, value=value, threshold=threshold)
+        return True
 
     # ------------------------------------------------------------------ reuse across trainers
     def _bind_trainer(self, trainer: pl.Trainer) -> bool:
@@ -235,43 +297,30 @@ class Monitor(Callback):
         self._conditions = {}
 
     def nothing_to_watch(self, trainer: pl.Trainer, reason: str) -> None:
-        """Called at setup when the model offers this monitor nothing to watch: raises
-        :class:`NothingToWatch` with ``reason``, or, when ``idle_when_nothing_to_watch`` is set, records
-        the reason in ``idle_reason``, raises one warning alert (``nothing_to_watch``) and returns; the
-        caller then returns from setup and every hook returns at once while ``idle_reason`` is set.
-        Call it after ``Monitor.setup`` (the alert hub is bound there)."""
+        """Called when the model offers this monitor nothing to watch: raises :class:`NothingToWatch`
+        with ``reason``, or, when ``idle_when_nothing_to_watch`` is set, records the reason in
+        ``idle_reason``, releases the hooks, raises one warning alert (``nothing_to_watch``) and returns;
+        every hook then returns at once. :meth:`select` raising :class:`NothingToWatch` comes here."""
         if not self.idle_when_nothing_to_watch:
             raise NothingToWatch(f"{type(self).__name__}: {reason}")
+        self.release()
         self.idle_reason = reason
         self.alert(trainer.global_step, "nothing_to_watch", "warning", f"{type(self).__name__} stays idle: {reason}")
+
+    def refuse_several_optimizers(self, trainer: pl.Trainer, why: str) -> bool:
+        """At the start of the fit (the optimizers exist from there): with more than one optimizer, say
+        :meth:`nothing_to_watch` with ``why`` (after the count) and return ``True``."""
+        n = len(trainer.optimizers)
+        if n <= 1:
+            return False
+        self.nothing_to_watch(trainer, f"the model has {n} optimizers{why}")
+        return True
 
     @property
     def hub(self) -> AlertHub:
         if self._hub is None:
             raise RuntimeError(f"{type(self).__name__} is not set up: attach it to a Trainer first.")
         return self._hub
-
-    # ------------------------------------------------------------------ hooks armed on due steps
-    def arm(self, handle: Any) -> Any:
-        """Keep a hook handle (``register_forward_hook``, ``register_hook`` ...) to be removed by
-        :meth:`release`; returns it. The base releases every kept handle when training ends, on an
-        exception and at teardown, so a hook never outlives the step, the fit or an interrupted fit."""
-        self.__dict__.setdefault("_armed", []).append(handle)
-        return handle
-
-    def release(self) -> None:
-        """Remove every handle kept by :meth:`arm`."""
-        for handle in self.__dict__.pop("_armed", []):
-            handle.remove()
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.release()
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.release()
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.release()
 
     # ------------------------------------------------------------------ cadence
     def is_due(self, step: int) -> bool:
@@ -289,13 +338,19 @@ class Monitor(Callback):
         return key
 
     @staticmethod
-    def to_host(metrics: Mapping[str, Number]) -> dict[str, float]:
-        """All values as Python floats, with a single device-to-host transfer for the tensors."""
-        out: dict[str, float] = {}
+    def to_host(metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """All values on the host, with a single device-to-host transfer for the tensors: a tensor of
+        one element (or a number) becomes a float, a tensor of more elements a list of floats."""
+        out: dict[str, Any] = {}
         keys = [k for k, v in metrics.items() if isinstance(v, Tensor)]
         if keys:
-            values = torch.stack([metrics[k].detach().reshape(()).float() for k in keys]).cpu().tolist()
-            out.update(zip(keys, values))
+            parts = [metrics[k].detach().float().reshape(-1) for k in keys]
+            flat = torch.cat(parts).cpu().tolist() if len(parts) > 1 else parts[0].cpu().tolist()
+            at = 0
+            for k, part in zip(keys, parts):
+                n = part.numel()
+                out[k] = flat[at] if n == 1 else flat[at:at + n]
+                at += n
         for k, v in metrics.items():
             if not isinstance(v, Tensor):
                 out[k] = float(v)

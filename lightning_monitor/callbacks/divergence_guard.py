@@ -16,7 +16,8 @@ from torch import Tensor
 from lightning_monitor._compat import foreach_norm, grad_scaler_scale
 from lightning_monitor._sharded import local, squared_norms
 from lightning_monitor.alerts import Alert, alerts_dir, read_records
-from lightning_monitor.callbacks.base import Monitor, _check_int, deprecated_aliases
+from lightning_monitor._args import check_int, check_positive, deprecated_aliases
+from lightning_monitor.callbacks.base import Monitor
 from lightning_monitor.functional.robust import MAD_TO_STD, median
 from lightning_monitor.snapshot import TrainingSnapshot, scale_learning_rates
 
@@ -38,12 +39,6 @@ def _at(rows: Optional[list[list[Any]]], i: int, j: int) -> Any:
 
 def _is_critical(alert: Optional[Alert]) -> bool:
     return alert is not None and alert.severity == "critical"
-
-
-def _positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"`{name}` must be a positive number, got {value!r}.")
-    return float(value)
 
 
 class _SeriesWatch:
@@ -278,30 +273,30 @@ class DivergenceGuard(Monitor):
         if action not in ("rollback", "stop", "warn"):
             raise ValueError(f"`action` must be 'rollback', 'stop' or 'warn', got {action!r}.")
         if snapshot_every_n_checks is not None:
-            _check_int("snapshot_every_n_checks", snapshot_every_n_checks, 1)
+            check_int("snapshot_every_n_checks", snapshot_every_n_checks, 1)
         elif action == "rollback":
             raise ValueError("`action='rollback'` needs snapshots: set `snapshot_every_n_checks`.")
-        _check_int("keep_snapshots", keep_snapshots, 1)
-        _check_int("max_rollbacks", max_rollbacks, 1)
-        _check_int("rollback_window", rollback_window, 1)
-        _check_int("min_history", min_history, 1)
-        _check_int("window", window, 3)
-        _check_int("patience", patience, 1)
+        check_int("keep_snapshots", keep_snapshots, 1)
+        check_int("max_rollbacks", max_rollbacks, 1)
+        check_int("rollback_window", rollback_window, 1)
+        check_int("min_history", min_history, 1)
+        check_int("window", window, 3)
+        check_int("patience", patience, 1)
         if min_history > window:
             raise ValueError(f"`min_history` ({min_history}) must not exceed `window` ({window}).")
         if not (0.0 < lr_factor <= 1.0):
             raise ValueError(f"`lr_factor` must be in (0, 1], got {lr_factor!r}.")
         if creep is not None:
-            _positive("creep", creep)
+            check_positive("creep", creep)
         if not 0.0 <= smoothing < 1.0:
             raise ValueError(f"`smoothing` must be in [0, 1), got {smoothing!r}.")
         if blowup <= 1.0 or not math.isfinite(blowup):
             raise ValueError(f"`blowup` must be a number > 1, got {blowup!r}.")
         if lag_steps is not None:
-            _check_int("lag_steps", lag_steps, 0)
+            check_int("lag_steps", lag_steps, 0)
         self.lag_steps = lag_steps
-        self.surge = _positive("surge", surge)
-        self.optimizer_index = _check_int("optimizer_index", optimizer_index, 0)
+        self.surge = check_positive("surge", surge)
+        self.optimizer_index = check_int("optimizer_index", optimizer_index, 0)
         self.action = action
         self.snapshot_every_n_checks = snapshot_every_n_checks
         #: steps between snapshots (``None``: no snapshots)
@@ -313,7 +308,7 @@ class DivergenceGuard(Monitor):
         self.rollback_window = rollback_window
         self.min_history = min_history
         self.window = window
-        self.z_threshold = _positive("z_threshold", z_threshold)
+        self.z_threshold = check_positive("z_threshold", z_threshold)
         self.patience = patience
         self.initial_floor = float(initial_floor)
         self.blowup = float(blowup)

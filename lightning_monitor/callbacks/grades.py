@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from lightning_monitor._sharded import is_sharded, local, replication
-from lightning_monitor.callbacks.base import Monitor, _check_int, deprecated_aliases
+from lightning_monitor._args import check_fraction, check_int, deprecated_aliases
+from lightning_monitor.callbacks.base import Monitor, NothingToWatch
 from lightning_monitor.functional.grades import (
     Component,
     block_container,
@@ -59,15 +60,6 @@ def _as_tuple(patterns: Optional[Union[str, Sequence[str]]]) -> Optional[tuple[s
     if patterns is None:
         return None
     return (patterns,) if isinstance(patterns, str) else tuple(patterns)
-
-
-def _check_fraction(name: str, value: Any, low: float, high: float, high_inclusive: bool) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and low <= value and (value <= high if high_inclusive else value < high)
-    if not ok:
-        right = "]" if high_inclusive else ")"
-        raise ValueError(f"`{name}` must be a number in [{low}, {high}{right}, got {value!r}.")
-    return float(value)
 
 
 class GradientEarlyStopping(Monitor):
@@ -209,13 +201,13 @@ class GradientEarlyStopping(Monitor):
             raise ValueError(f"`criterion` must be 'grad' (mean |gradient|) or 'update' (weight change), got {criterion!r}.")
         if threshold not in ("relative", "absolute"):
             raise ValueError(f"`threshold` must be 'relative' or 'absolute', got {threshold!r}.")
-        self.grace_fraction = _check_fraction("grace_fraction", grace_fraction, 0.0, 1.0, high_inclusive=False)
-        self.grace_steps = None if grace_steps is None else _check_int("grace_steps", grace_steps, 0)
-        self.max_frozen_ratio = _check_fraction("max_frozen_ratio", max_frozen_ratio, 0.0, 1.0, high_inclusive=True)
+        self.grace_fraction = check_fraction("grace_fraction", grace_fraction, 0.0, 1.0, high_inclusive=False)
+        self.grace_steps = None if grace_steps is None else check_int("grace_steps", grace_steps, 0)
+        self.max_frozen_ratio = check_fraction("max_frozen_ratio", max_frozen_ratio, 0.0, 1.0, high_inclusive=True)
         if self.max_frozen_ratio == 0.0:
             raise ValueError("`max_frozen_ratio` must be > 0 (training stops once this fraction is frozen), got 0.")
-        self.smoothing = _check_fraction("smoothing", smoothing, 0.0, 1.0, high_inclusive=False)
-        self.reference_checks = _check_int("reference_checks", reference_checks, 1)
+        self.smoothing = check_fraction("smoothing", smoothing, 0.0, 1.0, high_inclusive=False)
+        self.reference_checks = check_int("reference_checks", reference_checks, 1)
         if not isinstance(reference_at, str) or reference_at not in ("early", "grace_end"):
             raise ValueError(
                 f"`reference_at` must be 'early' (mean of the first `reference_checks` checks) or 'grace_end' (the "
@@ -244,7 +236,6 @@ class GradientEarlyStopping(Monitor):
         self._smoothed: Optional[Tensor] = None
         self._snapshot: dict[str, Tensor] = {}
         self._snapshot_step: Optional[int] = None
-        self._last_step: Optional[int] = None
         self._saved_names: list[str] = []
         # a restored frozen set waits for on_train_start, after the optimizer state is loaded
         self._freeze_pending = False
@@ -278,7 +269,6 @@ class GradientEarlyStopping(Monitor):
         self._ref_sum = self._ref_cnt = self._smoothed = None
         self._n_ref_checks = 0
         self._snapshot, self._snapshot_step = {}, None
-        self._last_step = None
         self._saved_names = []
         self._freeze_pending = False
         self._training = False
@@ -452,13 +442,10 @@ class GradientEarlyStopping(Monitor):
                     value=float(depth),
                 )
 
-        handle = self.arm(blocks[depth].register_forward_pre_hook(check, with_kwargs=True))
+        handle = self.keep(blocks[depth].register_forward_pre_hook(check, with_kwargs=True), until_end=True)
 
     # ------------------------------------------------------------------ setup
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        if stage != "fit":
-            return
+    def select(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._check_strategy(trainer)
         if self.grace_steps is None and self.grace_fraction > 0 and trainer.max_steps == -1 and trainer.max_epochs == -1:
             raise ValueError(
@@ -466,18 +453,15 @@ class GradientEarlyStopping(Monitor):
                 "the run has no end (max_steps=-1 and max_epochs=-1). Set `Trainer(max_steps=...)`, or give the grace "
                 "period in steps with `grace_steps=...`, or use `grace_fraction=0`."
             )
-        self.idle_reason = None
         found = find_components(pl_module, self.include, self.exclude, trainable_only=False, allow_empty=True)
         # a component frozen before the run (and not by us) is not ours to watch
         self._components = {n: c for n, c in found.items() if c.weight.requires_grad or n in self.frozen}
+        self._names = list(self._components)
         if not self._components:
-            self._names = []
-            self.nothing_to_watch(trainer, no_component_reason(pl_module, self.include) if not found else (
+            raise NothingToWatch(no_component_reason(pl_module, self.include) if not found else (
                 f"every component found in {type(pl_module).__name__} is already frozen "
                 f"({list(found)[:6]}...); nothing is left to watch."
             ))
-            return
-        self._names = list(self._components)
         self._check_saved_names()
         self._training = False
         # a frozen set loaded before the run is applied at on_train_start (see there)
@@ -528,16 +512,10 @@ class GradientEarlyStopping(Monitor):
                 )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.idle_reason is not None:
-            return
-        # optimizers exist from here on
-        if len(trainer.optimizers) > 1:
-            self.nothing_to_watch(
-                trainer,
-                f"the model has {len(trainer.optimizers)} optimizers: a component's gradient is read at one "
-                "optimizer's step, where the other optimizers' parameters hold stale or no gradients, so the "
-                "statistics would mix steps. GradES supports one optimizer.",
-            )
+        if self.idle_reason is not None or self.refuse_several_optimizers(
+            trainer, ": a component's gradient is read at one optimizer's step, where the other optimizers' "
+            "parameters hold stale or no gradients, so the statistics would mix steps. GradES supports one optimizer.",
+        ):
             return
         # FSDP2 (`fully_shard` in configure_model, after setup) replaces every parameter by a new DTensor
         # parameter: read the components' parameters again, now that the model is final
@@ -604,20 +582,16 @@ class GradientEarlyStopping(Monitor):
         self._training = False
 
     # ------------------------------------------------------------------ the check
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        step = trainer.global_step
-        if self.idle_reason is not None:
-            return
-        if step == self._last_step or not self.is_due(step) or len(self.frozen) == len(self._names):
-            return
-        self._last_step = step
+    def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> bool:
+        return len(self.frozen) < len(self._names)  # nothing left to judge once every component is frozen
+
+    def compute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> dict[str, Any]:
+        """The statistic of every component (all-reduced), its EMA and reference, and which components
+        fall below ``tau`` (``\\x00``-prefixed vectors over the components, for :meth:`judge`)."""
         active = [n for n in self._names if n not in self.frozen]
         stat = self._statistic(active, step)
         if stat is None:  # first check of the update criterion: a snapshot only
-            self.log_metrics(trainer, {self.key("frozen_fraction"): self.frozen_fraction}, step)
-            return
+            return {self.key("frozen_fraction"): self.frozen_fraction}
         device = stat.device
         if getattr(self, "_sharded", False) and trainer.world_size > 1:
             # FSDP2: each rank holds its part of each component's mean |.| (see _local_mean_abs): summed, the
@@ -655,13 +629,26 @@ class GradientEarlyStopping(Monitor):
         reference = self.reference() if self.threshold == "relative" else None
         decide = past_grace and (
             self.threshold == "absolute" or late or self._n_ref_checks >= self.reference_checks)
-        ratio = relative_ratio(smoothed, reference) if reference is not None else torch.full_like(full, float("nan"))
-        judged = smoothed if reference is None else ratio
         mask = freeze_mask(smoothed, reference, self.tau) if decide else torch.zeros_like(finite)
         if judgeable is not None:
             mask = mask & judgeable
-        # every value this check needs on the host, in one transfer
-        stat_h, ratio_h, judged_h, mask_h = torch.stack([full, ratio, judged, mask.float()]).cpu().tolist()
+        values: dict[str, Any] = {"\x00stat": full, "\x00mask": mask.float(), "\x00decide": float(decide)}
+        if reference is None:
+            values["\x00judged"] = smoothed
+        else:
+            values["\x00judged"] = values["\x00ratio"] = relative_ratio(smoothed, reference)
+        return values
+
+    def judge(self, trainer: pl.Trainer, step: int, values: dict[str, Any]) -> dict[str, float]:
+        """Freeze the components below ``tau`` (the same on every rank: the statistic was reduced), say
+        so, and stop once ``max_frozen_ratio`` is frozen; logs the statistics and the frozen fraction."""
+        if "\x00stat" not in values:
+            return values
+        position = {name: i for i, name in enumerate(self._names)}
+        active = [n for n in self._names if n not in self.frozen]
+        vectors = {k: (v if isinstance(v, list) else [v]) for k, v in values.items() if k != "\x00decide"}
+        stat_h, mask_h, judged_h = vectors["\x00stat"], vectors["\x00mask"], vectors["\x00judged"]
+        ratio_h = vectors.get("\x00ratio")
         newly = [n for n in active if mask_h[position[n]] > 0.5]
         metrics: dict[str, float] = {}
         if self.log_stats:
@@ -669,18 +656,17 @@ class GradientEarlyStopping(Monitor):
                 if not math.isfinite(stat_h[position[name]]):
                     continue  # no gradient this step (module unused)
                 metrics[self.key("stat", name)] = stat_h[position[name]]
-                if reference is not None and not math.isnan(ratio_h[position[name]]):
+                if ratio_h is not None and not math.isnan(ratio_h[position[name]]):
                     metrics[self.key("ratio", name)] = ratio_h[position[name]]
         for name in newly:
             freeze_parameters(self._components[name].params, trainer.optimizers)
             self.frozen[name] = step
             self._snapshot.pop(name, None)
         metrics[self.key("frozen_fraction")] = self.frozen_fraction
-        self.log_metrics(trainer, metrics, step)
         for name in newly:
             value = judged_h[position[name]]
             when = "early" if self.reference_at == "early" else "end-of-grace"
-            how = f"fell to {value:.3g} of its {when} value" if reference is not None else f"is {value:.3g}"
+            how = f"fell to {value:.3g} of its {when} value" if ratio_h is not None else f"is {value:.3g}"
             self.alert(
                 step, "frozen", "info",
                 f"Froze {name}: its smoothed {self.criterion} statistic {how} (< tau={self.tau:g}); "
@@ -689,8 +675,16 @@ class GradientEarlyStopping(Monitor):
             )
         if newly:
             self._cut_prefix(trainer, step)
-        if decide:
-            self._maybe_stop(trainer, step)
+        if values["\x00decide"] and self.stop:  # the same on every rank: no collective skipped on one rank only
+            stopped = self.request_stop(
+                trainer, step, self.frozen_fraction >= self.max_frozen_ratio, "stop",
+                f"{len(self.frozen)}/{len(self._names)} components frozen (>= max_frozen_ratio="
+                f"{self.max_frozen_ratio:g}); stopping training.",
+                value=self.frozen_fraction, threshold=self.max_frozen_ratio,
+            )
+            if stopped:
+                self.stopped_at = step
+        return metrics
 
     def _statistic(self, active: list[str], step: int) -> Optional[Tensor]:
         comps = [self._components[n] for n in active]
@@ -747,18 +741,3 @@ class GradientEarlyStopping(Monitor):
             self._ref_sum, self._ref_cnt = self._ref_sum.to(device), self._ref_cnt.to(device)
         if self._smoothed is not None and self._smoothed.device != device:
             self._smoothed = self._smoothed.to(device)
-
-    def _maybe_stop(self, trainer: pl.Trainer, step: int) -> None:
-        if not self.stop:  # the same on every rank: no collective skipped on one rank only
-            return
-        done = self.frozen_fraction >= self.max_frozen_ratio
-        done = bool(trainer.strategy.reduce_boolean_decision(done, all=False))
-        if done and not trainer.should_stop:
-            trainer.should_stop = True
-            self.stopped_at = step
-            self.alert(
-                step, "stop", "info",
-                f"{len(self.frozen)}/{len(self._names)} components frozen (>= max_frozen_ratio="
-                f"{self.max_frozen_ratio:g}); stopping training.",
-                value=self.frozen_fraction, threshold=self.max_frozen_ratio,
-            )

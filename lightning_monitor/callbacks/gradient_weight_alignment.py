@@ -22,7 +22,8 @@ from torch import Tensor, nn
 
 from lightning_monitor.alerts import _tensorboard_writer, alerts_dir
 from lightning_monitor._sharded import full, global_norm, is_sharded
-from lightning_monitor.callbacks.base import Monitor, NothingToWatch, _check_int, deprecated_aliases
+from lightning_monitor._args import check_int, deprecated_aliases
+from lightning_monitor.callbacks.base import Monitor, NothingToWatch
 from lightning_monitor.functional.gwa import GWA_OFFSET, GWAMoments, alignment_from_parts
 
 __all__ = ["GradientWeightAlignmentMonitor", "default_target_fn"]
@@ -174,12 +175,12 @@ class GradientWeightAlignmentMonitor(Monitor):
         self.head = head
         self.target_fn = target_fn or default_target_fn
         self.index_fn = index_fn
-        self.suspects = _check_int("suspects", suspects, 0)
+        self.suspects = check_int("suspects", suspects, 0)
         self.stop = bool(stop)
-        self.patience = _check_int("patience", patience, 1)
+        self.patience = check_int("patience", patience, 1)
         self.min_delta = float(min_delta)
         self.warmup_fraction = float(warmup_fraction)
-        self.warmup_epochs = None if warmup_epochs is None else _check_int("warmup_epochs", warmup_epochs, 0)
+        self.warmup_epochs = None if warmup_epochs is None else check_int("warmup_epochs", warmup_epochs, 0)
         self.finetune = bool(finetune)
         self.mask_warmup = bool(mask_warmup)
         self.ignore_index = ignore_index

@@ -32,7 +32,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor, nn
 
-from lightning_monitor.callbacks.base import Monitor, deprecated_aliases
+from lightning_monitor._args import deprecated_aliases
+from lightning_monitor.callbacks.base import Monitor, NothingToWatch
 from lightning_monitor.functional.noise_scale import NoiseScaleEMA, noise_scale_estimates
 from lightning_monitor._sharded import is_sharded, local, replication
 from lightning_monitor.probes.per_example import PerExampleGradNorms
@@ -172,11 +173,9 @@ class GradientNoiseScaleMonitor(Monitor):
         self._probe: Optional[PerExampleGradNorms] = None
         self._params: dict[str, nn.Parameter] = {}  # trainable, by name
         self._layers: dict[str, list[str]] = {}  # layer -> param names, per-layer keys
-        self._armed_step: Optional[int] = None
         self._examples = 0  # local examples seen in the armed step
         self._micro_batches = 0
         self._micro_sizes: list[int] = []
-        self._leaf_handles: list[Any] = []
         self._small: dict[str, Tensor] = {}  # accumulation / ddp: per-param sum of small-batch sq norms
         self._ddp_registered = False
         self._warned_single = False
@@ -184,6 +183,7 @@ class GradientNoiseScaleMonitor(Monitor):
         self._flags: tuple[bool, ...] = ()  # requires_grad of every parameter when last selected
         self._measurable = False  # something trainable is measured (else checks are skipped)
         self._reported: set[str] = set()  # uncovered parameters named in a coverage alert
+        self._measured: set[str] = set()  # the parameters measured at this check
         self._selected: set[str] = set()  # modules selected by include / exclude
 
     @property
@@ -230,15 +230,11 @@ class GradientNoiseScaleMonitor(Monitor):
             self.layer_ema[k] = ema
 
     # ------------------------------------------------------------------ setup
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        if stage != "fit":
-            return
+    def select(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from lightning_monitor._sharded import check_strategy
 
         check_strategy(trainer, "GradientNoiseScaleMonitor",
                        "the squared norm of the whole gradient cannot be read from each rank's flat gradient shard")
-        self.idle_reason = None
         self._reset_runtime()
         world = trainer.world_size
         accumulate = trainer.accumulate_grad_batches
@@ -282,7 +278,7 @@ class GradientNoiseScaleMonitor(Monitor):
         self._module = pl_module
         reason = self._select(pl_module, initial=True)
         if reason is not None:
-            self.nothing_to_watch(trainer, reason)
+            raise NothingToWatch(reason)
 
     @staticmethod
     def _check_model_parallel(trainer: pl.Trainer, method: str) -> None:
@@ -386,16 +382,10 @@ class GradientNoiseScaleMonitor(Monitor):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # with one micro-batch per step, tensor hooks on the parameters see this rank's gradient before
         # DDP reduces it; a communication hook is needed only to read the accumulated local gradient
-        if self.idle_reason is not None:
-            return
-        if len(trainer.optimizers) > 1:
-            self._disarm()
-            self.nothing_to_watch(
-                trainer,
-                f"the model has {len(trainer.optimizers)} optimizers (a GAN, an actor-critic ...): each step's "
-                "gradient would mix the losses they minimise, and the noise scale is defined for one loss. Use "
-                "one GradientNoiseScaleMonitor on a model with one optimizer.",
-            )
+        if self.idle_reason is not None or self.refuse_several_optimizers(
+            trainer, " (a GAN, an actor-critic ...): each step's gradient would mix the losses they minimise, and the "
+            "noise scale is defined for one loss. Use one GradientNoiseScaleMonitor on a model with one optimizer.",
+        ):
             return
         # FSDP2 (`fully_shard` in configure_model, after setup) replaces every parameter by a new DTensor
         # parameter: read the parameters (and build the probe) again when they changed
@@ -419,23 +409,14 @@ class GradientNoiseScaleMonitor(Monitor):
 
     # ------------------------------------------------------------------ arming
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step
-        if self.idle_reason is not None:
-            return
-        if not self.is_due(step):
-            if self._armed_step is not None:
-                self._disarm()
-            return
-        if self._armed_step != step:
-            self._disarm()
-            self._arm(step)
-        size = extract_batch_size(batch)
-        self._examples += size
-        self._micro_batches += 1
-        self._micro_sizes.append(size)
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._armed_step == trainer.global_step:  # every micro-batch of the armed step counts
+            size = extract_batch_size(batch)
+            self._examples += size
+            self._micro_batches += 1
+            self._micro_sizes.append(size)
 
-    def _arm(self, step: int) -> None:
-        self._armed_step = step
+    def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
         self._examples = 0
         self._micro_batches = 0
         self._micro_sizes = []
@@ -453,16 +434,13 @@ class GradientNoiseScaleMonitor(Monitor):
             self._probe.attach()
         elif self.resolved_method == "accumulation" or (self.resolved_method == "ddp" and not self._ddp_registered):
             for name, p in self._params.items():
-                self._leaf_handles.append(p.register_hook(self._make_leaf_hook(name)))
+                self.keep(p.register_hook(self._make_leaf_hook(name)))
 
-    def _disarm(self) -> None:
-        self._armed_step = None
+    def release(self) -> None:
+        super().release()
         if self._probe is not None:
             self._probe.detach()
             self._probe.reset()
-        for h in self._leaf_handles:
-            h.remove()
-        self._leaf_handles.clear()
         self._small = {}
 
     def _make_leaf_hook(self, name: str) -> Any:
@@ -488,15 +466,6 @@ class GradientNoiseScaleMonitor(Monitor):
         return allreduce_hook(state, bucket)
 
     # ------------------------------------------------------------------ the check
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        step = trainer.global_step
-        if self.idle_reason is not None or self._armed_step != step:
-            return
-        try:
-            self._check(trainer, step)
-        finally:
-            self._disarm()
-
     def _loss_scale(self, trainer: pl.Trainer) -> Optional[Tensor]:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
@@ -506,9 +475,11 @@ class GradientNoiseScaleMonitor(Monitor):
         scale = grad_scaler_scale(scaler)
         return scale.detach().float() if scale is not None else None
 
-    def _check(self, trainer: pl.Trainer, step: int) -> None:
+    def compute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[dict[str, Any]]:
+        """The small- and big-batch squared norms of this step, by the resolved method, as the raw
+        (unsmoothed) ``|G|^2`` and ``tr(Sigma)`` estimates, model-wide and per layer, and the coverage."""
         if not self._measurable:
-            return
+            return None
         method = self.resolved_method
         world = trainer.world_size
         accumulate = max(self._micro_batches, 1)
@@ -522,7 +493,7 @@ class GradientNoiseScaleMonitor(Monitor):
             # sync; the model's structure does not change, so it runs on the first check only
             self._probe.verify = False
             if not per_param:
-                return
+                return None
             names = [n for n in self._probe.covered if n in per_param]
             # hooks saw grad of loss / accumulate (Lightning divides the loss), and the AMP scale
             factor = float(accumulate) ** 2
@@ -545,7 +516,7 @@ class GradientNoiseScaleMonitor(Monitor):
             small = {n: v / scale.pow(2) for n, v in small.items()}
 
         if not names:
-            return
+            return None
         if b_big <= b_small:
             if not self._warned_single:
                 self._warned_single = True
@@ -556,26 +527,25 @@ class GradientNoiseScaleMonitor(Monitor):
                     "gradient accumulation, or >= 2 data-parallel ranks.",
                     value=float(b_big),
                 )
-            self.log_metrics(trainer, {self.key("batch_size"): float(b_big)}, step)
-            return
+            return {self.key("batch_size"): float(b_big)}
 
         grads = [self._params[n].grad for n in names]
         if any(g is None for g in grads):
             keep = [i for i, g in enumerate(grads) if g is not None]
             names = [names[i] for i in keep]
             grads = [grads[i] for i in keep]
-        measured = set(names)
+        self._measured = measured = set(names)
         rest = [p.grad.detach() for n, p in self._params.items() if n not in measured and p.grad is not None]
         # .grad is unscaled at this hook
         big_vec, rest_vec = self._sq_norms_global(trainer, [[g.detach() for g in grads], rest])
         small_vec = torch.stack([small[n] for n in names]).to(big_vec.device)
 
-        raw: dict[str, Tensor] = {}
+        raw: dict[str, Any] = {"\x00batch": float(b_big)}
         g2, tr = noise_scale_estimates(small_vec.sum(), big_vec.sum(), b_small, b_big)
-        raw["g2"], raw["tr"] = g2, tr
+        raw["\x00g2"], raw["\x00tr"] = g2, tr
         if rest:  # the share of the gradient's squared norm the measured parameters carry, on device
             covered_sq = big_vec.sum()
-            raw["coverage"] = covered_sq / (covered_sq + rest_vec.to(big_vec.device).sum()).clamp_min(1e-30)
+            raw["\x00coverage"] = covered_sq / (covered_sq + rest_vec.to(big_vec.device).sum()).clamp_min(1e-30)
         if self._layers:
             index = {n: i for i, n in enumerate(names)}
             for layer, pnames in self._layers.items():
@@ -585,12 +555,18 @@ class GradientNoiseScaleMonitor(Monitor):
                 sel = torch.tensor(idx, device=big_vec.device)
                 lg2, ltr = noise_scale_estimates(small_vec[sel].sum(), big_vec[sel].sum(), b_small, b_big)
                 raw[f"{layer}\x00g2"], raw[f"{layer}\x00tr"] = lg2, ltr
-        host = self.to_host(raw)  # the one device-to-host transfer of this check
+        return raw
 
-        if not self.ema.update(host["g2"], host["tr"]):
+    def judge(self, trainer: pl.Trainer, step: int, values: dict[str, float]) -> dict[str, float]:
+        """Smooth the estimates, and the batch-size and coverage alerts; the smoothed values are logged."""
+        host = values
+        if "\x00g2" not in host:  # one batch size only: nothing estimated
+            return host
+        if not self.ema.update(host["\x00g2"], host["\x00tr"]):
             log.debug("GradientNoiseScaleMonitor: non-finite gradient norms at step %d, skipped.", step)
-            return
-        coverage = host.get("coverage", 1.0)
+            return {}
+        b_big = host["\x00batch"]
+        coverage = host.get("\x00coverage", 1.0)
         partial = not coverage >= self.min_coverage
         metrics: dict[str, float] = {
             self.key("g2"): float(self.ema.g2.value),
@@ -609,9 +585,9 @@ class GradientNoiseScaleMonitor(Monitor):
             ema.update(host[f"{layer}\x00g2"], host[f"{layer}\x00tr"])
             if math.isfinite(ema.b_simple):
                 metrics[self.key("b_simple", layer)] = ema.b_simple
-        self.log_metrics(trainer, metrics, step)
-        self._coverage_alert(step, measured, coverage, partial)
+        self._coverage_alert(step, self._measured, coverage, partial)
         self._batch_alerts(step, float(b_big), b_simple)
+        return metrics
 
     def _coverage_alert(self, step: int, measured: set[str], coverage: float, partial: bool) -> None:
         """One warning alert naming the trainable parameters left out of the estimate (by module, with
@@ -677,9 +653,3 @@ class GradientNoiseScaleMonitor(Monitor):
             value=b_simple, threshold=batch / self.alert_ratio,
             clear_message=f"Batch size {batch:.0f} is no longer far above B_simple = {shown}.",
         )
-
-    # ------------------------------------------------------------------ teardown
-    def release(self) -> None:
-        """The base calls this when training ends, on an exception and at teardown."""
-        super().release()
-        self._disarm()

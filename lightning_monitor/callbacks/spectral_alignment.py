@@ -50,7 +50,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_monitor._sharded import is_sharded
-from lightning_monitor.callbacks.base import Monitor, _check_int
+from lightning_monitor._args import check_fraction, check_int
+from lightning_monitor.callbacks.base import Monitor, NothingToWatch, Streak
 from lightning_monitor.functional.spectral import (
     sign_diversity,
     spectral_alignment,
@@ -62,12 +63,6 @@ from lightning_monitor.selection import as_patterns, linear_types, select_module
 __all__ = ["SpectralAlignmentMonitor", "find_output_head"]
 
 AUTO = "auto"
-
-
-def _check_fraction(name: str, value: Any, low: float = 0.0, high: float = 1.0) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low <= float(value) <= high):
-        raise ValueError(f"`{name}` must be a number in [{low}, {high}], got {value!r}.")
-    return float(value)
 
 
 def find_output_head(model: nn.Module) -> Optional[str]:
@@ -183,25 +178,25 @@ class SpectralAlignmentMonitor(Monitor):
         if head is not None and (not isinstance(head, str) or not head):
             raise TypeError(f"`head` must be 'auto', a module name or None, got {head!r}.")
         self.head = head
-        self.max_rows = _check_int("max_rows", max_rows, 1)
-        self.n_iter = _check_int("n_iter", n_iter, 1)
-        self.n_vectors = _check_int("n_vectors", n_vectors, 1)
-        self.baseline_checks = _check_int("baseline_checks", baseline_checks, 1)
-        self.baseline_window = _check_int("baseline_window", baseline_window, 1)
-        self.min_baseline = _check_fraction("min_baseline", min_baseline)
-        self.collapse_threshold = _check_fraction("collapse_threshold", collapse_threshold)
+        self.max_rows = check_int("max_rows", max_rows, 1)
+        self.n_iter = check_int("n_iter", n_iter, 1)
+        self.n_vectors = check_int("n_vectors", n_vectors, 1)
+        self.baseline_checks = check_int("baseline_checks", baseline_checks, 1)
+        self.baseline_window = check_int("baseline_window", baseline_window, 1)
+        self.min_baseline = check_fraction("min_baseline", min_baseline)
+        self.collapse_threshold = check_fraction("collapse_threshold", collapse_threshold)
         if self.collapse_threshold >= self.min_baseline:
             raise ValueError(
                 f"`collapse_threshold` ({collapse_threshold}) must be below `min_baseline` ({min_baseline}): "
                 "a layer counts as collapsed only when its sign diversity falls below its usual level."
             )
-        self.warn_fraction = _check_fraction("warn_fraction", warn_fraction)
+        self.warn_fraction = check_fraction("warn_fraction", warn_fraction)
         if self.warn_fraction == 0.0:
             raise ValueError("`warn_fraction` must be > 0 (0 would alert on every check).")
-        self.max_drop = _check_fraction("max_drop", max_drop)
+        self.max_drop = check_fraction("max_drop", max_drop)
         if self.max_drop == 0.0:
             raise ValueError("`max_drop` must be > 0 (0 would alert on every check below the baseline).")
-        self.growth_window = _check_int("growth_window", growth_window, 1)
+        self.growth_window = check_int("growth_window", growth_window, 1)
         if max_sigma_growth is not None and (
             isinstance(max_sigma_growth, bool) or not isinstance(max_sigma_growth, (int, float)) or not max_sigma_growth > 1.0
         ):
@@ -211,8 +206,8 @@ class SpectralAlignmentMonitor(Monitor):
             raise ValueError(f"`sigma_growth_severity` must be 'info', 'warning' or 'critical', got {sigma_growth_severity!r}.")
         self.sigma_growth_severity = sigma_growth_severity
         self.escalate_on_growth = bool(escalate_on_growth)
-        self.patience = _check_int("patience", patience, 1)
-        self.critical_patience = None if critical_patience is None else _check_int("critical_patience", critical_patience, 1)
+        self.patience = check_int("patience", patience, 1)
+        self.critical_patience = None if critical_patience is None else check_int("critical_patience", critical_patience, 1)
         if self.critical_patience is not None and self.critical_patience < self.patience:
             raise ValueError(
                 f"`critical_patience` ({critical_patience}) must be >= `patience` ({patience}): the critical "
@@ -223,16 +218,7 @@ class SpectralAlignmentMonitor(Monitor):
 
         self.layers: dict[str, nn.Module] = {}
         self._capture: Optional[InputCapture] = None
-        self._armed_step: Optional[int] = None
-        self._last_check: Optional[int] = None
-        # persistent state (state_dict)
-        self._vectors: dict[str, Tensor] = {}
-        self._history: dict[str, list[float]] = {}
-        self._n_checks = 0
-        self._not_called: set[str] = set()  # selected layers reported as not called
-        self._streak = 0
-        self._growth_streak = 0
-        self._sigma_history: list[tuple[int, dict[str, float]]] = []
+        self._reset_run_state()
 
     # ------------------------------------------------------------------ state
     @property
@@ -256,8 +242,8 @@ class SpectralAlignmentMonitor(Monitor):
             vectors={k: v.detach().cpu() for k, v in self._vectors.items()},
             history={k: list(v) for k, v in self._history.items()},
             n_checks=self._n_checks,
-            streak=self._streak,
-            growth_streak=self._growth_streak,
+            streak=self._streak.count,
+            growth_streak=self._growth_streak.count,
             sigma_history=[[t, dict(sig)] for t, sig in self._sigma_history],
             sampler=self._capture.state_dict() if self._capture is not None else {},
         )
@@ -265,12 +251,11 @@ class SpectralAlignmentMonitor(Monitor):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._note_state_loaded()
         self._vectors = {k: torch.as_tensor(v) for k, v in state_dict.get("vectors", {}).items()}
         self._history = {k: [float(x) for x in v] for k, v in state_dict.get("history", {}).items()}
         self._n_checks = int(state_dict.get("n_checks", 0))
-        self._streak = int(state_dict.get("streak", 0))
-        self._growth_streak = int(state_dict.get("growth_streak", 0))
+        self._streak = Streak(state_dict.get("streak", 0))
+        self._growth_streak = Streak(state_dict.get("growth_streak", 0))
         self._sigma_history = [(int(t), {k: float(v) for k, v in sig.items()}) for t, sig in state_dict.get("sigma_history", [])]
         self._sampler_state = state_dict.get("sampler", {})
         if self._capture is not None and self._sampler_state:
@@ -278,11 +263,15 @@ class SpectralAlignmentMonitor(Monitor):
 
     def _reset_run_state(self) -> None:
         super()._reset_run_state()
-        self._vectors, self._history, self._sigma_history = {}, {}, []
-        self._n_checks = self._streak = self._growth_streak = 0
-        self._not_called = set()
-        self._sampler_state = {}
-        self._armed_step = self._last_check = None
+        # persistent state (state_dict)
+        self._vectors: dict[str, Tensor] = {}
+        self._history: dict[str, list[float]] = {}
+        self._sigma_history: list[tuple[int, dict[str, float]]] = []
+        self._n_checks = 0
+        self._streak, self._growth_streak = Streak(), Streak()
+        self._not_called: set[str] = set()  # selected layers reported as not called
+        self._sampler_state: dict[str, Any] = {}
+        self._alignments: dict[str, Tensor] = {}  # the check's alignments, from compute to judge
 
     # ------------------------------------------------------------------ setup
     @staticmethod
@@ -298,8 +287,6 @@ class SpectralAlignmentMonitor(Monitor):
         Raises:
             NothingToWatch: (a ``ValueError``) the model has no such layer, or none is left.
         """
-        from lightning_monitor.callbacks.base import NothingToWatch
-
         if not any(self._watchable(m) for m in model.modules()):
             raise NothingToWatch(
                 f"SpectralAlignmentMonitor: {type(model).__name__} has no nn.Linear layer (nor a Hugging Face "
@@ -328,59 +315,25 @@ class SpectralAlignmentMonitor(Monitor):
             )
         return selected
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
+    def select(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from lightning_monitor._sharded import check_strategy, check_tensor_parallel
-        from lightning_monitor.callbacks.base import NothingToWatch
 
         check_strategy(trainer, "SpectralAlignmentMonitor", "a layer's weight matrix (its top singular vector) cannot be read from them")
         check_tensor_parallel(trainer, "SpectralAlignmentMonitor", "it aligns each layer's input rows")
-
-        self.idle_reason = None
-        self.layers = {}
-        self._capture = None
-        try:
-            self.layers = self.select_layers(pl_module)
-        except NothingToWatch as err:
-            self.nothing_to_watch(trainer, str(err).removeprefix("SpectralAlignmentMonitor: "))
-            return
+        self.layers, self._capture = {}, None
+        self.layers = self.select_layers(pl_module)
         self._capture = InputCapture(self.layers, max_rows=self.max_rows, seed=self.seed)
-        state = getattr(self, "_sampler_state", None)
-        if state:
-            self._capture.load_state_dict(state)
+        if self._sampler_state:
+            self._capture.load_state_dict(self._sampler_state)
 
     def release(self) -> None:
-        """The base calls this when training ends, on an exception and at teardown."""
         super().release()
         if self._capture is not None:
             self._capture.release()
-        self._armed_step = None
 
-    # ------------------------------------------------------------------ hooks
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        step = trainer.global_step
-        if self.idle_reason is not None or self._capture is None:
-            return
-        if self._armed_step is not None and self._armed_step != step:
-            self._capture.release()  # a due step whose optimizer step never came (skipped): drop it
-            self._armed_step = None
-        if not self.is_due(step) or self._last_check == step:
-            return
+    def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        assert self._capture is not None
         self._capture.arm()
-        self._armed_step = step
-
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        step = trainer.global_step
-        if self.idle_reason is not None or self._capture is None or self._armed_step != step or self._last_check == step:
-            return
-        self._last_check = step
-        rows = self._capture.take()
-        self._armed_step = None
-        self.check(trainer, step, rows)
 
     # ------------------------------------------------------------------ the check
     @torch.no_grad()
@@ -413,7 +366,9 @@ class SpectralAlignmentMonitor(Monitor):
             metrics[self.key("sigma", name)] = sigma
         return metrics, alignments
 
-    def check(self, trainer: pl.Trainer, step: int, rows: dict[str, Tensor]) -> dict[str, float]:
+    def compute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[dict[str, Tensor]]:
+        assert self._capture is not None
+        rows = self._capture.take()
         silent = [n for n in self.layers if n not in rows and n not in self._not_called]
         if silent:  # said once per layer: a layer whose forward does not run has no input to align
             self._not_called.update(silent)
@@ -424,24 +379,26 @@ class SpectralAlignmentMonitor(Monitor):
                 f"{' ...' if len(silent) > 8 else ''}. (A layer whose weight is used without calling the "
                 "layer is never seen; narrow `include`/`exclude` to silence this.)",
             )
-        metrics, alignments = self.measure(rows)
+        metrics, self._alignments = self.measure(rows)
         rows.clear()
-        if not alignments:
-            return {}
-        names = list(alignments)
-        d_all = torch.stack([metrics[self.key("sign_diversity", n)] for n in names])
-        metrics[self.key("sign_diversity_mean")] = d_all.mean()
+        if not self._alignments:
+            return None
+        names = list(self._alignments)
+        metrics[self.key("sign_diversity_mean")] = torch.stack([metrics[self.key("sign_diversity", n)] for n in names]).mean()
         metrics[self.key("sigma_max")] = torch.stack([metrics[self.key("sigma", n)] for n in names]).max()
-        host = self.to_host(metrics)
-        diversity = {n: host[self.key("sign_diversity", n)] for n in names}
-        sigma = {n: host[self.key("sigma", n)] for n in names}
+        return metrics
+
+    def judge(self, trainer: pl.Trainer, step: int, values: dict[str, float]) -> dict[str, float]:
+        names = list(self._alignments)
+        diversity = {n: values[self.key("sign_diversity", n)] for n in names}
+        sigma = {n: values[self.key("sigma", n)] for n in names}
         for stat, value in self._update_rule(step, diversity, sigma).items():
-            host[self.key(stat)] = value
-        self.log_metrics(trainer, host, step)
+            values[self.key(stat)] = value
         if self.log_histograms:
-            for n, a in alignments.items():
+            for n, a in self._alignments.items():
                 self.log_histogram(trainer, self.key("alignment", n), a, step)
-        return host
+        self._alignments = {}
+        return values
 
     # ------------------------------------------------------------------ the rule
     def baseline(self, layer: str) -> Optional[float]:
@@ -510,7 +467,7 @@ class SpectralAlignmentMonitor(Monitor):
         out = {"collapsed_fraction": fraction, "diversity_ratio": ratio, "sigma_growth": growth}
         if building:
             return out
-        self._streak = self._streak + 1 if active else 0
+        streak = self._streak.update(active)
         mean_d = sum(diversity.values()) / len(diversity)
         what = (
             f"{len(collapsed)}/{len(eligible)} layers whose inputs usually have mixed signs collapsed "
@@ -518,21 +475,21 @@ class SpectralAlignmentMonitor(Monitor):
             f"{ratio:.0%} of its baseline (mean over all layers {mean_d:.2f})"
         )
         if self.max_sigma_growth is not None:
-            self._growth_streak = self._growth_streak + 1 if growth >= self.max_sigma_growth else 0
+            self._growth_streak.update(growth >= self.max_sigma_growth)
         both = self._streak >= self.patience and self._growth_streak >= self.patience
         critical = self.critical_patience is not None and self._streak >= self.critical_patience
         if critical or (self.escalate_on_growth and both):
             growing = f" while the top singular value grows {growth:.2f}x per {self.growth_window} steps" if both else ""
             self.condition(
                 step, "collapse", True, "critical",
-                f"Spectral alignment collapse for {self._streak} checks in a row{growing}: {what}. A loss explosion is "
+                f"Spectral alignment collapse for {streak} checks in a row{growing}: {what}. A loss explosion is "
                 "likely: lower the learning rate or restore the last good checkpoint.",
                 value=fraction, threshold=self.warn_fraction,
             )
         elif self._streak >= self.patience:
             self.condition(
                 step, "collapse", True, "warning",
-                f"Spectral alignment is collapsing ({self._streak} checks in a row): {what}. Inputs line up "
+                f"Spectral alignment is collapsing ({streak} checks in a row): {what}. Inputs line up "
                 "with each weight's top singular vector, which precedes loss explosions. Watch the loss; "
                 "consider a lower learning rate.",
                 value=fraction, threshold=self.warn_fraction,
@@ -548,7 +505,7 @@ class SpectralAlignmentMonitor(Monitor):
                 self.condition(
                     step, "sigma_growth", True, self.sigma_growth_severity,
                     f"The top singular value of a monitored weight grows {growth:.2f}x per {self.growth_window} "
-                    f"steps (threshold {self.max_sigma_growth}) for {self._growth_streak} checks in a row: "
+                    f"steps (threshold {self.max_sigma_growth}) for {self._growth_streak.count} checks in a row: "
                     "weights are being pushed along one direction, as before a loss explosion.",
                     value=growth, threshold=self.max_sigma_growth,
                 )
