@@ -34,8 +34,6 @@
 
 from __future__ import annotations
 
-import math
-import weakref
 from collections.abc import Collection, Mapping
 from typing import Any, Optional, Union
 
@@ -46,7 +44,8 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from torch import Tensor
 
 from lightning_monitor._args import check_int, deprecated_aliases, resolve_callable
-from lightning_monitor.alerts import SEVERITY_LEVELS, Alert, AlertHub, Severity, _tensorboard_writer
+from lightning_monitor._values import TrainerRef, fold_layers, log_histogram, publish, to_host
+from lightning_monitor.alerts import SEVERITY_LEVELS, Alert, AlertHub, Severity
 
 __all__ = ["Monitor", "NothingToWatch", "Streak", "deprecated_aliases", "resolve_callable"]
 
@@ -58,15 +57,6 @@ class NothingToWatch(ValueError):
     warning alert and stays idle instead (:meth:`Monitor.nothing_to_watch`)."""
 
 Number = Union[Tensor, float, int]
-
-
-def _callback_metrics_store(trainer: pl.Trainer) -> dict[str, Any]:
-    """The dict behind ``trainer.callback_metrics``. Reading that property first folds in the values
-    the LightningModule logged, converting its progress-bar values with ``.item()`` (a host sync
-    each); the connector's dict is the same object without that. Falls back to the property."""
-    from lightning_monitor._compat import callback_metrics_store  # the private read lives there
-
-    return callback_metrics_store(trainer)
 
 
 class Streak:
@@ -87,22 +77,6 @@ class Streak:
 
     def __repr__(self) -> str:
         return f"Streak({self.count})"
-
-
-class _TrainerRef:
-    """A weak reference to the Trainer a monitor runs in; pickles (``ddp_spawn``) and deep-copies as
-    an empty one, so a monitor stays picklable."""
-
-    __slots__ = ("_ref",)
-
-    def __init__(self, trainer: Optional[pl.Trainer] = None) -> None:
-        self._ref = weakref.ref(trainer) if trainer is not None else None
-
-    def __call__(self) -> Optional[pl.Trainer]:
-        return self._ref() if self._ref is not None else None
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_TrainerRef, ())
 
 
 class Monitor(Callback):
@@ -276,7 +250,7 @@ class Monitor(Callback):
         previous = getattr(self, "_trainer_ref", None)
         bound = previous() if previous is not None else None
         loaded = getattr(self, "_state_loaded", False)
-        self._trainer_ref = _TrainerRef(trainer)
+        self._trainer_ref = TrainerRef(trainer)
         self._state_loaded = False
         return previous is not None and bound is not trainer and not loaded
 
@@ -337,24 +311,8 @@ class Monitor(Callback):
         self.__dict__.setdefault("_layer_keys", {})[key] = stat
         return key
 
-    @staticmethod
-    def to_host(metrics: Mapping[str, Any]) -> dict[str, Any]:
-        """All values on the host, with a single device-to-host transfer for the tensors: a tensor of
-        one element (or a number) becomes a float, a tensor of more elements a list of floats."""
-        out: dict[str, Any] = {}
-        keys = [k for k, v in metrics.items() if isinstance(v, Tensor)]
-        if keys:
-            parts = [metrics[k].detach().float().reshape(-1) for k in keys]
-            flat = torch.cat(parts).cpu().tolist() if len(parts) > 1 else parts[0].cpu().tolist()
-            at = 0
-            for k, part in zip(keys, parts):
-                n = part.numel()
-                out[k] = flat[at] if n == 1 else flat[at:at + n]
-                at += n
-        for k, v in metrics.items():
-            if not isinstance(v, Tensor):
-                out[k] = float(v)
-        return {k: out[k] for k in metrics}
+    to_host = staticmethod(to_host)
+    publish = staticmethod(publish)
 
     def log_metrics(
         self,
@@ -364,73 +322,32 @@ class Monitor(Callback):
         loggers_only: Collection[str] = (),
     ) -> dict[str, float]:
         """Send ``metrics`` to every logger of ``trainer`` at ``step`` (on global rank 0) and put them
-        into ``trainer.callback_metrics`` (on every rank, see :meth:`publish`), except the keys in
-        ``loggers_only``; returns them as floats.
+        into ``trainer.callback_metrics`` (on every rank, see :func:`~lightning_monitor._values.publish`),
+        except the keys in ``loggers_only``; returns them as floats.
 
         Called on every rank. Tensors cross to the host here in one transfer (none when the values
         are floats already); nothing else syncs. With ``per_layer_scalars`` false, the per-layer keys
         reach the loggers as histograms (see the class docstring).
         """
-        host = self.to_host(metrics)
+        host = to_host(metrics)
         if trainer.global_rank == 0:
-            scalars, per_stat = self._fold_layers(host)
+            layer_keys = {} if self.per_layer_scalars else self.__dict__.get("_layer_keys", {})
+            scalars, per_stat = fold_layers(host, layer_keys)
             if scalars:
                 for logger in trainer.loggers:
                     logger.log_metrics(scalars, step=step)
             for stat, values in per_stat.items():
                 self.log_histogram(trainer, self.layers_tag(stat), torch.tensor(values, dtype=torch.float64), step)
-        self.publish(trainer, host, exclude=loggers_only)
+        publish(trainer, host, exclude=loggers_only)
         return host
 
     def layers_tag(self, stat: str) -> str:
         """``<monitor>/layers/<stat>``: the histogram over the layers of one per-layer statistic."""
         return f"{self.name}/layers/{stat}"
 
-    def _fold_layers(self, host: Mapping[str, float]) -> tuple[dict[str, float], dict[str, list[float]]]:
-        """``(scalars, {stat: finite per-layer values})``: everything as scalars while
-        ``per_layer_scalars`` is set, else the model-level keys as scalars and the per-layer ones
-        grouped by statistic (non-finite values left out: a histogram cannot bin them, and the
-        model-level keys and alerts report them)."""
-        layer_keys: dict[str, str] = self.__dict__.get("_layer_keys", {})
-        if self.per_layer_scalars or not layer_keys:
-            return dict(host), {}
-        scalars: dict[str, float] = {}
-        per_stat: dict[str, list[float]] = {}
-        for k, v in host.items():
-            stat = layer_keys.get(k)
-            if stat is None:
-                scalars[k] = v
-            elif math.isfinite(v):
-                per_stat.setdefault(stat, []).append(v)
-        return scalars, per_stat
-
-    @staticmethod
-    def publish(trainer: pl.Trainer, values: Mapping[str, float], exclude: Collection[str] = ()) -> None:
-        """Put host ``values`` into ``trainer.callback_metrics`` as 0-dim float32 CPU tensors, so that
-        ``EarlyStopping`` and ``ModelCheckpoint`` can monitor any key.
-
-        Every rank must call this with the same keys: those callbacks reduce their decision across
-        ranks only when the monitored key is present, so a key missing on one rank would hang the
-        others. A key keeps its last value until it is published again (as with ``self.log``); a key
-        never published is absent. Values of reduced quantities are the same on all ranks; values a
-        rank measures on its own data (spectral alignment) are that rank's, which is what the
-        callbacks' cross-rank reduction of their decisions expects.
-        """
-        keys = [k for k in values if k not in exclude]
-        if not keys:
-            return
-        # one tensor, viewed per key: ~1 us per key, no device involved
-        tensors = torch.tensor([float(values[k]) for k in keys], dtype=torch.float32).unbind(0)
-        _callback_metrics_store(trainer).update(zip(keys, tensors))
-
     def log_histogram(self, trainer: pl.Trainer, tag: str, values: Tensor, step: int) -> None:
         """A histogram of ``values`` to every TensorBoard logger (others have no histograms)."""
-        if trainer.global_rank != 0:
-            return
-        for logger in trainer.loggers:
-            writer = _tensorboard_writer(logger)
-            if writer is not None:
-                writer.add_histogram(tag, values.detach().float().cpu(), global_step=step)
+        log_histogram(trainer, tag, values, step)
 
     # ------------------------------------------------------------------ alerts
     def alert(
