@@ -65,6 +65,9 @@ def _sq_norms(tensors: list[Tensor]) -> Tensor:
     return torch.stack(list(norms)).pow(2)
 
 
+_Small = tuple[list[str], dict[str, Tensor], float, float]
+
+
 def _layer_of(param_name: str) -> str:
     return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
 
@@ -475,46 +478,46 @@ class GradientNoiseScaleMonitor(Monitor):
         scale = grad_scaler_scale(scaler)
         return scale.detach().float() if scale is not None else None
 
+    # the small-batch squared norms of each method: (parameter names, {name: |g_small|^2}, B_small, B_big)
+    def _small_per_example(self, trainer: pl.Trainer, accumulate: int) -> Optional[_Small]:
+        assert self._probe is not None
+        self._probe.batch_size = self._examples
+        per_param = self._probe.per_parameter()
+        # the check that no covered parameter is also used outside its module costs a small host
+        # sync; the model's structure does not change, so it runs on the first check only
+        self._probe.verify = False
+        if not per_param:
+            return None
+        names = [n for n in self._probe.covered if n in per_param]
+        # hooks saw grad of loss / accumulate (Lightning divides the loss)
+        factor = float(accumulate) ** 2
+        return names, {n: per_param[n].mean() * factor for n in names}, 1, self._examples * trainer.world_size
+
+    def _small_accumulation(self, trainer: pl.Trainer, accumulate: int) -> Optional[_Small]:
+        names = [n for n in self._params if n in self._small]
+        small = {n: self._small[n] * float(accumulate) for n in names}  # (accumulate * g)^2 / accumulate
+        return names, small, self._examples / accumulate, self._examples * trainer.world_size
+
+    def _small_ddp(self, trainer: pl.Trainer, accumulate: int) -> Optional[_Small]:
+        names = [n for n in self._params if n in self._small]
+        vec = torch.stack([self._small[n] for n in names]) if names else torch.zeros(0)
+        vec = trainer.strategy.reduce(vec, reduce_op="mean")
+        return names, dict(zip(names, vec.unbind(0))), self._examples, self._examples * trainer.world_size
+
     def compute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[dict[str, Any]]:
         """The small- and big-batch squared norms of this step, by the resolved method, as the raw
         (unsmoothed) ``|G|^2`` and ``tr(Sigma)`` estimates, model-wide and per layer, and the coverage."""
         if not self._measurable:
             return None
         method = self.resolved_method
-        world = trainer.world_size
-        accumulate = max(self._micro_batches, 1)
+        read = {"per_example": self._small_per_example, "accumulation": self._small_accumulation, "ddp": self._small_ddp}
+        found = read[method](trainer, max(self._micro_batches, 1))
+        if found is None:
+            return None
+        names, small, b_small, b_big = found
         scale = self._loss_scale(trainer)
-
-        if method == "per_example":
-            assert self._probe is not None
-            self._probe.batch_size = self._examples
-            per_param = self._probe.per_parameter()
-            # the check that no covered parameter is also used outside its module costs a small host
-            # sync; the model's structure does not change, so it runs on the first check only
-            self._probe.verify = False
-            if not per_param:
-                return None
-            names = [n for n in self._probe.covered if n in per_param]
-            # hooks saw grad of loss / accumulate (Lightning divides the loss), and the AMP scale
-            factor = float(accumulate) ** 2
-            small = {n: per_param[n].mean() * factor for n in names}
-            b_small, b_big = 1, self._examples * world
-        elif method == "accumulation":
-            names = [n for n in self._params if n in self._small]
-            factor = float(accumulate) ** 2
-            small = {n: self._small[n] * factor / accumulate for n in names}
-            b_small = self._examples / accumulate
-            b_big = self._examples * world
-        else:  # ddp
-            names = [n for n in self._params if n in self._small]
-            vec = torch.stack([self._small[n] for n in names]) if names else torch.zeros(0)
-            vec = trainer.strategy.reduce(vec, reduce_op="mean")
-            small = dict(zip(names, vec.unbind(0)))
-            b_small = self._examples
-            b_big = self._examples * world
-        if scale is not None:
+        if scale is not None:  # the hooks saw the gradients of the scaled loss
             small = {n: v / scale.pow(2) for n, v in small.items()}
-
         if not names:
             return None
         if b_big <= b_small:

@@ -116,7 +116,7 @@ def main() -> None:
     for k, m in monitors.items():
         record(m, logged[k])
     timings: dict[str, list] = {}
-    for k, method in (("sa", "measure"), ("grades", "on_before_optimizer_step"), ("gns", "_check"),
+    for k, method in (("sa", "measure"), ("grades", "on_before_optimizer_step"), ("gns", "compute"),
                       ("gwa", "_on_head_forward")):
         if k in monitors:
             due = (lambda trainer, *_: monitors["grades"].is_due(trainer.global_step)) if k == "grades" else None
