@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "read_alerts": "lightning_monitor.alerts",
     "Monitor": "lightning_monitor.callbacks.base",
     "NothingToWatch": "lightning_monitor.callbacks.base",
+    "Streak": "lightning_monitor.callbacks.base",
     "DivergenceGuard": "lightning_monitor.callbacks.divergence_guard",
     "SpectralAlignmentMonitor": "lightning_monitor.callbacks.spectral_alignment",
     "GradientNoiseScaleMonitor": "lightning_monitor.callbacks.noise_scale",
@@ -41,7 +42,7 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_monitor.alerts import Alert, AlertHub, read_alerts
-    from lightning_monitor.callbacks.base import Monitor, NothingToWatch
+    from lightning_monitor.callbacks.base import Monitor, NothingToWatch, Streak
     from lightning_monitor.callbacks.divergence_guard import DivergenceGuard
     from lightning_monitor.callbacks.grades import GradientEarlyStopping
     from lightning_monitor.callbacks.gradient_weight_alignment import GradientWeightAlignmentMonitor
