@@ -13,12 +13,12 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from lightning_monitor._args import check_fraction, check_int, check_positive, deprecated_aliases
 from lightning_monitor._compat import foreach_norm, grad_scaler_scale
 from lightning_monitor._sharded import local, squared_norms
 from lightning_monitor.alerts import Alert, alerts_dir, read_records
-from lightning_monitor._args import check_int, check_positive, deprecated_aliases
-from lightning_monitor.callbacks.base import Monitor
-from lightning_monitor.functional.robust import MAD_TO_STD, median
+from lightning_monitor.callbacks.base import Monitor, NothingToWatch
+from lightning_monitor.functional.robust import SeriesWatch, median
 from lightning_monitor.snapshot import TrainingSnapshot, scale_learning_rates
 
 __all__ = ["DivergenceGuard"]
@@ -39,98 +39,6 @@ def _at(rows: Optional[list[list[Any]]], i: int, j: int) -> Any:
 
 def _is_critical(alert: Optional[Alert]) -> bool:
     return alert is not None and alert.severity == "critical"
-
-
-class _SeriesWatch:
-    """A scalar series judged against its own recent normal history.
-
-    The reference is the median of the last ``recent`` normal values (it follows a falling loss closely);
-    the scale is the batch-to-batch noise, from the median absolute difference of consecutive normal values
-    over the whole ``window`` (a trend does not inflate it), floored by ``rel_floor`` times the reference
-    and by an absolute floor. A value is *anomalous* when its z-score exceeds ``threshold`` (once
-    ``min_history`` normal values are in), or when it exceeds ``ceiling`` (an absolute bound, judged from the
-    first value on). Only normal values enter the history, so a sustained explosion stays anomalous instead
-    of becoming the new normal. ``run`` counts consecutive anomalous values, ``start`` is the first one's step.
-    """
-
-    def __init__(self, window: int, min_history: int, threshold: float, rel_floor: float, recent: int = 10) -> None:
-        self.history: deque[float] = deque(maxlen=window)
-        # |history[t + 1] - history[t]|, kept along with the history: the noise needs no pass over it per value
-        self._diffs: deque[float] = deque(maxlen=max(window - 1, 1))
-        self.min_history = min_history
-        self.threshold = threshold
-        self.rel_floor = rel_floor
-        self.recent = recent
-        self.run = 0
-        self.start: Optional[int] = None
-        self._cache: Optional[tuple[float, float]] = None
-
-    @property
-    def ready(self) -> bool:
-        return len(self.history) >= max(self.min_history, 3)
-
-    def _stats(self) -> tuple[float, float]:
-        """(level, noise), computed once per change of the history."""
-        if self._cache is None:
-            values = list(self.history)
-            if len(self._diffs) != max(len(values) - 1, 0):  # the history was changed from outside: rebuild
-                self._diffs.clear()
-                self._diffs.extend(abs(b - a) for a, b in zip(values, values[1:]))
-            # difference_noise(values), from the kept differences
-            noise = MAD_TO_STD * median(list(self._diffs)) / math.sqrt(2.0) if len(values) > 1 else 0.0
-            self._cache = (median(values[-self.recent:]), noise)
-        return self._cache
-
-    def level(self) -> float:
-        """The reference: median of the most recent normal values."""
-        return self._stats()[0]
-
-    def noise(self) -> float:
-        """Robust standard deviation of one value around the trend (from consecutive differences)."""
-        return self._stats()[1]
-
-    def zscore(self, x: float, abs_floor: float = 1e-12) -> float:
-        """:func:`~lightning_monitor.functional.robust.robust_zscore` of ``x`` against the history (0 while not
-        ready), from the cached level and noise."""
-        if not self.ready:
-            return 0.0
-        if not math.isfinite(x):
-            return x
-        level, noise = self._stats()
-        return (x - level) / max(noise, self.rel_floor * abs(level), abs_floor)
-
-    def update(self, step: int, x: float, abs_floor: float = 1e-12, ceiling: float = math.inf) -> tuple[bool, float]:
-        """Feed one finite value; returns (anomalous, z)."""
-        z = self.zscore(x, abs_floor)
-        anomalous = z > self.threshold or x > ceiling
-        if anomalous:
-            self.start = step if self.run == 0 else self.start
-            self.run += 1
-        else:
-            self.run, self.start = 0, None
-            if self.history:
-                self._diffs.append(abs(x - self.history[-1]))
-            self.history.append(x)
-            self._cache = None
-        return anomalous, z
-
-    def reseed(self, values: list[float]) -> None:
-        """Make ``values`` the new normal (after a data shift)."""
-        self.history.clear()
-        self.history.extend(values)
-        self._diffs.clear()  # rebuilt by _stats
-        self.run, self.start = 0, None
-        self._cache = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"history": list(self.history), "run": self.run, "start": self.start}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.history.clear()
-        self.history.extend(state.get("history", []))
-        self._diffs.clear()  # rebuilt by _stats
-        self._cache = None
-        self.run, self.start = int(state.get("run", 0)), state.get("start")
 
 
 class DivergenceGuard(Monitor):
@@ -276,44 +184,32 @@ class DivergenceGuard(Monitor):
             check_int("snapshot_every_n_checks", snapshot_every_n_checks, 1)
         elif action == "rollback":
             raise ValueError("`action='rollback'` needs snapshots: set `snapshot_every_n_checks`.")
-        check_int("keep_snapshots", keep_snapshots, 1)
-        check_int("max_rollbacks", max_rollbacks, 1)
-        check_int("rollback_window", rollback_window, 1)
-        check_int("min_history", min_history, 1)
-        check_int("window", window, 3)
-        check_int("patience", patience, 1)
+        self.keep_snapshots = check_int("keep_snapshots", keep_snapshots, 1)
+        self.max_rollbacks = check_int("max_rollbacks", max_rollbacks, 1)
+        self.rollback_window = check_int("rollback_window", rollback_window, 1)
+        self.min_history = check_int("min_history", min_history, 1)
+        self.window = check_int("window", window, 3)
+        self.patience = check_int("patience", patience, 1)
         if min_history > window:
             raise ValueError(f"`min_history` ({min_history}) must not exceed `window` ({window}).")
         if not (0.0 < lr_factor <= 1.0):
             raise ValueError(f"`lr_factor` must be in (0, 1], got {lr_factor!r}.")
-        if creep is not None:
-            check_positive("creep", creep)
-        if not 0.0 <= smoothing < 1.0:
-            raise ValueError(f"`smoothing` must be in [0, 1), got {smoothing!r}.")
+        self.creep = creep if creep is None else check_positive("creep", creep)
+        self.smoothing = check_fraction("smoothing", smoothing, 0.0, 1.0, high_inclusive=False)
         if blowup <= 1.0 or not math.isfinite(blowup):
             raise ValueError(f"`blowup` must be a number > 1, got {blowup!r}.")
-        if lag_steps is not None:
-            check_int("lag_steps", lag_steps, 0)
-        self.lag_steps = lag_steps
+        self.lag_steps = lag_steps if lag_steps is None else check_int("lag_steps", lag_steps, 0)
         self.surge = check_positive("surge", surge)
         self.optimizer_index = check_int("optimizer_index", optimizer_index, 0)
+        self.z_threshold = check_positive("z_threshold", z_threshold)
         self.action = action
         self.snapshot_every_n_checks = snapshot_every_n_checks
         #: steps between snapshots (``None``: no snapshots)
         self.snapshot_every_n_steps = None if snapshot_every_n_checks is None else snapshot_every_n_checks * self.every_n_steps
-        self.keep_snapshots = keep_snapshots
         self.snapshot_dir = snapshot_dir
         self.lr_factor = float(lr_factor)
-        self.max_rollbacks = max_rollbacks
-        self.rollback_window = rollback_window
-        self.min_history = min_history
-        self.window = window
-        self.z_threshold = check_positive("z_threshold", z_threshold)
-        self.patience = patience
         self.initial_floor = float(initial_floor)
         self.blowup = float(blowup)
-        self.creep = creep
-        self.smoothing = float(smoothing)
         self.attribute = attribute
         self.zero_nonfinite_grads = zero_nonfinite_grads
         self.act_on_alerts = act_on_alerts
@@ -321,43 +217,18 @@ class DivergenceGuard(Monitor):
         self.corroborate_with = tuple(corroborate_with)
         self.dirpath = dirpath
         self._skip_given = frozenset(self._read_skip(skip_batches))
-        self._skip: set[tuple[int, int]] = set(self._skip_given)
-
-        self._loss_watch = _SeriesWatch(window, min_history, z_threshold, loss_rel_floor)
-        self._initial: list[float] = []  # the first losses: the initial level
-        self._ema = 0.0
-        self._ema_weight = 0.0
-        self._ema_min = math.inf
-        self._lr_at_min: Optional[list[list[Optional[float]]]] = None
-        self._creep_warned_at = math.inf  # the lowest smoothed loss at the last creep warning
-        self._creep_start: Optional[int] = None
-        self._climb_judged = False
-        # per-step values on their way to the host: (step, [loss, grad norm], copy-done event or None, no loss)
-        self._ring: deque[tuple[int, Tensor, Any, bool]] = deque()
-        self._judged_through = -1  # the last step judged
-        self._flat_shards = False  # FSDP1: plain gradients are this rank's shards
-        self._judged_now: Optional[tuple[Optional[float], float]] = None  # this step's values, if judged already
-        self._restored: list[tuple[int, Optional[float], float]] = []  # buffered values restored from a checkpoint
-        self._loss_acc: Optional[Tensor] = None
-        self._batch: Any = None
+        self._loss_watch = SeriesWatch(window, min_history, self.z_threshold, loss_rel_floor)
         # the last batches (references only) and the losses of the last normal steps: a surge is tested on them
         self._recent_batches: deque[tuple[int, Any, int]] = deque(maxlen=_REFERENCES + 3)
         self._normal_recent: deque[tuple[int, float]] = deque(maxlen=_REFERENCES)
         # (step, learning rates) of the last steps, as far back as the moving average reaches
         self._lr_trace: deque[tuple[int, list[list[Optional[float]]]]] = deque(
             maxlen=2 + round(self.smoothing / (1.0 - self.smoothing)) + (lag_steps or 2))
-        self._hard_batch: Optional[int] = None  # the last surge the weights were not to blame for
+        self._flat_shards = False  # FSDP1: plain gradients are this rank's shards
+        self._batch: Any = None
         self._batch_idx = 0
-        self._drop: Optional[TrainingSnapshot] = None  # the state before a batch whose update is undone
-        self._verdict: Optional[tuple[int, list[str], Optional[int]]] = None  # a check's findings, acted on at batch end
-        self._seen: list[tuple[int, int, int]] = []  # (step, epoch, batch_idx) since the oldest snapshot
-        self._snapshots: list[TrainingSnapshot] = []
-        self._snapshot_files: list[dict[str, Any]] = []  # a checkpoint's snapshot files, adopted at train start
-        self._lr_scale = 1.0
-        self._lr_ceiling: Optional[list[list[float]]] = None  # per optimizer and group, after a repeated divergence
-        self._external: list[Alert] = []
-        self._external_warnings: dict[tuple[str, str, Optional[str]], Alert] = {}
         self._warned_no_loss = False
+        self._snapshots: list[TrainingSnapshot] = []
         #: every rollback: dicts with ``step``, ``to_step``, ``skipped`` (count), ``batches`` ([epoch, batch_idx]),
         #: ``lr_factor``, ``lr_scale`` (cumulative), ``loss_before`` (median recent loss of the state restored), ``reasons``
         self.rollbacks: list[dict[str, Any]] = []
@@ -365,6 +236,7 @@ class DivergenceGuard(Monitor):
         self.stop_checkpoint: Optional[str] = None
         #: step at which the guard stopped the run, else None
         self.stopped_step: Optional[int] = None
+        self._reset_run_state()  # the run state, empty
 
     @property
     def state_key(self) -> str:
@@ -385,16 +257,12 @@ class DivergenceGuard(Monitor):
         return [(int(e), int(b)) for e, b in skip]
 
     # ------------------------------------------------------------------ lifecycle
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        if stage != "fit":
-            return
+    def select(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         kind = type(trainer.strategy).__name__
         if "DeepSpeed" in kind:
-            self.nothing_to_watch(
-                trainer, f"{kind} holds the gradients and optimizer state in its engine's partitions, which the guard "
+            raise NothingToWatch(
+                f"{kind} holds the gradients and optimizer state in its engine's partitions, which the guard "
                 "can neither read per step nor snapshot; use DDP, FSDP2 (ModelParallelStrategy) or FSDP.")
-            return
         # FSDP1 keeps each rank's gradients as plain flat shards: their squared norms add up across the ranks
         self._flat_shards = "FSDP" in kind
         self.hub.subscribe(self._on_alert)
@@ -488,26 +356,33 @@ class DivergenceGuard(Monitor):
         if self._flat_shards and plain_sq is not None:
             plain_sq, shard_sq = None, plain_sq if shard_sq is None else shard_sq + plain_sq
         row = self._row(trainer, pl_module, loss, plain_sq, shard_sq)
-        on_host = row.device.type == "cpu" and self._lag(trainer) == 0
+        lag = self._lag(trainer)
+        on_host = row.device.type == "cpu" and lag == 0
         if self.zero_nonfinite_grads and grads and not on_host:
             bad = torch.isfinite(row.sum()).logical_not_()  # on the device: no sync
             for g in grads:
                 local(g).masked_fill_(bad, 0.0)
         if self._drop is None:  # a dropped batch is not judged
             self._ring.append(self._copy_to_host(step, row, no_loss))
-        critical, first_bad = self._judge_ready(trainer, pl_module, step)
-        if self.zero_nonfinite_grads and grads and on_host and self._judged_now is not None:
+        values = self._read_ready(step, lag)
+        critical, first_bad = self._judge_ready(trainer, pl_module, values)
+        if self.zero_nonfinite_grads and grads and on_host:
             # no device to wait for: this step's values are already judged; touch the gradients only when needed
-            now_loss, now_gnorm = self._judged_now
-            if not math.isfinite(now_gnorm) or (now_loss is not None and not math.isfinite(now_loss)):
+            now = next(((loss, g) for s, loss, g in values if s == step), None)
+            if now is not None and (not math.isfinite(now[1]) or (now[0] is not None and not math.isfinite(now[0]))):
                 for g in grads:
                     local(g).zero_()
-        if self.is_due(step):
-            more, bad_at = self._check(trainer, pl_module, step, not critical)
-            critical += more
-            if bad_at is not None:
-                first_bad = bad_at if first_bad is None else min(first_bad, bad_at)
-        if critical or self.is_due(step):
+        due = self.is_due(step)
+        if due and self._snapshot_due(step):
+            if not self._all_finite(pl_module):
+                self.alert(step, "nonfinite", "critical",
+                           f"A parameter or buffer (e.g. BatchNorm running statistics) is non-finite at step {step}, "
+                           "although the gradients were kept finite: a non-finite batch reached a buffer.")
+                critical.append(f"non-finite parameter or buffer at step {step}")
+                first_bad = step if first_bad is None else min(first_bad, step)
+            # refused unless every step judged so far was normal and every parameter and buffer is finite
+            self._snapshot(trainer, pl_module, step, not critical)
+        if critical or due:
             self._verdict = (step, critical, first_bad)
 
     @staticmethod
@@ -551,7 +426,7 @@ class DivergenceGuard(Monitor):
             return
         # between checks the decision is the same on every rank (judged on the ranks' mean series); at a check,
         # rank-local findings (other monitors, non-finite buffers) are reduced
-        act = trainer.strategy.reduce_boolean_decision(bool(critical), all=False) if due else bool(critical)
+        act = self.decide(trainer, bool(critical)) if due else bool(critical)
         if not act:
             return
         target = self._target_snapshot(trainer, step if first_bad is None else first_bad)
@@ -592,23 +467,30 @@ class DivergenceGuard(Monitor):
         return 0 if trainer.strategy.root_device.type == "cpu" else 2
 
     def _read_ready(self, step: int, lag: int) -> list[tuple[int, Optional[float], float]]:
-        """The host values of the steps at least ``lag`` steps old. Their copies were started ``lag`` steps ago,
-        so waiting for them does not stall the device queue (the host stays up to ``lag`` steps ahead)."""
-        values = self._restored
-        self._restored = []
+        """The host values of the steps at least ``lag`` steps old (after those restored from a checkpoint). Their
+        copies were started ``lag`` steps ago, so waiting for them does not stall the device queue (the host stays
+        up to ``lag`` steps ahead)."""
+        ready = []
         while self._ring and self._ring[0][0] <= step - lag:
-            s, host, event, no_loss = self._ring.popleft()
+            ready.append(self._ring.popleft())
+        values, self._restored = self._restored + self._values_to_host(ready), []
+        return values
+
+    @staticmethod
+    def _values_to_host(entries: Any) -> list[tuple[int, Optional[float], float]]:
+        """``(step, loss or None, grad norm)`` of ring entries as floats, each copy waited for."""
+        out = []
+        for s, host, event, no_loss in entries:
             if event is not None:
                 event.synchronize()
             loss, gnorm = host.tolist()
-            values.append((s, None if no_loss else loss, gnorm))
-        return values
+            out.append((s, None if no_loss else loss, gnorm))
+        return out
 
-    def _judge_ready(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> tuple[list[str], Optional[int]]:
-        """Judge every step whose values have reached the host; returns the critical reasons and the first
-        anomalous step."""
-        values = self._read_ready(step, self._lag(trainer))
-        self._judged_now = next(((loss, g) for s, loss, g in values if s == step), None)
+    def _judge_ready(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     values: list[tuple[int, Optional[float], float]]) -> tuple[list[str], Optional[int]]:
+        """Judge the steps whose values have reached the host (:meth:`_read_ready`); returns the critical reasons
+        and the first anomalous step."""
         if not values:
             return [], None
         scaler = getattr(trainer.precision_plugin, "scaler", None)
@@ -638,8 +520,8 @@ class DivergenceGuard(Monitor):
                 self._normal_recent.append((s, loss))
             if start is None or reasons or explosion is not None:
                 continue
-            climbing = start == self._creep_start and not self._loss_watch.run
             run = self._loss_watch.run
+            climbing = start == self._creep_start and not run
             sustained = run >= (self.patience if self._loss_watch.ready else max(self.patience, _EARLY_PATIENCE))
             if sustained or climbing:
                 explosion = (s, start)
@@ -657,42 +539,17 @@ class DivergenceGuard(Monitor):
                 first_bad = explosion[1] if first_bad is None else min(first_bad, explosion[1])
         return critical, first_bad
 
-    # ------------------------------------------------------------------ every check, on host
-    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int,
-               ok: bool) -> tuple[list[str], Optional[int]]:
-        """Take a snapshot if one is due and all is well (``ok``: the steps judged so far were; refused if a
-        parameter or buffer is non-finite); returns the critical reasons and the first anomalous step."""
-        critical: list[str] = []
-        first_bad: Optional[int] = None
-        if self._snapshot_due(step):
-            if not self._all_finite(pl_module):
-                critical.append(self._poisoned(step))
-                first_bad = step
-            self._snapshot(trainer, pl_module, step, ok and not critical)
-        return critical, first_bad
-
-    @staticmethod
-    def _values_to_host(ring: Any) -> list[tuple[int, Optional[float], float]]:
-        """The values not judged yet, as floats (at a checkpoint)."""
-        out = []
-        for s, host, event, no_loss in ring:
-            if event is not None:
-                event.synchronize()
-            loss, gnorm = host.tolist()
-            out.append((s, None if no_loss else loss, gnorm))
-        return out
-
     def _judge(self, step: int, loss: Optional[float], gnorm: float,
                scaler_on: bool) -> tuple[list[str], Optional[int], bool]:
         """Update the detectors with one step; returns (critical reasons, first step of a loss anomaly, surge): a
         *surge* is a loss at least ``blowup`` times its recent level and beyond its noise, judged at once."""
-        reasons: list[str] = []
         bad_loss = loss is not None and not math.isfinite(loss)
         bad_grad = not math.isfinite(gnorm) and not scaler_on  # a scaler skips overflowing steps itself
         # the common step (all finite, no condition active) skips the condition and its message: a no-op there
-        if (bad_loss or bad_grad or ("nonfinite", None) in self._conditions) and self._nonfinite(
-                step, bad_loss, bad_grad, loss, gnorm, reasons):
-            return reasons, step, False
+        if bad_loss or bad_grad or ("nonfinite", None) in self._conditions:
+            reason = self._nonfinite(step, bad_loss, bad_grad, loss, gnorm)
+            if reason is not None:
+                return [reason], step, False
         start, surge = None, False
         if loss is not None and math.isfinite(loss):
             if len(self._initial) < 3:
@@ -709,25 +566,20 @@ class DivergenceGuard(Monitor):
                                clear_message="The loss is back within its recent history.")
             if self._creep(step, loss, anchor):
                 start = self._creep_start
-        if self.corroborate:
-            reasons += self._corroborate(step)
-        return reasons, start, surge
+        return (self._corroborate(step) if self.corroborate else []), start, surge
 
-    def _nonfinite(self, step: int, bad_loss: bool, bad_grad: bool, loss: Optional[float], gnorm: float,
-                   reasons: list[str]) -> bool:
-        """Update the ``nonfinite`` condition; True (with the reason appended) when it is raised critical."""
+    def _nonfinite(self, step: int, bad_loss: bool, bad_grad: bool, loss: Optional[float], gnorm: float) -> Optional[str]:
+        """Update the ``nonfinite`` condition; the critical reason when it is raised (not when it persists)."""
         what = " and ".join(n for n, b in (("loss", bad_loss), ("gradient norm", bad_grad)) if b)
         value = loss if bad_loss else gnorm
-        if _is_critical(self.condition(
+        raised = self.condition(
             step, "nonfinite", bool(what), "critical",
             f"Non-finite {what} ({value}) at step {step}; the step's gradients were "
             f"{'zeroed' if self.zero_nonfinite_grads else 'left as they are'}. Lower the learning rate, "
             "clip gradients, or check the batch and the precision settings.",
             value=value, clear_message="Loss and gradient norm are finite again.",
-        )):
-            reasons.append(f"non-finite {what} at step {step}")
-            return True
-        return False
+        )
+        return f"non-finite {what} at step {step}" if _is_critical(raised) else None
 
     def _anchor(self) -> float:
         """The initial loss level: the first finite loss, or the median of the first three if lower (one blown-up
@@ -750,15 +602,16 @@ class DivergenceGuard(Monitor):
         # the rise must also exceed what batch-to-batch noise moves a moving average by (4 of its std)
         noise = 6.0 * self._loss_watch.noise() * math.sqrt((1.0 - self.smoothing) / (1.0 + self.smoothing))
         limit = self._ema_min + max(self.creep * self._ema_min, self.initial_floor * anchor, noise)
-        if ("loss_creep", None) in self._conditions:  # hysteresis: clear only halfway back
+        warned = ("loss_creep", None) in self._conditions
+        if warned:  # hysteresis: clear only halfway back
             active = ema > 0.5 * (self._ema_min + limit)
         else:
             # the recent median must have risen too (at least halfway): a few heavy-tailed batch losses (tiny
             # batches) move the average without the typical loss rising
             active = ema > limit and self._loss_watch.level() > 0.5 * (self._ema_min + limit)
         # one warning per lowest value: a loss that wobbles around the limit without a new low is not news again
-        repeat = active and ("loss_creep", None) not in self._conditions and self._ema_min >= self._creep_warned_at
-        if not repeat and (active or ("loss_creep", None) in self._conditions):  # else a no-op: skipped
+        repeat = active and not warned and self._ema_min >= self._creep_warned_at
+        if not repeat and (active or warned):  # else a no-op: skipped
             raised = self.condition(
                 step, "loss_creep", active, "warning",
                 f"The smoothed loss ({ema:.4g}) has risen {100 * (ema / self._ema_min - 1):.0f}% above its lowest "
@@ -799,11 +652,12 @@ class DivergenceGuard(Monitor):
         else:
             level = self._loss_watch.level() if self._loss_watch.history else self._anchor()
         verdict = self._attribute(trainer, pl_module, start, level, climb) if self.attribute else None
-        if verdict is not None and verdict[0] == "transient":
+        found = None if verdict is None else verdict[0]
+        if found == "transient":
             return []
-        if verdict is not None and verdict[0] == "data" and self._loss_watch.run < self.patience and not climb:
-            return []  # one hard batch (a surge the last good weights find as hard): nothing to say
-        if verdict is not None and verdict[0] == "data":
+        if found == "data":
+            if self._loss_watch.run < self.patience and not climb:
+                return []  # one hard batch (a surge the last good weights find as hard): nothing to say
             _, now, before = verdict
             self.condition(
                 step, "data_shift", True, "warning",
@@ -811,22 +665,21 @@ class DivergenceGuard(Monitor):
                 f"find the current batch about as hard ({before:.4g}): the data changed, not the run. No action taken.",
                 value=now, threshold=before, clear_message="The loss has settled at its new level.",
             )
-            # the new level is the new normal
-            recent = [now, before]
-            self._loss_watch.reseed(recent)
+            self._loss_watch.reseed([now, before])  # the new level is the new normal
             self._initial = [max(self._anchor(), now)] * 3
             self._ema, self._ema_weight, self._ema_min = 0.0, 0.0, math.inf
             return []
         how = "" if verdict is None else (
             f" The last good weights find the current batch easy ({verdict[2]:.4g} against {verdict[1]:.4g} now): "
             "the weights diverged.")
-        raised = self.condition(
+        # critical: raised now, or active already (there is no higher severity)
+        self.condition(
             step, "loss_explosion", True, "critical",
             f"The loss has stayed above its recent history (about {level:.4g}) since step {start} "
             f"({step - start + 1} steps).{how} The run is diverging: lower the learning rate.",
             value=verdict[1] if verdict else None,
         )
-        return [f"loss explosion since step {start}"] if _is_critical(raised) or raised is None else []
+        return [f"loss explosion since step {start}"]
 
     def _surge_test(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, loss: float) -> list[str]:
         """A loss surge at ``step`` (``blowup`` times its recent level, beyond its noise): critical at once if the
@@ -844,14 +697,14 @@ class DivergenceGuard(Monitor):
         then = sum(t for _, t in refs) / len(refs)
         if now is None or (math.isfinite(now) and now - then < 0.5 * (loss - level)):
             return []
-        raised = self.condition(
+        self.condition(  # critical: raised now, or active already
             step, "loss_explosion", True, "critical",
             f"The loss surged to {loss:.4g} at step {step} (recent level about {level:.4g}), and the last {len(refs)} "
             f"normal batches, evaluated again, went from {then:.4g} to {now:.4g}: the weights diverged. The run is "
             "diverging: lower the learning rate.",
             value=loss, threshold=level,
         )
-        return [f"loss explosion (surge) at step {step}"] if _is_critical(raised) or raised is None else []
+        return [f"loss explosion (surge) at step {step}"]
 
     def _attribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, start: int, level: float,
                    climb: bool = False) -> Optional[tuple[str, float, float]]:
@@ -937,17 +790,11 @@ class DivergenceGuard(Monitor):
         # a NaN or Inf anywhere makes its tensor's norm non-finite: one fused kernel for all of them
         return not tensors or bool(torch.isfinite(torch.stack(foreach_norm(tensors, 2.0, dtype=torch.float32)).sum()))
 
-    def _poisoned(self, step: int) -> str:
-        self.alert(step, "nonfinite", "critical",
-                   f"A parameter or buffer (e.g. BatchNorm running statistics) is non-finite at step {step}, although "
-                   "the gradients were kept finite: a non-finite batch reached a buffer.")
-        return f"non-finite parameter or buffer at step {step}"
-
     def _snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, ok: bool) -> None:
         """Take a snapshot if every rank found its steps since the last check normal."""
         active = any(sev != "info" for (kind, _), sev in self._conditions.items() if kind != "data_shift")
         ok = ok and not active and self._loss_watch.run == 0
-        if not trainer.strategy.reduce_boolean_decision(ok, all=True):
+        if not self.decide(trainer, ok, all=True):
             return
         snap = TrainingSnapshot.capture(trainer, pl_module, self._monitors(trainer), step, self._lr_scale, self.snapshot_dir)
         snap.guard = self._detector_state()
@@ -962,7 +809,7 @@ class DivergenceGuard(Monitor):
     def _target_snapshot(self, trainer: pl.Trainer, first_bad: int) -> Optional[TrainingSnapshot]:
         """The newest snapshot before ``first_bad`` on every rank (the ranks agree by a reduction)."""
         for snap in reversed(self._snapshots):
-            if trainer.strategy.reduce_boolean_decision(snap.step < first_bad, all=True):
+            if self.decide(trainer, snap.step < first_bad, all=True):
                 return snap
         return None
 
@@ -1027,10 +874,9 @@ class DivergenceGuard(Monitor):
         for later in [s for s in self._snapshots if s.step > snap.step]:
             later.discard()
         self._snapshots = [s for s in self._snapshots if s.step <= snap.step]
-        history = list(self._loss_watch.history)[-self._loss_watch.recent:]
         record = {"step": step, "to_step": snap.step, "skipped": len(batches), "batches": batches,
                   "lr_factor": factor, "lr_scale": self._lr_scale, "lr_ceiling": self._lr_ceiling,
-                  "loss_before": median(history) if history else None, "reasons": reasons}
+                  "loss_before": self._loss_watch.level() if self._loss_watch.history else None, "reasons": reasons}
         self.rollbacks.append(record)
         lr = f"; learning rates now {self._lr_scale:.3g}x their schedule" if self._lr_scale != 1.0 else ""
         if rose:
@@ -1070,22 +916,33 @@ class DivergenceGuard(Monitor):
     # ------------------------------------------------------------------ state
     def _reset_run_state(self) -> None:
         """A new Trainer: forget the histories, snapshots, rollbacks and learning-rate changes of the last run
-        (the batches given to ``skip_batches`` stay)."""
+        (the batches given to ``skip_batches`` stay). The constructor starts from here too."""
         super()._reset_run_state()
+        # the loss series, the first losses (the initial level), the moving average, its minimum and its rates
         self._load_detector_state({})
-        self._creep_start, self._climb_judged = None, False
-        self._ring, self._restored, self._loss_acc, self._judged_through = deque(), [], None, -1
+        self._creep_start: Optional[int] = None
+        self._climb_judged = False
+        # per-step values on their way to the host: (step, [loss, grad norm], copy-done event or None, no loss)
+        self._ring: deque[tuple[int, Tensor, Any, bool]] = deque()
+        self._restored: list[tuple[int, Optional[float], float]] = []  # buffered values restored from a checkpoint
+        self._loss_acc: Optional[Tensor] = None
+        self._judged_through = -1  # the last step judged
         for snap in self._snapshots:
             snap.discard()
-        self._snapshots, self._seen, self._drop, self._verdict = [], [], None, None
-        self._snapshot_files = []
+        self._snapshots = []
+        self._seen: list[tuple[int, int, int]] = []  # (step, epoch, batch_idx) since the oldest snapshot
+        self._drop: Optional[TrainingSnapshot] = None  # the state before a batch whose update is undone
+        self._verdict: Optional[tuple[int, list[str], Optional[int]]] = None  # a check's findings, acted on at batch end
+        self._snapshot_files: list[dict[str, Any]] = []  # a checkpoint's snapshot files, adopted at train start
         self._recent_batches.clear()
         self._normal_recent.clear()
         self._lr_trace.clear()
-        self._hard_batch = None
-        self._skip = set(self._skip_given)
-        self._lr_scale, self._lr_ceiling = 1.0, None
-        self._external, self._external_warnings = [], {}
+        self._hard_batch: Optional[int] = None  # the last surge the weights were not to blame for
+        self._skip: set[tuple[int, int]] = set(self._skip_given)
+        self._lr_scale = 1.0
+        self._lr_ceiling: Optional[list[list[float]]] = None  # per optimizer and group, after a repeated divergence
+        self._external: list[Alert] = []
+        self._external_warnings: dict[tuple[str, str, Optional[str]], Alert] = {}
         self.rollbacks, self.stop_checkpoint, self.stopped_step = [], None, None
 
     def _detector_state(self) -> dict[str, Any]:
@@ -1125,7 +982,6 @@ class DivergenceGuard(Monitor):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._note_state_loaded()
         self._load_detector_state(state_dict)
         self._restored = [(int(s), loss, g) for s, loss, g in state_dict.get("pending", [])]
         self._ring = deque()
@@ -1147,7 +1003,7 @@ class DivergenceGuard(Monitor):
                 continue
             name = re.sub(r"-rank\d+-", f"-rank{rank}-", os.path.basename(meta["path"]))
             path = os.path.join(os.path.dirname(meta["path"]), name)
-            if not trainer.strategy.reduce_boolean_decision(os.path.isfile(path), all=True):
+            if not self.decide(trainer, os.path.isfile(path), all=True):
                 continue
             snap = TrainingSnapshot(step=int(meta["step"]), epoch=int(meta["epoch"]), lr_scale=float(meta["lr_scale"]),
                                     path=path, guard=dict(meta.get("guard") or {}))

@@ -1,4 +1,5 @@
-"""Robust statistics of a run's own recent history (no Lightning, no state beyond the arguments).
+"""Robust statistics of a run's own recent history (no Lightning; the functions keep no state, and
+:class:`SeriesWatch` keeps only its series' recent history).
 
 A value ``x`` is judged against a history ``h`` of recent normal values by the trend-robust z-score
 
@@ -9,15 +10,18 @@ The reference is the median of the last ``recent`` values, so it follows a falli
 scale is the batch-to-batch noise, from consecutive differences (1.4826 * median absolute value
 estimates the standard deviation of a normal sample, the difference of two draws has sqrt(2) of it), so
 neither a downward trend nor a minority of outliers inflates it. The floors keep a nearly constant
-history from turning a tiny wobble into a huge z.
+history from turning a tiny wobble into a huge z. :class:`SeriesWatch` judges a series value by value
+with this z-score, keeping the level and noise of its history between changes.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
+from typing import Any, Optional
 
-__all__ = ["robust_zscore", "difference_noise", "median"]
+__all__ = ["robust_zscore", "difference_noise", "median", "SeriesWatch"]
 
 MAD_TO_STD = 1.4826
 
@@ -54,3 +58,99 @@ def robust_zscore(x: float, history: Sequence[float], recent: int = 10, rel_floo
         return x  # nan stays nan, +-inf stays +-inf
     center = median(history[-recent:])
     return (x - center) / max(difference_noise(history), rel_floor * abs(center), abs_floor)
+
+
+class SeriesWatch:
+    """A scalar series judged against its own recent normal history (DivergenceGuard's loss series).
+
+    The reference is the median of the last ``recent`` normal values (it follows a falling loss closely);
+    the scale is the batch-to-batch noise, from the median absolute difference of consecutive normal values
+    over the whole ``window`` (a trend does not inflate it), floored by ``rel_floor`` times the reference
+    and by an absolute floor: the z-score is :func:`robust_zscore`'s. A value is *anomalous* when its
+    z-score exceeds ``threshold`` (once ``min_history`` normal values, and at least 3, are in), or when it
+    exceeds ``ceiling`` (an absolute bound, judged from the first value on). Only normal values enter the
+    history, so a sustained explosion stays anomalous instead of becoming the new normal. ``run`` counts
+    consecutive anomalous values, ``start`` is the first one's step.
+
+    >>> watch = SeriesWatch(window=10, min_history=3, threshold=6.0, rel_floor=0.0)
+    >>> [watch.update(step, x)[0] for step, x in enumerate([1.0, 1.2, 1.0, 1.1, 5.0])]
+    [False, False, False, False, True]
+    >>> watch.level(), watch.run, watch.start
+    (1.05, 1, 4)
+    """
+
+    def __init__(self, window: int, min_history: int, threshold: float, rel_floor: float, recent: int = 10) -> None:
+        self.history: deque[float] = deque(maxlen=window)
+        # |history[t + 1] - history[t]|, kept along with the history: the noise needs no pass over it per value
+        self._diffs: deque[float] = deque(maxlen=max(window - 1, 1))
+        self.min_history = min_history
+        self.threshold = threshold
+        self.rel_floor = rel_floor
+        self.recent = recent
+        self.run = 0
+        self.start: Optional[int] = None
+        self._cache: Optional[tuple[float, float]] = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether enough normal values are in for the z-score to be judged."""
+        return len(self.history) >= max(self.min_history, 3)
+
+    def _stats(self) -> tuple[float, float]:
+        """(level, noise), computed once per change of the history."""
+        if self._cache is None:
+            values = list(self.history)
+            if len(self._diffs) != max(len(values) - 1, 0):  # the history was changed from outside: rebuild
+                self._diffs.clear()
+                self._diffs.extend(abs(b - a) for a, b in zip(values, values[1:]))
+            # difference_noise(values), from the kept differences
+            noise = MAD_TO_STD * median(list(self._diffs)) / math.sqrt(2.0) if len(values) > 1 else 0.0
+            self._cache = (median(values[-self.recent:]), noise)
+        return self._cache
+
+    def level(self) -> float:
+        """The reference: median of the most recent normal values (the history must not be empty)."""
+        return self._stats()[0]
+
+    def noise(self) -> float:
+        """Robust standard deviation of one value around the trend (from consecutive differences)."""
+        return self._stats()[1]
+
+    def zscore(self, x: float, abs_floor: float = 1e-12) -> float:
+        """:func:`robust_zscore` of ``x`` against the history (0 while not ready), from the cached level and
+        noise."""
+        if not self.ready:
+            return 0.0
+        if not math.isfinite(x):
+            return x
+        level, noise = self._stats()
+        return (x - level) / max(noise, self.rel_floor * abs(level), abs_floor)
+
+    def update(self, step: int, x: float, abs_floor: float = 1e-12, ceiling: float = math.inf) -> tuple[bool, float]:
+        """Feed one finite value; returns (anomalous, z)."""
+        z = self.zscore(x, abs_floor)
+        anomalous = z > self.threshold or x > ceiling
+        if anomalous:
+            self.start = step if self.run == 0 else self.start
+            self.run += 1
+        else:
+            self.run, self.start = 0, None
+            if self.history:
+                self._diffs.append(abs(x - self.history[-1]))
+            self.history.append(x)
+            self._cache = None
+        return anomalous, z
+
+    def reseed(self, values: list[float]) -> None:
+        """Make ``values`` the new normal (after a data shift): no anomalous run."""
+        self.load_state_dict({"history": values})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self.history), "run": self.run, "start": self.start}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history.clear()
+        self.history.extend(state.get("history", []))
+        self._diffs.clear()  # rebuilt by _stats
+        self._cache = None
+        self.run, self.start = int(state.get("run", 0)), state.get("start")
