@@ -227,23 +227,7 @@ class GradientEarlyStopping(Monitor):
 
         self._components: dict[str, Component] = {}
         self._names: list[str] = []
-        self.frozen: dict[str, int] = {}  # component -> step it was frozen at
-        self.grace_end: Optional[int] = None
-        self.stopped_at: Optional[int] = None
-        self._ref_sum: Optional[Tensor] = None
-        self._ref_cnt: Optional[Tensor] = None
-        self._n_ref_checks = 0
-        self._smoothed: Optional[Tensor] = None
-        self._snapshot: dict[str, Tensor] = {}
-        self._snapshot_step: Optional[int] = None
-        self._saved_names: list[str] = []
-        # a restored frozen set waits for on_train_start, after the optimizer state is loaded
-        self._freeze_pending = False
-        self._training = False  # between on_train_start and the end of the run
-        self.cut: dict[str, int] = {}  # parameter frozen by the prefix cut -> step
-        self.cut_depth = 0  # number of leading blocks the backward no longer runs through
-        self._container: Optional[str] = None
-        self._front_said = False
+        self._reset_run_state()
 
     # ------------------------------------------------------------------ identity / state
     @property
@@ -263,17 +247,22 @@ class GradientEarlyStopping(Monitor):
 
     def _reset_run_state(self) -> None:
         super()._reset_run_state()
-        self.frozen = {}
-        self.grace_end = None
-        self.stopped_at = None
-        self._ref_sum = self._ref_cnt = self._smoothed = None
+        self.frozen: dict[str, int] = {}  # component -> step it was frozen at
+        self.grace_end: Optional[int] = None
+        self.stopped_at: Optional[int] = None
+        self._ref_sum: Optional[Tensor] = None
+        self._ref_cnt: Optional[Tensor] = None
+        self._smoothed: Optional[Tensor] = None
         self._n_ref_checks = 0
-        self._snapshot, self._snapshot_step = {}, None
-        self._saved_names = []
+        self._snapshot: dict[str, Tensor] = {}
+        self._snapshot_step: Optional[int] = None
+        self._saved_names: list[str] = []
+        # a restored frozen set waits for on_train_start, after the optimizer state is loaded
         self._freeze_pending = False
-        self._training = False
-        self.cut, self.cut_depth = {}, 0
-        self._container = None
+        self._training = False  # between on_train_start and the end of the run
+        self.cut: dict[str, int] = {}  # parameter frozen by the prefix cut -> step
+        self.cut_depth = 0  # number of leading blocks the backward no longer runs through
+        self._container: Optional[str] = None
         self._front_said = False
 
     @property
@@ -325,7 +314,6 @@ class GradientEarlyStopping(Monitor):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._note_state_loaded()
         self.frozen = {str(k): int(v) for k, v in state_dict.get("frozen", {}).items()}
         self._saved_names = list(state_dict.get("names", []))
         as_tensor = (lambda v: None if v is None else torch.tensor(v, dtype=torch.float32))

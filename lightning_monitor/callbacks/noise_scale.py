@@ -223,7 +223,6 @@ class GradientNoiseScaleMonitor(Monitor):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._note_state_loaded()
         if "ema" in state_dict:
             self.ema.load_state_dict(state_dict["ema"])
         self.layer_ema = {}
