@@ -362,7 +362,7 @@ def isolated_step_cost(args, batch_size: int, blocks: int = 15, n: int = 400) ->
         t = {}
         order = (("plain", plain), ("armed", armed))
         for name, fn in order if block % 2 == 0 else order[::-1]:
-            gwa._disarm()
+            gwa.release()
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()

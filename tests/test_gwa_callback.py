@@ -401,14 +401,75 @@ class UnusedLast(DigitsMLP):
 def test_head_never_called_warns_and_logs_nothing(tmp_path) -> None:
     loader, _ = _loader(100, batch_size=50)
     gwa = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    model = UnusedLast()
     with pytest.warns(UserWarning) as record:
-        _trainer(tmp_path, False, [gwa], max_epochs=1).fit(UnusedLast(), loader)
+        _trainer(tmp_path, False, [gwa], max_epochs=1).fit(model, loader)
     messages = " ".join(str(w.message) for w in record)
     assert "`aux` was not called" in messages and "0 < 4 samples" in messages
-    assert gwa.history[0]["score"] is None and gwa._handle is None
+    assert gwa.history[0]["score"] is None and not model.aux._forward_hooks  # the hook was removed
     gwa_ok = GradientWeightAlignmentMonitor(head="fc", warmup_epochs=0)
     _trainer(tmp_path, False, [gwa_ok], max_epochs=1).fit(UnusedLast(), loader)
     assert gwa_ok.history[0]["count"] == 100
+
+
+class HookedSteps(DigitsMLP):
+    """Records, per training step, whether the head carries a forward hook during its forward."""
+
+    def __init__(self) -> None:
+        super().__init__(record=False)
+        self.hooked: list[bool] = []
+
+    def training_step(self, batch, batch_idx):
+        self.hooked.append(bool(self.fc._forward_hooks))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("every, accumulate", [(1, 1), (3, 1), (2, 2)])
+def test_head_hook_is_armed_on_due_steps_only_and_removed_after(tmp_path, every, accumulate) -> None:
+    loader, _ = _loader(400, batch_size=50)  # 8 batches an epoch
+    model = HookedSteps()
+    gwa = GradientWeightAlignmentMonitor(every_n_steps=every, warmup_epochs=0, log_histograms=False)
+    _trainer(tmp_path, False, [gwa], max_epochs=2, accumulate_grad_batches=accumulate).fit(model, loader)
+    # every (micro-)batch of a due optimizer step is scored, nothing else: batch j runs at step j // accumulate
+    expected = [(j // accumulate) % every == 0 for j in range(16)]
+    assert model.hooked == expected
+    assert [h["count"] for h in gwa.history] == [50 * sum(expected[:8]), 50 * sum(expected[8:])]
+    assert not model.fc._forward_hooks
+
+
+class LateHead(LightningModule):
+    """Manual optimization whose classifier head runs only after a first optimizer step of the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.body = nn.Linear(64, 32)
+        self.fc = nn.Linear(32, 10)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch[0], batch[1]
+        opt_body, opt_fc = self.optimizers()
+        opt_body.zero_grad()
+        self.manual_backward(self.body(x).pow(2).mean())
+        opt_body.step()
+        opt_fc.zero_grad()
+        self.manual_backward(F.cross_entropy(self.fc(torch.relu(self.body(x)).detach()), y))
+        opt_fc.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.body.parameters(), lr=0.01), torch.optim.SGD(self.fc.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_head_run_after_a_first_optimizer_step_is_scored(tmp_path, every) -> None:
+    loader, _ = _loader(200, batch_size=50)
+    model = LateHead()
+    gwa = GradientWeightAlignmentMonitor(head="fc", every_n_steps=every, warmup_epochs=0, log_histograms=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*was not called")
+        _trainer(tmp_path, False, [gwa], max_epochs=1).fit(model, loader)
+    assert gwa.history[0]["count"] == 200  # two optimizer steps a batch: every batch starts on a due step
+    assert not model.fc._forward_hooks
 
 
 class FrozenTwoClass(LightningModule):
@@ -498,7 +559,8 @@ def test_bf16_autocast_recomputes_wz_in_fp32(tmp_path) -> None:
     gwa._reset_epoch(None)
     gwa._pending = (torch.zeros(4, dtype=torch.long), None)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        gwa._handle = model.fc.register_forward_hook(gwa._on_head_forward)
+        gwa.keep(model.fc.register_forward_hook(gwa._on_head_forward))
         out = model(x)
-    assert out.dtype == torch.bfloat16 and gwa._stash[0][1].dtype == torch.float32
-    gwa._disarm()
+    assert out.dtype == torch.bfloat16 and gwa._stash[0].wz.dtype == torch.float32
+    gwa.release()
+    assert not model.fc._forward_hooks

@@ -1,6 +1,6 @@
 """The lifecycle Monitor runs for a monitor: select once per fit, arm on due steps only, compute and
-judge once per checked step, the judged values logged, and every kept hook released after the check,
-when a due step's optimizer step never comes, and when the fit fails."""
+judge once per checked step, the judged values logged, and every kept hook released after the check
+and when the fit fails; a batch without an optimizer step keeps its step armed once."""
 
 from __future__ import annotations
 

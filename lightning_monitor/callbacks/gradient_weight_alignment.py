@@ -11,7 +11,7 @@ import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from lightning_monitor.alerts import _tensorboard_writer, alerts_dir
 from lightning_monitor._sharded import full, global_norm, is_sharded
-from lightning_monitor._args import check_int, deprecated_aliases
+from lightning_monitor._args import check_fraction, check_int, deprecated_aliases
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch
 from lightning_monitor.functional.gwa import GWA_OFFSET, GWAMoments, alignment_from_parts
 
@@ -55,6 +55,17 @@ def default_target_fn(batch: Any) -> Tensor:
         f"the default takes batch[1] of a tuple/list or one of the keys {list(_TARGET_KEYS)} of a dict. "
         "Pass `target_fn=lambda batch: ...` returning the class targets."
     )
+
+
+class _Kept(NamedTuple):
+    """What one step keeps for its scores (see ``_on_head_forward``), scored with others by ``_flush``."""
+
+    z_norm: Tensor  # ||z|| per row
+    wz: Tensor  # W z (the logits less the bias)
+    logits: Tensor
+    targets: Tensor
+    w_norm: Tensor  # ||W||_F of that step
+    indices: Optional[Tensor]  # index_fn's sample indices, or None
 
 
 class GradientWeightAlignmentMonitor(Monitor):
@@ -161,8 +172,6 @@ class GradientWeightAlignmentMonitor(Monitor):
         super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
         if shift_targets is not None and not isinstance(shift_targets, bool):
             raise TypeError(f"`shift_targets` must be True, False or None (detect), got {shift_targets!r}.")
-        self.shift_targets = shift_targets
-        self._shift = bool(shift_targets)
         if head is not None and (not isinstance(head, str) or not head):
             raise ValueError(f"`head` must be the qualified name of an nn.Linear module or None, got {head!r}.")
         for arg, fn in (("target_fn", target_fn), ("index_fn", index_fn)):
@@ -170,8 +179,6 @@ class GradientWeightAlignmentMonitor(Monitor):
                 raise TypeError(f"`{arg}` must be a callable taking the batch, got {type(fn).__name__}.")
         if not (isinstance(min_delta, (int, float)) and min_delta >= 0):
             raise ValueError(f"`min_delta` must be a number >= 0, got {min_delta!r}.")
-        if not (isinstance(warmup_fraction, (int, float)) and 0.0 <= warmup_fraction < 1.0):
-            raise ValueError(f"`warmup_fraction` must be in [0, 1), got {warmup_fraction!r}.")
         self.head = head
         self.target_fn = target_fn or default_target_fn
         self.index_fn = index_fn
@@ -179,36 +186,22 @@ class GradientWeightAlignmentMonitor(Monitor):
         self.stop = bool(stop)
         self.patience = check_int("patience", patience, 1)
         self.min_delta = float(min_delta)
-        self.warmup_fraction = float(warmup_fraction)
+        self.warmup_fraction = check_fraction("warmup_fraction", warmup_fraction, 0.0, 1.0, high_inclusive=False)
         self.warmup_epochs = None if warmup_epochs is None else check_int("warmup_epochs", warmup_epochs, 0)
         self.finetune = bool(finetune)
         self.mask_warmup = bool(mask_warmup)
         self.ignore_index = ignore_index
         self.log_histograms = bool(log_histograms)
+        self.shift_targets = shift_targets
 
-        # selection state (saved in checkpoints)
-        self.history: list[dict[str, Any]] = []
-        self.best_epoch: Optional[int] = None
-        self.best_score: Optional[float] = None
-        #: why the best epoch may be a poor pick (see :meth:`_uncertainty`), or None
-        self.pick_uncertain: Optional[str] = None
-        self.wait = 0
-        self.dip_epoch: Optional[int] = None
-        self.stopped_epoch: Optional[int] = None
-        self._fell = False
-        self._prev_score: Optional[float] = None
-        self._prev_epoch: Optional[int] = None
-        # a saved epoch to continue after a resume (see on_save_checkpoint)
-        self._resume_open: Optional[dict[str, Any]] = None
-
-        # run state
+        self._reset_run_state()  # the selection state (saved in checkpoints)
+        # the fit's state, set again by select and on_train_start
         self._head_name: Optional[str] = None
         self._head: Optional[nn.Linear] = None
-        self._handle: Optional[torch.utils.hooks.RemovableHandle] = None
-        self._pending: Optional[tuple[Tensor, Optional[Tensor]]] = None
-        self._checked = False
+        self._shift = bool(shift_targets)
+        self._pending: Optional[tuple[Tensor, Optional[Tensor]]] = None  # the batch's targets and indices
+        self._checked = False  # the targets were checked once (one host sync)
         self._warmup_resolved = 0
-        self._every_step = self.every_n_steps == 1 and self.warmup_steps == 0  # is_due() is always true
         self._want_histogram = self.log_histograms
         self._reset_epoch(None)
 
@@ -234,47 +227,36 @@ class GradientWeightAlignmentMonitor(Monitor):
 
     def _reset_run_state(self) -> None:
         super()._reset_run_state()
-        self.history = []
-        self.best_epoch = self.best_score = self.dip_epoch = self.stopped_epoch = None
-        self.pick_uncertain = None
-        self.wait = 0
-        self._fell = False
-        self._prev_score = self._prev_epoch = None
-        self._resume_open = None
-        self._before_partial = None
-
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        state.update(
-            history=[dict(h) for h in self.history],
-            best_epoch=self.best_epoch,
-            best_score=self.best_score,
-            wait=self.wait,
-            dip_epoch=self.dip_epoch,
-            stopped_epoch=self.stopped_epoch,
-            fell=self._fell,
-            prev_score=self._prev_score,
-            prev_epoch=self._prev_epoch,
-        )
-        return state
+        self.history: list[dict[str, Any]] = []
+        self._load_selection_state({})
+        #: why the best epoch may be a poor pick (see :meth:`_uncertainty`), or None
+        self.pick_uncertain: Optional[str] = None
+        self.stopped_epoch: Optional[int] = None
+        # a saved epoch to continue after a resume (see on_save_checkpoint)
+        self._resume_open: Optional[dict[str, Any]] = None
 
     def _selection_state(self) -> dict[str, Any]:
         return dict(best_epoch=self.best_epoch, best_score=self.best_score, wait=self.wait, dip_epoch=self.dip_epoch,
                     fell=self._fell, prev_score=self._prev_score, prev_epoch=self._prev_epoch)
 
     def _load_selection_state(self, state: dict[str, Any]) -> None:
-        self.best_epoch = state.get("best_epoch")
-        self.best_score = state.get("best_score")
+        """The best epoch and its score, the patience counter and the dip detection (``{}``: a fresh run's)."""
+        self.best_epoch: Optional[int] = state.get("best_epoch")
+        self.best_score: Optional[float] = state.get("best_score")
         self.wait = int(state.get("wait", 0))
-        self.dip_epoch = state.get("dip_epoch")
+        self.dip_epoch: Optional[int] = state.get("dip_epoch")
         self._fell = bool(state.get("fell", False))
-        self._prev_score = state.get("prev_score")
-        self._prev_epoch = state.get("prev_epoch")
+        self._prev_score: Optional[float] = state.get("prev_score")
+        self._prev_epoch: Optional[int] = state.get("prev_epoch")
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.update(history=[dict(h) for h in self.history], stopped_epoch=self.stopped_epoch, **self._selection_state())
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._note_state_loaded()
-        # the epoch a checkpoint was saved in, continued by on_train_epoch_start if the resume lands in it
+        # the epoch a checkpoint was saved in, continued by on_train_start if the resume lands in it
         self._resume_open = state_dict.get("open_epoch")
         self.history = [dict(h) for h in state_dict.get("history", [])]
         self._load_selection_state(state_dict)
@@ -291,8 +273,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         keep = top[0].argsort()[: self.suspects]
         checkpoint.setdefault("callbacks", {}).setdefault(self.state_key, {})["open_epoch"] = {
             "epoch": self._epoch_open, "moments": state, "negative": negative, "minmax": [lo, hi], "hist": hist,
-            "top": top[:, keep], "scored_steps": self._scored_steps,
-            "recorded": self._finished, "before": self._before_partial,
+            "top": top[:, keep], "recorded": self._finished, "before": self._before_partial,
         }
 
     def _continue_epoch(self, trainer: pl.Trainer, device: Optional[torch.device]) -> None:
@@ -303,13 +284,16 @@ class GradientWeightAlignmentMonitor(Monitor):
         if saved is None or saved.get("epoch") != trainer.current_epoch:
             return
         if trainer.global_rank == 0:
-            self._moments = GWAMoments.from_state(torch.as_tensor(saved["moments"], dtype=torch.float64).to(device))
-            self._negative = torch.as_tensor(saved["negative"], dtype=torch.float64, device=device).reshape(())
-            self._hist = torch.as_tensor(saved["hist"], dtype=torch.float64).to(device)
-            self._minmax = torch.tensor(saved["minmax"], dtype=torch.float64, device=device)
-            top = torch.as_tensor(saved["top"], dtype=torch.float64).to(device)
+
+            def restore(value: Any) -> Tensor:
+                return torch.as_tensor(value, dtype=torch.float64).to(device)
+
+            self._moments = GWAMoments.from_state(restore(saved["moments"]))
+            self._negative = restore(saved["negative"]).reshape(())
+            self._hist = restore(saved["hist"])
+            self._minmax = restore(saved["minmax"])
+            top = restore(saved["top"])
             self._top[:, : top.shape[1]] = top[:, : self._top.shape[1]]
-        self._scored_steps = int(saved.get("scored_steps", 0))
         if saved.get("recorded"):
             if self.history and self.history[-1].get("epoch") == saved["epoch"]:
                 self.history.pop()
@@ -317,28 +301,18 @@ class GradientWeightAlignmentMonitor(Monitor):
                 self._load_selection_state(saved["before"])
 
     # ------------------------------------------------------------------ setup
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        if stage != "fit":
-            return
+    def select(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from lightning_monitor._sharded import check_strategy, check_tensor_parallel
 
+        self._head_name, self._head, self._pending = None, None, None
         check_strategy(trainer, "GradientWeightAlignmentMonitor", "the head's weight norm and W z cannot be read from them")
         check_tensor_parallel(trainer, "GradientWeightAlignmentMonitor", "it scores the head's input features and logits")
-        self.idle_reason = None
-        self._head_name, self._head = None, None
-        try:
-            self._head_name, self._head = self._find_head(pl_module)
-        except NothingToWatch as err:
-            self.nothing_to_watch(trainer, str(err))
-            return
+        self._head_name, self._head = self._find_head(pl_module)
         self._shift = self._causal_lm_shift(pl_module) if self.shift_targets is None else self.shift_targets
         self._checked = False
         # the same on every rank (the loggers are), so the gathered layout agrees
         self._want_histogram = self.log_histograms and any(isinstance(lg, TensorBoardLogger) for lg in trainer.loggers)
-        unbounded = (trainer.max_epochs is None or trainer.max_epochs < 0) and (
-            trainer.max_steps is None or trainer.max_steps < 0
-        )
+        unbounded = (trainer.max_epochs is None or trainer.max_epochs < 0) and (trainer.max_steps is None or trainer.max_steps < 0)
         if self.warmup_epochs is None and self.warmup_fraction > 0 and unbounded:
             raise ValueError(
                 "GradientWeightAlignmentMonitor cannot take `warmup_fraction` of an unbounded run (neither "
@@ -348,22 +322,18 @@ class GradientWeightAlignmentMonitor(Monitor):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.idle_reason is not None:
             return
-        if len(trainer.optimizers) > 1 and self.head is None:
-            self._disarm()
+        if self.head is None and self.refuse_several_optimizers(
+            trainer,
+            f" (a GAN ...), so the last nn.Linear (`{self._head_name}`) need not be a classifier of the dataset's "
+            "targets. Pass `head=` naming the classifier head to score it.",
+        ):
             self._head = None
-            self.nothing_to_watch(
-                trainer,
-                f"the model has {len(trainer.optimizers)} optimizers (a GAN ...), so the last nn.Linear "
-                f"(`{self._head_name}`) need not be a classifier of the dataset's targets. Pass `head=` naming "
-                "the classifier head to score it.",
-            )
             return
         self._warmup_resolved = self._resolve_warmup(trainer)
         self._check_score_consumers(trainer)
         # the epoch training starts in: Lightning calls on_train_epoch_start for it only when it starts at its
         # first batch (not after a resume inside it)
-        self._reset_epoch(pl_module.device)
-        self._epoch_open = trainer.current_epoch
+        self._reset_epoch(pl_module.device, trainer.current_epoch)
         if self._resume_open is not None:
             self._continue_epoch(trainer, pl_module.device)
 
@@ -372,8 +342,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         is absent from ``callback_metrics`` until the first selectable epoch (no placeholder)."""
         from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
-        in_window = trainer.current_epoch >= self._warmup_resolved and (not self.finetune or self.dip_epoch is not None)
-        if not self.mask_warmup or in_window:
+        if not self.mask_warmup or self._in_window(trainer.current_epoch):
             return
         key = self.key("score")
         gap = f"epochs < {self._warmup_resolved}" + (" and until GWA's first dip" if self.finetune else "")
@@ -464,21 +433,19 @@ class GradientWeightAlignmentMonitor(Monitor):
         return name, module
 
     # ------------------------------------------------------------------ epoch accumulators
-    def _reset_epoch(self, device: Optional[torch.device]) -> None:
+    def _reset_epoch(self, device: Optional[torch.device], epoch: Optional[int] = None) -> None:
+        """Empty accumulators on ``device`` for the epoch ``epoch`` (``None``: no epoch open)."""
         self._moments = GWAMoments(device)
         self._negative = torch.zeros((), dtype=torch.float64, device=device)
         self._hist = torch.zeros(_HIST_BINS, dtype=torch.float64, device=device)
         self._minmax = torch.tensor([math.inf, -math.inf], dtype=torch.float64, device=device)
-        k = self.suspects
         # suspects: score, index, position, target, predicted (float64 keeps integers exact)
-        self._top = torch.full((5, k), math.nan, dtype=torch.float64, device=device)
+        self._top = torch.full((5, self.suspects), math.nan, dtype=torch.float64, device=device)
         self._top[0].fill_(math.inf)
-        # per step: (||z|| per row, W z, logits, targets, ||W||_F, indices), scored in one go by _flush
-        self._stash: list[tuple[Any, ...]] = []
+        self._stash: list[_Kept] = []  # the steps kept since the last _flush
         self._stashed = 0
         self._finished = False
-        self._scored_steps = 0
-        self._epoch_open: Optional[int] = None
+        self._epoch_open = epoch
         #: the selection state before a record of an epoch cut short (replaced if a resume continues it)
         self._before_partial: Optional[dict[str, Any]] = None
 
@@ -487,15 +454,27 @@ class GradientWeightAlignmentMonitor(Monitor):
             return
         if self._epoch_open == trainer.current_epoch and not self._finished:
             return  # set up by on_train_start
-        self._reset_epoch(pl_module.device)
-        self._epoch_open = trainer.current_epoch
+        self._reset_epoch(pl_module.device, trainer.current_epoch)
 
     # ------------------------------------------------------------------ per step
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if self._head is None or (not self._every_step and not self.is_due(trainer.global_step)):
-            return
+    def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        """A due step: the head's forward hook, until the step's optimizer step (the base releases it)."""
+        assert self._head is not None
+        self.keep(self._head.register_forward_hook(self._on_head_forward))
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)  # arms the hook on a due step
+        if self._armed_step == trainer.global_step:  # every batch of a due step (micro-batches too) is scored
+            self._pending = self._batch_targets(batch)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        # the hook stays for a head that runs only after a first optimizer step (manual optimization); a batch
+        # whose head never runs is released by on_train_batch_end
+        if self._pending is None:
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+
+    def _batch_targets(self, batch: Any) -> tuple[Tensor, Optional[Tensor]]:
+        """The batch's targets (shifted for a causal LM) and sample indices, checked for their type."""
         targets = self.target_fn(batch)
         if not isinstance(targets, Tensor):
             raise TypeError(f"`target_fn` must return a Tensor of targets, got {type(targets).__name__}.")
@@ -512,14 +491,7 @@ class GradientWeightAlignmentMonitor(Monitor):
             indices = self.index_fn(batch)
             if not isinstance(indices, Tensor):
                 raise TypeError(f"`index_fn` must return a Tensor of sample indices, got {type(indices).__name__}.")
-        self._pending = (targets, indices)
-        if self._handle is None:
-            self._handle = self._head.register_forward_hook(self._on_head_forward)
-
-    def _disarm(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        return targets, indices
 
     # never traced by torch.compile: it keeps Python state that changes every step (a traced hook would recompile
     # each step until dynamo gives up); the head's own forward stays compiled
@@ -527,19 +499,11 @@ class GradientWeightAlignmentMonitor(Monitor):
     def _on_head_forward(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
         """Keep what the step's scores need: a few detached tensors, one or two small kernels."""
         pending, self._pending = self._pending, None
-        if self.every_n_steps > 1:  # every step is due otherwise: the hook stays until the epoch's last batch
-            self._disarm()
         if pending is None or not inputs or not isinstance(output, Tensor):
             return
         targets, indices = pending
         out = output.detach()
-        if not (
-            self._checked
-            and targets.shape == out.shape[:-1]
-            and targets.device == out.device
-            and not targets.is_floating_point()
-        ):  # the common case needs none of _conform_targets' work after the first batch
-            targets = self._conform_targets(targets, out)
+        targets = self._conform_targets(targets, out)
         z = inputs[0].detach()
         w = module.weight.detach()
         sharded_head = is_sharded(w)  # FSDP2 resharded the head after its forward: read it from the shards
@@ -561,14 +525,12 @@ class GradientWeightAlignmentMonitor(Monitor):
                 wz = z32 @ w32.T
                 w_norm = torch.linalg.vector_norm(w32)
                 z_norm = torch.linalg.vector_norm(z32, dim=-1)
-        if self._stash and self._stash[-1][3].is_floating_point() != targets.is_floating_point():
+        if self._stash and self._stash[-1].targets.is_floating_point() != targets.is_floating_point():
             self._flush()
-        self._stash.append((z_norm, wz, out, targets, w_norm, indices))
+        self._stash.append(_Kept(z_norm, wz, out, targets, w_norm, indices))
         self._stashed += 2 * out.numel()
-        self._scored_steps += 1
         if self._stashed >= _FLUSH_ELEMENTS:
-            with torch.autocast(device_type=z.device.type, enabled=False):
-                self._flush()
+            self._flush()
 
     def _conform_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
         """Targets on the logits' device with their leading shape; checks once with one host sync."""
@@ -599,8 +561,7 @@ class GradientWeightAlignmentMonitor(Monitor):
 
     def _check_targets_once(self, targets: Tensor, num_classes: int) -> None:
         if targets.is_floating_point():
-            ok = bool(((targets >= 0).all() & ((targets.sum(-1) - 1).abs() < 1e-3).all()).item())
-            if not ok:
+            if not bool(((targets >= 0).all() & ((targets.sum(-1) - 1).abs() < 1e-3).all()).item()):
                 raise ValueError(
                     "`target_fn` returned floating-point targets that are not probabilities (non-negative, "
                     "rows summing to 1). GWA needs class indices or soft targets."
@@ -611,9 +572,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         if self.ignore_index is not None:
             valid |= t == self.ignore_index
         if not bool(valid.all().item()):
-            bad = t[~valid][:5].tolist()
             raise ValueError(
-                f"`target_fn` returned class targets {bad} outside [0, {num_classes}) for head "
+                f"`target_fn` returned class targets {t[~valid][:5].tolist()} outside [0, {num_classes}) for head "
                 f"`{self._head_name}` (ignore_index={self.ignore_index}). Fix `target_fn`, `head` or `ignore_index`."
             )
 
@@ -622,22 +582,24 @@ class GradientWeightAlignmentMonitor(Monitor):
         if not self._stash:
             return
         stash, self._stash, self._stashed = self._stash, [], 0
-        c = stash[0][2].shape[-1]
-        soft = stash[0][3].is_floating_point()
-        rows = [e[2].numel() // c for e in stash]
+        with torch.autocast(device_type=stash[0].logits.device.type, enabled=False):
+            self._fold(stash)
 
-        def cat(parts: list[Tensor]) -> Tensor:
+    def _fold(self, stash: list[_Kept]) -> None:
+        c = stash[0].logits.shape[-1]
+        soft = stash[0].targets.is_floating_point()
+        flat = all(e.logits.dim() == 2 for e in stash)  # [B, C] logits: rows already flat, no reshapes
+
+        def cat(parts: Sequence[Tensor], *shape: int) -> Tensor:
+            parts = parts if flat else [p.reshape(shape) for p in parts]
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-        if all(e[2].dim() == 2 for e in stash):  # [B, C] logits: rows already flat, no reshapes
-            z_norm, wz, logits, targets = (cat([e[i] for e in stash]) for i in range(4))
-        else:
-            z_norm = cat([e[0].reshape(-1) for e in stash])
-            wz = cat([e[1].reshape(-1, c) for e in stash])
-            logits = cat([e[2].reshape(-1, c) for e in stash])
-            targets = cat([e[3].reshape(-1, c) if soft else e[3].reshape(-1) for e in stash])
-        w_norm = torch.stack([e[4] for e in stash])
-        if len(stash) > 1:
+        kept = _Kept(*zip(*stash))  # one tuple per field, over the steps
+        z_norm, wz, logits = cat(kept.z_norm, -1), cat(kept.wz, -1, c), cat(kept.logits, -1, c)
+        targets = cat(kept.targets, *((-1, c) if soft else (-1,)))
+        w_norm = torch.stack(kept.w_norm)
+        if len(stash) > 1:  # one ||W|| per row: each step's, repeated over its rows
+            rows = [out.numel() // c for out in kept.logits]
             if rows.count(rows[0]) == len(rows):  # equal batches: no repeat tensor
                 w_norm = w_norm.repeat_interleave(rows[0])
             else:
@@ -653,32 +615,33 @@ class GradientWeightAlignmentMonitor(Monitor):
             lo = torch.where(finite, scores, math.inf).min()
             hi = torch.where(finite, scores, -math.inf).max()
             self._minmax = torch.stack([torch.minimum(self._minmax[0], lo), torch.maximum(self._minmax[1], hi)])
-        if self.suspects > 0 and all(e[5] is not None for e in stash):
+        if self.suspects > 0 and all(i is not None for i in kept.indices):
             extra = self._suspect_columns(stash, logits, targets, soft)
             cols = torch.cat([torch.where(finite, scores, math.inf).unsqueeze(0), extra])
             merged = torch.cat([self._top, cols], dim=1)
             k = min(self.suspects, merged.shape[1])
             self._top = merged[:, merged[0].topk(k, largest=False).indices]
 
-    def _suspect_columns(self, stash: list[tuple[Any, ...]], logits: Tensor, targets: Tensor, soft: bool) -> Tensor:
+    def _suspect_columns(self, stash: list[_Kept], logits: Tensor, targets: Tensor, soft: bool) -> Tensor:
         """``[4, N]`` float64: sample index, position (token) or -1, target (-1 if soft), predicted."""
         dev = logits.device
-        for _, _, out, _, _, indices in stash:
-            if indices.numel() != out.shape[0]:
+        for e in stash:
+            if e.indices.numel() != e.logits.shape[0]:
                 raise ValueError(
-                    f"`index_fn` returned {indices.numel()} indices for a batch of {out.shape[0]} samples: one "
-                    "index per sample (row of the batch) is needed."
+                    f"`index_fn` returned {e.indices.numel()} indices for a batch of {e.logits.shape[0]} samples: "
+                    "one index per sample (row of the batch) is needed."
                 )
         n = logits.shape[0]
-        if all(e[2].dim() == 2 for e in stash):  # one row per sample
-            idx = torch.cat([e[5].reshape(-1) for e in stash]).to(dev, torch.float64)
+        if all(e.logits.dim() == 2 for e in stash):  # one row per sample
+            idx = torch.cat([e.indices.reshape(-1) for e in stash]).to(dev, torch.float64)
             pos = torch.full((n,), -1.0, dtype=torch.float64, device=dev)
         else:  # tokens: sample index repeated, position within the sample
             idx_parts, pos_parts = [], []
-            for _, _, out, _, _, indices in stash:
-                per = out.numel() // (out.shape[0] * out.shape[-1])
-                idx_parts.append(indices.to(dev).reshape(-1).repeat_interleave(per))
-                pos_parts.append(torch.arange(per, device=dev).repeat(out.shape[0]))
+            for e in stash:
+                b = e.logits.shape[0]
+                per = e.logits.numel() // (b * e.logits.shape[-1])  # tokens per sample
+                idx_parts.append(e.indices.to(dev).reshape(-1).repeat_interleave(per))
+                pos_parts.append(torch.arange(per, device=dev).repeat(b))
             idx = torch.cat(idx_parts).double()
             pos = torch.cat(pos_parts).double()
         tgt = torch.full((n,), -1.0, dtype=torch.float64, device=dev) if soft else targets.double()
@@ -691,7 +654,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         if self.idle_reason is not None:
             return
         if self._pending is not None:  # the head did not run in this batch's forward
-            self._disarm()
+            self.release()
             self._pending = None
             rank_zero_warn(
                 f"GradientWeightAlignmentMonitor: head `{self._head_name}` was not called in a training step; "
@@ -699,27 +662,13 @@ class GradientWeightAlignmentMonitor(Monitor):
             )
         # the hook's batch_idx is the loop's batch count in this epoch minus one (also after a mid-epoch resume)
         if trainer.is_last_batch or batch_idx + 1 >= trainer.num_training_batches:
-            self._finish_epoch(trainer, pl_module, complete=True)
+            self._finish_epoch(trainer, complete=True)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.idle_reason is not None:
             return
         # reached without the epoch's last batch: training ended inside the epoch (max_steps, a stop)
-        self._finish_epoch(trainer, pl_module, complete=False)
-
-    def release(self) -> None:
-        """The base calls this when training ends, on an exception and at teardown."""
-        super().release()
-        self._disarm()
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        super().on_exception(trainer, pl_module, exception)
-        self._pending = None
-
-    def _gather(self, trainer: pl.Trainer, packed: Tensor) -> Tensor:
-        if trainer.world_size <= 1:
-            return packed.unsqueeze(0)
-        return trainer.strategy.all_gather(packed).reshape(trainer.world_size, -1)
+        self._finish_epoch(trainer, complete=False)
 
     def _reduce(self, trainer: pl.Trainer) -> tuple[Tensor, float, float, float, Tensor, Tensor]:
         """The epoch's accumulators of every rank, on the host: moments, negatives, min, max, histogram and
@@ -728,7 +677,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         packed = torch.cat(
             [self._moments.state, self._negative.reshape(1), self._minmax, self._hist, self._top.reshape(-1)]
         )
-        rows = self._gather(trainer, packed).to("cpu", torch.float64)
+        gathered = trainer.strategy.all_gather(packed) if trainer.world_size > 1 else packed
+        rows = gathered.reshape(trainer.world_size, -1).to("cpu", torch.float64)
         state = GWAMoments.combine(rows[:, :5])
         negative = float(rows[:, 5].sum())
         lo, hi = float(rows[:, 6].min()), float(rows[:, 7].max())
@@ -736,11 +686,11 @@ class GradientWeightAlignmentMonitor(Monitor):
         top = rows[:, 8 + _HIST_BINS :].reshape(rows.shape[0], 5, k).permute(1, 0, 2).reshape(5, -1)
         return state, negative, lo, hi, hist, top
 
-    def _finish_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, complete: bool) -> None:
-        if self._finished or self._head is None or trainer.sanity_checking:
+    def _finish_epoch(self, trainer: pl.Trainer, complete: bool) -> None:
+        if self._finished:
             return
         self._finished = True
-        self._disarm()  # no scoring in a validation loop that follows
+        self.release()  # no scoring in a validation loop that follows
         self._flush()
         epoch, step = trainer.current_epoch, trainer.global_step
         state, negative, lo, hi, hist, top = self._reduce(trainer)
@@ -768,37 +718,29 @@ class GradientWeightAlignmentMonitor(Monitor):
                 metrics[self.key("kurtosis")] = kurtosis
             metrics[self.key("negative")] = negative
             metrics[self.key("negative_fraction")] = negative / count
-            if not any(h.get("count", 0) >= _MIN_SAMPLES for h in self.history):  # the first scored epoch
-                if negative >= _MISMATCH_FRACTION * count:
-                    self.alert(
-                        step, "target_mismatch", "warning",
-                        f"{negative / count:.1%} of the {count} GWA scores of the first scored epoch ({epoch}) are "
-                        "negative: nearly every sample's gradient points away from the head's weights, which "
-                        "usually means the targets do not match the logits (e.g. a causal LM's labels not shifted "
-                        "as its loss shifts them, or the wrong head). Check `target_fn`, `head` and "
-                        "`shift_targets`; the score is not meaningful until then.",
-                        value=negative / count, threshold=_MISMATCH_FRACTION,
-                    )
-            defined = math.isfinite(score)
-            bimodal = math.isfinite(kurtosis) and kurtosis + GWA_OFFSET <= 0
+            first_scored = not any(h.get("count", 0) >= _MIN_SAMPLES for h in self.history)
+            if first_scored and negative >= _MISMATCH_FRACTION * count:
+                self.alert(
+                    step, "target_mismatch", "warning",
+                    f"{negative / count:.1%} of the {count} GWA scores of the first scored epoch ({epoch}) are "
+                    "negative: nearly every sample's gradient points away from the head's weights, which "
+                    "usually means the targets do not match the logits (e.g. a causal LM's labels not shifted "
+                    "as its loss shifts them, or the wrong head). Check `target_fn`, `head` and "
+                    "`shift_targets`; the score is not meaningful until then.",
+                    value=negative / count, threshold=_MISMATCH_FRACTION,
+                )
             self.condition(
-                step,
-                "bimodal",
-                bimodal,
-                "warning",
+                step, "bimodal", math.isfinite(kurtosis) and kurtosis + GWA_OFFSET <= 0, "warning",
                 f"GWA undefined at epoch {epoch}: the alignment scores are bimodal (excess kurtosis "
                 f"{kurtosis:.3f} <= -{GWA_OFFSET}), so mean/(kurtosis + {GWA_OFFSET}) has no meaning; no "
                 "score logged. Often late in training when the model memorises noisy labels.",
-                value=kurtosis,
-                threshold=-GWA_OFFSET,
-                clear_message=f"GWA scores unimodal again at epoch {epoch}.",
+                value=kurtosis, threshold=-GWA_OFFSET, clear_message=f"GWA scores unimodal again at epoch {epoch}.",
             )
-            if defined:
+            if math.isfinite(score):
                 metrics[self.key("score")] = score
                 record.update(score=score, mean=mean, kurtosis=kurtosis)
         eligible = False if small else self._select(epoch, record.get("score"))
-        record["eligible"] = eligible
-        record["negative"] = negative
+        record.update(eligible=eligible, negative=negative)
         self.history.append(record)
         if self.best_epoch is not None:
             metrics[self.key("best_epoch")] = float(self.best_epoch)
@@ -821,7 +763,19 @@ class GradientWeightAlignmentMonitor(Monitor):
         if self.suspects > 0 and self.index_fn is not None and trainer.global_rank == 0 and count > 0:
             self._write_suspects(trainer, top, epoch, step)
         if self.stop:
-            self._maybe_stop(trainer, epoch, step)
+            best = math.nan if self.best_score is None else self.best_score
+            if self.request_stop(
+                trainer, step, self.best_epoch is not None and self.wait >= self.patience, "early_stop",
+                f"GWA has not improved for {self.wait} epochs: stopping at epoch {epoch}. Predicted best epoch "
+                f"{self.best_epoch} (GWA {best:.4g}); keep its checkpoint "
+                '(ModelCheckpoint(monitor="gwa/score", mode="max")).',
+                value=self.best_score,
+            ):
+                self.stopped_epoch = epoch
+
+    def _in_window(self, epoch: int) -> bool:
+        """Whether ``epoch`` is inside the selection window (after the warm-up, and the first dip with ``finetune``)."""
+        return epoch >= self._warmup_resolved and (not self.finetune or self.dip_epoch is not None)
 
     def _select(self, epoch: int, score: Optional[float]) -> bool:
         """Update dip detection, the window, the best epoch and the patience counter."""
@@ -832,8 +786,7 @@ class GradientWeightAlignmentMonitor(Monitor):
                 elif score > self._prev_score and self._fell and self.dip_epoch is None:
                     self.dip_epoch = self._prev_epoch
             self._prev_score, self._prev_epoch = score, epoch
-        eligible = epoch >= self._warmup_resolved and (not self.finetune or self.dip_epoch is not None)
-        if not eligible:
+        if not self._in_window(epoch):
             return False
         if score is not None and (self.best_score is None or score > self.best_score + self.min_delta):
             self.best_score, self.best_epoch, self.wait = score, epoch, 0
@@ -861,22 +814,6 @@ class GradientWeightAlignmentMonitor(Monitor):
                     "passing dip of the scores' kurtosis")
         return None
 
-    def _maybe_stop(self, trainer: pl.Trainer, epoch: int, step: int) -> None:
-        decision = self.best_epoch is not None and self.wait >= self.patience
-        decision = trainer.strategy.reduce_boolean_decision(decision, all=False)
-        if decision and not trainer.should_stop:
-            trainer.should_stop = True
-            self.stopped_epoch = epoch
-            self.alert(
-                step,
-                "early_stop",
-                "info",
-                f"GWA has not improved for {self.wait} epochs: stopping at epoch {epoch}. Predicted best epoch "
-                f"{self.best_epoch} (GWA {self.best_score:.4g}); keep its checkpoint "
-                '(ModelCheckpoint(monitor="gwa/score", mode="max")).',
-                value=self.best_score,
-            )
-
     def _write_histogram(
         self, trainer: pl.Trainer, hist: Tensor, lo: float, hi: float, count: int, state: Tensor, step: int
     ) -> None:
@@ -886,15 +823,8 @@ class GradientWeightAlignmentMonitor(Monitor):
             writer = _tensorboard_writer(logger)
             if writer is not None:
                 writer.add_histogram_raw(
-                    self.key("scores"),
-                    min=lo,
-                    max=hi,
-                    num=count,
-                    sum=n * mean,
-                    sum_squares=m2 + n * mean * mean,
-                    bucket_limits=limits,
-                    bucket_counts=hist.tolist(),
-                    global_step=step,
+                    self.key("scores"), min=lo, max=hi, num=count, sum=n * mean, sum_squares=m2 + n * mean * mean,
+                    bucket_limits=limits, bucket_counts=hist.tolist(), global_step=step,
                 )
 
     def _write_suspects(self, trainer: pl.Trainer, top: Tensor, epoch: int, step: int) -> None:
