@@ -54,7 +54,10 @@ run "ends healthy" when its guarded run ends with finite weights and buffers and
 16 batches that follow the run's data (the same batches for a run and its control), so it describes the
 model the run ends with (a rollback on the last steps restores weights after their losses were recorded).
 
-Run: python benchmarks/divergence_zoo.py [--split tune|heldout|all] [--only NAME_SUBSTRING] [--workers 2]
+* fresh (21 runs, ``f_*``) and unseen (21 runs, ``u_*``): held-out sets fixed and calibrated before later
+  changes of the rules, each looked at with the rules it was held out from (see BENCHMARKS.md).
+
+Run: python benchmarks/divergence_zoo.py [--split tune|heldout|fresh|unseen|all] [--only NAME_SUBSTRING] [--workers 2]
      [--json out.json] [--markdown] [--guard-kwargs '{"z_threshold": 8}'] [--no-guard] [--verify-spike]
 """
 
@@ -96,7 +99,7 @@ class Scenario:
     name: str
     family: str  # "gpt_ln" | "gpt_noln" | "mlp" | "cnn"
     kind: str  # "diverging" | "control" | "healthy"
-    split: str  # "tune" | "heldout" | "fresh"
+    split: str  # "tune" | "heldout" | "fresh" | "unseen"
     optimizer: str
     lr: float
     data: Data
@@ -197,16 +200,43 @@ SCENARIOS: list[Scenario] = [
     _ok("f_mlp_label_noise40", "mlp", "fresh", "adamw", 1e-3, Data("digits", label_noise=0.4), steps=300, seed=2),
     _ok("f_cnn_random_labels", "cnn", "fresh", "sgd", 0.05, Data("digits", random_labels_at=120), steps=250, seed=1),
     _ok("f_cnn_batch1", "cnn", "fresh", "adamw", 1e-3, Data("digits", batch=1), steps=300, seed=3),
+    # -- unseen: a third held-out set, fixed and calibrated (--no-guard) before the rules changed after the fresh
+    # set had been looked at; other seeds and settings again (a linear GPT ramp, an SGD exponential ramp on the
+    # MLP, an AdamW jump on the CNN, a bf16 jump on the MLP, an Inf batch through BatchNorm ...)
+    *_pair(_div("u_gpt_ln_linear_ramp", "gpt_ln", "unseen", "adamw", 1e-3, TEXT, lr_mult=Linear(300.0, 300),
+                steps=350, seed=4), lr_mult=Capped(Linear(300.0, 300), 60)),
+    *_pair(_div("u_gpt_noln_jump", "gpt_noln", "unseen", "adamw", 2e-3, TEXT, lr_mult=Jump(120, 50.0), steps=250,
+                seed=5), lr_mult=Capped(Jump(120, 50.0), 119)),
+    *_pair(_div("u_gpt_ln_nan_loss", "gpt_ln", "unseen", "adamw", 3e-3, TEXT, injection=(180, "nan_loss"), steps=250,
+                seed=6), injection=None),
+    *_pair(_div("u_mlp_sgd_exp_ramp", "mlp", "unseen", "sgd", 0.02, DIGITS, lr_mult=Exp(10.0, 40, 50), steps=250,
+                seed=4), lr_mult=Capped(Exp(10.0, 40, 50), 60)),
+    *_pair(_div("u_mlp_bf16_jump", "mlp", "unseen", "sgd", 0.05, DIGITS, lr_mult=Jump(80, 100.0), steps=220, seed=6,
+                precision="bf16-mixed"), lr_mult=Capped(Jump(80, 100.0), 79)),
+    *_pair(_div("u_cnn_adamw_jump", "cnn", "unseen", "adamw", 1e-3, DIGITS, lr_mult=Jump(90, 300.0), steps=220,
+                seed=4), lr_mult=Capped(Jump(90, 300.0), 89)),
+    *_pair(_div("u_cnn_inf_input", "cnn", "unseen", "sgd", 0.05, DIGITS, injection=(110, "inf_input"), steps=220,
+                seed=5), injection=None),
+    _ok("u_gpt_noln_warmup_cosine", "gpt_noln", "unseen", "adamw", 2e-3, TEXT, lr_mult=WarmupCosine(30, 300),
+        steps=300, seed=4),
+    _ok("u_gpt_ln_step_decay", "gpt_ln", "unseen", "adamw", 3e-3, TEXT, lr_mult=Jump(120, 0.3), steps=250, seed=5),
+    _ok("u_mlp_curriculum", "mlp", "unseen", "sgd", 0.05, Data("digits", curriculum=120), steps=280, seed=4),
+    _ok("u_mlp_batch2", "mlp", "unseen", "adamw", 1e-3, Data("digits", batch=2), steps=300, seed=5),
+    _ok("u_mlp_random_labels", "mlp", "unseen", "adamw", 1e-3, Data("digits", random_labels_at=140), steps=280,
+        seed=7),
+    _ok("u_cnn_label_noise20", "cnn", "unseen", "sgd", 0.05, Data("digits", label_noise=0.2), steps=250, seed=6),
+    _ok("u_cnn_sgdr", "cnn", "unseen", "sgd", 0.05, DIGITS, lr_mult=SGDR(40), steps=280, seed=4),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
+SPLITS = ("tune", "heldout", "fresh", "unseen")
 
 
 def _check_split() -> None:
     """Both halves hold every family with diverging and healthy runs; pairs share a half."""
     for s in SCENARIOS:
-        assert s.split in ("tune", "heldout", "fresh") and s.kind in ("diverging", "control", "healthy"), s.name
+        assert s.split in SPLITS and s.kind in ("diverging", "control", "healthy"), s.name
         assert s.pairs is None or BY_NAME[s.pairs].split == s.split, s.name
-    for split in ("tune", "heldout", "fresh"):
+    for split in SPLITS:
         for fam in {s.family for s in SCENARIOS}:
             for kind in ("diverging", "healthy"):
                 found = any(s.split == split and s.family == fam and s.kind == kind for s in SCENARIOS)
@@ -611,7 +641,7 @@ def _cost(s: Scenario) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--split", choices=("tune", "heldout", "fresh", "all"), default="all")
+    parser.add_argument("--split", choices=SPLITS + ("all",), default="all")
     parser.add_argument("--only", default=None, help="run the scenarios whose name contains this (and their pairs)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", default=None, help="write every row and trace to this file")
