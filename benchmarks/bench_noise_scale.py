@@ -206,6 +206,9 @@ def cost(reps: int) -> tuple[list[list[str]], str]:
         accumulate_grad_batches = 1
         loggers: list = []
         precision_plugin = SimpleNamespace()
+        strategy = SimpleNamespace()  # a single device
+        callback_metrics: dict = {}
+        should_stop = False
         default_root_dir = tempfile.mkdtemp(prefix="bench_noise_scale_")
 
     stub = TrainerStub()
@@ -213,6 +216,7 @@ def cost(reps: int) -> tuple[list[list[str]], str]:
     due_mon.setup(stub, model, "fit")  # type: ignore[arg-type]
 
     def due() -> None:
+        stub.global_step += 1  # a new optimizer step each call: each is due (every_n_steps=1) and checked once
         due_mon.on_train_batch_start(stub, model, (x,), 0)  # type: ignore[arg-type]
         model.zero_grad(set_to_none=True)
         F.mse_loss(model(x), y).backward()
