@@ -61,8 +61,8 @@ class DivergenceGuard(Monitor):
       initial loss, so near-zero losses do not alarm on tiny wobbles) or above ``blowup`` times the initial
       loss (this catches a blow-up before any history exists; for 10 steps), or a ``loss_creep`` has doubled the smoothed
       loss and raised it by a quarter of the initial loss (a slow climb), **and** the rise is the weights' doing:
-      the current batch is evaluated again with the last good snapshot's weights; if those weights find
-      the batch about as hard (``data_shift``, a warning: the data changed, not the run), nothing acts;
+      the current batch is evaluated again with the weights of every kept snapshot from before the rise; if
+      each finds the batch about as hard (``data_shift``, a warning: the data changed, not the run), nothing acts;
     * ``loss_creep`` (warning): the smoothed loss risen above its lowest value by ``creep`` of that value,
       by at least ``initial_floor`` of the initial loss, and by more than batch noise moves the average
       (six of its standard deviations, from the robust batch-to-batch noise); it clears halfway back;
@@ -661,8 +661,9 @@ class DivergenceGuard(Monitor):
             _, now, before = verdict
             self.condition(
                 step, "data_shift", True, "warning",
-                f"The loss rose from about {level:.4g} to {now:.4g} since step {start}, but the last good weights "
-                f"find the current batch about as hard ({before:.4g}): the data changed, not the run. No action taken.",
+                f"The loss rose from about {level:.4g} to {now:.4g} since step {start}, but every kept snapshot from "
+                f"before the rise finds the current batch about as hard (at best {before:.4g}): the data changed, not "
+                "the run. No action taken.",
                 value=now, threshold=before, clear_message="The loss has settled at its new level.",
             )
             self._loss_watch.reseed([now, before])  # the new level is the new normal
@@ -670,7 +671,7 @@ class DivergenceGuard(Monitor):
             self._ema, self._ema_weight, self._ema_min = 0.0, 0.0, math.inf
             return []
         how = "" if verdict is None else (
-            f" The last good weights find the current batch easy ({verdict[2]:.4g} against {verdict[1]:.4g} now): "
+            f" Earlier good weights find the current batch easy ({verdict[2]:.4g} against {verdict[1]:.4g} now): "
             "the weights diverged.")
         # critical: raised now, or active already (there is no higher severity)
         self.condition(
@@ -708,10 +709,15 @@ class DivergenceGuard(Monitor):
 
     def _attribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, start: int, level: float,
                    climb: bool = False) -> Optional[tuple[str, float, float]]:
-        """``("weights" | "data" | "transient", loss now, loss with the last good weights)`` on the current batch, or
-        ``None`` when it cannot be told (no snapshot before ``start``, manual optimization, no batch)."""
-        snap = next((s for s in reversed(self._snapshots) if s.step < start), None)
-        if snap is None or self._batch is None or not pl_module.automatic_optimization:
+        """``("weights" | "data" | "transient", loss now, lowest loss of the snapshots asked)`` on the current batch, or
+        ``None`` when it cannot be told (no snapshot before ``start``, manual optimization, no batch).
+
+        The batch is evaluated with every kept snapshot from before ``start``. It is the data only when each of
+        them finds it about as hard: a batch that is hard by itself is hard for older weights too, while weights
+        that degraded gradually (a slow learning-rate ramp, within the noise until ``start``) leave the older
+        snapshots finding it easy. The loss reported is the lowest of theirs."""
+        snaps = [s for s in self._snapshots if s.step < start]
+        if not snaps or self._batch is None or not pl_module.automatic_optimization:
             return None
         now = self._rank_mean(trainer, pl_module, self._batch_loss(pl_module))
         if climb and now is not None and math.isfinite(now) and now <= level:
@@ -722,23 +728,26 @@ class DivergenceGuard(Monitor):
             if z <= self.z_threshold and now <= self.blowup * anchor:
                 return "transient", now, now  # the anomaly is over: the current batch is normal again
         saved = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        befores: list[Optional[float]] = []
         try:
             with torch.no_grad():
-                current = pl_module.state_dict()
-                for name, value in snap.state()["module"].items():
-                    current[name].copy_(value)
-            before = self._rank_mean(trainer, pl_module, self._batch_loss(pl_module))
+                for snap in reversed(snaps):
+                    current = pl_module.state_dict()
+                    for name, value in snap.state()["module"].items():
+                        current[name].copy_(value)
+                    befores.append(self._rank_mean(trainer, pl_module, self._batch_loss(pl_module)))
         finally:
             with torch.no_grad():
                 current = pl_module.state_dict()
                 for name, value in saved.items():
                     current[name].copy_(value)
-        if now is None or before is None:
+        if now is None or None in befores:
             return None
+        before = min((b for b in befores if b is not None and math.isfinite(b)), default=math.nan)
         if not math.isfinite(now):
             return "weights", now, before
-        # the data explains the rise if the old weights see at least half of it on the same batch
-        data = math.isfinite(before) and (before - level) >= 0.5 * (now - level)
+        # the data explains the rise if every older state sees at least half of it on the same batch
+        data = all(b is not None and math.isfinite(b) and (b - level) >= 0.5 * (now - level) for b in befores)
         return ("data" if data else "weights"), now, before
 
     @staticmethod
