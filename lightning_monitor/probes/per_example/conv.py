@@ -57,8 +57,8 @@ def per_example_conv_grads(m: nn.Module, x: Tensor, g: Tensor) -> Tensor:
     w = m.weight
     x, padding = _padded(m, x.float())
     nd = len(m.kernel_size)
-    # only the shape of the weight matters to the weight gradient
-    shape_only = w.detach().float().repeat(b, *([1] * (w.dim() - 1)))
+    # only the shape of the weight matters to the weight gradient: an uninitialised tensor, no copy of B weights
+    shape_only = torch.empty((b * w.shape[0], *w.shape[1:]), dtype=torch.float32, device=w.device)
     gw = torch.ops.aten.convolution_backward(
         g.float().reshape(1, b * g.shape[1], *g.shape[2:]), x.reshape(1, b * x.shape[1], *x.shape[2:]), shape_only,
         None, list(m.stride), padding, list(m.dilation), False, [0] * nd, b * grp, [False, True, False],
