@@ -175,7 +175,9 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     seed_everything(seed, verbose=False)
     model = Net()
     loader = DataLoader(TensorDataset(*data["train"]), batch_size=64, shuffle=True)
-    gwa = GradientWeightAlignmentMonitor(index_fn=lambda b: b[2], suspects=max(n_flip, 50))
+    # with --full-scores every sample is a "suspect": the file then holds every sample's score of every epoch
+    k = len(data["flipped"]) if job.get("full_scores") else max(n_flip, 50)
+    gwa = GradientWeightAlignmentMonitor(index_fn=lambda b: b[2], suspects=k)
     ev = EpochEval()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as root:
@@ -214,6 +216,13 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
             ranked = sorted((float(r["score"]), int(r["index"])) for r in rows if int(r["epoch"]) == epoch)
             flagged = [i for _, i in ranked[:n_flip]]
             out[f"precision_{tag}"] = float(data["flipped"][flagged].sum()) / n_flip
+        if job.get("full_scores"):  # each sample's mean alignment over the run's epochs, the most negative k
+            scores = np.full((len(test), len(data["flipped"])), np.nan)
+            for r in rows:
+                scores[int(r["epoch"]), int(r["index"])] = float(r["score"])
+            seen = ~np.isnan(scores)
+            mean = np.where(seen.any(0), np.where(seen, scores, 0.0).sum(0) / np.maximum(seen.sum(0), 1), np.inf)
+            out["precision_mean"] = float(data["flipped"][np.argsort(mean)[:n_flip]].sum()) / n_flip
     return out
 
 
@@ -283,6 +292,8 @@ def report(results: list[dict[str, Any]], args, wall: float) -> str:
         worse = sum(g < -0.03 for g in gaps)
         first = sum(r["epoch_gwa"] == r["warmup"] for r in sub)
         prec = "-" if flip == 0 else f"{med([r['precision_gwa'] for r in sub]):.2f}"
+        if flip and all("precision_mean" in r for r in sub):
+            prec += f" (mean over the epochs: {med([r['precision_mean'] for r in sub]):.2f})"
         p(f"| {int(100 * flip)}% | {len(sub)} | {fmt_pt(med(gaps))} | {worse} | {first}/{len(sub)} | {prec} |")
 
     # a confidence signal the monitor could emit: is the pick a boundary maximum (first window epoch while
@@ -523,6 +534,9 @@ def main() -> None:
     ap.add_argument("--noise", nargs="+", type=float, default=[0.0, 0.2, 0.4])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=40)
+    ap.add_argument("--full-scores", action="store_true",
+                    help="write every sample's score each epoch and also report the precision of the per-sample "
+                         "mean over the epochs")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--trace", nargs="+", default=["cls20-mlp-adam", "cls20hard-mlp-sgd", "digits-mlp-sgd"])
     ap.add_argument("--out", default=None, help="also write the report (markdown) here")
@@ -538,7 +552,7 @@ def main() -> None:
                 fh.write(text + "\n")
         return
     jobs = [
-        {"setting": s, "flip": f, "seed": seed, "epochs": args.epochs}
+        {"setting": s, "flip": f, "seed": seed, "epochs": args.epochs, "full_scores": args.full_scores}
         for seed in range(args.seeds) for s in args.settings for f in args.noise
     ]
     t0 = time.perf_counter()
