@@ -119,7 +119,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_monitor import GradientWeightAlignmentMonitor
-    from lightning_monitor.callbacks.gradient_weight_alignment import SUSPECTS_FILENAME
+    from lightning_monitor.callbacks.gradient_weight_alignment import RUN_SUSPECTS_FILENAME, SUSPECTS_FILENAME
 
     cfg = SETTINGS[job["setting"]]
     seed, flip, epochs = job["seed"], job["flip"], job["epochs"]
@@ -188,6 +188,8 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         ).fit(model, loader)
         path = os.path.join(logger.log_dir, SUSPECTS_FILENAME)
         rows = list(csv.DictReader(open(path))) if os.path.exists(path) else []
+        path = os.path.join(logger.log_dir, RUN_SUSPECTS_FILENAME)
+        run_rows = list(csv.DictReader(open(path))) if os.path.exists(path) else []
     wall = time.perf_counter() - t0
     val = [r["val"] for r in ev.rows]
     test = [r["test"] for r in ev.rows]
@@ -216,6 +218,9 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
             ranked = sorted((float(r["score"]), int(r["index"])) for r in rows if int(r["epoch"]) == epoch)
             flagged = [i for _, i in ranked[:n_flip]]
             out[f"precision_{tag}"] = float(data["flipped"][flagged].sum()) / n_flip
+        # the monitor's run-level list (gwa_suspects_run.csv): the lowest mean scores over the run
+        flagged = [int(r["index"]) for r in run_rows[:n_flip]]
+        out["precision_run"] = float(data["flipped"][flagged].sum()) / n_flip
         if job.get("full_scores"):  # each sample's mean alignment over the run's epochs, the most negative k
             scores = np.full((len(test), len(data["flipped"])), np.nan)
             for r in rows:
@@ -292,6 +297,8 @@ def report(results: list[dict[str, Any]], args, wall: float) -> str:
         worse = sum(g < -0.03 for g in gaps)
         first = sum(r["epoch_gwa"] == r["warmup"] for r in sub)
         prec = "-" if flip == 0 else f"{med([r['precision_gwa'] for r in sub]):.2f}"
+        if flip:
+            prec += f" (run-level list: {med([r['precision_run'] for r in sub]):.2f})"
         if flip and all("precision_mean" in r for r in sub):
             prec += f" (mean over the epochs: {med([r['precision_mean'] for r in sub]):.2f})"
         p(f"| {int(100 * flip)}% | {len(sub)} | {fmt_pt(med(gaps))} | {worse} | {first}/{len(sub)} | {prec} |")
