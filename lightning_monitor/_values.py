@@ -4,7 +4,9 @@ here: :class:`~lightning_monitor.callbacks.base.Monitor` calls these."""
 
 from __future__ import annotations
 
+import csv
 import math
+import os
 import weakref
 from collections.abc import Collection, Mapping
 from typing import Any, Optional
@@ -16,7 +18,7 @@ from torch import Tensor
 from lightning_monitor._compat import callback_metrics_store
 from lightning_monitor.alerts import _tensorboard_writer
 
-__all__ = ["TrainerRef", "fold_layers", "log_histogram", "publish", "to_host"]
+__all__ = ["TrainerRef", "fold_layers", "log_histogram", "publish", "to_host", "write_csv"]
 
 
 class TrainerRef:
@@ -99,3 +101,14 @@ def log_histogram(trainer: pl.Trainer, tag: str, values: Tensor, step: int) -> N
         writer = _tensorboard_writer(logger)
         if writer is not None:
             writer.add_histogram(tag, values.detach().float().cpu(), global_step=step)
+
+
+def write_csv(path: str, header: list[str], rows: list[tuple], append: bool = False) -> None:
+    """``rows`` to the CSV file ``path``: appended (the header written once), or the file rewritten."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    new = not (append and os.path.exists(path))
+    with open(path, "a" if append else "w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh)
+        if new:
+            writer.writerow(header)
+        writer.writerows(rows)

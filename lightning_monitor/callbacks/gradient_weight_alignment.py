@@ -6,7 +6,6 @@ Classification Tasks", NeurIPS 2025. The math lives in :mod:`lightning_monitor.f
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 import warnings
@@ -22,9 +21,10 @@ from torch import Tensor, nn
 
 from lightning_monitor.alerts import _tensorboard_writer, alerts_dir
 from lightning_monitor._sharded import full, global_norm, is_sharded
+from lightning_monitor._values import write_csv
 from lightning_monitor._args import check_fraction, check_int, deprecated_aliases
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch
-from lightning_monitor.functional.gwa import GWA_OFFSET, GWAMoments, alignment_from_parts
+from lightning_monitor.functional.gwa import GWA_OFFSET, GWAMoments, SampleMeans, alignment_from_parts
 
 __all__ = ["GradientWeightAlignmentMonitor", "default_target_fn"]
 
@@ -114,12 +114,9 @@ class GradientWeightAlignmentMonitor(Monitor):
         index_fn: ``batch -> [B]`` integer sample indices (e.g. dataset indices); enables the
             suspects file ``gwa_suspects.csv`` in the log directory.
         suspects: how many of the most negative samples (tokens) to write per epoch.
-        run_suspects: also rank the samples by their mean score over the whole run so far, rewritten at each
-            epoch end to ``gwa_suspects_run.csv`` (``index``, ``mean_score``, ``scored``: how many times the
-            sample was scored). A sample's mean over epochs is a steadier sign of a wrong label than one epoch's
-            score (BENCHMARKS.md: 0.81 against 0.69 precision at 20% flipped labels, 0.78 against 0.79 at 40%). Needs ``index_fn``, one row of
-            logits per sample (not tokens) and a training set with a length (indices in ``[0, len)``); costs two
-            float64 per training sample on the model's device and one all-reduce of them per epoch.
+        run_suspects: also write ``gwa_suspects_run.csv`` at each epoch end: the samples of the lowest mean score
+            over the run so far (steadier than one epoch's list; docs/gradient_weight_alignment.md). Needs
+            ``index_fn``, one row of logits per sample and a training set with a length; two float64 per sample.
         stop: whether the monitor may stop the run: stop training on GWA (see above). Off by default: the
             monitor only logs and alerts.
         patience: windowed epochs without improvement before stopping. Counted in epochs, not checks:
@@ -243,10 +240,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         self.stopped_epoch: Optional[int] = None
         # a saved epoch to continue after a resume (see on_save_checkpoint)
         self._resume_open: Optional[dict[str, Any]] = None
-        # the run's per-sample score sums and counts ([2, N], this rank's; see run_suspects), and a saved one
-        self._run: Optional[Tensor] = None
-        self._run_saved: Optional[Any] = None
-        self._run_outside: Optional[Tensor] = None  # scores whose index lies outside [0, N)
+        self._run: Optional[SampleMeans] = None  # this rank's per-sample sums over the run (run_suspects)
+        self._run_saved: Optional[Any] = None  # those of a checkpoint, reduced over the ranks
         self._run_warned = False
 
     def _selection_state(self) -> dict[str, Any]:
@@ -286,7 +281,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         saved = checkpoint.setdefault("callbacks", {}).setdefault(self.state_key, {})
         if self._run is not None:  # the run's per-sample sums, reduced over the ranks (every rank calls this)
             self._flush()
-            saved["run_suspects"] = self._reduced_run(trainer)[0].cpu()
+            saved["run_suspects"] = self._reduced_run(trainer)[:-1].reshape(2, -1).cpu()
         if self._epoch_open is None or (self._finished and self._before_partial is None):
             return
         self._flush()
@@ -644,7 +639,7 @@ class GradientWeightAlignmentMonitor(Monitor):
             k = min(self.suspects, merged.shape[1])
             self._top = merged[:, merged[0].topk(k, largest=False).indices]
             if self._run is not None and flat:
-                self._add_to_run(extra[0], scores, finite)
+                self._run.add(extra[0], scores, finite)
 
     def _suspect_columns(self, stash: list[_Kept], logits: Tensor, targets: Tensor, soft: bool) -> Tensor:
         """``[4, N]`` float64: sample index, position (token) or -1, target (-1 if soft), predicted."""
@@ -858,18 +853,12 @@ class GradientWeightAlignmentMonitor(Monitor):
         top = top[:, order]
         keep = torch.isfinite(top[0])
         top = top[:, keep][:, : self.suspects]
-        path = os.path.join(alerts_dir(trainer), SUSPECTS_FILENAME)
-        new = not os.path.exists(path)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         rows = [
             (epoch, step, i, int(idx), "" if pos < 0 else int(pos), f"{s:.6g}", "" if tgt < 0 else int(tgt), int(pred))
             for i, (s, idx, pos, tgt, pred) in enumerate(top.T.tolist())
         ]
-        with open(path, "a", newline="", encoding="utf-8") as fh:
-            writer = csv.writer(fh)
-            if new:
-                writer.writerow(["epoch", "step", "order", "index", "position", "score", "target", "predicted"])
-            writer.writerows(rows)
+        header = ["epoch", "step", "order", "index", "position", "score", "target", "predicted"]
+        write_csv(os.path.join(alerts_dir(trainer), SUSPECTS_FILENAME), header, rows, append=True)
 
     # ------------------------------------------------------------------ suspects over the run
     def _start_run_suspects(self, trainer: pl.Trainer, device: Optional[torch.device]) -> None:
@@ -879,62 +868,37 @@ class GradientWeightAlignmentMonitor(Monitor):
         if not (self.run_suspects and self.suspects > 0 and self.index_fn is not None):
             return
         try:
-            n = len(trainer.train_dataloader.dataset)  # type: ignore[union-attr,arg-type]
+            self._run = SampleMeans(len(trainer.train_dataloader.dataset), device)  # type: ignore[union-attr,arg-type]
         except (AttributeError, TypeError):
             rank_zero_info("GradientWeightAlignmentMonitor: the training set has no length, so the suspects over the "
                            f"run ({RUN_SUSPECTS_FILENAME}) are not kept; each epoch's are.")
             return
-        self._run = torch.zeros(2, n, dtype=torch.float64, device=device)
-        self._run_outside = torch.zeros((), dtype=torch.float64, device=device)
-        if saved is None:
-            return
-        saved = torch.as_tensor(saved, dtype=torch.float64)
-        if tuple(saved.shape) != (2, n):
-            rank_zero_warn(f"GradientWeightAlignmentMonitor: the checkpoint's suspects over the run were kept for "
-                           f"{saved.shape[-1]} samples, this training set has {n}: they start again from this epoch.")
-        elif trainer.global_rank == 0:
-            self._run.copy_(saved.to(device))
+        if saved is not None and tuple(torch.as_tensor(saved).shape) != tuple(self._run.state.shape):
+            rank_zero_warn("GradientWeightAlignmentMonitor: the checkpoint's suspects over the run were kept for another "
+                           "number of samples than this training set has: they start again from this epoch.")
+        elif saved is not None and trainer.global_rank == 0:
+            self._run.state.copy_(torch.as_tensor(saved, dtype=torch.float64).to(device))
 
-    def _add_to_run(self, index: Tensor, scores: Tensor, finite: Tensor) -> None:
-        """Add each finite score to its sample's sum and count, on the device (no host sync: an index outside
-        ``[0, N)`` is counted apart, not dropped by a mask that would need its size)."""
-        assert self._run is not None and self._run_outside is not None
-        idx = index.long()
-        inside = (idx >= 0) & (idx < self._run.shape[1])
-        ok = finite & inside
-        safe = torch.where(ok, idx, torch.zeros_like(idx))
-        self._run[0].index_add_(0, safe, torch.where(ok, scores, torch.zeros_like(scores)))
-        self._run[1].index_add_(0, safe, ok.double())
-        self._run_outside += (finite & ~inside).sum()
-
-    def _reduced_run(self, trainer: pl.Trainer) -> tuple[Tensor, Tensor]:
-        """The run's per-sample sums and counts ``[2, N]`` and the count of indices outside ``[0, N)``, of every
-        rank, summed in one all-reduce (a collective: every rank calls it)."""
-        assert self._run is not None and self._run_outside is not None
-        packed = torch.cat([self._run.reshape(-1), self._run_outside.reshape(1)])
-        if trainer.world_size > 1:
-            packed = trainer.strategy.reduce(packed, reduce_op="sum")
-        return packed[:-1].reshape(2, -1), packed[-1]
+    def _reduced_run(self, trainer: pl.Trainer) -> Tensor:
+        """The run's :meth:`SampleMeans.packed` summed over the ranks (a collective: every rank calls it)."""
+        assert self._run is not None
+        packed = self._run.packed()
+        return trainer.strategy.reduce(packed, reduce_op="sum") if trainer.world_size > 1 else packed
 
     def _write_run_suspects(self, trainer: pl.Trainer, epoch: int, step: int) -> None:
         """Rewrite ``gwa_suspects_run.csv`` with the ``suspects`` samples of the lowest mean score so far."""
-        (sums, counts), outside = self._reduced_run(trainer)
+        packed = self._reduced_run(trainer)
         if trainer.global_rank != 0:
             return
-        mean = torch.where(counts > 0, sums / counts.clamp_min(1.0), torch.full_like(sums, math.inf))
-        lowest, index = mean.topk(min(self.suspects, mean.numel()), largest=False)
-        host = torch.cat([torch.stack([lowest, index.double(), counts[index]]).reshape(-1), outside.reshape(1)])
-        values = host.cpu().tolist()  # the one host transfer
-        outside, k = values[-1], lowest.numel()
-        if outside and not self._run_warned:
+        mean, index, count = SampleMeans.lowest(packed, self.suspects)
+        k = mean.numel()
+        values = torch.cat([mean, index.double(), count, packed[-1:]]).cpu().tolist()  # the one host transfer
+        if values[-1] and not self._run_warned:
             self._run_warned = True
-            rank_zero_warn(f"GradientWeightAlignmentMonitor: {int(outside)} scores had an `index_fn` index outside "
-                           f"[0, {mean.numel()}) (the training set's length); they are left out of {RUN_SUSPECTS_FILENAME}.")
+            rank_zero_warn(f"GradientWeightAlignmentMonitor: {int(values[-1])} scores had an `index_fn` index outside "
+                           f"[0, {self._run.state.shape[1]}) (the training set's length); they are left out of "
+                           f"{RUN_SUSPECTS_FILENAME}.")
         rows = [(epoch, step, i, int(values[k + i]), f"{values[i]:.6g}", int(values[2 * k + i]))
                 for i in range(k) if math.isfinite(values[i])]
-        path = os.path.join(alerts_dir(trainer), RUN_SUSPECTS_FILENAME)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w", newline="", encoding="utf-8") as fh:
-            writer = csv.writer(fh)
-            writer.writerow(["epoch", "step", "order", "index", "mean_score", "scored"])
-            writer.writerows(rows)
+        header = ["epoch", "step", "order", "index", "mean_score", "scored"]
+        write_csv(os.path.join(alerts_dir(trainer), RUN_SUSPECTS_FILENAME), header, rows)

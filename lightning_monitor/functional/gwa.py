@@ -30,6 +30,7 @@ processes, and gives the same number as :func:`gwa_aggregate` on all the scores 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -38,6 +39,7 @@ from torch import Tensor
 __all__ = [
     "GWA_OFFSET",
     "GWAMoments",
+    "SampleMeans",
     "GWAStatistics",
     "alignment_from_parts",
     "gwa_aggregate",
@@ -324,3 +326,49 @@ class GWAMoments:
     def compute(self, offset: float = GWA_OFFSET, min_count: int = 4) -> GWAStatistics:
         """The statistics of every score added so far (see :func:`gwa_aggregate`)."""
         return _statistics_from_moments(self.state, offset, min_count)
+
+
+class SampleMeans:
+    """Each sample's score summed and counted over a run, on the device: ``[2, n]`` float64 (sums, counts)
+    for samples indexed ``0 .. n-1``, and a count of scores whose index lies outside that range.
+
+    :meth:`add` needs no host sync (an out-of-range index is counted apart, not dropped by a mask that would
+    need its size); :meth:`packed` lays both out for one all-reduce (a sum over the ranks of their own
+    ``SampleMeans`` is the run's); :meth:`lowest` ranks the samples by their mean.
+
+    Example::
+
+        >>> m = SampleMeans(3)
+        >>> m.add(torch.tensor([0, 2, 2, 5]), torch.tensor([0.5, -1.0, 0.0, 1.0], dtype=torch.float64))
+        >>> mean, index, count = SampleMeans.lowest(m.packed(), 2)
+        >>> index.tolist(), mean.tolist(), count.tolist()
+        ([2, 0], [-0.5, 0.5], [2.0, 1.0])
+    """
+
+    def __init__(self, n: int, device: Optional[torch.device] = None) -> None:
+        self.state = torch.zeros(2, n, dtype=torch.float64, device=device)
+        self.outside = torch.zeros((), dtype=torch.float64, device=device)
+
+    def add(self, index: Tensor, scores: Tensor, valid: Optional[Tensor] = None) -> None:
+        """Add ``scores`` (float64) to the samples ``index``; ``valid`` (bool) leaves the others out."""
+        idx = index.long()
+        inside = (idx >= 0) & (idx < self.state.shape[1])
+        valid = torch.ones_like(inside) if valid is None else valid
+        ok = valid & inside
+        safe = torch.where(ok, idx, torch.zeros_like(idx))
+        self.state[0].index_add_(0, safe, torch.where(ok, scores, torch.zeros_like(scores)))
+        self.state[1].index_add_(0, safe, ok.double())
+        self.outside += (valid & ~inside).sum()
+
+    def packed(self) -> Tensor:
+        """``[2 n + 1]``: sums, counts, and the out-of-range count, for one reduction."""
+        return torch.cat([self.state.reshape(-1), self.outside.reshape(1)])
+
+    @staticmethod
+    def lowest(packed: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``(mean, index, count)`` of the ``k`` samples of the lowest mean score in ``packed``; a sample never
+        scored has the mean ``inf``."""
+        sums, counts = packed[:-1].reshape(2, -1)
+        mean = torch.where(counts > 0, sums / counts.clamp_min(1.0), torch.full_like(sums, math.inf))
+        low, index = mean.topk(min(k, mean.numel()), largest=False)
+        return low, index, counts[index]
