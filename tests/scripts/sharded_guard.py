@@ -88,10 +88,10 @@ def main() -> None:
         json.dump({"seen": guard.seen, "rollbacks": [(r["step"], r["to_step"]) for r in guard.rollbacks],
                    "alerts": [(a.step, a.kind) for a in guard.hub.history if a.severity != "info"],
                    "weights": [float(v) for v in torch.cat([p.detach().flatten() for p in params])]}, fh)
-    _destroy_process_group()
+    destroy_process_group()
 
 
-def _destroy_process_group() -> None:
+def destroy_process_group() -> None:
     """While the interpreter is alive: Lightning destroys the group at exit for NCCL only, and a gloo group
     torn down during interpreter finalization can abort the process ("terminate called without an active
     exception"), as ``tests/conftest.py`` explains for the spawned tests."""

@@ -25,7 +25,7 @@ from lightning_monitor import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sharded_guard import shard_every_linear  # noqa: E402
+from sharded_guard import destroy_process_group, shard_every_linear  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -138,17 +138,7 @@ def main() -> None:
         result["frozen"] = dict(monitors["grades"].frozen)
     with open(os.path.join(args.out, f"{args.strategy}-rank{trainer.global_rank}.json"), "w") as fh:
         json.dump(result, fh)
-    _destroy_process_group()
-
-
-def _destroy_process_group() -> None:
-    """While the interpreter is alive: Lightning destroys the group at exit for NCCL only, and a gloo group
-    torn down during interpreter finalization can abort the process ("terminate called without an active
-    exception"), as ``tests/conftest.py`` explains for the spawned tests."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    destroy_process_group()
 
 
 if __name__ == "__main__":
