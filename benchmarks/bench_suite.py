@@ -12,7 +12,10 @@ it changes the training it measures (see bench_grades.py).
 ``--only sa`` (``gns``, ``gwa``, ``guard``; or several, comma-separated) keeps only those monitors of the
 preset, at the preset's settings: one monitor's own overhead.
 
-Run: python benchmarks/bench_suite.py [--quick] [--only sa,gns,gwa,guard]
+``--untimed`` leaves the hook timers out (they add a few microseconds to every hook call of every monitor):
+the ratio alone, as a user would see it.
+
+Run: python benchmarks/bench_suite.py [--quick] [--only sa,gns,gwa,guard] [--untimed]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import sys
 import time
 import types
 import warnings
+from typing import Optional
 
 import lightning.pytorch as pl
 import torch
@@ -63,10 +67,12 @@ def timed(callback: Callback, clock: list) -> Callback:
 SLOTS = {"sa": "spectral", "gns": "noise_scale", "gwa": "gwa", "guard": "guard"}
 
 
-def suite(clocks: dict, only: tuple[str, ...] = ()) -> list[Callback]:
+def suite(clocks: Optional[dict], only: tuple[str, ...] = ()) -> list[Callback]:
     """``HealthMonitor()`` (with only the monitors named in ``only`` when given) with every monitor's hooks
-    timed into ``clocks[<monitor name>]``."""
+    timed into ``clocks[<monitor name>]`` (``clocks=None``: not timed, so the timers cost nothing)."""
     health = lm.HealthMonitor(**{slot: False for name, slot in SLOTS.items() if only and name not in only})
+    if clocks is None:
+        return [health]
     for monitor in health.monitors:
         timed(monitor, clocks.setdefault(monitor.name, [0.0]))
     return [timed(health, clocks.setdefault("preset", [0.0]))]
@@ -88,6 +94,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--root", default="benchmarks/out/suite")
     parser.add_argument("--only", default="", help="comma-separated monitors to keep: sa, gns, gwa, guard")
+    parser.add_argument("--untimed", action="store_true",
+                        help="no timers in the hooks: the ratio without their own cost (the shares read 0)")
     args = parser.parse_args()
     only = tuple(n for n in args.only.split(",") if n)
     unknown = [n for n in only if n not in SLOTS]
@@ -112,7 +120,8 @@ def main() -> None:
             result = {}
             for which in order:
                 clocks: dict = {}
-                per_step = run(config, steps, suite(clocks, only) if which == "suite" else [], args.root)
+                cbs = suite(None if args.untimed else clocks, only) if which == "suite" else []
+                per_step = run(config, steps, cbs, args.root)
                 result[which] = per_step
                 if which == "suite":
                     for n in names:
