@@ -622,9 +622,9 @@ class GradientEarlyStopping(Monitor):
             mask = mask & judgeable
         values: dict[str, Any] = {"\x00stat": full, "\x00mask": mask.float(), "\x00decide": float(decide)}
         if reference is None:
-            values["\x00judged"] = smoothed
+            values["\x00judged"] = smoothed  # absolute threshold: the smoothed statistic is what is judged
         else:
-            values["\x00judged"] = values["\x00ratio"] = relative_ratio(smoothed, reference)
+            values["\x00ratio"] = relative_ratio(smoothed, reference)
         return values
 
     def judge(self, trainer: pl.Trainer, step: int, values: dict[str, Any]) -> dict[str, float]:
@@ -635,8 +635,8 @@ class GradientEarlyStopping(Monitor):
         position = {name: i for i, name in enumerate(self._names)}
         active = [n for n in self._names if n not in self.frozen]
         vectors = {k: (v if isinstance(v, list) else [v]) for k, v in values.items() if k != "\x00decide"}
-        stat_h, mask_h, judged_h = vectors["\x00stat"], vectors["\x00mask"], vectors["\x00judged"]
-        ratio_h = vectors.get("\x00ratio")
+        stat_h, mask_h, ratio_h = vectors["\x00stat"], vectors["\x00mask"], vectors.get("\x00ratio")
+        judged_h = ratio_h if ratio_h is not None else vectors["\x00judged"]
         newly = [n for n in active if mask_h[position[n]] > 0.5]
         metrics: dict[str, float] = {}
         if self.log_stats:

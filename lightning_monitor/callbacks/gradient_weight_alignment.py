@@ -275,19 +275,19 @@ class GradientWeightAlignmentMonitor(Monitor):
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         """A checkpoint saved inside an epoch (or after an epoch cut short by the end of training) carries
         that epoch's accumulators, reduced over the ranks, so a resume into the same epoch scores all of
-        it. Added here, not in :meth:`state_dict`: the guard's snapshots need none of it."""
+        it; every checkpoint carries the run-level suspects' sums, reduced too. Added here, not in
+        :meth:`state_dict`: the guard's snapshots need none of it."""
         if self._head is None:
             return
+        self._flush()
         saved = checkpoint.setdefault("callbacks", {}).setdefault(self.state_key, {})
         if self._run is not None:  # the run's per-sample sums, reduced over the ranks (every rank calls this)
-            self._flush()
             saved["run_suspects"] = self._reduced_run(trainer)[:-1].reshape(2, -1).cpu()
         if self._epoch_open is None or (self._finished and self._before_partial is None):
             return
-        self._flush()
         state, negative, lo, hi, hist, top = self._reduce(trainer)
         keep = top[0].argsort()[: self.suspects]
-        checkpoint.setdefault("callbacks", {}).setdefault(self.state_key, {})["open_epoch"] = {
+        saved["open_epoch"] = {
             "epoch": self._epoch_open, "moments": state, "negative": negative, "minmax": [lo, hi], "hist": hist,
             "top": top[:, keep], "recorded": self._finished, "before": self._before_partial,
         }
