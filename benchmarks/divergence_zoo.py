@@ -87,7 +87,8 @@ from torch import Tensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zoo_models import (  # noqa: E402
-    SGDR, Capped, Const, Data, DigitsClassifier, Exp, Jump, Linear, WarmupCosine, ZooGPT, make_data)
+    SGDR, Capped, Const, Data, DigitsClassifier, Exp, Jump, Linear, WarmupCosine, ZooGPT, ZooHFGPT2, ZooLSTM,
+    ZooRegressor, make_data)
 
 # ----------------------------------------------------------------------------- scenarios
 
@@ -97,9 +98,9 @@ class Scenario:
     """One run of the zoo. ``injection = (batch_index, kind)`` corrupts that batch (see ``ZooMixin``)."""
 
     name: str
-    family: str  # "gpt_ln" | "gpt_noln" | "mlp" | "cnn"
+    family: str  # "gpt_ln" | "gpt_noln" | "mlp" | "cnn" | "hf_gpt2" | "lstm" | "reg"
     kind: str  # "diverging" | "control" | "healthy"
-    split: str  # "tune" | "heldout" | "fresh" | "unseen"
+    split: str  # "tune" | "heldout" | "fresh" | "unseen" | "novel"
     optimizer: str
     lr: float
     data: Data
@@ -125,7 +126,7 @@ def _ok(name: str, family: str, split: str, optimizer: str, lr: float, data: Dat
     return Scenario(name, family, "healthy", split, optimizer, lr, data, **kw)
 
 
-TEXT, DIGITS = Data("prose"), Data("digits", batch=32)
+TEXT, DIGITS, FRIEDMAN = Data("prose"), Data("digits", batch=32), Data("friedman", batch=32)
 _GPT_EXP, _GPT_LIN, _MLP_LIN, _CNN_EXP = Exp(10.0, 100), Linear(100.0, 300), Linear(50.0, 250), Exp(10.0, 20, 25)
 
 # Calibrated by running them (``--no-guard``): every diverging run explodes and no control of a ramp, jump or
@@ -226,18 +227,52 @@ SCENARIOS: list[Scenario] = [
         seed=7),
     _ok("u_cnn_label_noise20", "cnn", "unseen", "sgd", 0.05, Data("digits", label_noise=0.2), steps=250, seed=6),
     _ok("u_cnn_sgdr", "cnn", "unseen", "sgd", 0.05, DIGITS, lr_mult=SGDR(40), steps=280, seed=4),
+    # -- novel: a fourth held-out set with three model families no rule was made on (Hugging Face's GPT2LMHeadModel,
+    # a character LSTM, an MSE regressor), seeds 8-11, fixed and calibrated (--no-guard) before any guarded run
+    *_pair(_div("n_hf_gpt2_exp_ramp", "hf_gpt2", "novel", "adamw", 1e-3, TEXT, lr_mult=Exp(10.0, 100), steps=350,
+                seed=8), lr_mult=Capped(Exp(10.0, 100), 120)),
+    *_pair(_div("n_hf_gpt2_nan_loss", "hf_gpt2", "novel", "adamw", 2e-3, TEXT, injection=(150, "nan_loss"), steps=250,
+                seed=9), injection=None),
+    *_pair(_div("n_hf_gpt2_const_high", "hf_gpt2", "novel", "adamw", 1.0, TEXT, steps=200, seed=10), lr=2e-3),
+    *_pair(_div("n_lstm_sgd_jump", "lstm", "novel", "sgd", 0.5, TEXT, lr_mult=Jump(100, 40.0), steps=250, seed=8),
+           lr_mult=Capped(Jump(100, 40.0), 99)),
+    *_pair(_div("n_lstm_adamw_linear_ramp", "lstm", "novel", "adamw", 2e-3, TEXT, lr_mult=Linear(500.0, 250),
+                steps=350, seed=9), lr_mult=Capped(Linear(500.0, 250), 50)),
+    *_pair(_div("n_reg_sgd_exp_ramp", "reg", "novel", "sgd", 0.01, FRIEDMAN, lr_mult=Exp(10.0, 40, 40), steps=250,
+                seed=8), lr_mult=Capped(Exp(10.0, 40, 40), 60)),
+    *_pair(_div("n_reg_huge_input", "reg", "novel", "sgd", 0.01, FRIEDMAN, injection=(120, "huge_input"), steps=250,
+                seed=10), injection=None),
+    *_pair(_div("n_gpt_ln_bf16_exp_ramp", "gpt_ln", "novel", "adamw", 1e-3, TEXT, lr_mult=Exp(10.0, 100), steps=350,
+                seed=11, precision="bf16-mixed"), lr_mult=Capped(Exp(10.0, 100), 120)),
+    *_pair(_div("n_mlp_adamw_const_high", "mlp", "novel", "adamw", 0.3, DIGITS, steps=200, seed=9), lr=1e-3),
+    _ok("n_hf_gpt2_warmup_cosine", "hf_gpt2", "novel", "adamw", 3e-3, TEXT, lr_mult=WarmupCosine(30, 300), steps=300,
+        seed=8),
+    _ok("n_hf_gpt2_batch2", "hf_gpt2", "novel", "adamw", 1e-3, Data("prose", batch=2), steps=300, seed=9),
+    _ok("n_lstm_step_decay", "lstm", "novel", "adamw", 5e-3, TEXT, lr_mult=Jump(150, 0.2), steps=300, seed=10),
+    _ok("n_lstm_curriculum", "lstm", "novel", "adamw", 3e-3, Data("prose", curriculum=120), steps=300, seed=8),
+    _ok("n_reg_near_zero", "reg", "novel", "adamw", 3e-3, Data("friedman", batch=32, target_noise=0.0), steps=400,
+        seed=9),
+    _ok("n_reg_sgdr", "reg", "novel", "sgd", 0.01, FRIEDMAN, lr_mult=SGDR(40), steps=300, seed=11),
+    _ok("n_cnn_bf16_warmup_cosine", "cnn", "novel", "adamw", 2e-3, DIGITS, lr_mult=WarmupCosine(20, 250), steps=250,
+        seed=9, precision="bf16-mixed"),
+    _ok("n_mlp_label_noise20_adamw", "mlp", "novel", "adamw", 1e-3, Data("digits", batch=32, label_noise=0.2),
+        steps=300, seed=10),
+    _ok("n_gpt_noln_bf16_cosine", "gpt_noln", "novel", "adamw", 2e-3, TEXT, lr_mult=WarmupCosine(20, 300), steps=300,
+        seed=10, precision="bf16-mixed"),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
-SPLITS = ("tune", "heldout", "fresh", "unseen")
+SPLITS = ("tune", "heldout", "fresh", "unseen", "novel")
 
 
 def _check_split() -> None:
-    """Both halves hold every family with diverging and healthy runs; pairs share a half."""
+    """The first four sets hold each of the four first families with diverging and healthy runs, ``novel`` holds
+    its three new families so; a run and its pair share a set."""
     for s in SCENARIOS:
         assert s.split in SPLITS and s.kind in ("diverging", "control", "healthy"), s.name
         assert s.pairs is None or BY_NAME[s.pairs].split == s.split, s.name
     for split in SPLITS:
-        for fam in {s.family for s in SCENARIOS}:
+        families = ("hf_gpt2", "lstm", "reg") if split == "novel" else ("gpt_ln", "gpt_noln", "mlp", "cnn")
+        for fam in families:
             for kind in ("diverging", "healthy"):
                 found = any(s.split == split and s.family == fam and s.kind == kind for s in SCENARIOS)
                 assert found, (split, fam, kind)
@@ -282,6 +317,9 @@ class Recorder(Callback):
 
 
 def build_model(s: Scenario) -> pl.LightningModule:
+    other = {"hf_gpt2": ZooHFGPT2, "lstm": ZooLSTM, "reg": ZooRegressor}
+    if s.family in other:
+        return other[s.family](s.optimizer, s.lr, s.lr_mult, s.injection)
     if s.family.startswith("gpt"):
         return ZooGPT(s.family == "gpt_ln", s.optimizer, s.lr, s.lr_mult, s.injection)
     return DigitsClassifier(s.family, s.optimizer, s.lr, s.lr_mult, s.injection)
@@ -636,7 +674,8 @@ def print_table(title: str, table: tuple[list[str], list[list[str]]], markdown: 
 
 def _cost(s: Scenario) -> float:
     """Rough relative run time, to start the long runs first."""
-    return s.steps * {"gpt_ln": 3.0, "gpt_noln": 3.0, "cnn": 1.5, "mlp": 1.0}[s.family]
+    return s.steps * {"gpt_ln": 3.0, "gpt_noln": 3.0, "hf_gpt2": 3.0, "lstm": 2.0, "cnn": 1.5,
+                       "mlp": 1.0, "reg": 1.0}[s.family]
 
 
 def main() -> None:

@@ -123,11 +123,13 @@ class Data:
     """Data recipe.
 
     Attributes:
-        source: ``"prose"`` (GPT; ``"arith"`` first when ``curriculum`` is set) or ``"digits"``.
+        source: ``"prose"`` (the language models; ``"arith"`` first when ``curriculum`` is set), ``"digits"``
+            or ``"friedman"`` (regression: sklearn's ``make_friedman1``, 10 features, standardised target).
         batch: batch size.
         label_noise: fraction of digit labels replaced by another class, fixed for the run.
         random_labels_at: from this step on, digit labels are uniformly random (a data shift).
         curriculum: up to this step, easy data (GPT: the arithmetic corpus; digits: classes 0-4 only).
+        target_noise: regression only, the noise of the target (in units of the clean target's spread).
     """
 
     source: str
@@ -135,6 +137,7 @@ class Data:
     label_noise: float = 0.0
     random_labels_at: Optional[int] = None
     curriculum: Optional[int] = None
+    target_noise: float = 0.1
 
 
 @lru_cache(maxsize=1)
@@ -178,9 +181,23 @@ def _text_loader(data: Data, n_batches: int, seed: int) -> DataLoader:
     return DataLoader(ConcatDataset(parts), batch_size=data.batch, shuffle=False)
 
 
+def _friedman_loader(data: Data, n_batches: int, seed: int) -> DataLoader:
+    from sklearn.datasets import make_friedman1
+
+    x, y = make_friedman1(n_samples=2000, n_features=10, noise=0.0, random_state=1000 + seed)
+    y = (y - y.mean()) / y.std()
+    rng = np.random.default_rng(seed)
+    y = y + data.target_noise * rng.standard_normal(len(y))
+    x = (x - x.mean(0)) / x.std(0)
+    n = n_batches * data.batch
+    index = np.concatenate([rng.permutation(len(y)) for _ in range(n // len(y) + 1)])[:n]
+    return DataLoader(TensorDataset(torch.tensor(x[index], dtype=torch.float32),
+                                    torch.tensor(y[index], dtype=torch.float32)), batch_size=data.batch, shuffle=False)
+
+
 def make_data(data: Data, steps: int, seed: int) -> DataLoader:
     """The step-indexed loader of ``data`` (2 x ``steps`` batches, in a fixed order)."""
-    make = _digits_loader if data.source == "digits" else _text_loader
+    make = {"digits": _digits_loader, "friedman": _friedman_loader}.get(data.source, _text_loader)
     return make(data, 2 * steps, seed)
 
 
@@ -272,4 +289,63 @@ class DigitsClassifier(ZooMixin, pl.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         loss = F.cross_entropy(self(self._corrupt_input(x, batch_idx)), y)
+        return self._corrupt_loss(loss, batch_idx)
+
+
+class ZooHFGPT2(ZooMixin, pl.LightningModule):
+    """Hugging Face's ``GPT2LMHeadModel`` from a tiny random-init config (2 layers, 32 wide, no dropout) on
+    the prose characters."""
+
+    def __init__(self, optimizer: str, lr: float, lr_mult: Callable[[int], float],
+                 injection: Optional[tuple[int, str]] = None) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        from gpt import VOCAB
+
+        self._set_zoo(optimizer, lr, lr_mult, injection)
+        cfg = GPT2Config(vocab_size=len(VOCAB), n_positions=GPT_CONFIG["block_size"], n_embd=GPT_CONFIG["d_model"],
+                         n_layer=GPT_CONFIG["n_layer"], n_head=GPT_CONFIG["n_head"], resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        self.model = GPT2LMHeadModel(cfg)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        logits = self.model(input_ids=x).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        return self._corrupt_loss(loss, batch_idx)
+
+
+class ZooLSTM(ZooMixin, pl.LightningModule):
+    """A character LSTM language model (embedding 32, one LSTM layer of 64, linear head) on the prose."""
+
+    def __init__(self, optimizer: str, lr: float, lr_mult: Callable[[int], float],
+                 injection: Optional[tuple[int, str]] = None) -> None:
+        super().__init__()
+        from gpt import VOCAB
+
+        self._set_zoo(optimizer, lr, lr_mult, injection)
+        self.emb = nn.Embedding(len(VOCAB), 32)
+        self.lstm = nn.LSTM(32, 64, batch_first=True)
+        self.head = nn.Linear(64, len(VOCAB))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        logits = self.head(self.lstm(self.emb(x))[0])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        return self._corrupt_loss(loss, batch_idx)
+
+
+class ZooRegressor(ZooMixin, pl.LightningModule):
+    """An MLP regressor (10-64-64-1, tanh) with a mean squared error loss on Friedman's function."""
+
+    def __init__(self, optimizer: str, lr: float, lr_mult: Callable[[int], float],
+                 injection: Optional[tuple[int, str]] = None) -> None:
+        super().__init__()
+        self._set_zoo(optimizer, lr, lr_mult, injection)
+        self.net = nn.Sequential(nn.Linear(10, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.net(self._corrupt_input(x, batch_idx)).squeeze(-1), y)
         return self._corrupt_loss(loss, batch_idx)
