@@ -100,7 +100,7 @@ class Scenario:
     name: str
     family: str  # "gpt_ln" | "gpt_noln" | "mlp" | "cnn" | "hf_gpt2" | "lstm" | "reg"
     kind: str  # "diverging" | "control" | "healthy"
-    split: str  # "tune" | "heldout" | "fresh" | "unseen" | "novel"
+    split: str  # "tune" | "heldout" | "fresh" | "unseen" | "novel" | "blind"
     optimizer: str
     lr: float
     data: Data
@@ -259,9 +259,33 @@ SCENARIOS: list[Scenario] = [
         steps=300, seed=10),
     _ok("n_gpt_noln_bf16_cosine", "gpt_noln", "novel", "adamw", 2e-3, TEXT, lr_mult=WarmupCosine(20, 300), steps=300,
         seed=10, precision="bf16-mixed"),
+    # -- blind: a fifth held-out set, seeds 12-15, fixed and calibrated (--no-guard) after the rules changed on
+    # the novel set and before any guarded run of its own
+    *_pair(_div("b_hf_gpt2_linear_ramp", "hf_gpt2", "blind", "adamw", 1e-3, TEXT, lr_mult=Linear(600.0, 300),
+                steps=400, seed=12), lr_mult=Capped(Linear(600.0, 300), 80)),
+    *_pair(_div("b_hf_gpt2_bf16_jump", "hf_gpt2", "blind", "adamw", 2e-3, TEXT, lr_mult=Jump(130, 100.0), steps=260,
+                seed=13, precision="bf16-mixed"), lr_mult=Capped(Jump(130, 100.0), 129)),
+    *_pair(_div("b_lstm_const_high", "lstm", "blind", "adamw", 0.5, TEXT, steps=200, seed=12), lr=3e-3),
+    *_pair(_div("b_lstm_nan_loss", "lstm", "blind", "adamw", 3e-3, TEXT, injection=(150, "nan_loss"), steps=250,
+                seed=14), injection=None),
+    *_pair(_div("b_reg_adamw_jump", "reg", "blind", "adamw", 1e-3, Data("friedman", batch=128),
+                lr_mult=Jump(100, 500.0), steps=250, seed=13), lr_mult=Capped(Jump(100, 500.0), 99)),
+    *_pair(_div("b_gpt_noln_sgd_exp_ramp", "gpt_noln", "blind", "sgd", 0.05, TEXT, lr_mult=Exp(10.0, 60, 40),
+                steps=300, seed=15), lr_mult=Capped(Exp(10.0, 60, 40), 50)),
+    *_pair(_div("b_mlp_sgd_const_high", "mlp", "blind", "sgd", 3.0, DIGITS, steps=200, seed=14), lr=0.05),
+    _ok("b_hf_gpt2_step_decay", "hf_gpt2", "blind", "adamw", 3e-3, TEXT, lr_mult=Jump(150, 0.3), steps=300, seed=14),
+    _ok("b_hf_gpt2_curriculum", "hf_gpt2", "blind", "adamw", 2e-3, Data("prose", curriculum=130), steps=300, seed=15),
+    _ok("b_lstm_sgdr", "lstm", "blind", "adamw", 3e-3, TEXT, lr_mult=SGDR(50), steps=350, seed=12),
+    _ok("b_reg_batch4", "reg", "blind", "adamw", 1e-3, Data("friedman", batch=4), steps=300, seed=15),
+    _ok("b_reg_noisy_targets", "reg", "blind", "sgd", 0.01, Data("friedman", batch=32, target_noise=1.0), steps=300,
+        seed=12),
+    _ok("b_cnn_curriculum_adamw", "cnn", "blind", "adamw", 1e-3, Data("digits", batch=32, curriculum=100), steps=250,
+        seed=13),
+    _ok("b_mlp_bf16_warmup_cosine", "mlp", "blind", "sgd", 0.1, DIGITS, lr_mult=WarmupCosine(20, 250), steps=250,
+        seed=14, precision="bf16-mixed"),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
-SPLITS = ("tune", "heldout", "fresh", "unseen", "novel")
+SPLITS = ("tune", "heldout", "fresh", "unseen", "novel", "blind")
 
 
 def _check_split() -> None:
@@ -271,7 +295,7 @@ def _check_split() -> None:
         assert s.split in SPLITS and s.kind in ("diverging", "control", "healthy"), s.name
         assert s.pairs is None or BY_NAME[s.pairs].split == s.split, s.name
     for split in SPLITS:
-        families = ("hf_gpt2", "lstm", "reg") if split == "novel" else ("gpt_ln", "gpt_noln", "mlp", "cnn")
+        families = ("hf_gpt2", "lstm", "reg") if split in ("novel", "blind") else ("gpt_ln", "gpt_noln", "mlp", "cnn")
         for fam in families:
             for kind in ("diverging", "healthy"):
                 found = any(s.split == split and s.family == fam and s.kind == kind for s in SCENARIOS)
