@@ -138,6 +138,39 @@ def test_loss_explosion_is_critical_after_patience(tmp_path):
     assert "since step 62" in explosion.message and "the weights diverged" in explosion.message
 
 
+def test_a_blow_up_from_the_first_update_is_acted_on_at_once(tmp_path):
+    pl.seed_everything(0)
+    guard = DivergenceGuard(action="stop", every_n_steps=5)
+    _trainer(tmp_path, [guard], steps=200, logger=False).fit(_Exploding(explode_at=0))
+    critical = [(a.step, a.kind) for a in guard.hub.history if a.severity == "critical"]
+    # lr 1.5 from step 0: the loss passes twice the initial loss within a few steps, before it has any history;
+    # the first batches, evaluated again, have lost more than twice as much too, so the guard does not wait the
+    # ten steps an early transient gets: it acts on the step of the surge
+    assert len(critical) == 1 and critical[0][1] == "loss_explosion"
+    assert guard.stopped_step is not None and guard.stopped_step <= 5, critical
+
+
+class _OneHardBatchEarly(_Exploding):
+    """A healthy regression whose fourth batch has targets a hundred times too large: one hard batch."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.lin(x), 100.0 * y if batch_idx == 3 else y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+
+def test_one_hard_batch_before_any_history_is_not_an_explosion(tmp_path):
+    pl.seed_everything(0)
+    guard = DivergenceGuard(action="stop", every_n_steps=5)
+    _trainer(tmp_path, [guard], steps=40, logger=False).fit(_OneHardBatchEarly())
+    # step 3's loss is thousands of times the initial one, but the first batches, evaluated again, are as easy
+    # as before: nothing is raised and the run goes on
+    assert guard.stopped_step is None
+    assert not [a for a in guard.hub.history if a.severity != "info"]
+
+
 def test_warn_mode_keeps_training_and_weights_finite(tmp_path, tiny_gpt):
     pl.seed_everything(0)
     module, loader = tiny_gpt(nan_at_step=7)

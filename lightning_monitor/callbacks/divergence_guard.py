@@ -30,6 +30,8 @@ _REFERENCES = 4
 #: consecutive steps above ``blowup`` times the initial loss that make an explosion before the loss has a
 #: history (the first steps of a run are erratic: a spike that settles within a few steps is not a divergence)
 _EARLY_PATIENCE = 10
+#: factor over its lowest value at which a creeping smoothed loss is judged like an explosion (a slow climb)
+_CLIMB = 1.5
 
 
 def _at(rows: Optional[list[list[Any]]], i: int, j: int) -> Any:
@@ -59,8 +61,9 @@ class DivergenceGuard(Monitor):
       broke everywhere), on its step; or the loss stays ``patience`` consecutive steps above its own recent
       history (robust z-score over ``z_threshold``, with a deviation floor of ``initial_floor`` times the
       initial loss, so near-zero losses do not alarm on tiny wobbles) or above ``blowup`` times the initial
-      loss (this catches a blow-up before any history exists; for 10 steps), or a ``loss_creep`` has doubled the smoothed
-      loss and raised it by a quarter of the initial loss (a slow climb), **and** the rise is the weights' doing:
+      loss (this catches a blow-up before any history exists: at once when the first batches, evaluated again,
+      have lost ``blowup`` times their loss too; else after 10 steps), or a ``loss_creep`` has raised the smoothed
+      loss by half over its lowest value and by a quarter of the initial loss (a slow climb), **and** the rise is the weights' doing:
       the current batch is evaluated again with the weights of every kept snapshot from before the rise; if
       each finds the batch about as hard (``data_shift``, a warning: the data changed, not the run), nothing acts;
     * ``loss_creep`` (warning): the smoothed loss risen above its lowest value by ``creep`` of that value,
@@ -561,6 +564,9 @@ class DivergenceGuard(Monitor):
                 step, loss, abs_floor=self.initial_floor * anchor, ceiling=self.blowup * anchor)
             start = self._loss_watch.start if anomalous else None
             surge = anomalous and ready and z > self.z_threshold and loss > (1.0 + self.surge) * level
+            # before any history: a loss above ``blowup`` times the initial loss is tested on the first batches at
+            # once (an update that broke the weights shows on them too); one that does not is left to persist
+            surge = surge or (anomalous and not ready and loss > self.blowup * anchor)
             if not anomalous and self._loss_watch.run == 0 and ("loss_explosion", None) in self._conditions:
                 self.condition(step, "loss_explosion", False, "critical", "",
                                clear_message="The loss is back within its recent history.")
@@ -589,7 +595,7 @@ class DivergenceGuard(Monitor):
 
     def _creep(self, step: int, loss: float, anchor: float) -> bool:
         """Update the loss EMA and the ``loss_creep`` condition; True when the creep turns into a climb that
-        must be judged like an explosion: the smoothed loss at least doubled from its minimum and risen by a
+        must be judged like an explosion: the smoothed loss 1.5 times its minimum and risen by a
         quarter of the initial loss (once per episode)."""
         if self.creep is None:
             return False
@@ -624,7 +630,7 @@ class DivergenceGuard(Monitor):
             self._creep_start, self._climb_judged = None, False
             return False
         self._creep_start = step if self._creep_start is None else self._creep_start
-        climb = (ema >= 2.0 * self._ema_min and ema - self._ema_min >= 0.25 * anchor
+        climb = (ema >= _CLIMB * self._ema_min and ema - self._ema_min >= 0.25 * anchor
                  and self._loss_watch.level() >= 0.5 * (self._ema_min + ema))
         if climb and not self._climb_judged:
             self._climb_judged = True
@@ -697,6 +703,10 @@ class DivergenceGuard(Monitor):
         now = self._rank_mean(trainer, pl_module, None if None in losses else sum(losses) / len(losses))
         then = sum(t for _, t in refs) / len(refs)
         if now is None or (math.isfinite(now) and now - then < 0.5 * (loss - level)):
+            return []
+        if not self._loss_watch.ready and math.isfinite(now) and now < self.blowup * then:
+            # before any history the references are the first batches, and the first updates of a healthy run can
+            # overshoot and settle: at once only if the weights broke by ``blowup`` on those batches too
             return []
         self.condition(  # critical: raised now, or active already
             step, "loss_explosion", True, "critical",
