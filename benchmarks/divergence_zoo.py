@@ -54,10 +54,13 @@ run "ends healthy" when its guarded run ends with finite weights and buffers and
 16 batches that follow the run's data (the same batches for a run and its control), so it describes the
 model the run ends with (a rollback on the last steps restores weights after their losses were recorded).
 
-* fresh (21 runs, ``f_*``) and unseen (21 runs, ``u_*``): held-out sets fixed and calibrated before later
-  changes of the rules, each looked at with the rules it was held out from (see BENCHMARKS.md).
+* fresh (21 runs, ``f_*``), unseen (21 runs, ``u_*``), novel (27 runs, ``n_*``) and blind (21 runs, ``b_*``):
+  held-out sets fixed and calibrated before later changes of the rules, each looked at with the rules it was
+  held out from (see BENCHMARKS.md). novel and blind add three families: ``hf_gpt2`` (Hugging Face's
+  ``GPT2LMHeadModel`` from a tiny random-init config), ``lstm`` (a character LSTM language model) and ``reg``
+  (an MLP regressor with a mean squared error loss on Friedman's function).
 
-Run: python benchmarks/divergence_zoo.py [--split tune|heldout|fresh|unseen|all] [--only NAME_SUBSTRING] [--workers 2]
+Run: python benchmarks/divergence_zoo.py [--split tune|heldout|fresh|unseen|novel|blind|all] [--only NAME_SUBSTRING] [--workers 2]
      [--json out.json] [--markdown] [--guard-kwargs '{"z_threshold": 8}'] [--no-guard] [--verify-spike]
 """
 
