@@ -200,6 +200,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         "wall": wall,
         "warmup": gwa._warmup_resolved,
         "epoch_gwa": e_gwa,
+        "monitor_uncertain": gwa.pick_uncertain,  # the monitor's own word on its final pick (None: confident)
         "epoch_val": e_val,
         "epoch_oracle": int(np.argmax(test)),
         "test_gwa": test[e_gwa] if e_gwa is not None else float("nan"),
@@ -287,21 +288,24 @@ def report(results: list[dict[str, Any]], args, wall: float) -> str:
     p("")
     p("### Pooled over settings (against the targets)")
     p("")
-    p("| noise | runs | median GWA - val pick | runs worse than -3 pt | first after warm-up | median suspects precision |")
-    p("|---|---|---|---|---|---|")
+    p("| noise | runs | median GWA - val pick | runs worse than -3 pt | of them, the monitor said uncertain | "
+      "first after warm-up | median suspects precision |")
+    p("|---|---|---|---|---|---|---|")
     for flip in args.noise:
         sub = [r for r in results if r["flip"] == flip]
         if not sub:
             continue
         gaps = [r["test_gwa"] - r["test_val"] for r in sub]
         worse = sum(g < -0.03 for g in gaps)
+        said = sum(g < -0.03 and r.get("monitor_uncertain") is not None for g, r in zip(gaps, sub))
         first = sum(r["epoch_gwa"] == r["warmup"] for r in sub)
         prec = "-" if flip == 0 else f"{med([r['precision_gwa'] for r in sub]):.2f}"
         if flip:
             prec += f" (run-level list: {med([r['precision_run'] for r in sub]):.2f})"
         if flip and all("precision_mean" in r for r in sub):
             prec += f" (mean over the epochs: {med([r['precision_mean'] for r in sub]):.2f})"
-        p(f"| {int(100 * flip)}% | {len(sub)} | {fmt_pt(med(gaps))} | {worse} | {first}/{len(sub)} | {prec} |")
+        p(f"| {int(100 * flip)}% | {len(sub)} | {fmt_pt(med(gaps))} | {worse} | {said}/{worse} | {first}/{len(sub)} | "
+          f"{prec} |")
 
     # a confidence signal the monitor could emit: is the pick a boundary maximum (first window epoch while
     # the score was still falling into the window), and how far is the best score above the later ones?
