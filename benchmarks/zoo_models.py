@@ -204,6 +204,11 @@ def make_data(data: Data, steps: int, seed: int) -> DataLoader:
 # ----------------------------------------------------------------------------- models
 
 
+def _lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Next-token cross-entropy over every position."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 class ZooMixin:
     """Optimizer (SGD with momentum 0.9, or AdamW), per-step LR multiplier and batch injections.
 
@@ -260,8 +265,7 @@ class ZooGPT(ZooMixin, GPTModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         logits = self(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        return self._corrupt_loss(loss, batch_idx)
+        return self._corrupt_loss(_lm_loss(logits, y), batch_idx)
 
 
 class DigitsClassifier(ZooMixin, pl.LightningModule):
@@ -312,8 +316,7 @@ class ZooHFGPT2(ZooMixin, pl.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         logits = self.model(input_ids=x).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        return self._corrupt_loss(loss, batch_idx)
+        return self._corrupt_loss(_lm_loss(logits, y), batch_idx)
 
 
 class ZooLSTM(ZooMixin, pl.LightningModule):
@@ -332,8 +335,7 @@ class ZooLSTM(ZooMixin, pl.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         logits = self.head(self.lstm(self.emb(x))[0])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        return self._corrupt_loss(loss, batch_idx)
+        return self._corrupt_loss(_lm_loss(logits, y), batch_idx)
 
 
 class ZooRegressor(ZooMixin, pl.LightningModule):
