@@ -533,7 +533,9 @@ class DivergenceGuard(Monitor):
                 if found:
                     critical += found
                     first_bad = s if first_bad is None else min(first_bad, s)
-                else:
+                elif self._loss_watch.ready:
+                    # one hard batch (with a history: before it, a surge that is not acted on at once may still
+                    # be a blow-up building up, judged when it persists)
                     self._hard_batch = s
         if explosion is not None:
             reasons = self._decide_explosion(trainer, pl_module, *explosion)
