@@ -15,7 +15,10 @@ preset, at the preset's settings: one monitor's own overhead.
 ``--untimed`` leaves the hook timers out (they add a few microseconds to every hook call of every monitor):
 the ratio alone, as a user would see it.
 
-Run: python benchmarks/bench_suite.py [--quick] [--only sa,gns,gwa,guard] [--untimed]
+``--sizes 0.2m,0.8m,5m`` picks the model sizes (default the first two; ``5m``, 5.0 M parameters, takes
+minutes per run on CPU: pair it with ``--steps 80 --pairs 3``).
+
+Run: python benchmarks/bench_suite.py [--quick] [--only sa,gns,gwa,guard] [--untimed] [--sizes ...] [--steps N] [--pairs N]
 """
 
 from __future__ import annotations
@@ -43,7 +46,10 @@ from bench_guard import StepTimer  # noqa: E402
 SIZES = {
     "GPT 2x64 (0.2 M params)": {"n_layer": 2, "n_head": 4, "d_model": 64, "block_size": 64},
     "GPT 4x128 (0.8 M params)": {"n_layer": 4, "n_head": 4, "d_model": 128, "block_size": 64},
+    # off by default: minutes per run on CPU
+    "GPT 4x320 (5.0 M params)": {"n_layer": 4, "n_head": 8, "d_model": 320, "block_size": 64},
 }
+SIZE_NAMES = {"0.2m": "GPT 2x64 (0.2 M params)", "0.8m": "GPT 4x128 (0.8 M params)", "5m": "GPT 4x320 (5.0 M params)"}
 
 
 def timed(callback: Callback, clock: list) -> Callback:
@@ -96,7 +102,13 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated monitors to keep: sa, gns, gwa, guard")
     parser.add_argument("--untimed", action="store_true",
                         help="no timers in the hooks: the ratio without their own cost (the shares read 0)")
+    parser.add_argument("--sizes", default="0.2m,0.8m", help=f"comma-separated, from {list(SIZE_NAMES)}")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 220; --quick 120)")
+    parser.add_argument("--pairs", type=int, default=None, help="pairs of runs per size (default 4; --quick 2)")
     args = parser.parse_args()
+    sizes = [n for n in args.sizes.split(",") if n]
+    if not sizes or any(n not in SIZE_NAMES for n in sizes):
+        parser.error(f"--sizes: choose from {list(SIZE_NAMES)}, got {args.sizes!r}")
     only = tuple(n for n in args.only.split(",") if n)
     unknown = [n for n in only if n not in SLOTS]
     if unknown:
@@ -106,13 +118,16 @@ def main() -> None:
     for name in ("lightning", "lightning.pytorch", "lightning_monitor"):
         logging.getLogger(name).setLevel(logging.ERROR)
     steps, reps = (120, 2) if args.quick else (220, 4)
+    steps, reps = args.steps or steps, args.pairs or reps
+    if steps <= 40:
+        parser.error("--steps must exceed 40 (the first 20 steps of each run are not timed)")
     print(f"torch {torch.__version__}, 1 thread, {steps} steps per run, {reps} pairs, load {os.getloadavg()[0]:.1f}"
           + (f", only {', '.join(only)}" if only else ""))
     names = ("sa", "gns", "gwa", "guard", "preset")
     print("\n| model | ms/step without | ms/step with HealthMonitor() | ratio (median of pairs) | time in the hooks: "
           + " | ".join(names) + " | all |")
     print("|---|---|---|---|" + "---|" * (len(names) + 1))
-    for label, config in SIZES.items():
+    for label, config in ((SIZE_NAMES[n], SIZES[SIZE_NAMES[n]]) for n in sizes):
         base, mon, ratios = [], [], []
         shares: dict[str, list[float]] = {n: [] for n in names + ("all",)}
         for rep in range(reps):

@@ -49,9 +49,14 @@ def squared_norms(tensors: Sequence[Tensor]) -> tuple[Optional[Tensor], Optional
     """``(plain, sharded)``: the summed squared fp32 norms of the plain tensors (the same on every rank) and
     this rank's part of the summed squared norms of the ``DTensor``s (summed over the ranks, it is their
     total); ``None`` for an empty part. On the device, no host sync."""
-    plain = [t for t in tensors if not is_sharded(t)]
-    shards = [t for t in tensors if is_sharded(t)]
-    plain_sq = torch.stack(foreach_norm(plain, 2.0, dtype=torch.float32)).square().sum() if plain else None
+    plain: list[Tensor] = []
+    shards: list[Tensor] = []
+    for t in tensors:  # one pass (this runs every step)
+        (shards if DTensor is not None and isinstance(t, DTensor) else plain).append(t)
+    plain_sq = None
+    if plain:
+        norms = torch.stack(foreach_norm(plain, 2.0, dtype=torch.float32))
+        plain_sq = torch.dot(norms, norms)
     shard_sq = None
     by_count: dict[int, list[Tensor]] = {}
     for t in shards:

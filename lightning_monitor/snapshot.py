@@ -20,14 +20,27 @@ from torch import Tensor
 __all__ = ["TrainingSnapshot", "scale_learning_rates"]
 
 
-def _to_host(obj: Any) -> Any:
-    """A deep copy of ``obj`` with every tensor copied to host memory."""
+_ATOMS = (int, float, bool, str, bytes, type(None))
+
+
+def _to_host(obj: Any, reuse: Any = None) -> Any:
+    """A deep copy of ``obj`` with every tensor copied to host memory. ``reuse``: an earlier copy of the same
+    structure that is no longer needed; a plain host tensor of it with the same shape and dtype is written
+    over instead of allocating a new one (fresh host memory costs page faults on every snapshot)."""
     if isinstance(obj, Tensor):
-        return obj.detach().to("cpu", copy=True)
+        src = obj.detach()
+        if (type(reuse) is Tensor and type(src) is Tensor and reuse.device.type == "cpu"
+                and reuse.shape == src.shape and reuse.dtype == src.dtype and reuse.is_contiguous()):
+            return reuse.copy_(src)
+        return src.to("cpu", copy=True)
+    if isinstance(obj, _ATOMS):
+        return obj
     if isinstance(obj, dict):
-        return {k: _to_host(v) for k, v in obj.items()}
+        old = reuse if isinstance(reuse, dict) else {}
+        return {k: _to_host(v, old.get(k)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_host(v) for v in obj)
+        old = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else (None,) * len(obj)
+        return type(obj)(_to_host(v, r) for v, r in zip(obj, old))
     return copy.deepcopy(obj)
 
 
@@ -63,13 +76,24 @@ class TrainingSnapshot:
         step: int,
         lr_scale: float,
         directory: Optional[str] = None,
+        reuse: Optional[TrainingSnapshot] = None,
     ) -> TrainingSnapshot:
-        """Copy the run's state now. ``monitors`` maps a state key to a callback with ``state_dict``."""
+        """Copy the run's state now. ``monitors`` maps a state key to a callback with ``state_dict``.
+        ``reuse``: a snapshot in host memory that is being given up; its tensors are written over where they
+        fit (it is discarded)."""
+        old: dict[str, Any] = {}
+        if reuse is not None:
+            old = reuse._state if directory is None and reuse._state is not None else {}
+            reuse.discard()
+        opts, scheds = old.get("optimizers") or [], old.get("schedulers") or []
+        scaler = _loss_scaler(trainer)
         state = {
-            "module": _to_host(pl_module.state_dict()),
-            "optimizers": [_to_host(opt.state_dict()) for opt in trainer.optimizers],
-            "schedulers": [_to_host(cfg.scheduler.state_dict()) for cfg in trainer.lr_scheduler_configs],
-            "scaler": _to_host(_loss_scaler(trainer).state_dict()) if _loss_scaler(trainer) is not None else None,
+            "module": _to_host(pl_module.state_dict(), old.get("module")),
+            "optimizers": [_to_host(opt.state_dict(), opts[i] if i < len(opts) else None)
+                           for i, opt in enumerate(trainer.optimizers)],
+            "schedulers": [_to_host(cfg.scheduler.state_dict(), scheds[i] if i < len(scheds) else None)
+                           for i, cfg in enumerate(trainer.lr_scheduler_configs)],
+            "scaler": _to_host(scaler.state_dict()) if scaler is not None else None,
             "monitors": {key: _to_host(cb.state_dict()) for key, cb in monitors.items()},
         }
         snap = cls(step=step, epoch=trainer.current_epoch, lr_scale=lr_scale)

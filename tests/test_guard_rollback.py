@@ -409,3 +409,41 @@ def test_snapshot_files_missing_on_resume_are_left_out(tmp_path, monkeypatch):
     probe = _Snaps()
     _trainer(tmp_path / "b", [resumed, probe], 57).fit(_Regression(), ckpt_path=str(tmp_path / "ck" / "epoch=0-step=55.ckpt"))
     assert probe.steps == [25]
+
+
+def test_a_snapshot_writes_over_the_memory_of_the_one_it_pushes_out(tmp_path):
+    """Host-memory snapshots recycle the tensors of the snapshot they replace (no fresh allocation per snapshot),
+    and every kept snapshot still holds its own step's state: rolling back to each gives that step's weights."""
+    from lightning_monitor.snapshot import _to_host
+
+    src = {"w": torch.randn(3, 4), "state": {0: {"step": torch.tensor(5.0), "m": torch.randn(7)}}, "lr": 0.1,
+           "names": ["a", "b"]}
+    first = _to_host(src)
+    assert first["w"] is not src["w"] and torch.equal(first["w"], src["w"])
+    src["w"].add_(1.0)
+    src["state"][0]["m"] = torch.randn(8)  # a shape that no longer fits: allocated anew
+    ptr_w, ptr_m = first["w"].data_ptr(), first["state"][0]["m"].data_ptr()
+    second = _to_host(src, reuse=first)
+    assert second["w"].data_ptr() == ptr_w and torch.equal(second["w"], src["w"])
+    assert second["state"][0]["m"].data_ptr() != ptr_m and torch.equal(second["state"][0]["m"], src["state"][0]["m"])
+    assert second["lr"] == 0.1 and second["names"] == ["a", "b"]
+    src["w"].add_(1.0)
+    assert not torch.equal(second["w"], src["w"])  # a copy, not the live tensor
+
+    # in a fit: snapshots every 5 steps, 2 kept; each kept snapshot equals the module's state at its step
+    states: dict[int, dict] = {}
+    kept: dict[int, dict] = {}
+    guard = DivergenceGuard(every_n_steps=5, action="warn")
+
+    class _Record(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            states[trainer.global_step] = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+        def on_train_end(self, trainer, pl_module):  # before the guard lets its snapshots go
+            kept.update({s.step: s.state()["module"] for s in guard._snapshots})
+
+    _trainer(tmp_path, [_Record(), guard], 33).fit(_Regression())
+    assert sorted(kept) == [25, 30]
+    for step, module in kept.items():
+        _assert_same(module, states[step])
+    assert kept[25]["lin.weight"].data_ptr() != kept[30]["lin.weight"].data_ptr()

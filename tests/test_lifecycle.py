@@ -123,3 +123,34 @@ def test_streak_counts_consecutive_holds():
     s = Streak()
     assert [s.update(a) for a in (True, True, False, True, True, True)] == [1, 2, 0, 1, 2, 3]
     assert s >= 3 and not s >= 4 and s.count == 3
+
+
+def test_the_state_key_is_computed_once_per_fit_and_follows_the_configuration_between_fits(tmp_path, tiny_gpt):
+    """Lightning reads ``state_key`` at every hook call of every callback: within a fit the key is the one computed
+    at setup; a configuration changed before the next fit gives that fit its new key (and the checkpoint its name)."""
+
+    class _Counting(_Recorder):
+        computed = 0
+
+        def _state_key(self) -> str:
+            type(self).computed += 1
+            return super()._state_key()
+
+    pl.seed_everything(0)
+    module, loader = tiny_gpt()
+    rec = _Counting(every_n_steps=3)
+    assert rec.state_key.endswith("_Counting{'every_n_steps': 3, 'warmup_steps': 0}")
+    counts = []
+    for steps in (6, 18):
+        _Counting.computed = 0
+        _trainer(tmp_path, [rec], max_steps=steps).fit(module, loader)
+        counts.append(_Counting.computed)
+    # a few reads around setup and teardown, none per step (Lightning reads the key at every hook call)
+    assert counts[0] == counts[1] <= 4
+    rec.every_n_steps = 4
+    assert rec.state_key.endswith("_Counting{'every_n_steps': 4, 'warmup_steps': 0}")  # after the fit: from the arguments
+    path = str(tmp_path / "last.ckpt")
+    trainer = _trainer(tmp_path, [rec], max_steps=4)
+    trainer.fit(module, loader)
+    trainer.save_checkpoint(path)
+    assert rec.state_key in torch.load(path, weights_only=False)["callbacks"]

@@ -125,6 +125,13 @@ class Monitor(Callback):
     # ------------------------------------------------------------------ identity / state
     @property
     def state_key(self) -> str:
+        # Lightning reads the key at every hook call of every callback (its profiler names the hook by it):
+        # within a fit it is computed once, at setup, and kept until teardown
+        key = self.__dict__.get("_fit_state_key")
+        return key if key is not None else self._state_key()
+
+    def _state_key(self) -> str:
+        """The key from the configuration (subclasses name what they watch and their cadence)."""
         return self._generate_state_key(every_n_steps=self.every_n_steps, warmup_steps=self.warmup_steps)
 
     def state_dict(self) -> dict[str, Any]:
@@ -160,6 +167,8 @@ class Monitor(Callback):
         self._hub = AlertHub.for_trainer(trainer)
         if stage != "fit":
             return
+        self._fit_state_key = None
+        self._fit_state_key = self._state_key()
         if self._bind_trainer(trainer):
             self._reset_run_state()
         self._release_all()
@@ -219,6 +228,8 @@ class Monitor(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._release_all()
+        if stage == "fit":
+            self._fit_state_key = None  # the configuration may change before the next fit
 
     # ------------------------------------------------------------------ decisions, on every rank
     @staticmethod

@@ -241,8 +241,7 @@ class DivergenceGuard(Monitor):
         self.stopped_step: Optional[int] = None
         self._reset_run_state()  # the run state, empty
 
-    @property
-    def state_key(self) -> str:
+    def _state_key(self) -> str:
         return self._generate_state_key(action=self.action, every_n_steps=self.every_n_steps)
 
     @staticmethod
@@ -333,7 +332,11 @@ class DivergenceGuard(Monitor):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self.idle_reason is not None:
             return
-        loss = loss.detach().float().sum()  # a [1, 1] loss, or a vector passed with its own gradient
+        loss = loss.detach()
+        if loss.dim():
+            loss = loss.sum()  # a [1, 1] loss, or a vector passed with its own gradient
+        if loss.dtype != torch.float32:
+            loss = loss.float()
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and scaler.is_enabled():
             scale = grad_scaler_scale(scaler)  # no host sync
@@ -358,15 +361,21 @@ class DivergenceGuard(Monitor):
         plain_sq, shard_sq = squared_norms(grads)
         if self._flat_shards and plain_sq is not None:
             plain_sq, shard_sq = None, plain_sq if shard_sq is None else shard_sq + plain_sq
-        row = self._row(trainer, pl_module, loss, plain_sq, shard_sq)
         lag = self._lag(trainer)
-        on_host = row.device.type == "cpu" and lag == 0
-        if self.zero_nonfinite_grads and grads and not on_host:
-            bad = torch.isfinite(row.sum()).logical_not_()  # on the device: no sync
-            for g in grads:
-                local(g).masked_fill_(bad, 0.0)
+        on_host = pl_module.device.type == "cpu" and lag == 0
+        if on_host and trainer.world_size == 1:
+            # nothing to wait for and nothing to reduce: the two numbers are read at once, no row is built
+            sq = sum(float(t) for t in (plain_sq, shard_sq) if t is not None)
+            entry: tuple[int, Any, Any, bool] = (step, (math.nan if no_loss else float(loss), math.sqrt(sq)), None, no_loss)
+        else:
+            row = self._row(trainer, pl_module, loss, plain_sq, shard_sq)
+            if self.zero_nonfinite_grads and grads and not on_host:
+                bad = torch.isfinite(row.sum()).logical_not_()  # on the device: no sync
+                for g in grads:
+                    local(g).masked_fill_(bad, 0.0)
+            entry = self._copy_to_host(step, row, no_loss)
         if self._drop is None:  # a dropped batch is not judged
-            self._ring.append(self._copy_to_host(step, row, no_loss))
+            self._ring.append(entry)
         values = self._read_ready(step, lag)
         critical, first_bad = self._judge_ready(trainer, pl_module, values)
         if self.zero_nonfinite_grads and grads and on_host:
@@ -486,7 +495,7 @@ class DivergenceGuard(Monitor):
         for s, host, event, no_loss in entries:
             if event is not None:
                 event.synchronize()
-            loss, gnorm = host.tolist()
+            loss, gnorm = host if isinstance(host, tuple) else host.tolist()
             out.append((s, None if no_loss else loss, gnorm))
         return out
 
@@ -817,13 +826,22 @@ class DivergenceGuard(Monitor):
         ok = ok and not active and self._loss_watch.run == 0
         if not self.decide(trainer, ok, all=True):
             return
-        snap = TrainingSnapshot.capture(trainer, pl_module, self._monitors(trainer), step, self._lr_scale, self.snapshot_dir)
+        # a snapshot newer than the last judged step is provisional (its steps may still turn out anomalous):
+        # it does not push out a confirmed one. The ones the new snapshot pushes out give it their memory.
+        def confirmed(at: int) -> bool:
+            return at <= self._judged_through + 1
+
+        out: list[TrainingSnapshot] = []
+        while sum(confirmed(s.step) for s in self._snapshots) + confirmed(step) > self.keep_snapshots:
+            out.append(self._snapshots.pop(0))
+        # in host memory, the newest one pushed out is written over; files are deleted once the new one is saved
+        reuse = out.pop() if out and self.snapshot_dir is None else None
+        snap = TrainingSnapshot.capture(trainer, pl_module, self._monitors(trainer), step, self._lr_scale,
+                                        self.snapshot_dir, reuse=reuse)
+        for old in out:
+            old.discard()
         snap.guard = self._detector_state()
         self._snapshots.append(snap)
-        # a snapshot newer than the last judged step is provisional (its steps may still turn out anomalous):
-        # it does not push out a confirmed one
-        while sum(s.step <= self._judged_through + 1 for s in self._snapshots) > self.keep_snapshots:
-            self._snapshots.pop(0).discard()
         oldest = self._snapshots[0].step
         self._seen = [e for e in self._seen if e[0] >= oldest]
 
@@ -943,8 +961,9 @@ class DivergenceGuard(Monitor):
         self._load_detector_state({})
         self._creep_start: Optional[int] = None
         self._climb_judged = False
-        # per-step values on their way to the host: (step, [loss, grad norm], copy-done event or None, no loss)
-        self._ring: deque[tuple[int, Tensor, Any, bool]] = deque()
+        # per-step values on their way to the host: (step, [loss, grad norm] (a tensor, or host floats on one CPU
+        # process), copy-done event or None, no loss)
+        self._ring: deque[tuple[int, Any, Any, bool]] = deque()
         self._restored: list[tuple[int, Optional[float], float]] = []  # buffered values restored from a checkpoint
         self._loss_acc: Optional[Tensor] = None
         self._judged_through = -1  # the last step judged

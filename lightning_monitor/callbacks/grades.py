@@ -230,8 +230,7 @@ class GradientEarlyStopping(Monitor):
         self._reset_run_state()
 
     # ------------------------------------------------------------------ identity / state
-    @property
-    def state_key(self) -> str:
+    def _state_key(self) -> str:
         return self._generate_state_key(
             tau=self.tau, criterion=self.criterion, threshold=self.threshold,
             # `components=`: the key's name from before `include`, so older checkpoints still resume

@@ -220,8 +220,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         return self.log_histograms
 
     # ------------------------------------------------------------------ identity / state
-    @property
-    def state_key(self) -> str:
+    def _state_key(self) -> str:
         return self._generate_state_key(
             head=self.head, every_n_steps=self.every_n_steps, warmup_steps=self.warmup_steps, stop=self.stop
         )

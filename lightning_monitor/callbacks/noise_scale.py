@@ -195,8 +195,7 @@ class GradientNoiseScaleMonitor(Monitor):
         warnings.warn("`GradientNoiseScaleMonitor.beta` is deprecated: use `.smoothing`.", DeprecationWarning, stacklevel=2)
         return self.smoothing
 
-    @property
-    def state_key(self) -> str:
+    def _state_key(self) -> str:
         return self._generate_state_key(
             method=self.method, every_n_steps=self.every_n_steps, warmup_steps=self.warmup_steps,
             include=self.include, exclude=self.exclude,

@@ -221,8 +221,7 @@ class SpectralAlignmentMonitor(Monitor):
         self._reset_run_state()
 
     # ------------------------------------------------------------------ state
-    @property
-    def state_key(self) -> str:
+    def _state_key(self) -> str:
         return self._generate_state_key(
             every_n_steps=self.every_n_steps, warmup_steps=self.warmup_steps, include=self.include,
             exclude=self.exclude, head=self.head,
