@@ -1,13 +1,14 @@
-"""DivergenceGuard alone: microseconds per step spent inside its six per-step hooks, and their share of the fit.
+"""DivergenceGuard alone: microseconds per step spent inside its per-step hooks, and their share of the fit.
 
 The demo's GPT (2 layers, d_model 64, block 64, batch 16, 0.2 M parameters), one CPU thread, the guard at its
 defaults, 200 steps, no logger. The hooks are timed in the run itself, so the figure does not depend on how
 fast the machine runs the rest of the step (whole-run ratios on a shared machine move by several percent).
 
-To compare two versions of the code, run this script from each checkout, alternating:
+To compare two versions of the code, run this script (it imports ``lightning_monitor`` from ``PYTHONPATH`` and the
+example GPT from the working directory) in each checkout, alternating:
 
     git worktree add /tmp/before <revision>
-    for i in 1 2 3; do (cd /tmp/before && PYTHONPATH=. python benchmarks/bench_guard_hooks.py); \
+    for i in 1 2 3; do (cd /tmp/before && PYTHONPATH=. python "$OLDPWD/benchmarks/bench_guard_hooks.py"); \
         python benchmarks/bench_guard_hooks.py; done
 
 Run: python benchmarks/bench_guard_hooks.py [--steps N]
@@ -26,35 +27,9 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, os.path.join(os.getcwd(), "examples"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_guard import TimedGuard  # noqa: E402
 from gpt import GPTModule, make_loader  # noqa: E402
-
-from lightning_monitor import DivergenceGuard  # noqa: E402
-
-HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
-         "on_before_zero_grad", "on_train_batch_end")
-
-
-class HookTimedGuard(DivergenceGuard):
-    """The guard with the wall time inside its per-step hooks added up in ``inside``."""
-
-    inside = 0.0
-
-
-def _timed(name: str):
-    original = getattr(DivergenceGuard, name)
-
-    def hook(self, *args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            self.inside += time.perf_counter() - t
-
-    return hook
-
-
-for _name in HOOKS:
-    setattr(HookTimedGuard, _name, _timed(_name))
 
 
 def main() -> None:
@@ -67,7 +42,7 @@ def main() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     config = {"n_layer": 2, "n_head": 4, "d_model": 64, "block_size": 64}
     pl.seed_everything(0, verbose=False)
-    guard = HookTimedGuard()
+    guard = TimedGuard()  # its per-step hooks timed
     trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", logger=False, callbacks=[guard],
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     t0 = time.perf_counter()

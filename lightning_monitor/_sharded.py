@@ -52,7 +52,7 @@ def squared_norms(tensors: Sequence[Tensor]) -> tuple[Optional[Tensor], Optional
     plain: list[Tensor] = []
     shards: list[Tensor] = []
     for t in tensors:  # one pass (this runs every step)
-        (shards if DTensor is not None and isinstance(t, DTensor) else plain).append(t)
+        (shards if is_sharded(t) else plain).append(t)
     plain_sq = None
     if plain:
         norms = torch.stack(foreach_norm(plain, 2.0, dtype=torch.float32))

@@ -167,7 +167,6 @@ class Monitor(Callback):
         self._hub = AlertHub.for_trainer(trainer)
         if stage != "fit":
             return
-        self._fit_state_key = None
         self._fit_state_key = self._state_key()
         if self._bind_trainer(trainer):
             self._reset_run_state()
