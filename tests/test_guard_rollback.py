@@ -430,6 +430,26 @@ def test_a_snapshot_writes_over_the_memory_of_the_one_it_pushes_out(tmp_path):
     src["w"].add_(1.0)
     assert not torch.equal(second["w"], src["w"])  # a copy, not the live tensor
 
+    # every kind of tensor a state can hold: dtypes, a non-contiguous view, a scalar, an empty and a sparse
+    # tensor, a tuple; the fused copy gives each its own host copy with the values of the source
+    base = torch.arange(12.0).reshape(3, 4)
+    mixed = {"half": torch.randn(5).half(), "int": torch.arange(4), "bool": torch.tensor([True, False]),
+             "t": base.t(), "scalar": torch.tensor(2.5), "empty": torch.empty(0, 3),
+             "sparse": torch.eye(3).to_sparse(), "pair": (torch.ones(2), 3)}
+    for reuse in (None, _to_host(mixed)):
+        copied = _to_host(mixed, reuse=reuse)
+        for key, value in mixed.items():
+            got, want = copied[key], value
+            if key == "pair":
+                assert got[1] == 3
+                got, want = got[0], want[0]
+            assert got.dtype == want.dtype and got.shape == want.shape and got.layout == want.layout
+            assert torch.equal(got.to_dense(), want.to_dense())
+            assert got is not want and (want.numel() == 0 or got.layout != torch.strided
+                                        or got.data_ptr() != want.data_ptr())
+    base.zero_()
+    assert copied["t"].sum() == 66.0  # the view's data was copied, not shared
+
     # in a fit: snapshots every 5 steps, 2 kept; each kept snapshot equals the module's state at its step
     states: dict[int, dict] = {}
     kept: dict[int, dict] = {}

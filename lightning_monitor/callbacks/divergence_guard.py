@@ -386,14 +386,15 @@ class DivergenceGuard(Monitor):
                     local(g).zero_()
         due = self.is_due(step)
         if due and self._snapshot_due(step):
-            if not self._all_finite(pl_module):
+            module_state = pl_module.state_dict()  # read once: checked, then copied
+            if not self._all_finite(module_state):
                 self.alert(step, "nonfinite", "critical",
                            f"A parameter or buffer (e.g. BatchNorm running statistics) is non-finite at step {step}, "
                            "although the gradients were kept finite: a non-finite batch reached a buffer.")
                 critical.append(f"non-finite parameter or buffer at step {step}")
                 first_bad = step if first_bad is None else min(first_bad, step)
             # refused unless every step judged so far was normal and every parameter and buffer is finite
-            self._snapshot(trainer, pl_module, step, not critical)
+            self._snapshot(trainer, pl_module, step, not critical, module_state)
         if critical or due:
             self._verdict = (step, critical, first_bad)
 
@@ -814,13 +815,15 @@ class DivergenceGuard(Monitor):
         return every is not None and (not self._snapshots or step - self._snapshots[-1].step >= every)
 
     @staticmethod
-    def _all_finite(pl_module: pl.LightningModule) -> bool:
-        """Whether every floating parameter and buffer is finite (one host transfer)."""
-        tensors = [local(t) for t in pl_module.state_dict().values() if t.is_floating_point() and local(t).numel()]
+    def _all_finite(module_state: dict[str, Any]) -> bool:
+        """Whether every floating parameter and buffer of a module's ``state_dict()`` is finite (one host
+        transfer)."""
+        tensors = [local(t) for t in module_state.values() if t.is_floating_point() and local(t).numel()]
         # a NaN or Inf anywhere makes its tensor's norm non-finite: one fused kernel for all of them
         return not tensors or bool(torch.isfinite(torch.stack(foreach_norm(tensors, 2.0, dtype=torch.float32)).sum()))
 
-    def _snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, ok: bool) -> None:
+    def _snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, ok: bool,
+                  module_state: Optional[dict[str, Any]] = None) -> None:
         """Take a snapshot if every rank found its steps since the last check normal."""
         active = any(sev != "info" for (kind, _), sev in self._conditions.items() if kind != "data_shift")
         ok = ok and not active and self._loss_watch.run == 0
@@ -837,7 +840,7 @@ class DivergenceGuard(Monitor):
         # in host memory, the newest one pushed out is written over; files are deleted once the new one is saved
         reuse = out.pop() if out and self.snapshot_dir is None else None
         snap = TrainingSnapshot.capture(trainer, pl_module, self._monitors(trainer), step, self._lr_scale,
-                                        self.snapshot_dir, reuse=reuse)
+                                        self.snapshot_dir, reuse=reuse, module_state=module_state)
         for old in out:
             old.discard()
         snap.guard = self._detector_state()
