@@ -37,7 +37,9 @@ loss over the 20 steps before the trigger (the initial loss when the trigger is 
 step is the first step at or after the trigger whose loss is non-finite or above 2 x L0 (for an
 injection: the injection step itself, if its loss is so). A diverging run that never explodes is flagged
 for recalibration, and so is a control (of a ramp, jump or high LR) whose loss crosses 2 x L0 after the
-trigger.
+trigger, or any control whose unguarded loss ends above 1.2 x L0 (the median of its last 20 losses): such a
+control degrades on its own, so an action on it cannot show that an alarm is specific. The summary counts
+actions on the healthy runs and the calibrated controls, and those on uncalibrated controls apart.
 
 Guards, on every scenario:
 
@@ -520,6 +522,17 @@ def _first(steps: list[int]) -> Optional[int]:
     return min(steps) if steps else None
 
 
+#: a matched control fails calibration when the median of its last CONTROL_TAIL unguarded losses is above
+#: CONTROL_END_LIMIT x L0 (the diverging run's loss level before the trigger)
+CONTROL_TAIL = 20
+CONTROL_END_LIMIT = 1.2
+
+
+def _uncalibrated_controls(rows: list[dict[str, Any]]) -> set[str]:
+    """The controls whose diverging pair's calibration found the control itself unhealthy."""
+    return {BY_NAME[r["name"]].pairs for r in rows if r["kind"] == "diverging" and r["issue"].startswith("control")}
+
+
 def evaluate(s: Scenario, res: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """One row: the explosion step, each guard's first alarm and what our guard did."""
     plain = res[s.name]["plain"]
@@ -545,6 +558,13 @@ def evaluate(s: Scenario, res: dict[str, dict[str, dict[str, Any]]]) -> dict[str
             row["issue"] = "never explodes: recalibrate"
         elif s.injection is None and ctrl_step is not None:
             row["issue"] = f"control crosses 2 x L0 at step {ctrl_step}: recalibrate"
+        # a control must stay healthy on its own: one whose loss ends well above the level it had before the
+        # trigger degrades without the guard, so an action on it cannot show that an alarm is specific
+        tail = [x for x in ctrl_losses[-CONTROL_TAIL:] if math.isfinite(x)]
+        row["ctrl_end"] = statistics.median(tail) / level if tail else math.inf
+        if not row["issue"] and row["ctrl_end"] > CONTROL_END_LIMIT:
+            row["issue"] = (f"control ends at {row['ctrl_end']:.2f} x L0 without a guard (its own loss degrades): "
+                            "recalibrate")
     guard = res[s.name].get("guard")
     if guard is None:
         return row
@@ -632,20 +652,27 @@ def calibration_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[
 
 
 def summary_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    head = ["split", "guard", "healthy + controls with an action", "warnings per healthy/control run (max / mean)",
+    head = ["split", "guard", "healthy + calibrated controls with an action", "warnings per healthy/control run (max / mean)",
             "diverging caught before 2 x L0", "diverging: first action restores a state before 2 x L0",
             "NaN/Inf caught on its step", "diverging ending healthy"]
     body = []
+    uncalibrated = _uncalibrated_controls(rows)
     for split in sorted({r["split"] for r in rows}, reverse=True):
         part = [r for r in rows if r["split"] == split]
-        calm, div = [r for r in part if r["kind"] != "diverging"], [r for r in part if r["kind"] == "diverging"]
+        calm = [r for r in part if r["kind"] != "diverging" and r["name"] not in uncalibrated]
+        div = [r for r in part if r["kind"] == "diverging"]
         bad = [r for r in div if r.get("nonfinite_injection")]
         ours = [r for r in part if "action" in r]
         if ours:
             ocalm, odiv = [r for r in ours if r["kind"] != "diverging"], [r for r in ours if r["kind"] == "diverging"]
+            # controls that failed calibration are counted apart: their own unguarded loss degrades
+            apart = [r for r in ocalm if r["name"] in uncalibrated]
+            ocalm = [r for r in ocalm if r["name"] not in uncalibrated]
             warns = [r["n_warnings"] for r in ocalm]
             acted = sum(r["action"] is not None for r in ocalm)
-            body.append([split, "DivergenceGuard (ours)", _frac(acted, len(ocalm)),
+            note = (f" (+ {sum(r['action'] is not None for r in apart)}/{len(apart)} uncalibrated control)"
+                    if apart else "")
+            body.append([split, "DivergenceGuard (ours)", _frac(acted, len(ocalm)) + note,
                          f"{max(warns)} / {statistics.fmean(warns):.2f}" if warns else "-",
                          _frac(sum(_caught(r["action"], r) for r in odiv), len(odiv)),
                          _frac(sum(r["restored_before"] for r in odiv), len(odiv)),
@@ -663,8 +690,9 @@ def summary_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]
 
 def signal_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     head = ["signal (alert kind)", "split", "diverging runs, fired by the explosion", "lead median / min",
-            "diverging runs, fired at all", "healthy + control runs fired (false alarms)"]
+            "diverging runs, fired at all", "healthy + calibrated control runs fired (false alarms)"]
     ours = [r for r in rows if "kinds" in r]
+    uncalibrated = _uncalibrated_controls(rows)
     body = []
     for kind in sorted({k for r in ours for k in r["kinds"]}):
         for split in sorted({r["split"] for r in ours}, reverse=True):
@@ -672,7 +700,7 @@ def signal_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
             div = [r for r in part if r["kind"] == "diverging"]
             fired = [r for r in div if kind in r["kinds"]]
             leads = [r["explosion"] - r["kinds"][kind] for r in fired if _caught(r["kinds"][kind], r)]
-            calm = [r for r in part if r["kind"] != "diverging"]
+            calm = [r for r in part if r["kind"] != "diverging" and r["name"] not in uncalibrated]
             body.append([kind, split, _frac(len(leads), len(div)),
                          f"{statistics.median(leads):g} / {min(leads)}" if leads else "-", _frac(len(fired), len(div)),
                          _frac(sum(kind in r["kinds"] for r in calm), len(calm))])
