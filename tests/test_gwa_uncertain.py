@@ -18,7 +18,8 @@ def _with(scores: list[float], warmup: int) -> GradientWeightAlignmentMonitor:
 def test_a_pick_at_the_window_edge_while_the_score_falls_is_uncertain():
     gwa = _with([0.030, 0.047, 0.045, 0.041, 0.040, 0.039, 0.038], warmup=3)
     assert gwa.best_epoch == 3
-    assert "first epoch after the warm-up" in gwa._uncertainty() and "epoch 2" in gwa._uncertainty()
+    kind, why = gwa._uncertainty()
+    assert kind == "boundary" and "first epoch after the warm-up" in why and "epoch 2" in why
 
 
 def test_a_later_peak_clears_it():
@@ -31,9 +32,89 @@ def test_a_one_epoch_spike_is_uncertain_once_the_next_epoch_is_seen():
     gwa = _with(scores, warmup=2)
     assert gwa.best_epoch == 5 and gwa._uncertainty() is None  # the next epoch is not in yet
     gwa = _with(scores + [0.052], warmup=2)
-    assert gwa.best_epoch == 5 and "one-epoch spike" in gwa._uncertainty()
+    assert gwa.best_epoch == 5 and gwa._uncertainty()[0] == "spike" and "one-epoch spike" in gwa._uncertainty()[1]
 
 
 def test_a_steady_peak_is_not_uncertain():
     gwa = _with([0.02, 0.03, 0.04, 0.05, 0.055, 0.056, 0.054, 0.05], warmup=2)
     assert gwa.best_epoch == 5 and gwa._uncertainty() is None
+
+
+def _with_negative(scores: list[float], negative: list[int], warmup: int) -> GradientWeightAlignmentMonitor:
+    gwa = _with(scores, warmup)
+    for h, n in zip(gwa.history, negative):
+        h["negative"] = n
+    return gwa
+
+
+def test_a_pick_after_the_negative_share_collapsed_is_uncertain():
+    """Memorisation: the score keeps rising while the share of samples opposing the weights falls from about the
+    noise rate (19%) to 3%; a pick there is flagged. A fall of less than 10 points (clean labels being fit) is not."""
+    rising = [0.02, 0.03, 0.035, 0.04, 0.045, 0.05, 0.055, 0.06]
+    gwa = _with_negative(rising, [30, 25, 19, 18, 15, 10, 6, 3], warmup=2)
+    assert gwa.best_epoch == 7
+    kind, why = gwa._uncertainty()
+    assert kind == "memorised" and "19.0%" in why and "3.0%" in why and "memorisation" in why
+    gwa = _with_negative(rising, [30, 12, 7, 6, 4, 3, 2, 1], warmup=2)  # 7% -> 1%: 6 points
+    assert gwa.best_epoch == 7 and gwa._uncertainty() is None
+    # the same fall before an earlier pick does not flag it: the share is read at the pick
+    gwa = _with_negative([0.02, 0.03, 0.05, 0.06, 0.055, 0.05, 0.045, 0.04], [30, 25, 19, 17, 12, 8, 5, 3], warmup=2)
+    assert gwa.best_epoch == 3 and gwa._uncertainty() is None
+
+
+def test_memorised_noisy_labels_are_flagged_in_a_real_fit(tmp_path):
+    """Breast cancer (shipped with scikit-learn) with 20% of the training labels flipped, an MLP trained with Adam
+    for 40 epochs: the model memorises the flipped labels, GWA's pick comes after the negative share collapsed,
+    and the monitor says so: the warning reaches TensorBoard (the ``gwa/uncertain`` scalar and the alert's text)
+    and ``pick_uncertain`` names the reason."""
+    import lightning.pytorch as pl
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from conftest import tb_scalars, tb_texts
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from sklearn.datasets import load_breast_cancer
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x, y = load_breast_cancer(return_X_y=True)
+    rng = np.random.default_rng(0)
+    order = rng.permutation(len(y))[: int(0.6 * len(y))]
+    x, y = x[order], y[order].copy()
+    x = (x - x.mean(0)) / x.std(0)
+    flip = rng.random(len(y)) < 0.2
+    y[flip] = 1 - y[flip]
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(30, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU())
+            self.head = nn.Linear(256, 2)
+
+        def forward(self, inp):
+            return self.head(self.body(inp))
+
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(self(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    pl.seed_everything(0, verbose=False)
+    data = TensorDataset(torch.tensor(x, dtype=torch.float32), torch.tensor(y))
+    gwa = GradientWeightAlignmentMonitor()
+    trainer = pl.Trainer(max_epochs=40, accelerator="cpu", logger=TensorBoardLogger(str(tmp_path), name="tb"),
+                         callbacks=[gwa], enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(Net(), DataLoader(data, batch_size=64, shuffle=True))
+    assert gwa.pick_uncertain is not None and "memorisation" in gwa.pick_uncertain
+    start = [h for h in gwa.history if h["epoch"] == gwa._warmup_resolved][0]
+    pick = [h for h in gwa.history if h["epoch"] == gwa.best_epoch][0]
+    assert start["negative"] / start["count"] - pick["negative"] / pick["count"] > 0.1
+    scalars = tb_scalars(str(tmp_path))
+    assert scalars["gwa/uncertain"][-1][1] == 1.0
+    texts = [t for tag, rows in tb_texts(str(tmp_path)).items() for _, t in rows]
+    # the warning is given once per reason: the early pick at the window's edge, then memorisation (not once per
+    # epoch while the pick moves on)
+    said = [t for t in texts if "is uncertain" in t]
+    assert any("first epoch after the warm-up" in t for t in said) and sum("memorisation" in t for t in said) == 1

@@ -38,6 +38,9 @@ _MIN_SAMPLES = 4
 _MISMATCH_FRACTION = 0.9
 #: a best score above this many times the scores of both neighbouring epochs is an uncertain pick (a spike)
 _SPIKE = 1.25
+#: a pick whose share of negative scores is this much below the share when the window opened is uncertain
+#: (the model stopped fighting a group of samples: with noisy labels, memorisation)
+_MEMORISED_DROP = 0.1
 #: Hugging Face causal LMs named otherwise than ``*ForCausalLM`` whose loss shifts the labels
 _CAUSAL_LM_NAMES = ("GPT2LMHeadModel", "OpenAIGPTLMHeadModel", "CTRLLMHeadModel")
 
@@ -245,7 +248,8 @@ class GradientWeightAlignmentMonitor(Monitor):
 
     def _selection_state(self) -> dict[str, Any]:
         return dict(best_epoch=self.best_epoch, best_score=self.best_score, wait=self.wait, dip_epoch=self.dip_epoch,
-                    fell=self._fell, prev_score=self._prev_score, prev_epoch=self._prev_epoch)
+                    fell=self._fell, prev_score=self._prev_score, prev_epoch=self._prev_epoch,
+                    uncertain_said=list(self._uncertain_said))
 
     def _load_selection_state(self, state: dict[str, Any]) -> None:
         """The best epoch and its score, the patience counter and the dip detection (``{}``: a fresh run's)."""
@@ -256,6 +260,9 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._fell = bool(state.get("fell", False))
         self._prev_score: Optional[float] = state.get("prev_score")
         self._prev_epoch: Optional[int] = state.get("prev_epoch")
+        # the (pick, reason) the last uncertain_pick warning was about
+        # the reasons ("boundary", "memorised", "spike") the uncertain_pick warnings of the run have given
+        self._uncertain_said: list[str] = list(state.get("uncertain_said", []))
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -762,8 +769,14 @@ class GradientWeightAlignmentMonitor(Monitor):
         self.history.append(record)
         if self.best_epoch is not None:
             metrics[self.key("best_epoch")] = float(self.best_epoch)
-            self.pick_uncertain = self._uncertainty()
-            metrics[self.key("uncertain")] = float(self.pick_uncertain is not None)
+            found = self._uncertainty()
+            self.pick_uncertain = None if found is None else found[1]
+            metrics[self.key("uncertain")] = float(found is not None)
+            if found is not None and self._uncertain_said and found[0] not in self._uncertain_said:
+                # still uncertain, for a reason not given yet: said again (once per reason, not per epoch)
+                self._conditions.pop(("uncertain_pick", None), None)
+            if found is not None and found[0] not in self._uncertain_said:
+                self._uncertain_said.append(found[0])
             self.condition(
                 step, "uncertain_pick", self.pick_uncertain is not None, "warning",
                 f"GWA's best epoch so far ({self.best_epoch}) is uncertain: {self.pick_uncertain}. Check it against "
@@ -814,11 +827,14 @@ class GradientWeightAlignmentMonitor(Monitor):
             self.wait += 1
         return score is not None
 
-    def _uncertainty(self) -> Optional[str]:
-        """Why the current best epoch may be a poor pick, or ``None``. Two patterns measured on settings the
-        rules were not made on (``benchmarks/gwa_validity.py``, BENCHMARKS.md): a pick at the first epoch of
-        the window while the score was still falling into it (the true maximum sat inside the warm-up), and a
-        one-epoch spike (a dip of the kurtosis), above 1.25x the scores on both sides. Re-checked every epoch."""
+    def _uncertainty(self) -> Optional[tuple[str, str]]:
+        """Why the current best epoch may be a poor pick, ``(kind, reason)``, or ``None``. Three patterns
+        measured on settings the rules were not made on (``benchmarks/gwa_validity.py``, BENCHMARKS.md): a pick
+        at the first epoch of the window while the score was still falling into it (the true maximum sat inside the warm-up); a pick
+        after the share of negative scores fell by more than 10 points since the window opened (the model has
+        fit a group of samples it fought before: with noisy labels, memorisation, during which the score can
+        keep rising while test accuracy falls); and a one-epoch spike (a dip of the kurtosis), above 1.25x the
+        scores on both sides. The first that applies is given. Re-checked every epoch."""
         if self.best_epoch is None or self.best_score is None:
             return None
         scores = {h["epoch"]: h["score"] for h in self.history if h.get("score") is not None}
@@ -826,12 +842,21 @@ class GradientWeightAlignmentMonitor(Monitor):
         before = [(e, v) for e, v in sorted(scores.items()) if e < epoch]
         if epoch == self._warmup_resolved and before and before[-1][1] > best:
             e, v = before[-1]
-            return (f"it is the first epoch after the warm-up and the score was still falling into it "
-                    f"(epoch {e}: {v:.4g} against {best:.4g})")
+            return "boundary", (f"it is the first epoch after the warm-up and the score was still falling into it "
+                                f"(epoch {e}: {v:.4g} against {best:.4g})")
+        shares = {h["epoch"]: h["negative"] / h["count"] for h in self.history
+                  if h.get("negative") is not None and h.get("count", 0) >= _MIN_SAMPLES}
+        start = self._warmup_resolved
+        if start in shares and epoch in shares and shares[start] - shares[epoch] > _MEMORISED_DROP:
+            return "memorised", (
+                f"the share of samples whose gradient opposes the weights fell from {shares[start]:.1%} when the "
+                f"window opened (epoch {start}) to {shares[epoch]:.1%}: the model has since fit samples it fought "
+                "before; with noisy labels that is memorisation, and the score can keep rising while test accuracy "
+                "falls")
         prev, nxt = scores.get(epoch - 1), scores.get(epoch + 1)
         if prev is not None and nxt is not None and prev > 0 and nxt > 0 and best > _SPIKE * max(prev, nxt):
-            return (f"a one-epoch spike ({best:.4g} against {prev:.4g} and {nxt:.4g} on either side), usually a "
-                    "passing dip of the scores' kurtosis")
+            return "spike", (f"a one-epoch spike ({best:.4g} against {prev:.4g} and {nxt:.4g} on either side), "
+                             "usually a passing dip of the scores' kurtosis")
         return None
 
     def _write_histogram(
