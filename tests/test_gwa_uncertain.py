@@ -1,5 +1,6 @@
 """GWA says when its pick is uncertain: a pick at the window's first epoch with the score still falling into
-it, or a one-epoch spike (the two patterns of the validity benchmark's bad picks)."""
+it, a pick after the share of negative scores collapsed (memorisation), or a one-epoch spike (the patterns of
+the validity benchmark's bad picks)."""
 
 from __future__ import annotations
 
