@@ -544,6 +544,7 @@ def main() -> None:
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--noise", nargs="+", type=float, default=[0.0, 0.2, 0.4])
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1 (held-out seeds)")
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--full-scores", action="store_true",
                     help="write every sample's score each epoch and also report the precision of the per-sample "
@@ -564,7 +565,7 @@ def main() -> None:
         return
     jobs = [
         {"setting": s, "flip": f, "seed": seed, "epochs": args.epochs, "full_scores": args.full_scores}
-        for seed in range(args.seeds) for s in args.settings for f in args.noise
+        for seed in range(args.first_seed, args.first_seed + args.seeds) for s in args.settings for f in args.noise
     ]
     t0 = time.perf_counter()
     results = []

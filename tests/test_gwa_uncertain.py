@@ -49,17 +49,22 @@ def _with_negative(scores: list[float], negative: list[int], warmup: int) -> Gra
 
 
 def test_a_pick_after_the_negative_share_collapsed_is_uncertain():
-    """Memorisation: the score keeps rising while the share of samples opposing the weights falls from about the
-    noise rate (19%) to 3%; a pick there is flagged. A fall of less than 10 points (clean labels being fit) is not."""
+    """Memorisation: the share of samples opposing the weights has settled near the noise rate (20%, 19%) when the
+    window opens, then falls to 3% while the score keeps rising; a pick there is flagged. A fall of less than 10
+    points is not, and neither is a share still falling fast when the window opened (the model learning)."""
     rising = [0.02, 0.03, 0.035, 0.04, 0.045, 0.05, 0.055, 0.06]
-    gwa = _with_negative(rising, [30, 25, 19, 18, 15, 10, 6, 3], warmup=2)
+    gwa = _with_negative(rising, [30, 20, 19, 18, 15, 10, 6, 3], warmup=2)
     assert gwa.best_epoch == 7
     kind, why = gwa._uncertainty()
     assert kind == "memorised" and "19.0%" in why and "3.0%" in why and "memorisation" in why
     gwa = _with_negative(rising, [30, 12, 7, 6, 4, 3, 2, 1], warmup=2)  # 7% -> 1%: 6 points
     assert gwa.best_epoch == 7 and gwa._uncertainty() is None
+    gwa = _with_negative(rising, [40, 30, 20, 15, 10, 6, 4, 2], warmup=2)  # 30% -> 20% as the window opens
+    assert gwa.best_epoch == 7 and gwa._uncertainty() is None
+    gwa = _with_negative(rising, [30, 20, 19, 18, 15, 10, 6, 3], warmup=0)  # no epoch before the window
+    assert gwa.best_epoch == 7 and gwa._uncertainty() is None
     # the same fall before an earlier pick does not flag it: the share is read at the pick
-    gwa = _with_negative([0.02, 0.03, 0.05, 0.06, 0.055, 0.05, 0.045, 0.04], [30, 25, 19, 17, 12, 8, 5, 3], warmup=2)
+    gwa = _with_negative([0.02, 0.03, 0.05, 0.06, 0.055, 0.05, 0.045, 0.04], [30, 20, 19, 17, 12, 8, 5, 3], warmup=2)
     assert gwa.best_epoch == 3 and gwa._uncertainty() is None
 
 
@@ -119,3 +124,16 @@ def test_memorised_noisy_labels_are_flagged_in_a_real_fit(tmp_path):
     # epoch while the pick moves on)
     said = [t for t in texts if "is uncertain" in t]
     assert any("first epoch after the warm-up" in t for t in said) and sum("memorisation" in t for t in said) == 1
+
+
+def test_a_language_model_learning_its_tokens_is_not_called_memorised():
+    """The demo's healthy GPT (`examples/demo.py`, every token a sample, 4 epochs, warm-up 1): the share of negative
+    scores falls steadily as it learns (36.5, 30.4, 25.6, 18.9%, read back from its TensorBoard logs) and its
+    validation loss falls with it. The fall since the window opened is 11.5 points, but the share was still falling
+    when the window opened, so the pick is not called memorised."""
+    shares = [0.3648, 0.3041, 0.2559, 0.1889]
+    gwa = _with_negative([0.0215, 0.0167, 0.0147, 0.0201], [round(1000 * s) for s in shares], warmup=1)
+    for h in gwa.history:
+        h["count"] = 1000
+    assert gwa.best_epoch == 3 and shares[1] - shares[3] > 0.1
+    assert gwa._uncertainty() is None

@@ -41,6 +41,8 @@ _SPIKE = 1.25
 #: a pick whose share of negative scores is this much below the share when the window opened is uncertain
 #: (the model stopped fighting a group of samples: with noisy labels, memorisation)
 _MEMORISED_DROP = 0.1
+#: ... provided the share had settled when the window opened: it moved by at most this much in the epoch before
+_SETTLED = 0.02
 #: Hugging Face causal LMs named otherwise than ``*ForCausalLM`` whose loss shifts the labels
 _CAUSAL_LM_NAMES = ("GPT2LMHeadModel", "OpenAIGPTLMHeadModel", "CTRLLMHeadModel")
 
@@ -831,9 +833,10 @@ class GradientWeightAlignmentMonitor(Monitor):
         """Why the current best epoch may be a poor pick, ``(kind, reason)``, or ``None``. Three patterns
         measured on settings the rules were not made on (``benchmarks/gwa_validity.py``, BENCHMARKS.md): a pick
         at the first epoch of the window while the score was still falling into it (the true maximum sat inside the warm-up); a pick
-        after the share of negative scores fell by more than 10 points since the window opened (the model has
-        fit a group of samples it fought before: with noisy labels, memorisation, during which the score can
-        keep rising while test accuracy falls); and a one-epoch spike (a dip of the kurtosis), above 1.25x the
+        after the share of negative scores, settled when the window opened (it moved by at most 2 points in
+        the epoch before), fell by more than 10 points (the model has fit a group of samples it kept fighting
+        before: with noisy labels, memorisation, during which the score can keep rising while test accuracy
+        falls); and a one-epoch spike (a dip of the kurtosis), above 1.25x the
         scores on both sides. The first that applies is given. Re-checked every epoch."""
         if self.best_epoch is None or self.best_score is None:
             return None
@@ -847,7 +850,11 @@ class GradientWeightAlignmentMonitor(Monitor):
         shares = {h["epoch"]: h["negative"] / h["count"] for h in self.history
                   if h.get("negative") is not None and h.get("count", 0) >= _MIN_SAMPLES}
         start = self._warmup_resolved
-        if start in shares and epoch in shares and shares[start] - shares[epoch] > _MEMORISED_DROP:
+        # the share had settled when the window opened (a group of samples kept resisting: with flipped labels, the
+        # flipped ones), and has fallen since: those samples are being fit. A share still falling when the window
+        # opened is the model learning (clean labels, a language model's tokens), not memorising.
+        settled = start - 1 in shares and start in shares and abs(shares[start - 1] - shares[start]) <= _SETTLED
+        if settled and epoch in shares and shares[start] - shares[epoch] > _MEMORISED_DROP:
             return "memorised", (
                 f"the share of samples whose gradient opposes the weights fell from {shares[start]:.1%} when the "
                 f"window opened (epoch {start}) to {shares[epoch]:.1%}: the model has since fit samples it fought "
