@@ -652,7 +652,8 @@ def calibration_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[
 
 
 def summary_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    head = ["split", "guard", "healthy + calibrated controls with an action", "warnings per healthy/control run (max / mean)",
+    head = ["split", "guard", "healthy + calibrated controls with an action",
+            "warnings per healthy/control run (max / mean)",
             "diverging caught before 2 x L0", "diverging: first action restores a state before 2 x L0",
             "NaN/Inf caught on its step", "diverging ending healthy"]
     body = []

@@ -544,7 +544,8 @@ def main() -> None:
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--noise", nargs="+", type=float, default=[0.0, 0.2, 0.4])
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1 (held-out seeds)")
+    ap.add_argument("--first-seed", type=int, default=0,
+                    help="run seeds first-seed .. first-seed + seeds - 1 (e.g. held-out seeds)")
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--full-scores", action="store_true",
                     help="write every sample's score each epoch and also report the precision of the per-sample "

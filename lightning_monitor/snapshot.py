@@ -36,6 +36,12 @@ def _to_host(obj: Any, reuse: Any = None) -> Any:
     return out
 
 
+def _fits(reuse: Any, t: Tensor) -> bool:
+    """Whether ``reuse`` is a plain contiguous host tensor that a copy of the plain tensor ``t`` can be written into."""
+    return (type(reuse) is Tensor and type(t) is Tensor and reuse.device.type == "cpu" and reuse.shape == t.shape
+            and reuse.dtype == t.dtype and reuse.is_contiguous())
+
+
 def _host_structure(obj: Any, reuse: Any, dst: list[Tensor], src: list[Tensor]) -> Any:
     """``obj`` with each plain host tensor replaced by the tensor it will be copied into (appended with its
     source to ``dst`` / ``src``); every other tensor is copied here."""
@@ -43,12 +49,8 @@ def _host_structure(obj: Any, reuse: Any, dst: list[Tensor], src: list[Tensor]) 
         t = obj.detach()
         if type(t) is not Tensor or t.layout != torch.strided or t.device.type != "cpu":
             # device tensors (one copy each: the copy to the host waits anyway), DTensors, sparse tensors
-            if (type(reuse) is Tensor and type(t) is Tensor and reuse.device.type == "cpu"
-                    and reuse.shape == t.shape and reuse.dtype == t.dtype and reuse.is_contiguous()):
-                return reuse.copy_(t)
-            return t.to("cpu", copy=True)
-        if not (type(reuse) is Tensor and reuse.device.type == "cpu" and reuse.shape == t.shape
-                and reuse.dtype == t.dtype and reuse.is_contiguous()):
+            return reuse.copy_(t) if _fits(reuse, t) else t.to("cpu", copy=True)
+        if not _fits(reuse, t):
             reuse = torch.empty(t.shape, dtype=t.dtype)
         dst.append(reuse)
         src.append(t)

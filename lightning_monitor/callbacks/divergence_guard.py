@@ -366,7 +366,8 @@ class DivergenceGuard(Monitor):
         if on_host and trainer.world_size == 1:
             # nothing to wait for and nothing to reduce: the two numbers are read at once, no row is built
             sq = sum(float(t) for t in (plain_sq, shard_sq) if t is not None)
-            entry: tuple[int, Any, Any, bool] = (step, (math.nan if no_loss else float(loss), math.sqrt(sq)), None, no_loss)
+            values_now = (math.nan if no_loss else float(loss), math.sqrt(sq))
+            entry: tuple[int, Any, Any, bool] = (step, values_now, None, no_loss)
         else:
             row = self._row(trainer, pl_module, loss, plain_sq, shard_sq)
             if self.zero_nonfinite_grads and grads and not on_host:

@@ -262,7 +262,6 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._fell = bool(state.get("fell", False))
         self._prev_score: Optional[float] = state.get("prev_score")
         self._prev_epoch: Optional[int] = state.get("prev_epoch")
-        # the (pick, reason) the last uncertain_pick warning was about
         # the reasons ("boundary", "memorised", "spike") the uncertain_pick warnings of the run have given
         self._uncertain_said: list[str] = list(state.get("uncertain_said", []))
 
@@ -774,10 +773,9 @@ class GradientWeightAlignmentMonitor(Monitor):
             found = self._uncertainty()
             self.pick_uncertain = None if found is None else found[1]
             metrics[self.key("uncertain")] = float(found is not None)
-            if found is not None and self._uncertain_said and found[0] not in self._uncertain_said:
-                # still uncertain, for a reason not given yet: said again (once per reason, not per epoch)
-                self._conditions.pop(("uncertain_pick", None), None)
             if found is not None and found[0] not in self._uncertain_said:
+                if self._uncertain_said:  # uncertain for a reason not given yet: said again (once per reason)
+                    self._conditions.pop(("uncertain_pick", None), None)
                 self._uncertain_said.append(found[0])
             self.condition(
                 step, "uncertain_pick", self.pick_uncertain is not None, "warning",
@@ -831,13 +829,14 @@ class GradientWeightAlignmentMonitor(Monitor):
 
     def _uncertainty(self) -> Optional[tuple[str, str]]:
         """Why the current best epoch may be a poor pick, ``(kind, reason)``, or ``None``. Three patterns
-        measured on settings the rules were not made on (``benchmarks/gwa_validity.py``, BENCHMARKS.md): a pick
-        at the first epoch of the window while the score was still falling into it (the true maximum sat inside the warm-up); a pick
-        after the share of negative scores, settled when the window opened (it moved by at most 2 points in
-        the epoch before), fell by more than 10 points (the model has fit a group of samples it kept fighting
-        before: with noisy labels, memorisation, during which the score can keep rising while test accuracy
-        falls); and a one-epoch spike (a dip of the kurtosis), above 1.25x the
-        scores on both sides. The first that applies is given. Re-checked every epoch."""
+        measured on settings the rules were not made on (``benchmarks/gwa_validity.py``, BENCHMARKS.md):
+        ``boundary``, a pick at the first epoch of the window while the score was still falling into it (the
+        true maximum sat inside the warm-up); ``memorised``, a pick after the share of negative scores, settled
+        when the window opened (it moved by at most 2 points in the epoch before), fell by more than 10 points
+        (the model has fit a group of samples it kept fighting before: with noisy labels, memorisation, during
+        which the score can keep rising while test accuracy falls); ``spike``, a one-epoch spike (a dip of the
+        kurtosis) above 1.25x the scores on both sides. The first that applies is given. Re-checked every
+        epoch."""
         if self.best_epoch is None or self.best_score is None:
             return None
         scores = {h["epoch"]: h["score"] for h in self.history if h.get("score") is not None}
