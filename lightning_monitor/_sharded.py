@@ -51,8 +51,11 @@ def squared_norms(tensors: Sequence[Tensor]) -> tuple[Optional[Tensor], Optional
     total); ``None`` for an empty part. On the device, no host sync."""
     plain: list[Tensor] = []
     shards: list[Tensor] = []
-    for t in tensors:  # one pass (this runs every step)
-        (shards if is_sharded(t) else plain).append(t)
+    if all(type(t) is Tensor for t in tensors):  # the common case, read at the cost of one type check each
+        plain = list(tensors)
+    else:
+        for t in tensors:  # one pass (this runs every step)
+            (shards if is_sharded(t) else plain).append(t)
     plain_sq = None
     if plain:
         norms = torch.stack(foreach_norm(plain, 2.0, dtype=torch.float32))

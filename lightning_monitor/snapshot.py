@@ -30,24 +30,26 @@ def _to_host(obj: Any, reuse: Any = None) -> Any:
     from host tensors are made by one fused call (per-tensor dispatch dominates for small models)."""
     dst: list[Tensor] = []
     src: list[Tensor] = []
-    out = _host_structure(obj, reuse, dst, src)
-    if dst:
-        torch._foreach_copy_(dst, src)
+    with torch.no_grad():  # no copy is recorded by autograd, so no source needs a detached alias
+        out = _host_structure(obj, reuse, dst, src)
+        if dst:
+            torch._foreach_copy_(dst, src)
     return out
 
 
 def _fits(reuse: Any, t: Tensor) -> bool:
     """Whether ``reuse`` is a plain contiguous host tensor that a copy of the plain tensor ``t`` can be written into."""
-    return (type(reuse) is Tensor and type(t) is Tensor and reuse.device.type == "cpu" and reuse.shape == t.shape
-            and reuse.dtype == t.dtype and reuse.is_contiguous())
+    return (type(reuse) is Tensor and type(t) is Tensor and reuse.is_cpu and reuse.dtype == t.dtype
+            and reuse.shape == t.shape and reuse.is_contiguous())
 
 
 def _host_structure(obj: Any, reuse: Any, dst: list[Tensor], src: list[Tensor]) -> Any:
     """``obj`` with each plain host tensor replaced by the tensor it will be copied into (appended with its
-    source to ``dst`` / ``src``); every other tensor is copied here."""
+    source to ``dst`` / ``src``); every other tensor is copied here. Runs without autograd (:func:`_to_host`).
+    This walk runs on every snapshot: the common case (a plain host tensor) takes the fewest attribute reads."""
     if isinstance(obj, Tensor):
-        t = obj.detach()
-        if type(t) is not Tensor or t.layout != torch.strided or t.device.type != "cpu":
+        t = obj if type(obj) is Tensor else obj.detach()  # a Parameter: its plain tensor
+        if type(t) is not Tensor or not t.is_cpu or t.layout != torch.strided:
             # device tensors (one copy each: the copy to the host waits anyway), DTensors, sparse tensors
             return reuse.copy_(t) if _fits(reuse, t) else t.to("cpu", copy=True)
         if not _fits(reuse, t):

@@ -435,9 +435,12 @@ def test_a_snapshot_writes_over_the_memory_of_the_one_it_pushes_out(tmp_path):
     base = torch.arange(12.0).reshape(3, 4)
     mixed = {"half": torch.randn(5).half(), "int": torch.arange(4), "bool": torch.tensor([True, False]),
              "t": base.t(), "scalar": torch.tensor(2.5), "empty": torch.empty(0, 3),
-             "sparse": torch.eye(3).to_sparse(), "pair": (torch.ones(2), 3)}
+             "sparse": torch.eye(3).to_sparse(), "pair": (torch.ones(2), 3),
+             "param": torch.nn.Parameter(torch.randn(2, 2)), "needs_grad": torch.randn(3, requires_grad=True) * 2}
     for reuse in (None, _to_host(mixed)):
-        copied = _to_host(mixed, reuse=reuse)
+        copied = _to_host(mixed, reuse=reuse)  # in grad mode: no copy may join an autograd graph
+        assert not any(t.requires_grad for t in (copied["param"], copied["needs_grad"]))
+        assert type(copied["param"]) is torch.Tensor
         for key, value in mixed.items():
             got, want = copied[key], value
             if key == "pair":

@@ -135,6 +135,29 @@ def test_alignment_matches_numpy_cosine(shape):
     np.testing.assert_allclose(a.numpy(), ref, atol=1e-6)
 
 
+def test_batched_alignments_equal_one_layer_at_a_time():
+    """``spectral_alignments`` (the monitor's batched path) against the per-layer function, itself checked
+    against numpy above: random rows, a zero row, a non-finite row, a zero vector, an unnormalised vector."""
+    from lightning_monitor.functional import spectral_alignments
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 9, 6, generator=g)
+    x[1, 3] = 0.0
+    x[2, 4, 1] = float("inf")
+    x[2, 5, 0] = float("nan")
+    vs = torch.randn(4, 6, generator=g) * 2.5
+    vs[3] = 0.0
+    got = spectral_alignments(x, vs)
+    want = torch.stack([spectral_alignment(x[i], vs[i]) for i in range(4)])
+    assert got.shape == (4, 9) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, equal_nan=True, atol=1e-6, rtol=0)
+    assert got[1, 3] == 0 and got[3].eq(0).all() and got[2, 4].isnan() and got[2, 5].isnan()
+    assert torch.equal(sign_diversity(got, dim=-1), torch.stack([sign_diversity(w) for w in want]))
+    for bad in ((torch.randn(9, 6), vs), (x, torch.randn(3, 6)), (x, torch.randn(4, 5))):
+        with pytest.raises(ValueError, match="inputs"):
+            spectral_alignments(*bad)
+
+
 def test_alignment_of_zero_and_constant_inputs():
     v = torch.tensor([1.0, -2.0, 0.5])
     a = spectral_alignment(torch.zeros(4, 6, 3), v)

@@ -651,6 +651,8 @@ class DivergenceGuard(Monitor):
         return False
 
     def _corroborate(self, step: int) -> list[str]:
+        if not self._external_warnings and ("corroborated", None) not in self._conditions:
+            return []  # nothing to agree with and nothing to clear: the common step skips the no-op update
         own = sorted(kind for (kind, _), sev in self.active_conditions().items() if sev == "warning" and kind != "data_shift")
         others = sorted(f"{m}/{k}" + (f"[{layer}]" if layer else "") for m, k, layer in self._external_warnings)
         raised = self.condition(

@@ -41,6 +41,7 @@ Rules (model level; every threshold is relative to the run's own history):
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from typing import Any, Optional, Union
@@ -53,8 +54,10 @@ from lightning_monitor._sharded import is_sharded
 from lightning_monitor._args import check_fraction, check_int
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch, Streak
 from lightning_monitor.functional.spectral import (
+    MAX_BATCH_ELEMENTS,
     sign_diversity,
     spectral_alignment,
+    spectral_alignments,
     top_singular_subspaces,
 )
 from lightning_monitor.probes.inputs import InputCapture
@@ -355,14 +358,35 @@ class SpectralAlignmentMonitor(Monitor):
                 found[n] = top_singular_subspaces([full], [self._vectors.get(n)], n_iter=self.n_iter,
                                                   n_vectors=self.n_vectors)[0]
                 del full
-        pairs = [found[n] for n in names]
-        for name, (sigma, _, v, basis) in zip(names, pairs):
-            self._vectors[name] = basis
-            a = spectral_alignment(rows[name], v)
-            alignments[name] = a
-            metrics[self.key("sign_diversity", name)] = sign_diversity(a)
-            metrics[self.key("mean_abs", name)] = a.abs().nanmean()
-            metrics[self.key("sigma", name)] = sigma
+        # layers whose rows have one shape, dtype and device are aligned as one batch (a small model's check
+        # is dominated by kernel launches: a dozen per layer otherwise)
+        groups: dict[tuple, list[str]] = {}
+        per_layer: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
+        for n in names:
+            r = rows[n]
+            groups.setdefault((tuple(r.shape), r.dtype, r.device), []).append(n)
+        chunks = []
+        for (shape, _, _), group in groups.items():  # a batch stacks at most MAX_BATCH_ELEMENTS row elements
+            per = max(1, MAX_BATCH_ELEMENTS // max(1, math.prod(shape)))
+            chunks += [(shape, group[i : i + per]) for i in range(0, len(group), per)]
+        for shape, group in chunks:
+            if len(group) == 1 or len(shape) != 2:
+                batch = [spectral_alignment(rows[n], found[n][2]) for n in group]
+                diversity = [sign_diversity(a) for a in batch]
+                mean_abs = [a.abs().nanmean() for a in batch]
+            else:
+                stacked = spectral_alignments(torch.stack([rows[n] for n in group]),
+                                              torch.stack([found[n][2] for n in group]))
+                batch = list(stacked.unbind(0))
+                diversity = list(sign_diversity(stacked, dim=-1).unbind(0))
+                mean_abs = list(stacked.abs().nanmean(dim=-1).unbind(0))
+            for n, a, d, m in zip(group, batch, diversity, mean_abs):
+                per_layer[n] = (a, d, m)
+        for n in names:  # in the layers' order
+            sigma, _, _, basis = found[n]
+            self._vectors[n] = basis
+            alignments[n], metrics[self.key("sign_diversity", n)], metrics[self.key("mean_abs", n)] = per_layer[n]
+            metrics[self.key("sigma", n)] = sigma
         return metrics, alignments
 
     def compute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[dict[str, Tensor]]:

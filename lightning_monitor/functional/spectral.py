@@ -22,7 +22,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["top_singular_pair", "top_singular_subspace", "top_singular_subspaces", "spectral_alignment", "sign_diversity"]
+__all__ = ["top_singular_pair", "top_singular_subspace", "top_singular_subspaces", "spectral_alignment",
+           "spectral_alignments", "sign_diversity"]
 
 #: Power iterations used without a warm start (``v0=None``) and with one, unless told otherwise.
 COLD_ITERATIONS = 100
@@ -217,8 +218,11 @@ def _block_iteration(
     wb = w @ basis
     gram = wb.transpose(1, 2) @ wb
     tiny = torch.finfo(w.dtype).tiny
-    for _ in range(12):
-        gram = gram / torch.diagonal(gram, dim1=1, dim2=2).sum(-1).clamp_min(tiny)[:, None, None]
+    for i in range(12):
+        # scaled to trace 1 (eigenvalues in [0, 1], the largest >= 1/k) before every third squaring: three
+        # squarings keep the largest above k^-8, far from underflow, at a third of the scaling kernels
+        if i % 3 == 0:
+            gram = gram / torch.diagonal(gram, dim1=1, dim2=2).sum(-1).clamp_min(tiny)[:, None, None]
         gram = gram @ gram
     col = torch.argmax(torch.diagonal(gram, dim1=1, dim2=2), dim=-1)  # (B,)
     eye = torch.eye(k, dtype=w.dtype, device=w.device)
@@ -310,6 +314,27 @@ def spectral_alignment(inputs: Tensor, v: Tensor) -> Tensor:
     vv = v.detach().to(dtype=dtype, device=x.device)
     vv = _unit(vv, torch.zeros_like(vv))
     dot = x @ vv
+    norm = torch.linalg.vector_norm(x, dim=-1)
+    positive = norm > 0
+    out = torch.where(positive, dot / torch.where(positive, norm, torch.ones_like(norm)), torch.zeros_like(dot))
+    # a non-finite row: norm is inf/nan -> keep it visible as NaN rather than a fake 0
+    out = torch.where(torch.isfinite(norm), out, torch.full_like(out, float("nan")))
+    return out.float().clamp(-1.0, 1.0)
+
+
+def spectral_alignments(inputs: Tensor, vs: Tensor) -> Tensor:
+    """:func:`spectral_alignment` of several layers at once: ``inputs`` ``(L, n, in)`` (layer ``l``'s rows),
+    ``vs`` ``(L, in)`` (layer ``l``'s vector); returns ``(L, n)``. One set of kernels for the ``L`` layers
+    instead of one per layer (on a small model the kernel launches, not the arithmetic, are the cost).
+    The same values as calling :func:`spectral_alignment` per layer, up to float rounding."""
+    if inputs.dim() != 3 or vs.dim() != 2 or inputs.shape[0] != vs.shape[0] or inputs.shape[-1] != vs.shape[-1]:
+        raise ValueError(f"`inputs` must have shape (L, n, in) and `vs` shape (L, in); got {tuple(inputs.shape)} "
+                         f"and {tuple(vs.shape)}.")
+    dtype = torch.float64 if inputs.dtype == torch.float64 else torch.float32
+    x = inputs.detach().to(dtype)
+    vv = vs.detach().to(dtype=dtype, device=x.device)
+    vv = _unit_rows(vv, torch.zeros_like(vv))
+    dot = (x @ vv[..., None])[..., 0]
     norm = torch.linalg.vector_norm(x, dim=-1)
     positive = norm > 0
     out = torch.where(positive, dot / torch.where(positive, norm, torch.ones_like(norm)), torch.zeros_like(dot))
