@@ -1,6 +1,6 @@
 """GWA says when its pick is uncertain: a pick at the window's first epoch with the score still falling into
-it, a pick after the share of negative scores collapsed (memorisation), or a one-epoch spike (the patterns of
-the validity benchmark's bad picks)."""
+it, a pick after the share of negative scores collapsed (memorisation), a one-epoch spike, or a pick where the
+samples pull nearly evenly for and against the weights (the patterns of the validity benchmark's bad picks)."""
 
 from __future__ import annotations
 
@@ -66,6 +66,21 @@ def test_a_pick_after_the_negative_share_collapsed_is_uncertain():
     # the same fall before an earlier pick does not flag it: the share is read at the pick
     gwa = _with_negative([0.02, 0.03, 0.05, 0.06, 0.055, 0.05, 0.045, 0.04], [30, 20, 19, 17, 12, 8, 5, 3], warmup=2)
     assert gwa.best_epoch == 3 and gwa._uncertainty() is None
+
+
+def test_a_pick_where_the_samples_pull_nearly_evenly_is_contested():
+    """At least 40% of the samples opposing the weights at the pick (a binary task with 40% wrong labels): the
+    score is a small difference of two nearly equal groups, and the pick is flagged; 39% is not. The share is read
+    at the pick, and the earlier reasons come first."""
+    steady = [0.02, 0.03, 0.04, 0.05, 0.055, 0.056, 0.054, 0.05]
+    gwa = _with_negative(steady, [45, 44, 43, 42, 42, 41, 42, 43], warmup=2)
+    assert gwa.best_epoch == 5
+    kind, why = gwa._uncertainty()
+    assert kind == "contested" and "41.0%" in why and "oppose the weights" in why
+    gwa = _with_negative(steady, [45, 44, 43, 42, 42, 39, 42, 43], warmup=2)
+    assert gwa.best_epoch == 5 and gwa._uncertainty() is None
+    gwa = _with_negative([0.030, 0.047, 0.045, 0.041, 0.040], [45, 44, 43, 42, 41], warmup=3)  # also at the edge
+    assert gwa.best_epoch == 3 and gwa._uncertainty()[0] == "boundary"
 
 
 def test_memorised_noisy_labels_are_flagged_in_a_real_fit(tmp_path):

@@ -43,6 +43,9 @@ _SPIKE = 1.25
 _MEMORISED_DROP = 0.1
 #: ... provided the share had settled when the window opened: it moved by at most this much in the epoch before
 _SETTLED = 0.02
+#: a pick at which at least this share of the samples' gradients oppose the weights is uncertain (contested): the score
+#: is then a small difference between two nearly equal groups pulling either way
+_CONTESTED = 0.4
 #: Hugging Face causal LMs named otherwise than ``*ForCausalLM`` whose loss shifts the labels
 _CAUSAL_LM_NAMES = ("GPT2LMHeadModel", "OpenAIGPTLMHeadModel", "CTRLLMHeadModel")
 
@@ -262,7 +265,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._fell = bool(state.get("fell", False))
         self._prev_score: Optional[float] = state.get("prev_score")
         self._prev_epoch: Optional[int] = state.get("prev_epoch")
-        # the reasons ("boundary", "memorised", "spike") the uncertain_pick warnings of the run have given
+        # the reasons ("boundary", "memorised", "spike", "contested") the uncertain_pick warnings of the run have given
         self._uncertain_said: list[str] = list(state.get("uncertain_said", []))
 
     def state_dict(self) -> dict[str, Any]:
@@ -828,15 +831,17 @@ class GradientWeightAlignmentMonitor(Monitor):
         return score is not None
 
     def _uncertainty(self) -> Optional[tuple[str, str]]:
-        """Why the current best epoch may be a poor pick, ``(kind, reason)``, or ``None``. Three patterns
+        """Why the current best epoch may be a poor pick, ``(kind, reason)``, or ``None``. Four patterns
         measured on settings the rules were not made on (``benchmarks/gwa_validity.py``, BENCHMARKS.md):
         ``boundary``, a pick at the first epoch of the window while the score was still falling into it (the
         true maximum sat inside the warm-up); ``memorised``, a pick after the share of negative scores, settled
         when the window opened (it moved by at most 2 points in the epoch before), fell by more than 10 points
         (the model has fit a group of samples it kept fighting before: with noisy labels, memorisation, during
         which the score can keep rising while test accuracy falls); ``spike``, a one-epoch spike (a dip of the
-        kurtosis) above 1.25x the scores on both sides. The first that applies is given. Re-checked every
-        epoch."""
+        kurtosis) above 1.25x the scores on both sides; ``contested``, a pick at which at least 40% of the samples'
+        gradients oppose the weights (labels near chance, e.g. a binary task with 40% of them wrong: the score is a
+        small difference between two nearly equal groups, and its maximum wanders). The first that applies is
+        given. Re-checked every epoch."""
         if self.best_epoch is None or self.best_score is None:
             return None
         scores = {h["epoch"]: h["score"] for h in self.history if h.get("score") is not None}
@@ -863,6 +868,11 @@ class GradientWeightAlignmentMonitor(Monitor):
         if prev is not None and nxt is not None and prev > 0 and nxt > 0 and best > _SPIKE * max(prev, nxt):
             return "spike", (f"a one-epoch spike ({best:.4g} against {prev:.4g} and {nxt:.4g} on either side), "
                              "usually a passing dip of the scores' kurtosis")
+        if epoch in shares and shares[epoch] >= _CONTESTED:
+            return "contested", (
+                f"{shares[epoch]:.1%} of the samples' gradients oppose the weights at that epoch: the score is a small "
+                "difference between two nearly equal groups (labels near chance, or very noisy), and its maximum "
+                "wanders from epoch to epoch")
         return None
 
     def _write_histogram(
