@@ -199,6 +199,15 @@ def _vit() -> nn.Module:
     return transformers.ViTForImageClassification(cfg)
 
 
+def _opt() -> nn.Module:
+    import transformers
+
+    # OPT's learned positions subclass nn.Embedding with a forward of their own (they take the attention mask)
+    cfg = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                 ffn_dim=32, max_position_embeddings=T, word_embed_proj_dim=16)
+    return transformers.OPTForCausalLM(cfg)
+
+
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
 
@@ -219,6 +228,7 @@ def zoo() -> list[ZooEntry]:
     return [
         ZooEntry("HF GPT-2 (GPT2LMHeadModel)", _gpt2, _hf_loss, _tokens, hf=True),
         ZooEntry("HF Llama (LlamaForCausalLM)", _llama, _hf_loss, _tokens, hf=True),
+        ZooEntry("HF OPT (OPTForCausalLM)", _opt, _hf_loss, _tokens, hf=True),
         ZooEntry("HF BERT (BertForSequenceClassification)", _bert, _hf_loss, _classified_tokens, hf=True),
         ZooEntry("HF ViT (ViTForImageClassification)", _vit, _hf_loss, _images_dict, hf=True),
         ZooEntry("ResNet (BatchNorm, torchvision-style)", ResNet, _ce_loss, _images),

@@ -93,6 +93,18 @@ def _tiny_llama() -> nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
+def _tiny_opt() -> nn.Module:
+    cfg = transformers.OPTConfig(vocab_size=37, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, ffn_dim=32,
+                                 max_position_embeddings=16, word_embed_proj_dim=16, dropout=0.0)
+    return transformers.OPTForCausalLM(cfg)
+
+
+def _tiny_gemma() -> nn.Module:
+    cfg = transformers.GemmaConfig(vocab_size=37, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=16)
+    return transformers.GemmaForCausalLM(cfg)
+
+
 class Logits(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -115,3 +127,40 @@ def test_hf_causal_lm_exact(make) -> None:
     assert set(probe.uncovered) == expected
     if expected:
         assert "no batch dimension" in probe.reasons["model.transformer.wpe.weight"]
+
+
+def test_subclasses_with_a_forward_of_their_own_are_left_out_not_fatal() -> None:
+    """Subclasses of ``nn.Embedding`` whose forward differs from their base class: OPT's learned positions take the
+    attention mask (a float tensor) and index with positions computed inside; Gemma's scaled embedding multiplies the
+    rows by sqrt(d). Neither may crash the backward (OPT's did: the mask was used as indices) nor be counted wrong:
+    each is left out with its reason, and every parameter covered is exact against torch.func. OPT's MLPs see the
+    batch folded with the positions (``(B * T, d)``) and are left out too; Gemma's RMSNorm (``1 + w``) has no
+    handler."""
+    for make, left_out in (
+        (_tiny_opt, {"model.model.decoder.embed_positions.weight",
+                     *(f"model.model.decoder.layers.{i}.{m}.{p}" for i in (0, 1) for m in ("fc1", "fc2", "final_layer_norm")
+                       for p in ("weight", "bias"))}),
+        (_tiny_gemma, {"model.model.embed_tokens.weight", "model.model.norm.weight",
+                       *(f"model.model.layers.{i}.{m}.weight" for i in (0, 1)
+                         for m in ("input_layernorm", "post_attention_layernorm"))}),
+    ):
+        torch.manual_seed(0)
+        model = Logits(make())
+        model.model.config._attn_implementation = "eager"
+        x, y = torch.randint(0, 37, (8, 8)), torch.randint(0, 37, (8, 8))
+        probe = check(model, ce_seq, x, y)
+        assert set(probe.uncovered) == left_out, make.__name__
+    assert "its handler does not take its input" in probe_reasons_of(_tiny_opt, "model.model.decoder.embed_positions.weight")
+    assert "folded" in probe_reasons_of(_tiny_opt, "model.model.decoder.layers.0.fc1.weight")
+    assert "contributions the hooks did not see" in probe_reasons_of(_tiny_gemma, "model.model.embed_tokens.weight")
+
+
+def probe_reasons_of(make, name: str) -> str:
+    from test_per_example import probe_run
+
+    torch.manual_seed(0)
+    model = Logits(make())
+    model.model.config._attn_implementation = "eager"
+    probe = probe_run(model, ce_seq, torch.randint(0, 37, (8, 8)), torch.randint(0, 37, (8, 8)))
+    probe.per_parameter()
+    return probe.reasons[name]

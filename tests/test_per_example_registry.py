@@ -102,3 +102,26 @@ def test_register_rejects_non_modules_and_non_handlers() -> None:
     with pytest.raises(TypeError):
         register(Diag)(object)  # type: ignore[type-var]
     assert Diag not in HANDLERS
+
+
+def test_a_handler_that_fails_on_its_module_leaves_it_out_and_the_backward_goes_on():
+    """A handler whose assumptions the module breaks (here one that raises in the backward: a subclass fed
+    something else than its base class takes) costs that module its coverage, with the error as the reason; it
+    never fails the backward, and every other parameter stays exact against torch.func."""
+
+    class Broken(DiagHandler):
+        def sq_norms(self, m, x, g, rule):
+            raise IndexError("tensors used as indices must be long")
+
+        def project(self, m, x, g, uv):
+            raise IndexError("tensors used as indices must be long")
+
+    register(Diag)(Broken)
+    try:
+        torch.manual_seed(0)
+        probe = check(Model(), F.cross_entropy, torch.randn(7, 4), torch.randint(0, 3, (7,)))
+    finally:
+        del HANDLERS[Diag]
+    assert probe.uncovered == ["diag.weight"]
+    assert probe.reasons["diag.weight"].startswith("its handler failed on it (IndexError: tensors used as indices")
+    assert set(probe.covered) == {"inp.weight", "inp.bias", "out.weight", "out.bias"}

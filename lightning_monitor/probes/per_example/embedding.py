@@ -34,7 +34,9 @@ class EmbeddingHandler(Handler):
         return "scale_grad_by_freq couples the examples of a batch" if m.scale_grad_by_freq else None
 
     def capture(self, m: nn.Module, idx: Tensor) -> Any:
-        return idx if idx.dim() >= 1 else None
+        # an integer index tensor; anything else is the input of a subclass with a forward of its own (OPT's
+        # learned positions take the attention mask and index with positions computed inside): not this handler's
+        return idx if idx.dim() >= 1 and not (idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool) else None
 
     def batch_dims(self, m: nn.Module, idx: Tensor) -> int:
         return idx.dim()

@@ -147,7 +147,10 @@ class _Uses:
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
         ctx = self.handler.capture(self.module, x)
-        if ctx is None:
+        if ctx is None:  # an input the handler does not take (a subclass with a forward of its own): said below
+            self.probe._refused.setdefault(
+                self.name, f"its handler does not take its input ({x.dtype}, shape {tuple(x.shape)}): the module "
+                           "computes otherwise than its base class")
             return
         done = self.expect(x, ctx, rule)
 
@@ -335,6 +338,7 @@ class PerExampleGradNorms:
         self._verified = True
         self._fwd_uses: dict[str, int] = defaultdict(int)  # uses recorded in forward, per module
         self._recomputed: dict[str, int] = defaultdict(int)  # of those, recomputed by checkpointing
+        self._refused: dict[str, str] = {}  # modules whose input their handler did not take, and why
 
     def reset(self) -> None:
         """Forget the norms of previous backward passes. Parameters found uncoverable at run time (used
@@ -591,16 +595,22 @@ class PerExampleGradNorms:
     ) -> None:
         """Record one use's per-example norms; a parameter with several uses in this forward gets its
         per-example gradients summed over the uses first (exact cross terms)."""
+        shared = [pid for _, pid in params if self._outstanding[pid] > 1 or pid in self._pending]
+        try:
+            fps = proj_fn({ln: self._uv(pid) for ln, pid in params}) if self.verify else {}
+            sqs = sq_fn() if len(shared) < len(params) else {}
+            grads = grads_fn() if shared else {}
+        except Exception as err:  # noqa: BLE001 - a handler's assumption broken by the module: left out, never fatal
+            # e.g. a subclass with a forward of its own, fed something else than its base class takes
+            self._drop(params, f"its handler failed on it ({type(err).__name__}: {err}): its module computes "
+                               "otherwise than the handler assumes")
+            return
         if self.verify:
             self._verified = False
-            fps = proj_fn({ln: self._uv(pid) for ln, pid in params})
             for ln, pid in params:
                 prev = self._fp_mod.get(pid)
                 self._fp_mod[pid] = fps[ln] if prev is None else prev + fps[ln]
         scale = float(batch) ** 2 if self.loss_reduction == "mean" else 1.0
-        shared = [pid for _, pid in params if self._outstanding[pid] > 1 or pid in self._pending]
-        sqs = sq_fn() if len(shared) < len(params) else {}
-        grads = grads_fn() if shared else {}
         factor = float(batch) if self.loss_reduction == "mean" else 1.0
         for ln, pid in params:
             self._outstanding[pid] -= 1
@@ -683,7 +693,8 @@ class PerExampleGradNorms:
                 if p.grad is not None:
                     # it has a gradient, but its module's forward never ran: used outside its module
                     self._not_reached.append(name)
-                    self.reasons[name] = "has a gradient but its module's forward was not called"
+                    self.reasons[name] = self._refused.get(name.rpartition(".")[0],
+                                                           "has a gradient but its module's forward was not called")
                 continue
             if self._outstanding.get(pid, 0) or pid in self._pending:
                 raise RuntimeError(
