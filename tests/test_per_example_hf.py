@@ -130,10 +130,10 @@ def test_hf_causal_lm_exact(make) -> None:
 
 
 def test_subclasses_with_a_forward_of_their_own_are_left_out_not_fatal() -> None:
-    """Subclasses of ``nn.Embedding`` whose forward differs from their base class: OPT's learned positions take the
-    attention mask (a float tensor) and index with positions computed inside; Gemma's scaled embedding multiplies the
-    rows by sqrt(d). Neither may crash the backward (OPT's did: the mask was used as indices) nor be counted wrong:
-    each is left out with its reason, and every parameter covered is exact against torch.func. OPT's MLPs see the
+    """Subclasses of ``nn.Embedding`` with a forward of their own: OPT's learned positions take the attention mask
+    and index with positions computed inside; Gemma's scaled embedding multiplies the rows by sqrt(d). Neither may
+    crash the backward (OPT's did: the mask was used as indices) nor be counted wrong: each is left out with its
+    reason, and every parameter covered is exact against torch.func. OPT's MLPs see the
     batch folded with the positions (``(B * T, d)``) and are left out too; Gemma's RMSNorm (``1 + w``) has no
     handler."""
     for make, left_out in (
@@ -152,6 +152,7 @@ def test_subclasses_with_a_forward_of_their_own_are_left_out_not_fatal() -> None
         assert set(probe.uncovered) == left_out, make.__name__
     assert "its handler does not take its input" in probe_reasons_of(_tiny_opt, "model.model.decoder.embed_positions.weight")
     assert "folded" in probe_reasons_of(_tiny_opt, "model.model.decoder.layers.0.fc1.weight")
+    # Gemma ties the scaled embedding to its output head: the head's use is hooked, the embedding's is not
     assert "contributions the hooks did not see" in probe_reasons_of(_tiny_gemma, "model.model.embed_tokens.weight")
 
 

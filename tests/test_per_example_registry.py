@@ -96,6 +96,31 @@ def test_lookup_walks_the_mro(registered_diag) -> None:
     assert handler_for(nn.Linear(2, 2)) is HANDLERS[nn.Linear]
 
 
+def test_a_subclass_with_a_forward_of_its_own_is_checked_not_trusted(registered_diag) -> None:
+    """A subclass inherits its base class's handler, and the probe's check of the first backward decides: one whose
+    forward computes otherwise (here twice the base's output, as Gemma's embedding scales its rows) is left out with
+    that reason; one whose forward computes the same in its own code (as Falcon's ``FalconLinear``) stays covered
+    and exact. The other parameters stay exact either way."""
+
+    class Scaled(Diag):
+        def forward(self, x: Tensor) -> Tensor:
+            return 2.0 * super().forward(x)
+
+    class Same(Diag):
+        def forward(self, x: Tensor) -> Tensor:
+            return self.weight * x
+
+    for sub, covered in ((Scaled, False), (Same, True)):
+        model = Model()
+        model.diag = sub(6)
+        torch.manual_seed(0)
+        probe = check(model, F.cross_entropy, torch.randn(7, 4), torch.randint(0, 3, (7,)))
+        assert ("diag.weight" in probe.covered) == covered
+        if not covered:
+            assert probe.uncovered == ["diag.weight"]
+            assert "computes otherwise than its handler assumes" in probe.reasons["diag.weight"]
+
+
 def test_register_rejects_non_modules_and_non_handlers() -> None:
     with pytest.raises(TypeError):
         register(int)  # type: ignore[arg-type]
