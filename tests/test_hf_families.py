@@ -1,0 +1,94 @@
+"""Every monitor on more Hugging Face families than the model zoo documents (encoder-decoders, fused-QKV and
+multi-query attention, mixtures of experts, shared layers, learned positions that take the attention mask,
+depthwise convolutions, windowed attention, audio with weight-normed convolutions), each a tiny random-init model
+trained a few steps in ``Trainer.fit`` with a TensorBoard logger. What is checked is what a user relies on: the fit
+finishes, every value logged is finite (read back from the event files), each monitor either logs or says why it is
+idle, and what the per-example norms leave out is named with a reason."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import torch  # noqa: E402
+from coverage_table import VOCAB, T, ZooEntry, _classified_tokens, _hf_loss, _images_dict, _tokens, fit_zoo_model, uncovered_modules  # noqa: E402
+
+H = {"hidden_size": 16, "num_attention_heads": 2, "intermediate_size": 32}
+
+
+def _audio(g: torch.Generator) -> dict:
+    return {"input_values": torch.randn(400, generator=g), "labels": torch.randint(0, 3, (), generator=g)}
+
+
+FAMILIES = {
+    "T5": (lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2, decoder_start_token_id=0)), _tokens),
+    "BART": (lambda: transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=T + 2)), _tokens),
+    "Bloom": (lambda: transformers.BloomForCausalLM(transformers.BloomConfig(
+        vocab_size=VOCAB, hidden_size=16, n_layer=2, n_head=2)), _tokens),
+    "GPT-NeoX": (lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=T, **H)), _tokens),
+    "Mistral": (lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=VOCAB, num_hidden_layers=2, num_key_value_heads=1, max_position_embeddings=T, **H)), _tokens),
+    "Phi": (lambda: transformers.PhiForCausalLM(transformers.PhiConfig(
+        vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=T, **H)), _tokens),
+    "Falcon": (lambda: transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2)), _tokens),
+    "Gemma": (lambda: transformers.GemmaForCausalLM(transformers.GemmaConfig(
+        vocab_size=VOCAB, num_hidden_layers=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=T, **H)),
+        _tokens),
+    "Mixtral": (lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=VOCAB, num_hidden_layers=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=T, **H)), _tokens),
+    "ALBERT": (lambda: transformers.AlbertForSequenceClassification(transformers.AlbertConfig(
+        vocab_size=VOCAB, embedding_size=8, num_hidden_layers=3, max_position_embeddings=T, num_labels=3, **H)),
+        _classified_tokens),
+    "DistilBERT": (lambda: transformers.DistilBertForSequenceClassification(transformers.DistilBertConfig(
+        vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, hidden_dim=32, max_position_embeddings=T, num_labels=3)),
+        _classified_tokens),
+    "RoBERTa (masked LM)": (lambda: transformers.RobertaForMaskedLM(transformers.RobertaConfig(
+        vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=T + 2, **H)), _tokens),
+    "DeBERTa-v2": (lambda: transformers.DebertaV2ForSequenceClassification(transformers.DebertaV2Config(
+        vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=T, num_labels=3, **H)), _classified_tokens),
+    "ConvNeXt": (lambda: transformers.ConvNextForImageClassification(transformers.ConvNextConfig(
+        num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3, image_size=16)),
+        _images_dict),
+    "Swin": (lambda: transformers.SwinForImageClassification(transformers.SwinConfig(
+        image_size=16, patch_size=2, num_channels=3, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=2,
+        num_labels=3)), _images_dict),
+    "Wav2Vec2": (lambda: transformers.Wav2Vec2ForSequenceClassification(transformers.Wav2Vec2Config(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2, num_labels=3, classifier_proj_size=8, layerdrop=0.0)), _audio),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_monitor_on_more_hf_families(tmp_path, family: str) -> None:
+    make, item = FAMILIES[family]
+    run = fit_zoo_model(ZooEntry(family, make, _hf_loss, item, hf=True), str(tmp_path))
+    assert run.scalars and len(run.scalars["train/loss"]) > 0
+    bad = {k: v for k, series in run.scalars.items() for _, v in series if not math.isfinite(v)}
+    assert not bad, bad
+    prefixes = {"SpectralAlignment": "sa/", "GradientNoiseScale": "gns/", "GradientWeightAlignment": "gwa/",
+                "GradientEarlyStopping": "grades/", "DivergenceGuard": None}
+    for name, mon in run.monitors.items():
+        if mon.idle_reason is not None:
+            assert any(a.kind == "nothing_to_watch" and a.monitor == mon.name for a in run.alerts), name
+        elif prefixes[name] is not None:
+            assert any(k.startswith(prefixes[name]) for k in run.scalars), f"{name} logged nothing"
+    coverage = [v for _, v in run.scalars.get("gns/coverage", [])]
+    assert coverage and all(0.0 < c <= 1.0 for c in coverage)
+    left_out = uncovered_modules(run.monitors["GradientNoiseScale"])
+    assert all(left_out.values()), left_out  # every module left out is named with a reason
+    assert (coverage[-1] < 1.0) == bool(left_out)
+    assert not run.monitors["DivergenceGuard"].rollbacks and run.monitors["DivergenceGuard"].stopped_step is None
