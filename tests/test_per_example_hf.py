@@ -133,9 +133,9 @@ def test_subclasses_with_a_forward_of_their_own_are_left_out_not_fatal() -> None
     """Subclasses of ``nn.Embedding`` with a forward of their own: OPT's learned positions take the attention mask
     and index with positions computed inside; Gemma's scaled embedding multiplies the rows by sqrt(d). Neither may
     crash the backward (OPT's did: the mask was used as indices) nor be counted wrong: each is left out with its
-    reason, and every parameter covered is exact against torch.func. OPT's MLPs see the
-    batch folded with the positions (``(B * T, d)``) and are left out too; Gemma's RMSNorm (``1 + w``) has no
-    handler."""
+    reason, and every parameter covered is exact against torch.func. OPT's MLPs see the batch folded with the
+    positions (``(B * T, d)``) and are left out too; Gemma's RMSNorm (``1 + w``) has no handler."""
+    probes = {}
     for make, left_out in (
         (_tiny_opt, {"model.model.decoder.embed_positions.weight",
                      *(f"model.model.decoder.layers.{i}.{m}.{p}" for i in (0, 1) for m in ("fc1", "fc2", "final_layer_norm")
@@ -148,20 +148,10 @@ def test_subclasses_with_a_forward_of_their_own_are_left_out_not_fatal() -> None
         model = Logits(make())
         model.model.config._attn_implementation = "eager"
         x, y = torch.randint(0, 37, (8, 8)), torch.randint(0, 37, (8, 8))
-        probe = check(model, ce_seq, x, y)
+        probes[make] = probe = check(model, ce_seq, x, y)
         assert set(probe.uncovered) == left_out, make.__name__
-    assert "its handler does not take its input" in probe_reasons_of(_tiny_opt, "model.model.decoder.embed_positions.weight")
-    assert "folded" in probe_reasons_of(_tiny_opt, "model.model.decoder.layers.0.fc1.weight")
+    opt, gemma = probes[_tiny_opt].reasons, probes[_tiny_gemma].reasons
+    assert "its handler does not take its input" in opt["model.model.decoder.embed_positions.weight"]
+    assert "folded" in opt["model.model.decoder.layers.0.fc1.weight"]
     # Gemma ties the scaled embedding to its output head: the head's use is hooked, the embedding's is not
-    assert "contributions the hooks did not see" in probe_reasons_of(_tiny_gemma, "model.model.embed_tokens.weight")
-
-
-def probe_reasons_of(make, name: str) -> str:
-    from test_per_example import probe_run
-
-    torch.manual_seed(0)
-    model = Logits(make())
-    model.model.config._attn_implementation = "eager"
-    probe = probe_run(model, ce_seq, torch.randint(0, 37, (8, 8)), torch.randint(0, 37, (8, 8)))
-    probe.per_parameter()
-    return probe.reasons[name]
+    assert "contributions the hooks did not see" in gemma["model.model.embed_tokens.weight"]
