@@ -406,3 +406,57 @@ def test_a_loss_of_shape_1x1_is_judged_like_a_scalar(tmp_path):
     guard = DivergenceGuard(action="stop", every_n_steps=5)
     _trainer(tmp_path, [guard], steps=200, logger=False).fit(_MatrixLoss(explode_at=60))
     assert [(a.step, a.kind) for a in guard.hub.history if a.severity == "critical"] == [(62, "loss_explosion")]
+
+
+def test_nonfinite_on_host_reads_every_tensor_and_leaves_it_bit_for_bit():
+    """The guard's per-step gradient check on CPU: one fused kernel, true exactly when some element is NaN or
+    +-inf, every value left as it was (to the bit: -0.0, denormals, the largest float); ``None`` where the kernel
+    does not apply, so that the guard takes the norms instead."""
+    from lightning_monitor._sharded import nonfinite_on_host
+
+    grads = [torch.tensor([-0.0, 1e-45, 3.4e38, -5.5]), torch.randn(3, 4).t(), torch.randn(5).half(),
+             torch.randn(2, 2).double()]
+    bits = [g.clone() for g in grads]
+    assert nonfinite_on_host(grads) is False
+    assert all(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)) for a, b in zip(grads, bits))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        hit = [g.clone() for g in bits]
+        hit[1][2, 0] = bad
+        assert nonfinite_on_host(hit) is True
+    assert nonfinite_on_host([]) is None
+    assert nonfinite_on_host([torch.randn(3), torch.eye(3).to_sparse()]) is None
+    assert nonfinite_on_host([torch.arange(3)]) is None
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_nonfinite_gradient_with_a_finite_loss_is_zeroed_and_reported_with_its_norm(tmp_path, bad):
+    """A gradient that turns non-finite while the loss stays finite (an overflow in the backward): the guard finds
+    it on its step, zeroes the step's gradients so that nothing non-finite reaches the weights, and reports the
+    norm's value in its critical alert; the steps before it raise nothing."""
+
+    class Overflow(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def on_after_backward(self):
+            if self.global_step == 15:
+                self.net[0].weight.grad[1, 2] = bad
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    pl.seed_everything(0)
+    x = torch.randn(256, 4)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
+    module, guard = Overflow(), DivergenceGuard(action="warn")
+    _trainer(tmp_path, [guard], steps=30, logger=[TensorBoardLogger(str(tmp_path), name="tb")]).fit(module, loader)
+    assert _finite(module)
+    alerts = read_alerts(os.path.join(str(tmp_path), "tb", "version_0", "alerts.jsonl"))
+    critical = [a for a in alerts if a.severity == "critical"]
+    assert [(a.kind, a.step) for a in critical] == [("nonfinite", 15)]
+    assert f"Non-finite gradient norm ({bad})" in critical[0].message and "zeroed" in critical[0].message

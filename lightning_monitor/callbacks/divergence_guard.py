@@ -15,7 +15,7 @@ from torch import Tensor
 
 from lightning_monitor._args import check_fraction, check_int, check_positive, deprecated_aliases
 from lightning_monitor._compat import foreach_norm, grad_scaler_scale
-from lightning_monitor._sharded import local, squared_norms
+from lightning_monitor._sharded import local, nonfinite_on_host, squared_norms
 from lightning_monitor.alerts import Alert, alerts_dir, read_records
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch
 from lightning_monitor.functional.robust import SeriesWatch, median
@@ -357,18 +357,23 @@ class DivergenceGuard(Monitor):
             loss = None  # another optimizer's loss (a GAN's other network): its gradients are checked, not its loss
         no_loss = loss is None
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        # fused kernels for the per-tensor norms; a sharded (FSDP2) gradient contributes its local shard
-        plain_sq, shard_sq = squared_norms(grads)
-        if self._flat_shards and plain_sq is not None:
-            plain_sq, shard_sq = None, plain_sq if shard_sq is None else shard_sq + plain_sq
         lag = self._lag(trainer)
         on_host = pl_module.device.type == "cpu" and lag == 0
         if on_host and trainer.world_size == 1:
-            # nothing to wait for and nothing to reduce: the two numbers are read at once, no row is built
-            sq = sum(float(t) for t in (plain_sq, shard_sq) if t is not None)
-            values_now = (math.nan if no_loss else float(loss), math.sqrt(sq))
+            # nothing to wait for and nothing to reduce: the two numbers are read at once, no row is built. Only a
+            # non-finite gradient norm is judged (and reported with its value): one fused finiteness check, and the
+            # norm itself only when the check finds something (0.0 stands for a finite norm, never reported)
+            gnorm = 0.0
+            if nonfinite_on_host(grads) is not False:
+                plain_sq, shard_sq = squared_norms(grads)
+                gnorm = math.sqrt(sum(float(t) for t in (plain_sq, shard_sq) if t is not None))
+            values_now = (math.nan if no_loss else float(loss), gnorm)
             entry: tuple[int, Any, Any, bool] = (step, values_now, None, no_loss)
         else:
+            # fused kernels for the per-tensor norms; a sharded (FSDP2) gradient contributes its local shard
+            plain_sq, shard_sq = squared_norms(grads)
+            if self._flat_shards and plain_sq is not None:
+                plain_sq, shard_sq = None, plain_sq if shard_sq is None else shard_sq + plain_sq
             row = self._row(trainer, pl_module, loss, plain_sq, shard_sq)
             if self.zero_nonfinite_grads and grads and not on_host:
                 bad = torch.isfinite(row.sum()).logical_not_()  # on the device: no sync
