@@ -36,7 +36,8 @@ class EmbeddingHandler(Handler):
     def capture(self, m: nn.Module, idx: Tensor) -> Any:
         # an integer index tensor; anything else is the input of a subclass with a forward of its own (OPT's
         # learned positions take the attention mask and index with positions computed inside): not this handler's
-        return idx if idx.dim() >= 1 and not (idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool) else None
+        integer = not (idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool)
+        return idx if idx.dim() >= 1 and integer else None
 
     def batch_dims(self, m: nn.Module, idx: Tensor) -> int:
         return idx.dim()
