@@ -71,6 +71,10 @@ def squared_norms(tensors: Sequence[Tensor]) -> tuple[Optional[Tensor], Optional
     return plain_sq, shard_sq
 
 
+#: the scale :func:`nonfinite_on_host` multiplies by (read only): made once, not on every step
+_ONE = torch.ones(1)
+
+
 def nonfinite_on_host(tensors: Sequence[Tensor]) -> Optional[bool]:
     """Whether any of the plain host tensors holds a NaN or an infinity, read by one fused kernel
     (``torch._amp_foreach_non_finite_check_and_unscale_`` with a scale of 1: every value is left bit for bit). On
@@ -82,7 +86,7 @@ def nonfinite_on_host(tensors: Sequence[Tensor]) -> Optional[bool]:
         return None
     found = torch.zeros(1)
     try:
-        fn(list(tensors), found, torch.ones(1))
+        fn(list(tensors), found, _ONE)
     except (RuntimeError, NotImplementedError, TypeError):  # a sparse or integer tensor: not this kernel's
         return None
     return bool(found)

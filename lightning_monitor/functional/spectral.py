@@ -313,7 +313,12 @@ def spectral_alignment(inputs: Tensor, v: Tensor) -> Tensor:
     x = inputs.detach().to(dtype)
     vv = v.detach().to(dtype=dtype, device=x.device)
     vv = _unit(vv, torch.zeros_like(vv))
-    dot = x @ vv
+    return _cosines(x, x @ vv)
+
+
+def _cosines(x: Tensor, dot: Tensor) -> Tensor:
+    """``dot / ||x||`` over the last dimension of ``x`` (``dot``: each row's product with a unit vector), in fp32
+    and ``[-1, 1]``: 0 for a zero row, NaN for a row holding inf/NaN."""
     norm = torch.linalg.vector_norm(x, dim=-1)
     positive = norm > 0
     out = torch.where(positive, dot / torch.where(positive, norm, torch.ones_like(norm)), torch.zeros_like(dot))
@@ -334,13 +339,7 @@ def spectral_alignments(inputs: Tensor, vs: Tensor) -> Tensor:
     x = inputs.detach().to(dtype)
     vv = vs.detach().to(dtype=dtype, device=x.device)
     vv = _unit_rows(vv, torch.zeros_like(vv))
-    dot = (x @ vv[..., None])[..., 0]
-    norm = torch.linalg.vector_norm(x, dim=-1)
-    positive = norm > 0
-    out = torch.where(positive, dot / torch.where(positive, norm, torch.ones_like(norm)), torch.zeros_like(dot))
-    # a non-finite row: norm is inf/nan -> keep it visible as NaN rather than a fake 0
-    out = torch.where(torch.isfinite(norm), out, torch.full_like(out, float("nan")))
-    return out.float().clamp(-1.0, 1.0)
+    return _cosines(x, (x @ vv[..., None])[..., 0])
 
 
 def sign_diversity(alignment: Tensor, dim: Optional[int] = None) -> Tensor:
