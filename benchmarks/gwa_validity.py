@@ -510,9 +510,9 @@ def spike(r: dict[str, Any], factor: float = 1.25) -> bool:
     """The best score is more than ``factor`` x the defined score of each neighbouring epoch."""
     e = r["epoch_gwa"]
     pe = r["per_epoch"]
-    best = pe[e]["score"]
+    best = pe[e]["score"]  # None for a pick of bimodal scores (no GWA): no spike
     nb = [pe[i]["score"] for i in (e - 1, e + 1) if 0 <= i < len(pe) and pe[i]["score"] is not None]
-    return bool(nb) and all(best > factor * x for x in nb)
+    return best is not None and bool(nb) and all(best > factor * x for x in nb)
 
 
 def uncertain(r: dict[str, Any]) -> bool:
@@ -583,14 +583,14 @@ def main() -> None:
         for job in jobs:
             results.append(run_one(job))
     wall = time.perf_counter() - t0
+    if args.json:  # first: the runs are kept even if the report fails
+        with open(args.json, "w") as fh:
+            json.dump(results, fh)
     text = report(results, args, wall)
     print(text)
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(text + "\n")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh)
 
 
 if __name__ == "__main__":

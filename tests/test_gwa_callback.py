@@ -507,6 +507,88 @@ def test_bimodal_scores_alert_and_no_score(tmp_path) -> None:
     assert ("bimodal", None) in gwa.active_conditions()
 
 
+
+class FlippedPerEpoch(FrozenTwoClass):
+    """FrozenTwoClass whose labels are wrong for a set share of the samples, a different share each epoch: every score
+    is +0.5 (right label) or -0.5 (flipped), so the share decides the mean and the kurtosis exactly."""
+
+    def __init__(self, shares: list[float], n: int = 40) -> None:
+        super().__init__()
+        self.shares, self.n = shares, n
+
+    def labels(self, epoch: int) -> torch.Tensor:
+        y = torch.arange(self.n) % 2
+        k = round(self.shares[epoch] * self.n)
+        y[:k] = 1 - y[:k]
+        return y
+
+    def train_dataloader(self):
+        x = torch.eye(2).repeat(self.n // 2, 1)
+        return DataLoader(TensorDataset(x, self.labels(self.current_epoch)), batch_size=10)
+
+
+def test_bimodal_epochs_rank_above_every_score_and_checkpoint_keeps_the_pick(tmp_path) -> None:
+    """Bimodal scores with a positive mean (GWA undefined: kurtosis + 1.2 <= 0) rank above every defined score, the
+    most bimodal first; ``gwa/selection`` orders the epochs the same way, so ModelCheckpoint on it keeps the pick.
+    Shares of flipped labels per epoch: 10% (warm-up), 15%, 30% (bimodal), 5%, 40% (the most bimodal), 35%, 50%
+    (mean 0: not ranked)."""
+    shares = [0.10, 0.15, 0.30, 0.05, 0.40, 0.35, 0.50]
+    model = FlippedPerEpoch(shares)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=1)
+    best = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor="gwa/selection", mode="max", filename="{epoch}")
+    by_score = ModelCheckpoint(dirpath=str(tmp_path / "ckpt_score"), monitor="gwa/score", mode="max",
+                               filename="{epoch}")
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(tmp_path, logger, [gwa, best, by_score], max_epochs=len(shares),
+                 reload_dataloaders_every_n_epochs=1).fit(model)
+    oracle = [np.where(model.labels(e).numpy() == np.arange(40) % 2, 0.5, -0.5) for e in range(len(shares))]
+    kurt = [scipy.stats.kurtosis(o, bias=True) for o in oracle]
+    bimodal = [k + 1.2 <= 0 for k in kurt]
+    assert bimodal == [False, False, True, False, True, True, True]
+    for rec, o, k in zip(gwa.history, oracle, kurt):
+        assert rec["mean"] == pytest.approx(o.mean(), abs=1e-9) and rec["kurtosis"] == pytest.approx(k, rel=1e-6)
+    assert [r["score"] is None for r in gwa.history] == bimodal
+    # the pick: epoch 4, the lowest kurtosis among the bimodal epochs with a positive mean (epoch 6 has mean 0)
+    assert gwa.best_epoch == 4 and gwa.best_score is None
+    assert [r["eligible"] for r in gwa.history] == [False, True, True, True, True, True, False]
+    assert os.path.basename(best.best_model_path) == "epoch=4.ckpt"
+    assert os.path.basename(by_score.best_model_path) == "epoch=1.ckpt"  # the paper's score alone: the best defined
+    assert float(best.best_model_score) == pytest.approx(1.0 + (-1.2 - kurt[4]) / 0.8, rel=1e-6)
+    scalars = tb_scalars(logger.log_dir)
+    assert [s for s, _ in scalars["gwa/score"]] == [gwa.history[e]["step"] for e in (0, 1, 3)]  # defined ones only
+    assert scalars["gwa/best_epoch"][-1][1] == 4.0
+    assert "gwa/selection" not in scalars  # for ModelCheckpoint / EarlyStopping only, not a chart
+    alerts = [json.loads(line) for line in open(os.path.join(logger.log_dir, "alerts.jsonl"))]
+    raised = [a for a in alerts if a["kind"] == "bimodal"]
+    assert len(raised) == 2 and "ranks above every defined score" in raised[0]["message"]
+
+
+def test_bimodal_ranks_in_the_selection_and_its_patience() -> None:
+    """The selection rule alone: a bimodal epoch (kurtosis given) beats any defined score; among bimodal epochs a
+    lower kurtosis wins; a defined score after a bimodal pick counts against patience; a checkpoint saved before the
+    rule resumes with its best score."""
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, stop=True, patience=2)
+    assert gwa._select(0, 5.0) and gwa.best_epoch == 0
+    assert gwa._select(1, None, -1.3) and gwa.best_epoch == 1 and gwa.best_score is None and gwa.wait == 0
+    assert gwa._select(2, 1e9) and gwa.best_epoch == 1 and gwa.wait == 1
+    assert gwa._select(3, None, -1.5) and gwa.best_epoch == 3 and gwa.wait == 0
+    assert gwa._select(4, None, -1.4) and gwa.best_epoch == 3 and gwa.wait == 1
+    assert not gwa._select(5, None) and gwa.wait == 2
+    assert "bimodal scores, excess kurtosis -1.500" in gwa._best_text()
+    values = [gwa._selection_value(s, k) for s, k in ((-3.0, 0.0), (0.0, 0.0), (50.0, 0.0), (None, -1.2), (None, -2.0))]
+    assert values == sorted(values) and values[0] > 0 and values[-1] == 2.0
+    again = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    again.load_state_dict(gwa.state_dict())
+    assert again.best_epoch == 3 and again._best_rank == (1, 1.5)
+    legacy = {k: v for k, v in GradientWeightAlignmentMonitor(warmup_epochs=0).state_dict().items() if k != "best_rank"}
+    legacy.update(best_epoch=2, best_score=0.3)
+    old = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    old.load_state_dict(legacy)
+    assert old._best_rank == (0, 0.3) and not old._select(3, None) and old._select(4, 0.31) and old.best_epoch == 4
+
+
 # ---------------------------------------------------------------------- DDP
 class RankDump(Callback):
     """Writes, per rank, the module's autograd oracle scores and the monitor's history."""

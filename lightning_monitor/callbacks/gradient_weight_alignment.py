@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from lightning_monitor.alerts import _tensorboard_writer, alerts_dir
 from lightning_monitor._sharded import full, global_norm, is_sharded
-from lightning_monitor._values import write_csv
+from lightning_monitor._values import publish, write_csv
 from lightning_monitor._args import check_fraction, check_int, deprecated_aliases
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch
 from lightning_monitor.functional.gwa import GWA_OFFSET, GWAMoments, SampleMeans, alignment_from_parts
@@ -98,20 +98,25 @@ class GradientWeightAlignmentMonitor(Monitor):
     * the selection window opens after ``warmup_epochs`` (default ``warmup_fraction`` of
       ``max_epochs``); with ``finetune=True`` also only after GWA's first dip (a fall followed by a
       rise);
-    * inside the window the epoch of maximal GWA is the predicted best epoch (``best_epoch``);
-    * with ``stop=True`` training stops when GWA has not improved by ``min_delta`` for ``patience``
-      windowed epochs (the decision is reduced across ranks).
+    * inside the window the epoch of maximal GWA is the predicted best epoch (``best_epoch``). An epoch whose
+      scores are bimodal (``kurtosis + 1.2 <= 0``, GWA undefined) with a positive mean ranks above every
+      defined score, the lowest kurtosis first: GWA grows without bound as the kurtosis falls to -1.2, and
+      with noisy labels such epochs are the model fitting the clean samples while it still resists the
+      flipped ones, before it memorises them (``benchmarks/gwa_validity.py``);
+    * with ``stop=True`` training stops when the pick has not improved (by ``min_delta``, for scores) for
+      ``patience`` windowed epochs (the decision is reduced across ranks).
 
-    ``trainer.callback_metrics["gwa/score"]`` (every rank) gets the epoch's score inside the window;
-    outside it, or when GWA is undefined, it is left as it was: absent before the first windowed
-    score, the last windowed score after it (no placeholder value). So
-    ``ModelCheckpoint(monitor="gwa/score", mode="max")`` keeps the checkpoint of ``best_epoch``, and
-    ``EarlyStopping(monitor="gwa/score", mode="max", strict=False)`` waits through the warm-up and
-    counts an undefined windowed epoch as no improvement, like ``stop=True``
-    (``mask_warmup=False`` publishes every defined score). The other ``gwa/*`` values reach
-    ``callback_metrics`` when they are logged. Loggers get only defined scores: GWA is undefined
-    (never logged) for an epoch with fewer than 4 scored samples (warning) or a denominator
-    ``<= 0``, i.e. bimodal scores (``bimodal`` alert).
+    ``trainer.callback_metrics["gwa/selection"]`` (every rank) gets the epoch's place in that ranking as one
+    number inside the window (``0.5 + atan(GWA) / pi`` in ``(0, 1)`` for a score, ``1 + (-1.2 - kurtosis) /
+    0.8`` in ``[1, 2]`` for bimodal scores); outside it, or when the epoch is not ranked, it is left as it
+    was: absent before the first windowed epoch, the last value after it (no placeholder value). So
+    ``ModelCheckpoint(monitor="gwa/selection", mode="max")`` keeps the checkpoint of ``best_epoch``, and
+    ``EarlyStopping(monitor="gwa/selection", mode="max", strict=False)`` waits through the warm-up and
+    stops like ``stop=True`` with ``min_delta=0``. ``callback_metrics["gwa/score"]``, masked the same way,
+    is the paper's score alone (bimodal epochs never reach it). ``mask_warmup=False`` publishes both outside
+    the window too. The other ``gwa/*`` values reach ``callback_metrics`` when they are logged. Loggers get
+    only defined scores: GWA is undefined (never logged) for an epoch with fewer than 4 scored samples
+    (warning) or a denominator ``<= 0``, i.e. bimodal scores (``bimodal`` alert).
 
     Args:
         head: qualified name of the ``nn.Linear`` producing the logits; default: the last
@@ -134,8 +139,8 @@ class GradientWeightAlignmentMonitor(Monitor):
             outside the selection window (paper: 10%).
         warmup_epochs: number of epochs outside the window; overrides ``warmup_fraction``.
         finetune: open the window only after GWA's first dip (fine-tuning a pre-trained model).
-        mask_warmup: keep ``gwa/score`` out of ``callback_metrics`` outside the window (loggers
-            still get it).
+        mask_warmup: keep ``gwa/score`` and ``gwa/selection`` out of ``callback_metrics`` outside the window
+            (loggers still get the score).
         ignore_index: integer target that marks a sample (token) to skip.
         log_histograms: write a histogram of the epoch's scores to TensorBoard loggers. Deprecated alias:
             ``histogram``.
@@ -252,7 +257,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._run_warned = False
 
     def _selection_state(self) -> dict[str, Any]:
-        return dict(best_epoch=self.best_epoch, best_score=self.best_score, wait=self.wait, dip_epoch=self.dip_epoch,
+        return dict(best_epoch=self.best_epoch, best_score=self.best_score, best_rank=self._best_rank, wait=self.wait,
+                    dip_epoch=self.dip_epoch,
                     fell=self._fell, prev_score=self._prev_score, prev_epoch=self._prev_epoch,
                     uncertain_said=list(self._uncertain_said))
 
@@ -260,6 +266,10 @@ class GradientWeightAlignmentMonitor(Monitor):
         """The best epoch and its score, the patience counter and the dip detection (``{}``: a fresh run's)."""
         self.best_epoch: Optional[int] = state.get("best_epoch")
         self.best_score: Optional[float] = state.get("best_score")
+        rank = state.get("best_rank")
+        if rank is None and self.best_score is not None:  # a checkpoint from before bimodal epochs were ranked
+            rank = (0, self.best_score)
+        self._best_rank: Optional[tuple[int, float]] = None if rank is None else (int(rank[0]), float(rank[1]))
         self.wait = int(state.get("wait", 0))
         self.dip_epoch: Optional[int] = state.get("dip_epoch")
         self._fell = bool(state.get("fell", False))
@@ -365,22 +375,25 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._start_run_suspects(trainer, pl_module.device)
 
     def _check_score_consumers(self, trainer: pl.Trainer) -> None:
-        """Warn about Lightning callbacks on ``gwa/score`` that fail while the key has no value: it
-        is absent from ``callback_metrics`` until the first selectable epoch (no placeholder)."""
+        """Warn about Lightning callbacks on ``gwa/score`` or ``gwa/selection`` that fail while the key has no value:
+        it is absent from ``callback_metrics`` until the first selectable epoch (no placeholder)."""
         from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
         if not self.mask_warmup or self._in_window(trainer.current_epoch):
             return
-        key = self.key("score")
+        keys = (self.key("score"), self.key("selection"))
         gap = f"epochs < {self._warmup_resolved}" + (" and until GWA's first dip" if self.finetune else "")
         for cb in trainer.callbacks:
-            if isinstance(cb, EarlyStopping) and cb.monitor == key and cb.strict:
+            key = getattr(cb, "monitor", None)
+            if key not in keys:
+                continue
+            if isinstance(cb, EarlyStopping) and cb.strict:
                 rank_zero_warn(
                     f"EarlyStopping(monitor={key!r}) with strict=True raises at its first check: `{key}` is not in "
                     f"trainer.callback_metrics during GWA's warm-up ({gap}). Pass `strict=False`: EarlyStopping "
                     "then waits for the first score and counts from there."
                 )
-            elif isinstance(cb, ModelCheckpoint) and cb.monitor == key and cb.save_top_k != 0 and trainer.enable_validation:
+            elif isinstance(cb, ModelCheckpoint) and cb.save_top_k != 0 and trainer.enable_validation:
                 rank_zero_warn(
                     f"ModelCheckpoint(monitor={key!r}) with a validation loop raises after the first validation of "
                     f"GWA's warm-up ({gap}): Lightning requires the monitored key once a validation loop has run, "
@@ -743,6 +756,7 @@ class GradientWeightAlignmentMonitor(Monitor):
             )
         else:
             metrics[self.key("mean")] = mean
+            record.update(mean=mean, kurtosis=kurtosis if math.isfinite(kurtosis) else None)
             if math.isfinite(kurtosis):
                 metrics[self.key("kurtosis")] = kurtosis
             metrics[self.key("negative")] = negative
@@ -762,14 +776,23 @@ class GradientWeightAlignmentMonitor(Monitor):
                 step, "bimodal", math.isfinite(kurtosis) and kurtosis + GWA_OFFSET <= 0, "warning",
                 f"GWA undefined at epoch {epoch}: the alignment scores are bimodal (excess kurtosis "
                 f"{kurtosis:.3f} <= -{GWA_OFFSET}), so mean/(kurtosis + {GWA_OFFSET}) has no meaning; no "
-                "score logged. Often late in training when the model memorises noisy labels.",
+                f"score logged. {negative / count:.1%} of the samples oppose the weights: usually noisy labels that "
+                "the model still resists while it fits the others. Such an epoch (with a positive mean) ranks above "
+                "every defined score in the selection, the most bimodal first.",
                 value=kurtosis, threshold=-GWA_OFFSET, clear_message=f"GWA scores unimodal again at epoch {epoch}.",
             )
             if math.isfinite(score):
                 metrics[self.key("score")] = score
-                record.update(score=score, mean=mean, kurtosis=kurtosis)
-        eligible = False if small else self._select(epoch, record.get("score"))
+                record["score"] = score
+        # bimodal scores with a positive mean: past the pole of mean / (kurtosis + 1.2), ranked above every score
+        bimodal = mean if math.isfinite(kurtosis) and kurtosis + GWA_OFFSET <= 0 and mean > 0 else None
+        eligible = False if small else self._select(epoch, record.get("score"), None if bimodal is None else kurtosis)
         record.update(eligible=eligible, negative=negative)
+        ranked = record.get("score") is not None or bimodal is not None
+        if ranked and not small and (eligible or not self.mask_warmup):
+            # callback_metrics only, masked like gwa/score: the epoch's place in the selection as one number, for
+            # ModelCheckpoint and EarlyStopping (GWA itself is undefined for bimodal scores)
+            publish(trainer, {self.key("selection"): self._selection_value(record.get("score"), kurtosis)})
         self.history.append(record)
         if self.best_epoch is not None:
             metrics[self.key("best_epoch")] = float(self.best_epoch)
@@ -799,22 +822,49 @@ class GradientWeightAlignmentMonitor(Monitor):
         if self._run is not None:
             self._write_run_suspects(trainer, epoch, step)
         if self.stop:
-            best = math.nan if self.best_score is None else self.best_score
             if self.request_stop(
                 trainer, step, self.best_epoch is not None and self.wait >= self.patience, "early_stop",
                 f"GWA has not improved for {self.wait} epochs: stopping at epoch {epoch}. Predicted best epoch "
-                f"{self.best_epoch} (GWA {best:.4g}); keep its checkpoint "
-                '(ModelCheckpoint(monitor="gwa/score", mode="max")).',
+                f"{self.best_epoch} ({self._best_text()}); keep its checkpoint "
+                '(ModelCheckpoint(monitor="gwa/selection", mode="max")).',
                 value=self.best_score,
             ):
                 self.stopped_epoch = epoch
+
+    def _best_text(self) -> str:
+        """The best epoch's score in words: its GWA, or the kurtosis of its bimodal scores."""
+        if self.best_score is not None or self._best_rank is None:
+            return f"GWA {math.nan if self.best_score is None else self.best_score:.4g}"
+        return f"bimodal scores, excess kurtosis {-self._best_rank[1]:.3f}"
 
     def _in_window(self, epoch: int) -> bool:
         """Whether ``epoch`` is inside the selection window (after the warm-up, and the first dip with ``finetune``)."""
         return epoch >= self._warmup_resolved and (not self.finetune or self.dip_epoch is not None)
 
-    def _select(self, epoch: int, score: Optional[float]) -> bool:
-        """Update dip detection, the window, the best epoch and the patience counter."""
+    @staticmethod
+    def _rank(score: Optional[float], bimodal_kurtosis: Optional[float]) -> Optional[tuple[int, float]]:
+        """An epoch's place in the selection, compared as a tuple: ``(0, GWA)`` for a defined score; ``(1, -kurtosis)``
+        for bimodal scores with a positive mean, whose GWA is undefined; ``None`` for neither. GWA grows without
+        bound as the kurtosis falls to -1.2 (a positive mean): bimodal scores lie past that pole, so they rank above
+        every defined score, the most bimodal (the clearest split of the samples into two groups) first. With noisy
+        labels that split is the fitted samples against the flipped ones the model still resists (measured in
+        ``benchmarks/gwa_validity.py``: at 40% noise such epochs precede the memorisation)."""
+        if score is not None:
+            return 0, score
+        return None if bimodal_kurtosis is None else (1, -bimodal_kurtosis)
+
+    @staticmethod
+    def _selection_value(score: Optional[float], kurtosis: float) -> float:
+        """:meth:`_rank` as one number, increasing with it: ``0.5 + atan(GWA) / pi`` in ``(0, 1)`` for a defined
+        score, ``1 + (-1.2 - kurtosis) / 0.8`` in ``[1, 2]`` for bimodal scores (the excess kurtosis is at least -2)."""
+        if score is not None:
+            return 0.5 + math.atan(score) / math.pi
+        return 1.0 + min(1.0, max(0.0, (-GWA_OFFSET - kurtosis) / (2.0 - GWA_OFFSET)))
+
+    def _select(self, epoch: int, score: Optional[float], bimodal_kurtosis: Optional[float] = None) -> bool:
+        """Update dip detection, the window, the best epoch and the patience counter. ``bimodal_kurtosis``: the
+        excess kurtosis of bimodal scores with a positive mean (GWA undefined, see :meth:`_rank`), else ``None``.
+        Returns whether the epoch took part in the selection."""
         if score is not None:
             if self._prev_score is not None:
                 if score < self._prev_score:
@@ -824,11 +874,13 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._prev_score, self._prev_epoch = score, epoch
         if not self._in_window(epoch):
             return False
-        if score is not None and (self.best_score is None or score > self.best_score + self.min_delta):
-            self.best_score, self.best_epoch, self.wait = score, epoch, 0
+        rank, best = self._rank(score, bimodal_kurtosis), self._best_rank
+        if rank is not None and (best is None or rank[0] > best[0]
+                                 or (rank[0] == best[0] and rank[1] > best[1] + (self.min_delta if rank[0] == 0 else 0.0))):
+            self.best_score, self.best_epoch, self.wait, self._best_rank = score, epoch, 0, rank
         elif self.best_epoch is not None:
             self.wait += 1
-        return score is not None
+        return rank is not None
 
     def _uncertainty(self) -> Optional[tuple[str, str]]:
         """Why the current best epoch may be a poor pick, ``(kind, reason)``, or ``None``. Four patterns
@@ -842,12 +894,12 @@ class GradientWeightAlignmentMonitor(Monitor):
         gradients oppose the weights (labels near chance, e.g. a binary task with 40% of them wrong: the score is a
         small difference between two nearly equal groups, and its maximum wanders). The first that applies is
         given. Re-checked every epoch."""
-        if self.best_epoch is None or self.best_score is None:
+        if self.best_epoch is None:
             return None
         scores = {h["epoch"]: h["score"] for h in self.history if h.get("score") is not None}
-        best, epoch = self.best_score, self.best_epoch
+        best, epoch = self.best_score, self.best_epoch  # best: None for a pick of bimodal scores (no GWA)
         before = [(e, v) for e, v in sorted(scores.items()) if e < epoch]
-        if epoch == self._warmup_resolved and before and before[-1][1] > best:
+        if best is not None and epoch == self._warmup_resolved and before and before[-1][1] > best:
             e, v = before[-1]
             return "boundary", (f"it is the first epoch after the warm-up and the score was still falling into it "
                                 f"(epoch {e}: {v:.4g} against {best:.4g})")
@@ -865,7 +917,7 @@ class GradientWeightAlignmentMonitor(Monitor):
                 "before; with noisy labels that is memorisation, and the score can keep rising while test accuracy "
                 "falls")
         prev, nxt = scores.get(epoch - 1), scores.get(epoch + 1)
-        if prev is not None and nxt is not None and prev > 0 and nxt > 0 and best > _SPIKE * max(prev, nxt):
+        if best is not None and prev is not None and nxt is not None and prev > 0 and nxt > 0 and best > _SPIKE * max(prev, nxt):
             return "spike", (f"a one-epoch spike ({best:.4g} against {prev:.4g} and {nxt:.4g} on either side), "
                              "usually a passing dip of the scores' kurtosis")
         if epoch in shares and shares[epoch] >= _CONTESTED:
