@@ -269,6 +269,9 @@ def summarize(run: RunReport, max_alerts: int = 40) -> str:
     if best_epoch is not None:
         best = max(scores, key=lambda sv: sv[1]) if scores else None
         extra = f"; highest score {_fmt(best[1])} at step {best[0]}" if best else ""
+        if any(a.monitor == "gwa" and a.kind == "bimodal" for a in run.alerts):
+            # such epochs log no score but rank above every score: the best epoch may be one of them
+            extra += "; epochs of bimodal scores (no score logged) rank above every score"
         lines.append(f"  GWA: best epoch {int(best_epoch[1])} (gwa/best_epoch at step {best_epoch[0]}){extra}")
     elif scores:
         best = max(scores, key=lambda sv: sv[1])

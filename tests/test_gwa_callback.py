@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_monitor import GradientWeightAlignmentMonitor
 from lightning_monitor.callbacks.gradient_weight_alignment import SUSPECTS_FILENAME
+from lightning_monitor.report import load_run, summarize
 from conftest import fit_ddp_spawn  # noqa: E402
 
 
@@ -563,6 +564,9 @@ def test_bimodal_epochs_rank_above_every_score_and_checkpoint_keeps_the_pick(tmp
     alerts = [json.loads(line) for line in open(os.path.join(logger.log_dir, "alerts.jsonl"))]
     raised = [a for a in alerts if a["kind"] == "bimodal"]
     assert len(raised) == 2 and "ranks above every defined score" in raised[0]["message"]
+    text = summarize(load_run(logger.log_dir))  # the report on the same logs
+    assert "GWA: best epoch 4 (gwa/best_epoch at step" in text
+    assert "epochs of bimodal scores (no score logged) rank above every score" in text
 
 
 def test_bimodal_ranks_in_the_selection_and_its_patience() -> None:
