@@ -17,7 +17,8 @@ For each seed and label-noise level (0% and 20% of the training labels flipped t
   one epoch of 200 steps per run) on synthetic Gaussian classes: the monitor's cost where a training
   step is not a toy (``--realistic-only`` runs just this, about 2 minutes).
 
-Run: ``python benchmarks/bench_gwa.py`` (about 12 minutes on 1 CPU thread) or ``--quick``.
+Run: ``python benchmarks/bench_gwa.py`` (about 12 minutes on 1 CPU thread) or ``--quick``; ``--selection-only``
+skips the overhead runs (about 4 minutes).
 """
 
 from __future__ import annotations
@@ -418,6 +419,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="1 seed, fewer epochs and repetitions")
     p.add_argument("--overhead-only", action="store_true", help="skip the selection runs")
+    p.add_argument("--selection-only", action="store_true", help="skip the overhead runs")
     p.add_argument(
         "--realistic-only", action="store_true", help="only the overhead on the wide MLP (about 2 minutes)"
     )
@@ -439,6 +441,8 @@ def main() -> None:
     p.add_argument("--real-d-in", type=int, default=256)
     p.add_argument("--real-classes", type=int, default=10)
     args = p.parse_args()
+    if args.reps < 1 or args.real_reps < 1:
+        p.error("--reps and --real-reps must be at least 1 (--selection-only skips the overhead runs)")
     if args.quick:
         args.seeds, args.epochs, args.reps, args.overhead_epochs = args.seeds[:1], 20, 3, 2
         args.real_reps = min(args.real_reps, 3)
@@ -457,6 +461,8 @@ def main() -> None:
     print(f"model={args.model} opt={args.opt} epochs={args.epochs} batch={args.batch_size} seeds={args.seeds}")
     if not args.overhead_only:
         selection_table(args)
+    if args.selection_only:
+        return
 
     print(
         f"\noverhead: {args.reps} interleaved pairs per batch size, {args.overhead_epochs} epochs each, training loop "
