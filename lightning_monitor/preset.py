@@ -87,7 +87,8 @@ class HealthMonitor(Callback):
     The guard keeps its cadence: it judges every step's loss and gradient norm.
 
     Nothing aborts because a monitor has nothing to watch in this model (no ``nn.Linear`` layer for
-    spectral alignment, no classifier head for GWA ...): such a monitor says so once in a
+    spectral alignment, no classifier head for GWA, or batches whose targets fit no softmax head: regression,
+    multi-label, an autoencoder ...): such a monitor says so once in a
     ``nothing_to_watch`` warning alert and stays idle
     (:attr:`~lightning_monitor.Monitor.idle_when_nothing_to_watch`), and the others watch.
 

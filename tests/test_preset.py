@@ -206,6 +206,99 @@ def test_a_model_with_nothing_to_watch_for_some_monitors_trains(tmp_path) -> Non
     assert all(a.severity == "warning" for a in idle)
 
 
+
+class _Net(pl.LightningModule):
+    """An MLP trained with a loss of the caller's; ``batch[1]`` (when there is one) is what the loss compares with."""
+
+    def __init__(self, out: int, loss: Any) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, out))
+        self.loss = loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        out = self.net(batch[0])
+        return self.loss(out, batch[1] if len(batch) > 1 else batch[0])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+_X = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+_NO_SOFTMAX_HEAD = {
+    # name: (outputs, the batch's tensors, loss)
+    "regression": (1, (_X, _X[:, 0]), lambda out, y: torch.nn.functional.mse_loss(out.squeeze(-1), y)),
+    "regression_column": (1, (_X, _X[:, :1]), torch.nn.functional.mse_loss),
+    "multi_output_regression": (3, (_X, _X[:, :3]), torch.nn.functional.mse_loss),
+    "multi_label": (5, (_X, (_X[:, :5] > 0).float()), torch.nn.functional.binary_cross_entropy_with_logits),
+    "binary_one_logit": (1, (_X, (_X[:, 0] > 0).float()),
+                         lambda out, y: torch.nn.functional.binary_cross_entropy_with_logits(out.squeeze(-1), y)),
+    "autoencoder": (8, (_X,), torch.nn.functional.mse_loss),  # the batch holds no targets at all
+}
+
+
+@pytest.mark.parametrize("case", list(_NO_SOFTMAX_HEAD))
+def test_a_model_without_a_softmax_classifier_trains_with_the_preset(tmp_path, case) -> None:
+    """Regression, multi-label, one-logit binary and autoencoder models: GWA finds an nn.Linear with >= 2 outputs,
+    but the batches' targets do not fit it. The preset's GWA says so once and stays idle; the fit finishes and the
+    other monitors log. A GWA monitor configured by hand still raises, naming the targets."""
+    out, tensors, loss = _NO_SOFTMAX_HEAD[case]
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*tensors), batch_size=8)
+    hm = lm.HealthMonitor(**FAST)
+    trainer = _trainer(tmp_path, [hm], max_steps=8)
+    trainer.fit(_Net(out, loss), loader)
+    assert trainer.global_step == 8
+    assert "do not fit a softmax classifier" in hm.gwa.idle_reason
+    assert hm.spectral.idle_reason is None and hm.noise_scale.idle_reason is None and hm.guard.idle_reason is None
+    idle = [a for a in hm.guard.hub.history if a.kind == "nothing_to_watch"]
+    assert [a.monitor for a in idle] == ["gwa"] and idle[0].severity == "warning"
+    tags = tb_event_accumulator(trainer.logger.log_dir).Tags()["scalars"]
+    assert "sa/sign_diversity_mean" in tags and "gns/b_simple" in tags
+    assert not [t for t in tags if t.startswith("gwa/")]
+    alone = lm.GradientWeightAlignmentMonitor(warmup_epochs=0)
+    with pytest.raises((TypeError, ValueError), match="target"):
+        _trainer(tmp_path / "alone", [alone], max_steps=2, logger=False).fit(_Net(out, loss), loader)
+
+
+class _RankLabels(torch.utils.data.Dataset):
+    """Class labels in [0, 4) on rank 0 and 7 on rank 1 (read in each rank's own process), which a 4-class head
+    cannot take."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> Any:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        return _X[i], torch.tensor(7 if rank == 1 else i % 4)
+
+
+class _Clamped(_Net):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1].clamp(max=3))
+
+
+class _DumpIdle(pl.Callback):
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        hm = next(cb for cb in trainer.callbacks if isinstance(cb, lm.GradientWeightAlignmentMonitor))
+        torch.save({"idle": hm.idle_reason, "step": trainer.global_step}, f"{self.out_dir}/rank{trainer.global_rank}.pt")
+
+
+def test_ddp_targets_refused_on_one_rank_idle_every_rank(tmp_path) -> None:
+    """Only rank 1's first batch has classes the head cannot take: both ranks go idle together (one collective),
+    and the epoch-end gather, which an idle rank skips, is skipped on both, so the fit ends instead of hanging."""
+    from conftest import fit_ddp_spawn
+
+    loader = torch.utils.data.DataLoader(_RankLabels(), batch_size=8)
+    trainer = _trainer(tmp_path, [lm.HealthMonitor(**FAST), _DumpIdle(str(tmp_path))], max_steps=4, devices=2,
+                       strategy="ddp_spawn", max_epochs=1, logger=False)
+    fit_ddp_spawn(trainer, _Clamped(4, None), loader)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0["step"] == r1["step"] == 4
+    assert r0["idle"] and r1["idle"] and "do not fit a softmax classifier" in r0["idle"]
+    assert "another rank's targets" in r0["idle"] and "outside [0, 4)" in r1["idle"]
+
 class _DumpRank(pl.Callback):
     """Each rank writes which monitors it ran and the keys it published."""
 

@@ -162,6 +162,9 @@ class GradientWeightAlignmentMonitor(Monitor):
     the targets; checked when training starts), raises
     :class:`~lightning_monitor.callbacks.base.NothingToWatch` at setup, or, with
     ``idle_when_nothing_to_watch`` set (the preset sets it), says so in one warning alert and stays idle.
+    With that flag set, so does a model whose first scored batch has targets that do not fit the head
+    (an autoencoder's batch without targets, regression, multi-label or one-logit binary targets: no
+    softmax classifier), decided on every rank together after that batch; without it, such targets raise.
     """
 
     name = "gwa"
@@ -220,6 +223,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._shift = bool(shift_targets)
         self._pending: Optional[tuple[Tensor, Optional[Tensor]]] = None  # the batch's targets and indices
         self._checked = False  # the targets were checked once (one host sync)
+        self._refusal: Optional[str] = None
+        self._targets_settled = self._targets_tried = False
         self._warmup_resolved = 0
         self._want_histogram = self.log_histograms
         self._reset_epoch(None)
@@ -346,6 +351,10 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._head_name, self._head = self._find_head(pl_module)
         self._shift = self._causal_lm_shift(pl_module) if self.shift_targets is None else self.shift_targets
         self._checked = False
+        # idle_when_nothing_to_watch: why this rank's first scored batch did not fit the head (targets missing, of
+        # another kind or shape), settled across the ranks at the end of that batch (see _settle_targets)
+        self._refusal: Optional[str] = None
+        self._targets_settled = self._targets_tried = False
         # the same on every rank (the loggers are), so the gathered layout agrees
         self._want_histogram = self.log_histograms and any(isinstance(lg, TensorBoardLogger) for lg in trainer.loggers)
         unbounded = (trainer.max_epochs is None or trainer.max_epochs < 0) and (trainer.max_steps is None or trainer.max_steps < 0)
@@ -505,7 +514,13 @@ class GradientWeightAlignmentMonitor(Monitor):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)  # arms the hook on a due step
         if self._armed_step == trainer.global_step:  # every batch of a due step (micro-batches too) is scored
-            self._pending = self._batch_targets(batch)
+            self._targets_tried = True
+            try:
+                self._pending = self._batch_targets(batch)
+            except (TypeError, ValueError) as err:
+                if not self._may_refuse():
+                    raise
+                self._refusal = self._refusal or str(err)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         # the hook stays for a head that runs only after a first optimizer step (manual optimization); a batch
@@ -543,7 +558,13 @@ class GradientWeightAlignmentMonitor(Monitor):
             return
         targets, indices = pending
         out = output.detach()
-        targets = self._conform_targets(targets, out)
+        try:
+            targets = self._conform_targets(targets, out)
+        except ValueError as err:
+            if not self._may_refuse():
+                raise
+            self._refusal = self._refusal or str(err)
+            return
         z = inputs[0].detach()
         w = module.weight.detach()
         sharded_head = is_sharded(w)  # FSDP2 resharded the head after its forward: read it from the shards
@@ -690,11 +711,35 @@ class GradientWeightAlignmentMonitor(Monitor):
         return torch.stack([idx, pos, tgt, logits.argmax(-1).double()])
 
     # ------------------------------------------------------------------ per epoch
+    def _may_refuse(self) -> bool:
+        """Whether targets that do not fit the head make the monitor idle instead of failing the fit: with
+        ``idle_when_nothing_to_watch`` (the preset), until the first scored batch has been settled."""
+        return self.idle_when_nothing_to_watch and not self._targets_settled
+
+    def _settle_targets(self, trainer: pl.Trainer) -> None:
+        """After the first scored batch (``idle_when_nothing_to_watch`` only): if any rank's targets did not fit
+        the head (an autoencoder's batch without targets, regression or multi-label targets: no softmax
+        classifier here), every rank goes idle together; the reduction is one collective per fit."""
+        self._targets_settled = True
+        refused = self._refusal is not None
+        if trainer.world_size > 1:
+            refused = self.decide(trainer, refused)
+        if refused:
+            self._stash, self._stashed, self._pending = [], 0, None
+            why = self._refusal or "another rank's targets did not fit it"
+            self.nothing_to_watch(trainer, f"the batches' targets do not fit a softmax classifier on `{self._head_name}` "
+                                           f"({why}). Pass `target_fn=` and `head=` if this model has one.")
+        self._refusal = None
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self.idle_reason is not None:
             return
+        if self.idle_when_nothing_to_watch and not self._targets_settled and self._targets_tried:
+            self._settle_targets(trainer)
+            if self.idle_reason is not None:
+                return
         if self._pending is not None:  # the head did not run in this batch's forward
             self.release()
             self._pending = None
