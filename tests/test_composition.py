@@ -363,3 +363,50 @@ def test_two_spectral_monitors_with_checkpointing_and_resume(tmp_path, tiny_gpt)
 def test_state_keys_tell_instances_apart(make: Any) -> None:
     a, b = make()
     assert a.state_key != b.state_key
+
+
+class _HeadCalledDirectly(pl.LightningModule):
+    """A classifier whose head ``training_step`` calls itself: the per-example probe treats it as a model entry and
+    runs it once more on a two-row batch to find its batch dimension (a dry run)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(8, 16)
+        self.head = torch.nn.Linear(16, 3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.head(torch.relu(self.body(batch[0]))), batch[1])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _head_loader() -> Any:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()),
+                                       batch_size=16)
+
+
+def test_the_probes_dry_run_is_not_seen_by_other_monitors(tmp_path) -> None:
+    """The noise-scale probe's dry run of the head used to reach GWA's head hook: GWA took the two rows for the
+    step's logits, failed on its targets (so the probe dropped the head from its coverage) and lost the step's
+    scores. Now GWA's scores equal those of GWA alone, and the probe covers the whole gradient."""
+    def fit(callbacks: list) -> pl.Trainer:
+        pl.seed_everything(0)
+        trainer = pl.Trainer(accelerator="cpu", max_epochs=2, callbacks=callbacks, logger=CSVLogger(str(tmp_path)),
+                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                             default_root_dir=str(tmp_path))
+        trainer.fit(_HeadCalledDirectly(), _head_loader())
+        return trainer
+
+    alone = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    fit([alone])
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    gns = GradientNoiseScaleMonitor(every_n_steps=1)
+    spectral = SpectralAlignmentMonitor(every_n_steps=1)
+    trainer = fit([spectral, gns, gwa])
+    assert gwa.idle_reason is None
+    assert [(h["count"], h["mean"]) for h in gwa.history] == [(h["count"], h["mean"]) for h in alone.history]
+    assert gwa.history[0]["count"] == 64
+    assert float(trainer.callback_metrics["gns/coverage"]) == pytest.approx(1.0)

@@ -24,6 +24,7 @@ from lightning_monitor._sharded import full, global_norm, is_sharded
 from lightning_monitor._values import publish, write_csv
 from lightning_monitor._args import check_fraction, check_int, deprecated_aliases
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch
+from lightning_monitor.probes import in_dry_run
 from lightning_monitor.functional.gwa import GWA_OFFSET, GWAMoments, SampleMeans, alignment_from_parts
 
 __all__ = ["GradientWeightAlignmentMonitor", "default_target_fn"]
@@ -553,6 +554,8 @@ class GradientWeightAlignmentMonitor(Monitor):
     @torch.compiler.disable
     def _on_head_forward(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
         """Keep what the step's scores need: a few detached tensors, one or two small kernels."""
+        if in_dry_run():  # another monitor running the head on a batch of its own: not the step's forward
+            return
         pending, self._pending = self._pending, None
         if pending is None or not inputs or not isinstance(output, Tensor):
             return

@@ -21,6 +21,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_monitor.probes import in_dry_run
+
 __all__ = ["InputCapture"]
 
 
@@ -84,6 +86,8 @@ class InputCapture:
 
     def _make_hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if in_dry_run():  # another monitor's run of the module on a batch of its own
+                return
             handle = self._handles.pop(name, None)
             if handle is not None:
                 handle.remove()

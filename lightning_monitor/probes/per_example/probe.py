@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.hooks import RemovableHandle
 
+from lightning_monitor.probes import dry_run
 from lightning_monitor.probes.per_example.kernels import project_matrix
 from lightning_monitor.probes.per_example.registry import Handler, handler_for
 from lightning_monitor.probes.per_example.strategy import (
@@ -488,7 +489,7 @@ class PerExampleGradNorms:
         try:
             if swap:
                 module.forward = used  # type: ignore[method-assign]
-            with torch.no_grad(), torch.random.fork_rng(devices=devices), warnings.catch_warnings():
+            with torch.no_grad(), torch.random.fork_rng(devices=devices), warnings.catch_warnings(), dry_run():
                 warnings.simplefilter("ignore")  # the model's warnings belong to its real calls
                 functional_call(module, buffers, _resize_batch(args, batch, small),
                                 _resize_batch(kwargs, batch, small), strict=False)
