@@ -92,3 +92,66 @@ def test_every_monitor_on_more_hf_families(tmp_path, family: str) -> None:
     assert all(left_out.values()), left_out  # every module left out is named with a reason
     assert (coverage[-1] < 1.0) == bool(left_out)
     assert not run.monitors["DivergenceGuard"].rollbacks and run.monitors["DivergenceGuard"].stopped_step is None
+
+
+def _bert(**kw) -> "transformers.BertConfig":
+    return transformers.BertConfig(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=T, **H, **kw)
+
+
+def _ids(g: torch.Generator) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (T,), generator=g)
+
+
+# heads whose labels are no class per logits row: regression, multi-label, span positions, multiple choice (a
+# 1-output head over the choices), CTC (label sequences of another length), and no labels at all (masked image
+# reconstruction, contrastive image-text)
+NO_SOFTMAX_HEAD = {
+    "BERT regression": (lambda: transformers.BertForSequenceClassification(_bert(num_labels=1)),
+                        lambda g: {"input_ids": _ids(g), "labels": torch.randn((), generator=g)}),
+    "BERT multi-label": (lambda: transformers.BertForSequenceClassification(
+        _bert(num_labels=4, problem_type="multi_label_classification")),
+        lambda g: {"input_ids": _ids(g), "labels": (torch.rand(4, generator=g) > 0.5).float()}),
+    "BERT question answering": (lambda: transformers.BertForQuestionAnswering(_bert()), lambda g: {
+        "input_ids": _ids(g), "start_positions": torch.randint(0, T, (), generator=g),
+        "end_positions": torch.randint(0, T, (), generator=g)}),
+    "BERT multiple choice": (lambda: transformers.BertForMultipleChoice(_bert()), lambda g: {
+        "input_ids": torch.stack([_ids(g), _ids(g)]), "labels": torch.randint(0, 2, (), generator=g)}),
+    "Wav2Vec2 CTC": (lambda: transformers.Wav2Vec2ForCTC(transformers.Wav2Vec2Config(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2, layerdrop=0.0, pad_token_id=0, ctc_zero_infinity=True)),
+        lambda g: {"input_values": torch.randn(400, generator=g), "labels": torch.randint(1, VOCAB, (5,), generator=g)}),
+    "ViT-MAE": (lambda: transformers.ViTMAEForPreTraining(transformers.ViTMAEConfig(
+        image_size=16, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, decoder_hidden_size=16, decoder_num_hidden_layers=1, decoder_num_attention_heads=2,
+        decoder_intermediate_size=32)), lambda g: {"pixel_values": torch.randn(3, 16, 16, generator=g)}),
+    "CLIP": (lambda: transformers.CLIPModel(transformers.CLIPConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32, max_position_embeddings=T),
+        vision_config=dict(image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=32), projection_dim=8)),
+        lambda g: {"input_ids": _ids(g), "pixel_values": torch.randn(3, 16, 16, generator=g)}),
+}
+
+
+def _loss_with_return(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    return model(**batch, return_loss=True).loss
+
+
+@pytest.mark.parametrize("family", list(NO_SOFTMAX_HEAD))
+def test_families_without_a_softmax_head_for_their_labels(tmp_path, family: str) -> None:
+    """Every monitor, idle when it has nothing to watch (as the preset sets them), on models whose labels fit no
+    softmax classifier: GWA still finds an nn.Linear with >= 2 outputs, but the batches' targets do not fit it. The
+    fit finishes, GWA says why it is idle, the others log, and every logged value is finite (read back from
+    TensorBoard). Before, GWA failed the fit on the first batch in 7 of these 8 families."""
+    make, item = NO_SOFTMAX_HEAD[family]
+    loss = _loss_with_return if family == "CLIP" else _hf_loss
+    run = fit_zoo_model(ZooEntry(family, make, loss, item, hf=True), str(tmp_path))
+    assert run.scalars and len(run.scalars["train/loss"]) > 0
+    bad = {k: v for k, series in run.scalars.items() for _, v in series if not math.isfinite(v)}
+    assert not bad, bad
+    assert "do not fit a softmax classifier" in run.monitors["GradientWeightAlignment"].idle_reason
+    assert not [k for k in run.scalars if k.startswith("gwa/")]
+    for name, prefix in (("SpectralAlignment", "sa/"), ("GradientNoiseScale", "gns/")):
+        assert run.monitors[name].idle_reason is None and any(k.startswith(prefix) for k in run.scalars), name
+    assert not run.monitors["DivergenceGuard"].rollbacks and run.monitors["DivergenceGuard"].stopped_step is None

@@ -165,3 +165,33 @@ def test_nothing_to_watch_raises_or_stays_idle(tmp_path) -> None:
     assert mon.idle_reason is not None and "covered" in mon.idle_reason
     assert not [t for t in tags if t.startswith("gns/")]
     assert [a.kind for a in alerts] == ["nothing_to_watch"]
+
+
+class FoldedChoices(pl.LightningModule):
+    """Every layer sees the batch folded with two choices per example, ``(B * 2, d)``, as a multiple-choice model
+    does: no module's rows are examples, so the per-example norms cover nothing (found at the first backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 16)
+        self.head = nn.Linear(16, 3)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.head(torch.relu(self.body(x.reshape(-1, 6)))).reshape(x.shape[0], 2, 3).mean(1)
+        return F.cross_entropy(logits, y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_nothing_covered_at_run_time_is_said_and_logged_as_zero_coverage(tmp_path) -> None:
+    torch.manual_seed(0)
+    tags, alerts = run(FoldedChoices(), torch.randn(32, 2, 6), torch.randint(0, 3, (32,)), tmp_path,
+                       GradientNoiseScaleMonitor(every_n_steps=1))
+    assert [v for _, v in tags["gns/coverage"]] == [0.0] * 4 and [v for _, v in tags["gns/partial"]] == [1.0] * 4
+    assert "gns/b_simple" not in tags and "gns/g2" not in tags  # nothing is estimated
+    cov = [a for a in alerts if a.kind == "partial_coverage"]
+    assert len(cov) == 1 and cov[0].severity == "warning" and cov[0].value == 0.0
+    assert "body (weight, bias)" in cov[0].message and "head (weight, bias)" in cov[0].message
+    assert "batch dimension" in cov[0].message  # the probe's reason for each module

@@ -643,7 +643,9 @@ class GradientEarlyStopping(Monitor):
                 if not math.isfinite(stat_h[position[name]]):
                     continue  # no gradient this step (module unused)
                 metrics[self.key("stat", name)] = stat_h[position[name]]
-                if ratio_h is not None and not math.isnan(ratio_h[position[name]]):
+                # no ratio before the reference (NaN), nor after a zero reference while the component moves (inf:
+                # it never freezes); loggers get numbers only
+                if ratio_h is not None and math.isfinite(ratio_h[position[name]]):
                     metrics[self.key("ratio", name)] = ratio_h[position[name]]
         for name in newly:
             freeze_parameters(self._components[name].params, trainer.optimizers)

@@ -110,7 +110,10 @@ class GradientNoiseScaleMonitor(Monitor):
     separable batch dimension, such as positions broadcast over the batch) names them by module with the
     reason and the share they carry: in a ``partial_coverage`` warning alert when the coverage is below
     ``min_coverage``, else in a console warning (the estimate stands; a healthy run raises no alert); a
-    check that finds new ones says so again. ``B_simple`` is then that of the covered parameters.
+    check that finds new ones says so again. ``B_simple`` is then that of the covered parameters. When the
+    first backward finds that they cover nothing (no module's rows are the batch's examples), every check logs
+    a coverage of 0 with ``gns/partial`` 1 and estimates nothing, and one ``partial_coverage`` warning names
+    every module with its reason.
 
     A model with nothing to measure (no trainable parameter, or none that per-example hooks cover), or
     one trained by several optimizers (checked when the fit starts: their losses would mix in one
@@ -510,6 +513,14 @@ class GradientNoiseScaleMonitor(Monitor):
         method = self.resolved_method
         read = {"per_example": self._small_per_example, "accumulation": self._small_accumulation, "ddp": self._small_ddp}
         found = read[method](trainer, max(self._micro_batches, 1))
+        if found is None and method == "per_example" and self._probe is not None and not self._probe.covered:
+            # the per-example norms cover no parameter (every module left out, e.g. a batch folded with the choices
+            # of a multiple-choice model): said once, with each module's reason, and logged as a coverage of 0
+            # (nothing is estimated), instead of logging nothing without a word
+            if any(p.grad is not None for p in self._params.values()):
+                self._coverage_alert(step, set(), 0.0, True)
+                return {self.key("batch_size"): float(self._examples * trainer.world_size),
+                        self.key("coverage"): 0.0, self.key("partial"): 1.0}
         if found is None:
             return None
         names, small, b_small, b_big = found
