@@ -259,6 +259,51 @@ def test_a_model_without_a_softmax_classifier_trains_with_the_preset(tmp_path, c
         _trainer(tmp_path / "alone", [alone], max_steps=2, logger=False).fit(_Net(out, loss), loader)
 
 
+
+class _Stream(torch.utils.data.IterableDataset):
+    """Examples without end and without a length."""
+
+    def __iter__(self) -> Any:
+        i = 0
+        while True:
+            yield _X[i % 64], torch.tensor(i % 3)
+            i += 1
+
+
+@pytest.mark.parametrize("run", ["stream_with_max_steps", "unbounded_with_max_time"])
+def test_a_run_of_unknown_length_trains_with_the_preset(tmp_path, run) -> None:
+    """GWA takes its warm-up as a fraction of the planned epochs: an iterable without a length (max_steps) or a run
+    bounded only by time has none. The preset's GWA says so and stays idle; the others watch; GWA alone raises."""
+    loss = torch.nn.functional.cross_entropy
+    if run == "stream_with_max_steps":
+        loader, kw = torch.utils.data.DataLoader(_Stream(), batch_size=8), dict(max_steps=6)
+    else:
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_X, torch.arange(64) % 3), batch_size=8)
+        kw = dict(max_steps=-1, max_epochs=-1, max_time={"seconds": 2})
+    hm = lm.HealthMonitor(**FAST)
+    trainer = _trainer(tmp_path, [hm], **kw)
+    trainer.fit(_Net(3, loss), loader)
+    assert trainer.global_step >= 6 and "warmup_epochs=" in hm.gwa.idle_reason
+    assert hm.spectral.idle_reason is None and hm.guard.idle_reason is None
+    assert "sa/sign_diversity_mean" in tb_event_accumulator(trainer.logger.log_dir).Tags()["scalars"]
+    with pytest.raises(ValueError, match="warmup_epochs="):
+        _trainer(tmp_path / "alone", [lm.GradientWeightAlignmentMonitor()], logger=False, **kw).fit(_Net(3, loss), loader)
+
+
+def test_default_targets_of_a_dataclass_batch() -> None:
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Batch:
+        inputs: torch.Tensor
+        labels: torch.Tensor
+        note: str = "x"
+
+    batch = Batch(torch.zeros(2, 3), torch.tensor([1, 0]))
+    assert default_target_fn(batch) is batch.labels
+    with pytest.raises(TypeError, match="tensor attribute"):
+        default_target_fn(dataclasses.replace(batch, labels=None))
+
 class _RankLabels(torch.utils.data.Dataset):
     """Class labels in [0, 4) on rank 0 and 7 on rank 1 (read in each rank's own process), which a 4-class head
     cannot take."""

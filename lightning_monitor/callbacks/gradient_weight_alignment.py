@@ -52,18 +52,24 @@ _CAUSAL_LM_NAMES = ("GPT2LMHeadModel", "OpenAIGPTLMHeadModel", "CTRLLMHeadModel"
 
 
 def default_target_fn(batch: Any) -> Tensor:
-    """Targets of a ``(x, y, ...)`` tuple/list batch, or of a dict batch under one of the keys
-    ``y``, ``target``, ``targets``, ``label``, ``labels``."""
+    """Targets of a ``(x, y, ...)`` tuple/list batch, of a dict batch under one of the keys ``y``, ``target``,
+    ``targets``, ``label``, ``labels``, or of another batch object (a dataclass ...) under an attribute of one of
+    those names holding a tensor."""
     if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)) and len(batch) >= 2:
         return batch[1]
     if isinstance(batch, Mapping):
         for key in _TARGET_KEYS:
             if key in batch:
                 return batch[key]
+    elif not isinstance(batch, (Sequence, Tensor)):
+        for key in _TARGET_KEYS:
+            value = getattr(batch, key, None)
+            if isinstance(value, Tensor):
+                return value
     raise TypeError(
         f"GradientWeightAlignmentMonitor cannot find the targets in a batch of type {type(batch).__name__}: "
-        f"the default takes batch[1] of a tuple/list or one of the keys {list(_TARGET_KEYS)} of a dict. "
-        "Pass `target_fn=lambda batch: ...` returning the class targets."
+        f"the default takes batch[1] of a tuple/list, one of the keys {list(_TARGET_KEYS)} of a dict, or a "
+        "tensor attribute of one of those names. Pass `target_fn=lambda batch: ...` returning the class targets."
     )
 
 
@@ -360,8 +366,9 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._want_histogram = self.log_histograms and any(isinstance(lg, TensorBoardLogger) for lg in trainer.loggers)
         unbounded = (trainer.max_epochs is None or trainer.max_epochs < 0) and (trainer.max_steps is None or trainer.max_steps < 0)
         if self.warmup_epochs is None and self.warmup_fraction > 0 and unbounded:
-            raise ValueError(
-                "GradientWeightAlignmentMonitor cannot take `warmup_fraction` of an unbounded run (neither "
+            # a ValueError; the preset's monitor (idle_when_nothing_to_watch) says so and stays idle instead
+            raise NothingToWatch(
+                "it cannot take `warmup_fraction` of an unbounded run (neither "
                 "max_epochs nor max_steps is set): pass `warmup_epochs=` explicitly."
             )
 
@@ -375,7 +382,11 @@ class GradientWeightAlignmentMonitor(Monitor):
         ):
             self._head = None
             return
-        self._warmup_resolved = self._resolve_warmup(trainer)
+        try:
+            self._warmup_resolved = self._resolve_warmup(trainer)
+        except NothingToWatch as err:  # raised again, or (the preset) the monitor stays idle
+            self.nothing_to_watch(trainer, str(err))
+            return
         self._check_score_consumers(trainer)
         # the epoch training starts in: Lightning calls on_train_epoch_start for it only when it starts at its
         # first batch (not after a resume inside it)
@@ -426,8 +437,8 @@ class GradientWeightAlignmentMonitor(Monitor):
                 by_steps = math.ceil(trainer.max_steps / per_epoch)
                 epochs = by_steps if epochs is None else min(epochs, by_steps)
         if epochs is None:
-            raise ValueError(
-                "GradientWeightAlignmentMonitor cannot tell the length of this run (max_steps with an iterable "
+            raise NothingToWatch(  # a ValueError
+                "it cannot tell the length of this run (max_steps with an iterable "
                 "of unknown length): pass `warmup_epochs=` explicitly."
             )
         return int(math.ceil(self.warmup_fraction * epochs - 1e-9))
