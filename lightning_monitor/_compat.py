@@ -34,9 +34,18 @@ __all__ = [
 
 
 def foreach_norm(tensors: Sequence[Tensor], ord: float, dtype: Optional[torch.dtype] = None) -> list[Tensor]:
-    """``[vector_norm(t, ord, dtype=dtype) for t in tensors]``; ``torch._foreach_norm`` when present.
+    """``[vector_norm(t, ord, dtype=dtype) for t in tensors]``; ``torch._foreach_norm`` when present. A tensor wider
+    than ``dtype`` (float64 for a float32 ``dtype``: the kernels refuse to narrow) has its norm taken in its own
+    dtype, then cast to ``dtype``.
 
     An error from the fused kernel (e.g. a ``dtype=`` it does not accept) propagates to the caller."""
+    wider = {d for d in {t.dtype for t in tensors} if torch.promote_types(d, dtype) != dtype} if dtype is not None else ()
+    if wider:  # rare (float64 models): the common case costs one set of the dtypes present
+        wide = [t.dtype in wider for t in tensors]
+        narrow = [t for t, w in zip(tensors, wide) if not w]
+        narrow_norms = iter(foreach_norm(narrow, ord, dtype) if narrow else [])
+        wide_norms = iter(foreach_norm([t for t, w in zip(tensors, wide) if w], ord))
+        return [next(wide_norms).to(dtype) if w else next(narrow_norms) for w in wide]
     fn = getattr(torch, "_foreach_norm", None)
     if fn is None:
         return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]

@@ -102,7 +102,7 @@ def global_norm(t: Tensor) -> Tensor:
     """The fp32 L2 norm of the whole of ``t``: of a ``DTensor`` from its local shard and one all-reduce of
     one float over the default process group (every rank must call it), no gather; else ``t``'s own."""
     if not is_sharded(t):
-        return torch.linalg.vector_norm(t, dtype=torch.float32)
+        return foreach_norm([t], 2.0, dtype=torch.float32)[0]  # a float64 tensor: its own norm, then float32
     _, sq = squared_norms([t])
     assert sq is not None
     import torch.distributed as dist

@@ -5,6 +5,7 @@ trains, and per-layer statistics are folded into histograms by default."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -408,3 +409,36 @@ def test_the_progress_bar_shows_a_health_word(tmp_path, tiny_gpt) -> None:
                          enable_checkpointing=False, default_root_dir=str(tmp_path / "q"))
     trainer.fit(module, loader)
     assert "health" not in trainer.progress_bar_callback.get_metrics(trainer, module)
+
+
+@pytest.mark.parametrize("precision", ["64-true", "bf16-true"])
+def test_every_monitor_in_a_model_of_another_dtype(tmp_path, tiny_gpt, precision) -> None:
+    """Parameters in float64 or bfloat16 (``precision="64-true"`` / ``"bf16-true"``): every monitor watches, GradES
+    included. The fused norms used to refuse float64 ("should be convertible without narrowing"), which failed the
+    fit in the guard's first snapshot check."""
+    module, loader = tiny_gpt()
+    hm = lm.HealthMonitor(**FAST, grades=dict(every_n_steps=2, grace_steps=2, stop=False))
+    trainer = _trainer(tmp_path, [hm], max_steps=8, precision=precision)
+    trainer.fit(module, loader)
+    assert trainer.global_step == 8
+    assert next(module.parameters()).dtype == {"64-true": torch.float64, "bf16-true": torch.bfloat16}[precision]
+    ea = tb_event_accumulator(trainer.logger.log_dir)
+    tags = ea.Tags()["scalars"]
+    for key in ("sa/sign_diversity_mean", "gns/b_simple", "grades/frozen_fraction"):
+        assert key in tags, key
+    assert all(math.isfinite(e.value) for t in tags for e in ea.Scalars(t))
+    assert not [m for m in ("spectral", "noise_scale", "guard", "grades") if getattr(hm, m).idle_reason]
+
+
+def test_fused_norms_of_mixed_dtypes_match_the_oracle() -> None:
+    from lightning_monitor._compat import foreach_norm
+
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(5, generator=g, dtype=torch.float64), torch.randn(3, generator=g).bfloat16(),
+          torch.randn(4, generator=g), torch.randn(2, generator=g, dtype=torch.float64)]
+    got = foreach_norm(ts, 2.0, dtype=torch.float32)
+    assert [t.dtype for t in got] == [torch.float32] * 4
+    want = [torch.linalg.vector_norm(t.double()).float() for t in ts]
+    for a, b in zip(got, want):
+        assert float(a) == pytest.approx(float(b), rel=1e-6)
+    assert foreach_norm(ts[:1], 2.0, dtype=torch.float32)[0].dtype == torch.float32  # only wide tensors
