@@ -460,3 +460,82 @@ def test_a_nonfinite_gradient_with_a_finite_loss_is_zeroed_and_reported_with_its
     critical = [a for a in alerts if a.severity == "critical"]
     assert [(a.kind, a.step) for a in critical] == [("nonfinite", 15)]
     assert f"Non-finite gradient norm ({bad})" in critical[0].message and "zeroed" in critical[0].message
+
+
+def _shifted(tiny_gpt, offset: float, **kwargs):
+    """The example GPT with a constant added to its loss: the same gradients, so the same training, but a loss below 0
+    (as the negative log-likelihood of a continuous density can be)."""
+    from gpt import GPTModule
+
+    class Shifted(GPTModule):
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch, batch_idx) + offset
+
+    module, loader = tiny_gpt(**kwargs)
+    module.__class__ = Shifted
+    return module, loader
+
+
+def test_a_loss_below_zero_turns_the_loss_rules_off_and_changes_nothing_else(tmp_path, tiny_gpt):
+    """Shifted by -10, a healthy run's loss is negative from the first step. The loss rules (multiples of the loss's
+    levels) assume a loss bounded below by 0; on such a run the guard says so once and takes no action, so the
+    weights end bit for bit as those of the same run without the guard."""
+    pl.seed_everything(0)
+    module, loader = _shifted(tiny_gpt, -10.0, lr=3e-3)
+    guard = DivergenceGuard()
+    _trainer(tmp_path / "a", [guard], steps=150, logger=False).fit(module, loader)
+    assert [(a.kind, a.severity) for a in guard.hub.history] == [("signed_loss", "warning")]
+    assert guard.hub.history[0].step == 0 and "below 0" in guard.hub.history[0].message
+    assert guard.rollbacks == [] and guard.stopped_step is None
+    pl.seed_everything(0)
+    reference, loader = _shifted(tiny_gpt, -10.0, lr=3e-3)
+    _trainer(tmp_path / "b", [], steps=150, logger=False).fit(reference, loader)
+    for (name, p), q in zip(module.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+def test_a_nan_in_a_run_with_a_negative_loss_is_still_caught(tmp_path, tiny_gpt):
+    pl.seed_everything(0)
+    module, loader = _shifted(tiny_gpt, -10.0, nan_at_step=23)
+    guard = DivergenceGuard(action="stop", every_n_steps=10)
+    _trainer(tmp_path, [guard], steps=100, logger=False).fit(module, loader)
+    assert guard.stopped_step == 23 and _finite(module)
+    assert [a.kind for a in guard.hub.history if a.severity != "info"] == ["signed_loss", "nonfinite"]
+    state = guard.state_dict()
+    assert state["signed_loss"] is True
+    again = DivergenceGuard()
+    again.load_state_dict(state)
+    assert again._signed
+
+
+class _GaussianNLL(pl.LightningModule):
+    """Heteroscedastic regression on nearly noiseless data: the Gaussian negative log-likelihood falls from +0.2 to
+    about -3.8 as the predicted variance shrinks, with the heavy-tailed batch losses of a small variance."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        mu, log_var = self.net(x).unbind(-1)
+        return 0.5 * (log_var + (y - mu) ** 2 / log_var.exp()).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+
+def test_a_healthy_gaussian_likelihood_run_is_not_rolled_back(tmp_path):
+    """The rules made for losses bounded below by 0 rolled this healthy run back at step 430 (its smoothed loss rose
+    from -3.02 to -2.63, which they read as a creep turning into a climb). Now: one signed_loss warning, no action."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8192, 4, generator=g)
+    y = torch.sin(x[:, 0]) + 0.5 * x[:, 1] + 0.01 * torch.randn(8192, generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True,
+                                         generator=torch.Generator().manual_seed(0))
+    pl.seed_everything(0)
+    guard = DivergenceGuard()
+    trainer = _trainer(tmp_path, [guard], steps=600, logger=False)
+    trainer.fit(_GaussianNLL(), loader)
+    assert trainer.global_step == 600 and guard.rollbacks == [] and guard.stopped_step is None
+    assert [a.kind for a in guard.hub.history] == ["signed_loss"]

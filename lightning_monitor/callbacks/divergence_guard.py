@@ -574,7 +574,7 @@ class DivergenceGuard(Monitor):
             if reason is not None:
                 return [reason], step, False
         start, surge = None, False
-        if loss is not None and math.isfinite(loss):
+        if loss is not None and math.isfinite(loss) and not self._signed_loss(step, loss):
             if len(self._initial) < 3:
                 self._initial.append(loss)
             anchor = self._anchor()
@@ -593,6 +593,35 @@ class DivergenceGuard(Monitor):
             if self._creep(step, loss, anchor):
                 start = self._creep_start
         return (self._corroborate(step) if self.corroborate else []), start, surge
+
+    def _signed_loss(self, step: int, loss: float) -> bool:
+        """Whether the loss has gone below 0 in this run (from this step on, for good). The loss rules compare the
+        loss with multiples of its levels (twice the recent level, 1.5 times the smoothed minimum, a fraction of
+        the initial loss), which assumes a loss bounded below by 0 (cross-entropy, squared error). A loss that
+        goes negative (the negative log-likelihood of a continuous density, an ELBO ...) has no such zero, and on
+        healthy Gaussian-likelihood runs those rules rolled back. From the first negative loss the guard acts
+        only on non-finite losses and gradients, says so once (``signed_loss``) and clears its loss
+        conditions."""
+        if self._signed:
+            return True
+        if loss >= 0:
+            return False
+        self._signed = True
+        self._loss_watch.run, self._loss_watch.start = 0, None
+        self._creep_start, self._climb_judged, self._hard_batch = None, False, None
+        for kind in ("loss_creep", "loss_explosion"):
+            if (kind, None) in self._conditions:
+                self.condition(step, kind, False, "warning", "", clear_message="The loss went below 0: not judged.")
+        self.alert(
+            step, "signed_loss", "warning",
+            f"The training loss went below 0 at step {step} ({loss:.4g}). The guard's loss rules compare the loss "
+            "with multiples of its levels, which assumes a loss bounded below by 0; from here on it acts only on "
+            "non-finite losses and gradients (rolling back over them as before) and no longer judges the loss's "
+            "level (no loss_creep / loss_explosion). Add a constant to the loss that keeps it above 0 to keep those "
+            "rules.",
+            value=loss, threshold=0.0,
+        )
+        return True
 
     def _nonfinite(self, step: int, bad_loss: bool, bad_grad: bool, loss: Optional[float], gnorm: float) -> Optional[str]:
         """Update the ``nonfinite`` condition; the critical reason when it is raised (not when it persists)."""
@@ -997,6 +1026,7 @@ class DivergenceGuard(Monitor):
         self._external: list[Alert] = []
         self._external_warnings: dict[tuple[str, str, Optional[str]], Alert] = {}
         self.rollbacks, self.stop_checkpoint, self.stopped_step = [], None, None
+        self._signed = False  # the loss went below 0 (see _signed_loss); not part of a snapshot: for good
 
     def _detector_state(self) -> dict[str, Any]:
         return {
@@ -1026,6 +1056,7 @@ class DivergenceGuard(Monitor):
             lr_ceiling=self._lr_ceiling,
             stop_checkpoint=self.stop_checkpoint,
             stopped_step=self.stopped_step,
+            signed_loss=self._signed,
             snapshot_files=[
                 {"step": s.step, "epoch": s.epoch, "lr_scale": s.lr_scale, "path": s.path, "guard": s.guard}
                 for s in self._snapshots if s.path is not None
@@ -1044,6 +1075,7 @@ class DivergenceGuard(Monitor):
         self._lr_ceiling = state_dict.get("lr_ceiling")
         self.stop_checkpoint = state_dict.get("stop_checkpoint")
         self.stopped_step = state_dict.get("stopped_step")
+        self._signed = bool(state_dict.get("signed_loss", False))
         self._snapshot_files = [dict(f) for f in state_dict.get("snapshot_files", [])]
 
     def _adopt_snapshot_files(self, trainer: pl.Trainer) -> None:
