@@ -195,3 +195,27 @@ def test_nothing_covered_at_run_time_is_said_and_logged_as_zero_coverage(tmp_pat
     assert len(cov) == 1 and cov[0].severity == "warning" and cov[0].value == 0.0
     assert "body (weight, bias)" in cov[0].message and "head (weight, bias)" in cov[0].message
     assert "batch dimension" in cov[0].message  # the probe's reason for each module
+
+
+class LazyClassifier(pl.LightningModule):
+    """``nn.LazyLinear`` layers: their parameters are uninitialized until the first forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.LazyLinear(3))
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_lazy_modules_are_measured_from_the_first_due_step_after_they_exist(tmp_path) -> None:
+    """The probe's hooks on uninitialized parameters failed the fit at step 0; the step is now skipped and the
+    parameters are measured from the next due step, fully covered."""
+    torch.manual_seed(0)
+    tags, alerts = run(LazyClassifier(), torch.randn(64, 6), torch.randint(0, 3, (64,)), tmp_path,
+                       GradientNoiseScaleMonitor(every_n_steps=2), steps=8)
+    assert [s for s, _ in tags["gns/coverage"]] == [2, 4, 6] and all(v == 1.0 for _, v in tags["gns/coverage"])
+    assert not [a for a in alerts if a.kind == "partial_coverage"]

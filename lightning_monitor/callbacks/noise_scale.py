@@ -188,6 +188,7 @@ class GradientNoiseScaleMonitor(Monitor):
         self._module: Optional[nn.Module] = None  # the model, to re-read the trainable set at arming
         self._flags: tuple[bool, ...] = ()  # requires_grad of every parameter when last selected
         self._measurable = False  # something trainable is measured (else checks are skipped)
+        self._lazy = True  # parameters may still be uninitialized (lazy modules) until a due step finds none
         self._reported: set[str] = set()  # uncovered parameters named in a coverage alert
         self._measured: set[str] = set()  # the parameters measured at this check
         self._selected: set[str] = set()  # modules selected by include / exclude
@@ -339,6 +340,7 @@ class GradientNoiseScaleMonitor(Monitor):
         self._probe = None
         self._layers = {}
         self._measurable = False
+        self._lazy = True
         self._params = {n: p for n, p in pl_module.named_parameters() if p.requires_grad}
         if not self._params:
             if initial:
@@ -420,7 +422,7 @@ class GradientNoiseScaleMonitor(Monitor):
             self._micro_batches += 1
             self._micro_sizes.append(size)
 
-    def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+    def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[bool]:
         self._examples = 0
         self._micro_batches = 0
         self._micro_sizes = []
@@ -432,6 +434,10 @@ class GradientNoiseScaleMonitor(Monitor):
             self._select(self._module, initial=False)
         if not self._measurable:
             return
+        if self._lazy and any(nn.parameter.is_lazy(p) for p in self._params.values()):
+            # LazyLinear & co.: the parameters exist after the model's first forward; measured from the next due step
+            return False
+        self._lazy = False
         if self.resolved_method == "per_example":
             assert self._probe is not None
             self._probe.reset()
