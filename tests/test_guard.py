@@ -539,3 +539,10 @@ def test_a_healthy_gaussian_likelihood_run_is_not_rolled_back(tmp_path):
     trainer.fit(_GaussianNLL(), loader)
     assert trainer.global_step == 600 and guard.rollbacks == [] and guard.stopped_step is None
     assert [a.kind for a in guard.hub.history] == ["signed_loss"]
+
+
+def test_a_loss_a_hair_below_zero_from_rounding_keeps_the_loss_rules():
+    guard = DivergenceGuard()
+    guard._initial = [2.0]
+    assert guard._signed_loss(5, -1e-7) is False and not guard._signed  # a KL divergence at its minimum, rounded
+    assert guard._signed_loss(6, 0.0) is False

@@ -604,7 +604,8 @@ class DivergenceGuard(Monitor):
         conditions."""
         if self._signed:
             return True
-        if loss >= 0:
+        # rounding can leave a loss bounded below by 0 a hair under it (a KL divergence at its minimum): not signed
+        if loss >= -1e-6 * max(1.0, abs(self._initial[0]) if self._initial else 1.0):
             return False
         self._signed = True
         self._loss_watch.run, self._loss_watch.start = 0, None
