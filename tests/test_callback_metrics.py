@@ -271,23 +271,24 @@ def test_checkpoint_on_gwa_score_without_validation_skips_warmup(tmp_path) -> No
     assert os.path.basename(ckpt.best_model_path) == f"epoch={gwa.best_epoch}.ckpt"
 
 
-def test_consumers_that_fail_during_warmup_are_warned_about(tmp_path) -> None:
+@pytest.mark.parametrize("key", [GWA, "gwa/selection"])
+def test_consumers_that_fail_during_warmup_are_warned_about(tmp_path, key) -> None:
     gwa = GradientWeightAlignmentMonitor(warmup_epochs=1, log_histograms=False)
-    es = EarlyStopping(monitor=GWA, mode="max")  # strict=True: Lightning raises on the missing key
+    es = EarlyStopping(monitor=key, mode="max")  # strict=True: Lightning raises on the missing key
     with pytest.warns(UserWarning, match="strict=False"), pytest.raises(RuntimeError, match="not available"):
         _trainer(tmp_path, [gwa, es], max_epochs=3, enable_checkpointing=False).fit(Digits(), _digits_loader())
     # ModelCheckpoint with a validation loop: Lightning requires the key once validation has run
     gwa = GradientWeightAlignmentMonitor(warmup_epochs=1, log_histograms=False)
-    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ck"), monitor=GWA, mode="max")
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ck"), monitor=key, mode="max")
     with pytest.warns(UserWarning, match="warmup_epochs=0"), pytest.raises(MisconfigurationException):
         _trainer(tmp_path, [gwa, ckpt], max_epochs=3).fit(
             Digits(), _digits_loader(), _digits_loader(100, shuffle=False, seed=1)
         )
     # the same with mask_warmup=False (every defined score published): works, and no warning
     gwa = GradientWeightAlignmentMonitor(warmup_epochs=1, log_histograms=False, mask_warmup=False)
-    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ck2"), monitor=GWA, mode="max")
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ck2"), monitor=key, mode="max")
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*gwa/score.*")
+        warnings.filterwarnings("error", message=f".*{key}.*")
         _trainer(tmp_path, [gwa, ckpt], max_epochs=2).fit(
             Digits(), _digits_loader(), _digits_loader(100, shuffle=False, seed=1)
         )
