@@ -546,3 +546,46 @@ def test_a_loss_a_hair_below_zero_from_rounding_keeps_the_loss_rules():
     guard._initial = [2.0]
     assert guard._signed_loss(5, -1e-7) is False and not guard._signed  # a KL divergence at its minimum, rounded
     assert guard._signed_loss(6, 0.0) is False
+
+
+def test_squared_norms_of_sparse_gradients_match_the_dense_oracle():
+    from lightning_monitor._sharded import squared_norms
+
+    i = torch.tensor([[0, 2, 0]])  # index 0 twice: uncoalesced, the duplicates sum
+    sparse = torch.sparse_coo_tensor(i, torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]), (4, 2))
+    dense = torch.tensor([1.0, -2.0])
+    plain, sharded = squared_norms([sparse, dense])
+    want = sparse.to_dense().pow(2).sum() + dense.pow(2).sum()
+    assert sharded is None and float(plain) == pytest.approx(float(want))
+
+
+class _SparseEmbedding(pl.LightningModule):
+    def __init__(self, nan_at: int = -1) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(30, 8, sparse=True)
+        self.head = torch.nn.Linear(8, 3)
+        self.nan_at = nan_at
+
+    def training_step(self, batch, batch_idx):
+        loss = torch.nn.functional.cross_entropy(self.head(self.emb(batch[0]).mean(1)), batch[1])
+        return loss * float("nan") if self.global_step == self.nan_at else loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("nan_at", [-1, 7])
+def test_sparse_gradients_are_judged(tmp_path, nan_at):
+    """nn.Embedding(sparse=True): the fused norm kernel does not take sparse gradients, which used to fail the fit
+    in the guard's first check; a NaN among them is still caught and the step zeroed."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 30, (160, 6), generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, 0] % 3), batch_size=16)
+    guard = DivergenceGuard(action="stop")
+    module = _SparseEmbedding(nan_at)
+    _trainer(tmp_path, [guard], steps=10, logger=False).fit(module, loader)
+    assert _finite(module)
+    if nan_at < 0:
+        assert guard.stopped_step is None and guard.hub.history == []
+    else:
+        assert guard.stopped_step == 7 and [a.kind for a in guard.hub.history if a.severity == "critical"] == ["nonfinite"]
