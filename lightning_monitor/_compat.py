@@ -39,17 +39,20 @@ def foreach_norm(tensors: Sequence[Tensor], ord: float, dtype: Optional[torch.dt
     dtype, then cast to ``dtype``.
 
     An error from the fused kernel (e.g. a ``dtype=`` it does not accept) propagates to the caller."""
-    wider = {d for d in {t.dtype for t in tensors} if torch.promote_types(d, dtype) != dtype} if dtype is not None else ()
-    if wider:  # rare (float64 models): the common case costs one set of the dtypes present
-        wide = [t.dtype in wider for t in tensors]
-        narrow = [t for t, w in zip(tensors, wide) if not w]
-        narrow_norms = iter(foreach_norm(narrow, ord, dtype) if narrow else [])
-        wide_norms = iter(foreach_norm([t for t, w in zip(tensors, wide) if w], ord))
-        return [next(wide_norms).to(dtype) if w else next(narrow_norms) for w in wide]
     fn = getattr(torch, "_foreach_norm", None)
-    if fn is None:
-        return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]
-    return list(fn(tensors, ord) if dtype is None else fn(tensors, ord, dtype=dtype))
+    try:
+        if fn is None:
+            return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]
+        return list(fn(tensors, ord) if dtype is None else fn(tensors, ord, dtype=dtype))
+    except RuntimeError:
+        wide = [dtype is not None and torch.promote_types(t.dtype, dtype) != dtype for t in tensors]
+        if not any(wide):
+            raise
+    # rare (float64 models): the common path above reads no dtype
+    narrow = [t for t, w in zip(tensors, wide) if not w]
+    narrow_norms = iter(foreach_norm(narrow, ord, dtype) if narrow else [])
+    wide_norms = iter(foreach_norm([t for t, w in zip(tensors, wide) if w], ord))
+    return [next(wide_norms).to(dtype) if w else next(narrow_norms) for w in wide]
 
 
 def foreach_sub(a: Sequence[Tensor], b: Sequence[Tensor]) -> list[Tensor]:
