@@ -1,5 +1,5 @@
 """GWA says when its pick is uncertain: a pick at the window's first epoch with the score still falling into
-it, a pick after the share of negative scores collapsed (memorisation), a one-epoch spike, or a pick where the
+it, a warm-up epoch that outranks the pick clearly, a pick after the share of negative scores collapsed (memorisation), a one-epoch spike, or a pick where the
 samples pull nearly evenly for and against the weights (the patterns of the validity benchmark's bad picks)."""
 
 from __future__ import annotations
@@ -152,3 +152,41 @@ def test_a_language_model_learning_its_tokens_is_not_called_memorised():
         h["count"] = 1000
     assert gwa.best_epoch == 3 and shares[1] - shares[3] > 0.1
     assert gwa._uncertainty() is None
+
+
+def _with_records(records: list[dict], warmup: int) -> GradientWeightAlignmentMonitor:
+    """Epochs given as ``{"score": ..., "kurtosis": ..., "mean": ...}`` (``score`` None for bimodal scores)."""
+    gwa = GradientWeightAlignmentMonitor()
+    gwa._warmup_resolved = warmup
+    for epoch, rec in enumerate(records):
+        k, m = rec.get("kurtosis"), rec.get("mean")
+        bimodal = k if rec["score"] is None and k is not None and k + 1.2 <= 0 and m is not None and m > 0 else None
+        gwa._select(epoch, rec["score"], bimodal)
+        gwa.history.append({"epoch": epoch, "count": 100, **rec})
+    return gwa
+
+
+def test_a_warmup_epoch_far_above_the_pick_makes_it_uncertain():
+    """The selection skips the warm-up. An epoch there (after the first) scoring more than twice the pick, or with
+    bimodal scores (which rank above any score), flags the pick; the first epoch (the initial weights) and an
+    epoch less than twice the pick do not. Breast cancer at 40% noise: validation picks epochs 0-2, and the run
+    memorises from then on."""
+    later = [{"score": s} for s in (0.15, 0.16, 0.18, 0.17, 0.16)]
+    gwa = _with_records([{"score": 0.9}, {"score": 0.30}, {"score": 0.35}] + later, warmup=3)
+    assert gwa.best_epoch == 5 and gwa._uncertainty() is None  # 0.35 < 2 x 0.18; epoch 0 is not read
+    gwa = _with_records([{"score": 0.1}, {"score": 0.963}, {"score": 0.30}] + later, warmup=3)
+    kind, why = gwa._uncertainty()
+    assert kind == "warmup" and "epoch 1 of the warm-up" in why and "0.963" in why and "0.18" in why
+    bimodal = {"score": None, "kurtosis": -1.22, "mean": 0.05}
+    gwa = _with_records([{"score": 0.1}, {"score": 0.2}, bimodal] + later, warmup=3)
+    kind, why = gwa._uncertainty()
+    assert kind == "warmup" and "epoch 2" in why and "bimodal" in why and "-1.220" in why
+    # bimodal scores with a negative mean do not rank, so they flag nothing
+    gwa = _with_records([{"score": 0.1}, {"score": 0.2}, dict(bimodal, mean=-0.05)] + later, warmup=3)
+    assert gwa._uncertainty() is None
+    # a bimodal pick is flagged only by a more bimodal warm-up epoch
+    pick = {"score": None, "kurtosis": -1.30, "mean": 0.05}
+    gwa = _with_records([{"score": 0.1}, {"score": 5.0}, bimodal, {"score": 0.1}, pick], warmup=3)
+    assert gwa.best_epoch == 4 and gwa._uncertainty() is None
+    gwa = _with_records([{"score": 0.1}, dict(bimodal, kurtosis=-1.4), bimodal, {"score": 0.1}, pick], warmup=3)
+    assert gwa._uncertainty()[0] == "warmup"

@@ -44,6 +44,10 @@ _SPIKE = 1.25
 _MEMORISED_DROP = 0.1
 #: ... provided the share had settled when the window opened: it moved by at most this much in the epoch before
 _SETTLED = 0.02
+#: a pick is uncertain when an epoch of the warm-up (after the first epoch) has a score more than this many times the
+#: pick's, or bimodal scores with a positive mean ranking above it: the selection skips the warm-up, so its best epoch
+#: may lie there (breast cancer at 40% noise: validation picks epochs 0-2, and the run memorises from then on)
+_WARMUP_FACTOR = 2.0
 #: a pick at which at least this share of the samples' gradients oppose the weights is uncertain (contested): the score
 #: is then a small difference between two nearly equal groups pulling either way
 _CONTESTED = 0.4
@@ -287,7 +291,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._fell = bool(state.get("fell", False))
         self._prev_score: Optional[float] = state.get("prev_score")
         self._prev_epoch: Optional[int] = state.get("prev_epoch")
-        # the reasons ("boundary", "memorised", "spike", "contested") the uncertain_pick warnings of the run have given
+        # the reasons ("boundary", "warmup", "memorised", "spike", "contested") the uncertain_pick warnings of the run have given
         self._uncertain_said: list[str] = list(state.get("uncertain_said", []))
 
     def state_dict(self) -> dict[str, Any]:
@@ -942,10 +946,11 @@ class GradientWeightAlignmentMonitor(Monitor):
         return rank is not None
 
     def _uncertainty(self) -> Optional[tuple[str, str]]:
-        """Why the current best epoch may be a poor pick, ``(kind, reason)``, or ``None``. Four patterns
+        """Why the current best epoch may be a poor pick, ``(kind, reason)``, or ``None``. Five patterns
         measured on settings the rules were not made on (``benchmarks/gwa_validity.py``, BENCHMARKS.md):
         ``boundary``, a pick at the first epoch of the window while the score was still falling into it (the
-        true maximum sat inside the warm-up); ``memorised``, a pick after the share of negative scores, settled
+        true maximum sat inside the warm-up); ``warmup``, an epoch of the warm-up after the first with a score
+        more than twice the pick's, or bimodal scores ranking above it; ``memorised``, a pick after the share of negative scores, settled
         when the window opened (it moved by at most 2 points in the epoch before), fell by more than 10 points
         (the model has fit a group of samples it kept fighting before: with noisy labels, memorisation, during
         which the score can keep rising while test accuracy falls); ``spike``, a one-epoch spike (a dip of the
@@ -962,6 +967,9 @@ class GradientWeightAlignmentMonitor(Monitor):
             e, v = before[-1]
             return "boundary", (f"it is the first epoch after the warm-up and the score was still falling into it "
                                 f"(epoch {e}: {v:.4g} against {best:.4g})")
+        found = self._warmup_above()
+        if found is not None:
+            return "warmup", found
         shares = {h["epoch"]: h["negative"] / h["count"] for h in self.history
                   if h.get("negative") is not None and h.get("count", 0) >= _MIN_SAMPLES}
         start = self._warmup_resolved
@@ -984,6 +992,33 @@ class GradientWeightAlignmentMonitor(Monitor):
                 f"{shares[epoch]:.1%} of the samples' gradients oppose the weights at that epoch: the score is a small "
                 "difference between two nearly equal groups (labels near chance, or very noisy), and its maximum "
                 "wanders from epoch to epoch")
+        return None
+
+    def _warmup_above(self) -> Optional[str]:
+        """Why an epoch of the warm-up (after the run's first epoch, whose scores belong to the initial weights)
+        outranks the pick by a clear margin, or ``None``: a defined score more than ``_WARMUP_FACTOR`` times the
+        pick's (above 0 for a pick below 0), or bimodal scores with a positive mean, which rank above a defined
+        pick (and above a bimodal one when more bimodal). The selection skips the warm-up, so the best epoch may
+        lie there."""
+        best = self._best_rank
+        if best is None:
+            return None
+        for h in self.history:
+            epoch = h["epoch"]
+            if not 1 <= epoch < self._warmup_resolved or h.get("partial"):
+                continue
+            score, kurtosis, mean = h.get("score"), h.get("kurtosis"), h.get("mean")
+            bimodal = (kurtosis if score is None and kurtosis is not None and kurtosis + GWA_OFFSET <= 0
+                       and mean is not None and mean > 0 else None)
+            rank = self._rank(score, bimodal)
+            if rank is None:
+                continue
+            if rank[0] == 0 and best[0] == 0 and rank[1] > best[1] + (_WARMUP_FACTOR - 1.0) * abs(best[1]):
+                return (f"epoch {epoch} of the warm-up, which the selection skips, scored {rank[1]:.4g}, more than "
+                        f"{_WARMUP_FACTOR:g}x the pick's {best[1]:.4g}: the best epoch may lie in the warm-up")
+            if rank[0] == 1 and rank > best:
+                return (f"the scores of epoch {epoch} of the warm-up, which the selection skips, were bimodal (excess "
+                        f"kurtosis {-rank[1]:.3f}), which ranks above the pick: the best epoch may lie in the warm-up")
         return None
 
     def _write_histogram(
