@@ -28,12 +28,14 @@ def _data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 class _Regression(pl.LightningModule):
     """Least squares with AdamW. The batch is chosen by ``batch_idx`` alone, so a resumed run sees the same
-    data at the same index. ``glitch``: steps whose learning rate is multiplied by 500 (a transient
+    data at the same index. ``penalty_from``: from that step on ``training_step`` adds a penalty (the loss jumps
+    more than tenfold; the objective changed, not the weights). ``glitch``: steps whose learning rate is multiplied by 500 (a transient
     instability); ``unstable_from``: the learning rate is 5.0 from that step on (a lasting one);
     ``shift_from``: from that batch index on, the targets change sign (new data, not a divergence)."""
 
-    def __init__(self, glitch=(), unstable_from=None, shift_from=None, bn=False, nan_batch=None):
+    def __init__(self, glitch=(), unstable_from=None, shift_from=None, bn=False, nan_batch=None, penalty_from=None):
         super().__init__()
+        self.penalty_from = penalty_from
         self.lin = torch.nn.Linear(8, 1)
         self.bn = torch.nn.BatchNorm1d(8) if bn else torch.nn.Identity()
         self.glitch, self.unstable_from, self.shift_from, self.nan_batch = set(glitch), unstable_from, shift_from, nan_batch
@@ -54,7 +56,10 @@ class _Regression(pl.LightningModule):
             group["lr"] /= 500.0
         if self.unstable_from is not None and step >= self.unstable_from:
             group["lr"] = 5.0
-        return torch.nn.functional.mse_loss(self.lin(self.bn(x)), y)
+        loss = torch.nn.functional.mse_loss(self.lin(self.bn(x)), y)
+        if self.penalty_from is not None and step >= self.penalty_from:
+            loss = loss + 50.0 + 0.1 * self.lin.weight.pow(2).sum()  # a term switched on: the objective changes
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -228,6 +233,33 @@ def test_healthy_run_never_rolls_back_and_a_data_shift_only_warns(tmp_path):
     guard = DivergenceGuard(every_n_steps=5)
     _trainer(tmp_path / "h", [guard], 200).fit(_Regression())
     assert guard.hub.history == [] and guard.rollbacks == []
+
+
+def test_a_loss_term_switched_on_mid_run_only_warns(tmp_path):
+    """``training_step`` adds a penalty from step 100: the loss jumps more than tenfold at once, and the last normal
+    batches, evaluated again, jump with it, which alone reads as weights that diverged. The weights of the
+    snapshot from before the jump find those batches as hard: the loss function changed. One ``objective_change``
+    warning (in TensorBoard's Text tab too), no rollback, and the run goes on at the new level."""
+    from conftest import tb_texts
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    pl.seed_everything(0)
+    guard = DivergenceGuard(every_n_steps=5)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    trainer = _trainer(tmp_path, [guard], 200, logger=logger)
+    trainer.fit(_Regression(penalty_from=100))
+    assert guard.rollbacks == [] and guard.stopped_step is None and trainer.global_step == 200
+    warnings = [a for a in guard.hub.history if a.severity != "info"]
+    assert [(a.step, a.kind) for a in warnings] == [(100, "objective_change")]
+    assert "the loss function changed" in warnings[0].message and "weights of step 95" in warnings[0].message
+    texts = [text for tag, rows in tb_texts(logger.log_dir).items() for _, text in rows]
+    assert any("objective_change" in t for t in texts)
+
+    # the same jump made by weights that broke (the learning rate at 5.0 from step 100) is still rolled back
+    pl.seed_everything(0)
+    guard = DivergenceGuard(every_n_steps=5)
+    _trainer(tmp_path / "u", [guard], 200).fit(_Regression(unstable_from=100))
+    assert guard.rollbacks and not any(a.kind == "objective_change" for a in guard.hub.history)
 
 
 def test_nan_batch_through_batchnorm_is_rolled_back_with_finite_buffers(tmp_path):

@@ -751,14 +751,16 @@ class DivergenceGuard(Monitor):
         if not refs:
             return []
         level = median([then for _, then in refs])
-        losses = [self._batch_loss(pl_module, b, i) for (b, i), _ in refs]
-        now = self._rank_mean(trainer, pl_module, None if None in losses else sum(losses) / len(losses))
+        now = self._mean_loss(trainer, pl_module, [b for b, _ in refs])
         then = sum(t for _, t in refs) / len(refs)
         if now is None or (math.isfinite(now) and now - then < 0.5 * (loss - level)):
             return []
         if not self._loss_watch.ready and math.isfinite(now) and now < self.blowup * then:
             # before any history the references are the first batches, and the first updates of a healthy run can
             # overshoot and settle: at once only if the weights broke by ``blowup`` on those batches too
+            return []
+        if math.isfinite(now) and self._objective_changed(trainer, pl_module, step, loss, level, [b for b, _ in refs],
+                                                          then, now):
             return []
         self.condition(  # critical: raised now, or active already
             step, "loss_explosion", True, "critical",
@@ -768,6 +770,51 @@ class DivergenceGuard(Monitor):
             value=loss, threshold=level,
         )
         return [f"loss explosion (surge) at step {step}"]
+
+    def _mean_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[Any, int]]) -> Optional[float]:
+        """The mean loss of ``batches`` (``(batch, batch_idx)``) under the module's present weights, averaged over the
+        ranks; ``None`` when a batch gives no loss."""
+        losses = [self._batch_loss(pl_module, b, i) for b, i in batches]
+        return self._rank_mean(trainer, pl_module, None if None in losses else sum(losses) / len(losses))
+
+    def _objective_changed(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, loss: float,
+                           level: float, refs: list[tuple[Any, int]], then: float, now: float) -> bool:
+        """Whether a surge whose reference batches, evaluated again, agree with it comes from the loss function
+        rather than the weights: the newest snapshot from before the surge, asked about the same batches, sees at
+        least half of the rise too. Good weights that find the batches they once found easy as hard as the present
+        weights do mean ``training_step`` computes something else now (a penalty or an auxiliary loss switched on, a
+        new stage of the run). Then the ``objective_change`` warning is raised, the new level becomes the normal,
+        and nothing acts; ``False`` without a snapshot or automatic optimization."""
+        snap = next((s for s in reversed(self._snapshots) if s.step < step), None)
+        if snap is None or not pl_module.automatic_optimization:
+            return False
+        saved = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        try:
+            with torch.no_grad():
+                current = pl_module.state_dict()
+                for name, value in snap.state()["module"].items():
+                    current[name].copy_(value)
+            before = self._mean_loss(trainer, pl_module, refs)
+        finally:
+            with torch.no_grad():
+                current = pl_module.state_dict()
+                for name, value in saved.items():
+                    current[name].copy_(value)
+        if before is None or not math.isfinite(before) or before - then < 0.5 * (now - then):
+            return False
+        self.alert(
+            step, "objective_change", "warning",
+            f"The loss surged to {loss:.4g} at step {step} (recent level about {level:.4g}), and the last {len(refs)} "
+            f"normal batches, evaluated again, went from {then:.4g} to {now:.4g}; but the weights of step {snap.step}, "
+            f"from before the surge, find those batches about as hard ({before:.4g}): the loss function changed (a "
+            "term switched on, a new stage of the run), not the weights. No action taken; the new level is the "
+            "normal from here.",
+            value=loss, threshold=level,
+        )
+        self._loss_watch.reseed([loss, before])
+        self._initial = [max(self._anchor(), loss)] * 3
+        self._ema, self._ema_weight, self._ema_min = 0.0, 0.0, math.inf
+        return True
 
     def _attribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, start: int, level: float,
                    climb: bool = False) -> Optional[tuple[str, float, float]]:

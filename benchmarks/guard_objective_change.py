@@ -1,0 +1,95 @@
+"""DivergenceGuard when the loss function changes mid-run, against the same jump made by weights that break.
+
+A 10-class classifier (an MLP on generated Gaussian clusters, Adam 1e-3, batch 32, 300 steps, one epoch) whose
+``training_step`` changes at step 150 in one of three ways:
+
+* ``penalty``: an L2 penalty (1e-2 times the squared weights) is added to the loss;
+* ``smoothing``: the cross-entropy takes label smoothing 0.2 (the loss floor rises);
+* ``lr_blowup``: nothing changes in the loss, but the learning rate is multiplied by 3000 (the weights break).
+
+The first two are healthy runs whose loss jumps because the objective changed, so any action is a false one; the
+third is the matched divergence (same seed, data and step), which must still be acted on. Two seeds each, the
+guard at its defaults. Prints per run the actions and the guard's warnings.
+
+Run: python benchmarks/guard_objective_change.py  (about 30 s on 2 cores)
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_monitor import DivergenceGuard
+
+SWITCH, STEPS, BATCH = 150, 300, 32
+
+
+def make_data(seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    centres = 3.0 * torch.randn(10, 32, generator=g)
+    y = torch.randint(0, 10, (STEPS * BATCH,), generator=g)
+    x = centres[y] + 0.3 * torch.randn(STEPS * BATCH, 32, generator=g)
+    return TensorDataset(x, y)
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self, change: str) -> None:
+        super().__init__()
+        self.change = change
+        self.net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        after = self.global_step >= SWITCH
+        smoothing = 0.2 if after and self.change == "smoothing" else 0.0
+        loss = F.cross_entropy(self.net(x), y, label_smoothing=smoothing)
+        if after and self.change == "penalty":
+            loss = loss + 1e-2 * sum(p.pow(2).sum() for p in self.parameters())
+        if self.change == "lr_blowup" and self.global_step == SWITCH:
+            for group in self.optimizers().param_groups:
+                group["lr"] *= 3000.0
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def run(change: str, seed: int) -> dict:
+    pl.seed_everything(seed, verbose=False)
+    guard = DivergenceGuard()
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, callbacks=[guard],
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Classifier(change), DataLoader(make_data(seed), batch_size=BATCH))
+    kinds = [f"{a.kind}@{a.step}" for a in guard.hub.history if a.severity != "info"]
+    actions = len(guard.rollbacks) + (guard.stopped_step is not None)
+    return {"change": change, "seed": seed, "actions": actions, "rollbacks": [r["step"] for r in guard.rollbacks],
+            "stopped": guard.stopped_step, "alerts": kinds}
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning_monitor"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    rows = [run(change, seed) for change in ("penalty", "smoothing", "lr_blowup") for seed in (0, 1)]
+    print("| change at step 150 | seed | actions | rollbacks at | stopped at | warnings and criticals |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['change']} | {r['seed']} | {r['actions']} | {r['rollbacks'] or '-'} | {r['stopped'] or '-'} | "
+              f"{', '.join(r['alerts']) or '-'} |")
+    false = sum(r["actions"] for r in rows if r["change"] != "lr_blowup")
+    caught = sum(r["actions"] > 0 for r in rows if r["change"] == "lr_blowup")
+    print(f"\nactions on the runs whose objective changed: {false} (any is a false one); "
+          f"divergences acted on: {caught} of 2")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
