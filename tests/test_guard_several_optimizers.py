@@ -50,3 +50,70 @@ def test_an_optimizer_index_out_of_range_is_an_error(tmp_path) -> None:
                          enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
     with pytest.raises(ValueError, match="optimizer_index=2"):
         trainer.fit(GAN(), DataLoader(TensorDataset(torch.randn(16, 6), torch.randint(0, 2, (16,))), batch_size=8))
+
+
+class _Game(pl.LightningModule):
+    """Two players on one scalar: optimizer 0 moves ``a`` to minimise ``(a - b)^2 + 1``, optimizer 1 moves ``b``
+    (twice as fast) to maximise it, so player 0's loss rises steadily in a run where nothing is wrong (as a GAN's
+    generator loss does while its discriminator improves). ``nan_at``: a batch whose loss is NaN."""
+
+    def __init__(self, nan_at=None):
+        super().__init__()
+        self.automatic_optimization = False
+        self.a, self.b = torch.nn.Parameter(torch.zeros(())), torch.nn.Parameter(torch.full((), 0.1))
+        self.nan_at = nan_at
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        noise = 0.01 * batch[0].mean()
+        gap = (self.a - self.b) ** 2
+        opt_b.zero_grad()
+        self.manual_backward(-gap)
+        opt_b.step()
+        loss = (self.a - self.b) ** 2 + 1.0 + noise
+        if batch_idx == self.nan_at:
+            loss = loss * float("nan")
+        opt_a.zero_grad()
+        self.manual_backward(loss)
+        opt_a.step()
+        return loss
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD([self.a], lr=0.01), torch.optim.SGD([self.b], lr=0.02)]
+
+
+def _fit_game(tmp_path, guard, model, steps=400):
+    data = DataLoader(TensorDataset(torch.randn(steps * 4, 3)), batch_size=4)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=steps, logger=False, callbacks=[guard], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+    trainer.fit(model, data)
+    return trainer
+
+
+def test_with_several_optimizers_only_nonfinite_values_are_judged_by_default(tmp_path) -> None:
+    """A two-player game whose judged loss climbs all run (1.0 -> well above 2): the default guard takes no action
+    and raises nothing but its start-of-fit warning; with ``loss_rules=True`` the same run is judged by the loss's
+    level and acted on; a NaN loss is still caught with the default."""
+    pl.seed_everything(0)
+    guard = DivergenceGuard(every_n_steps=5)
+    with pytest.warns(UserWarning, match=r"the loss judged is the one of optimizer 0.*only for non-finite values"):
+        _fit_game(tmp_path, guard, model := _Game())
+    assert float((model.a - model.b) ** 2 + 1.0) > 2.0  # the judged loss more than doubled
+    assert guard.rollbacks == [] and guard.stopped_step is None and guard.hub.history == []
+
+    pl.seed_everything(0)
+    guard = DivergenceGuard(every_n_steps=5, loss_rules=True)
+    with pytest.warns(UserWarning, match=r"its level is judged too"):
+        _fit_game(tmp_path / "levels", guard, _Game())
+    assert guard.rollbacks or guard.stopped_step is not None  # the climb read as a divergence
+
+    pl.seed_everything(0)
+    guard = DivergenceGuard(every_n_steps=5)
+    with pytest.warns(UserWarning, match="only for non-finite values"):
+        _fit_game(tmp_path / "nan", guard, _Game(nan_at=60), steps=200)
+    assert [(a.step, a.kind) for a in guard.hub.history if a.severity == "critical"] == [(121, "nonfinite")]
+
+
+def test_loss_rules_must_be_a_bool_or_none() -> None:
+    with pytest.raises(TypeError, match="loss_rules"):
+        DivergenceGuard(loss_rules="yes")

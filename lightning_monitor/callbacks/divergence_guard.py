@@ -146,6 +146,12 @@ class DivergenceGuard(Monitor):
         optimizer_index: with several optimizers (manual optimization, e.g. a GAN's generator and
             discriminator), the optimizer whose loss series is judged; the steps of the others are checked
             for non-finite gradients only, so two losses are never mixed in one series.
+        loss_rules: whether the loss's level is judged (``loss_explosion``, ``loss_creep``, ``objective_change``,
+            ``data_shift``); non-finite losses and gradients are judged always. ``None`` (default): with one
+            optimizer, and not with several, whose losses rise by design (a GAN's generator loss climbs as its
+            discriminator improves: with the rules on, 1 of 6 healthy GANs of ``benchmarks/guard_gan.py`` was rolled
+            back after 825 steps of it).
+            ``True`` judges the level of ``optimizer_index``'s loss with several optimizers too.
     """
 
     name = "guard"
@@ -181,8 +187,13 @@ class DivergenceGuard(Monitor):
         lag_steps: Optional[int] = None,
         surge: float = 0.3,
         optimizer_index: int = 0,
+        loss_rules: Optional[bool] = None,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
+        if loss_rules is not None and not isinstance(loss_rules, bool):
+            raise TypeError(f"`loss_rules` must be True, False or None, got {loss_rules!r}.")
+        self.loss_rules = loss_rules
+        self._levels = loss_rules is not False  # resolved at the start of the fit (several optimizers: off)
         if action not in ("rollback", "stop", "warn"):
             raise ValueError(f"`action` must be 'rollback', 'stop' or 'warn', got {action!r}.")
         if snapshot_every_n_checks is not None:
@@ -288,12 +299,18 @@ class DivergenceGuard(Monitor):
         if self.idle_reason is not None:
             return
         n = len(trainer.optimizers)
+        self._levels = self.loss_rules if self.loss_rules is not None else n <= 1
         if n > 1:
             if self.optimizer_index >= n:
                 raise ValueError(f"DivergenceGuard(optimizer_index={self.optimizer_index}): the run has {n} optimizers.")
+            levels = (
+                "its level is judged too (`loss_rules=True`)" if self._levels else
+                "only for non-finite values: each player's loss is raised by the others (a GAN's generator loss "
+                "climbs as its discriminator improves), so its level says nothing of divergence. Pass "
+                "`loss_rules=True` to judge the level too")
             rank_zero_warn(
                 f"DivergenceGuard: {n} optimizers; the loss judged is the one of optimizer {self.optimizer_index} "
-                "(`optimizer_index`); the steps of the others are checked for non-finite gradients only."
+                f"(`optimizer_index`), {levels}; the steps of the others are checked for non-finite gradients only."
             )
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -574,7 +591,7 @@ class DivergenceGuard(Monitor):
             if reason is not None:
                 return [reason], step, False
         start, surge = None, False
-        if loss is not None and math.isfinite(loss) and not self._signed_loss(step, loss):
+        if loss is not None and math.isfinite(loss) and self._levels and not self._signed_loss(step, loss):
             if len(self._initial) < 3:
                 self._initial.append(loss)
             anchor = self._anchor()
