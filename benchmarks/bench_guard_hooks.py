@@ -11,7 +11,10 @@ example GPT from the working directory) in each checkout, alternating:
     for i in 1 2 3; do (cd /tmp/before && PYTHONPATH=. python "$OLDPWD/benchmarks/bench_guard_hooks.py"); \
         python benchmarks/bench_guard_hooks.py; done
 
-Run: python benchmarks/bench_guard_hooks.py [--steps N]
+``--parts``: also time the parts of the per-step hook (the finiteness check, snapshots, judging ...) by wrapping
+the guard's methods with timers (the wrappers add a little to the total).
+
+Run: python benchmarks/bench_guard_hooks.py [--steps N] [--parts]
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from gpt import GPTModule, make_loader  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--parts", action="store_true", help="also time the parts of the per-step hook")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -43,6 +47,24 @@ def main() -> None:
     config = {"n_layer": 2, "n_head": 4, "d_model": 64, "block_size": 64}
     pl.seed_everything(0, verbose=False)
     guard = TimedGuard()  # its per-step hooks timed
+    parts: dict[str, float] = {}
+    if args.parts:
+        import lightning_monitor.callbacks.divergence_guard as module
+
+        def timed(owner, name):
+            fn = getattr(owner, name)
+
+            def wrapper(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    parts[name] = parts.get(name, 0.0) + time.perf_counter() - t
+            setattr(owner, name, wrapper)
+
+        for name in ("_read_ready", "_judge_ready", "_snapshot", "_lag", "_all_finite", "is_due"):
+            timed(guard, name)
+        timed(module, "nonfinite_on_host")
     trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", logger=False, callbacks=[guard],
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     t0 = time.perf_counter()
@@ -51,6 +73,8 @@ def main() -> None:
     total = time.perf_counter() - t0
     print(f"{os.getcwd()}: guard {1e6 * guard.inside / args.steps:.0f} us per step inside its hooks, "
           f"{100 * guard.inside / total:.2f}% of the fit ({1e3 * total / args.steps:.1f} ms per step)")
+    for name, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:20s} {1e6 * seconds / args.steps:7.1f} us per step")
 
 
 if __name__ == "__main__":
