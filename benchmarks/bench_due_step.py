@@ -11,17 +11,17 @@ Run: python benchmarks/bench_due_step.py [--monitor gns|sa] [--steps N]
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import statistics
 import sys
 import time
-import warnings
 
 import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, os.path.join(os.getcwd(), "examples"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_guard_hooks import quiet_demo_config  # noqa: E402
 from gpt import GPTModule, make_loader  # noqa: E402
 
 from lightning_monitor import GradientNoiseScaleMonitor, SpectralAlignmentMonitor  # noqa: E402
@@ -46,11 +46,7 @@ def main() -> None:
     parser.add_argument("--monitor", choices=("gns", "sa"), default="gns")
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning.pytorch", "lightning_monitor"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    config = {"n_layer": 2, "n_head": 4, "d_model": 64, "block_size": 64}
+    config = quiet_demo_config()
     monitor = (GradientNoiseScaleMonitor(every_n_steps=EVERY) if args.monitor == "gns"
                else SpectralAlignmentMonitor(every_n_steps=EVERY))
     timer = StepTimes()  # first: it starts the clock before the monitor's hooks and stops it after them

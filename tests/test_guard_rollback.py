@@ -29,9 +29,9 @@ def _data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 class _Regression(pl.LightningModule):
     """Least squares with AdamW. The batch is chosen by ``batch_idx`` alone, so a resumed run sees the same
     data at the same index. ``penalty_from``: from that step on ``training_step`` adds a penalty (the loss jumps
-    more than tenfold; the objective changed, not the weights). ``glitch``: steps whose learning rate is multiplied by 500 (a transient
-    instability); ``unstable_from``: the learning rate is 5.0 from that step on (a lasting one);
-    ``shift_from``: from that batch index on, the targets change sign (new data, not a divergence)."""
+    more than tenfold; the objective changed, not the weights). ``glitch``: steps whose learning rate is
+    multiplied by 500 (a transient instability); ``unstable_from``: the learning rate is 5.0 from that step on
+    (a lasting one); ``shift_from``: from that batch index on, the targets change sign (new data, not a divergence)."""
 
     def __init__(self, glitch=(), unstable_from=None, shift_from=None, bn=False, nan_batch=None, penalty_from=None):
         super().__init__()

@@ -1,6 +1,7 @@
 """GWA says when its pick is uncertain: a pick at the window's first epoch with the score still falling into
-it, a warm-up epoch that outranks the pick clearly, a pick after the share of negative scores collapsed (memorisation), a one-epoch spike, or a pick where the
-samples pull nearly evenly for and against the weights (the patterns of the validity benchmark's bad picks)."""
+it, a warm-up epoch that outranks the pick clearly, a pick after the share of negative scores collapsed
+(memorisation), a one-epoch spike, or a pick where the samples pull nearly evenly for and against the weights
+(the patterns of the validity benchmark's bad picks)."""
 
 from __future__ import annotations
 

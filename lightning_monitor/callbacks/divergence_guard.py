@@ -788,7 +788,8 @@ class DivergenceGuard(Monitor):
         )
         return [f"loss explosion (surge) at step {step}"]
 
-    def _mean_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[tuple[Any, int]]) -> Optional[float]:
+    def _mean_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                   batches: list[tuple[Any, int]]) -> Optional[float]:
         """The mean loss of ``batches`` (``(batch, batch_idx)``) under the module's present weights, averaged over the
         ranks; ``None`` when a batch gives no loss."""
         losses = [self._batch_loss(pl_module, b, i) for b, i in batches]

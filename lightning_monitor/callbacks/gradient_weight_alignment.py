@@ -291,7 +291,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._fell = bool(state.get("fell", False))
         self._prev_score: Optional[float] = state.get("prev_score")
         self._prev_epoch: Optional[int] = state.get("prev_epoch")
-        # the reasons ("boundary", "warmup", "memorised", "spike", "contested") the uncertain_pick warnings of the run have given
+        # the reasons ("boundary", "warmup", "memorised", "spike", "contested") the uncertain_pick warnings of the run
+        # have given
         self._uncertain_said: list[str] = list(state.get("uncertain_said", []))
 
     def state_dict(self) -> dict[str, Any]:
@@ -950,8 +951,9 @@ class GradientWeightAlignmentMonitor(Monitor):
         measured on settings the rules were not made on (``benchmarks/gwa_validity.py``, BENCHMARKS.md):
         ``boundary``, a pick at the first epoch of the window while the score was still falling into it (the
         true maximum sat inside the warm-up); ``warmup``, an epoch of the warm-up after the first with a score
-        more than twice the pick's, or bimodal scores ranking above it; ``memorised``, a pick after the share of negative scores, settled
-        when the window opened (it moved by at most 2 points in the epoch before), fell by more than 10 points
+        more than twice the pick's, or bimodal scores ranking above it; ``memorised``, a pick after the share of
+        negative scores, settled when the window opened (it moved by at most 2 points in the epoch before), fell
+        by more than 10 points
         (the model has fit a group of samples it kept fighting before: with noisy labels, memorisation, during
         which the score can keep rising while test accuracy falls); ``spike``, a one-epoch spike (a dip of the
         kurtosis) above 1.25x the scores on both sides; ``contested``, a pick at which at least 40% of the samples'
