@@ -262,6 +262,31 @@ def test_a_loss_term_switched_on_mid_run_only_warns(tmp_path):
     assert guard.rollbacks and not any(a.kind == "objective_change" for a in guard.hub.history)
 
 
+def test_a_run_resumed_on_new_data_is_not_stopped(tmp_path):
+    """A second stage resumes the first stage's checkpoint on new data (the targets change sign). Its first loss,
+    computed with the checkpoint's own weights, is far above the level saved with them, and no snapshot of the new
+    fit predates it, so the weights cannot be asked; nothing has updated them since the checkpoint, so it is the
+    data (or the loss function): one ``data_shift`` warning, no action, and the run completes. It was stopped on
+    its third step before. The same resume with weights that break after its first step (learning rate 5.0) is
+    still rolled back."""
+    pl.seed_everything(0)
+    checkpoints = ModelCheckpoint(dirpath=str(tmp_path / "ck"), save_last=True)
+    _trainer(tmp_path, [DivergenceGuard(every_n_steps=5), checkpoints], 100, enable_checkpointing=True).fit(
+        _Regression())
+    last = str(tmp_path / "ck" / "last.ckpt")
+
+    guard = DivergenceGuard(every_n_steps=5)
+    trainer = _trainer(tmp_path / "new", [guard], 200)
+    trainer.fit(_Regression(shift_from=100), ckpt_path=last)
+    assert guard.rollbacks == [] and guard.stopped_step is None and trainer.global_step == 200
+    warnings = [a for a in guard.hub.history if a.severity != "info"]
+    assert [a.kind for a in warnings] == ["data_shift"] and "first step after resuming" in warnings[0].message
+
+    guard = DivergenceGuard(every_n_steps=5)
+    _trainer(tmp_path / "broken", [guard], 200).fit(_Regression(unstable_from=100), ckpt_path=last)
+    assert guard.rollbacks and guard.rollbacks[0]["step"] > 100
+
+
 def test_nan_batch_through_batchnorm_is_rolled_back_with_finite_buffers(tmp_path):
     pl.seed_everything(0)
     guard = DivergenceGuard(every_n_steps=10, snapshot_every_n_checks=2)

@@ -292,6 +292,8 @@ class DivergenceGuard(Monitor):
                 ) from err
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._resume_pending:  # the state came from a checkpoint: the first step ahead uses its weights
+            self._resume_step, self._resume_pending = trainer.global_step, False
         if self.idle_reason is None and self._snapshot_files:
             self._adopt_snapshot_files(trainer)
 
@@ -562,7 +564,7 @@ class DivergenceGuard(Monitor):
             climbing = start == self._creep_start and not run
             sustained = run >= (self.patience if self._loss_watch.ready else max(self.patience, _EARLY_PATIENCE))
             if sustained or climbing:
-                explosion = (s, start)
+                explosion = (s, start, loss)
             elif surge and run < self.patience:
                 found = self._surge_test(trainer, pl_module, s, loss)
                 if found:
@@ -717,7 +719,8 @@ class DivergenceGuard(Monitor):
         return [f"{', '.join(own)} corroborated by {', '.join(others)} at step {step}"] if _is_critical(raised) else []
 
     # ------------------------------------------------------------------ is it the weights or the data?
-    def _decide_explosion(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, start: int) -> list[str]:
+    def _decide_explosion(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, start: int,
+                          loss: Optional[float] = None) -> list[str]:
         """A sustained loss anomaly (or a climb) since ``start``: critical if the weights explain it, else a data
         shift."""
         climb = start == self._creep_start and not self._loss_watch.run
@@ -726,6 +729,24 @@ class DivergenceGuard(Monitor):
             level = self._ema_min
         else:
             level = self._loss_watch.level() if self._loss_watch.history else self._anchor()
+        if (self.attribute and loss is not None and start == self._resume_step
+                and not any(snap.step < start for snap in self._snapshots)):
+            # the first step after a resume is computed with the checkpoint's own weights, which nothing has updated
+            # since: a loss far from the level saved with them is new data or a new loss function (a second stage
+            # resumed from the first one's checkpoint), not weights that broke; no snapshot predates it to ask
+            self.condition(
+                step, "data_shift", True, "warning",
+                f"The loss rose from about {level:.4g} before the checkpoint to {loss:.4g} since step {start}, the "
+                "first step after resuming, whose loss came from the checkpoint's own weights: the data or the loss "
+                "function changed across the resume, not the weights. No action taken; the new level is the normal "
+                "from here.",
+                value=loss, threshold=level, clear_message="The loss has settled at its new level.",
+            )
+            self._loss_watch.reseed([loss])
+            self._initial = [max(self._anchor(), loss)] * 3
+            self._ema, self._ema_weight, self._ema_min = 0.0, 0.0, math.inf
+            self._creep_start = None
+            return []
         verdict = self._attribute(trainer, pl_module, start, level, climb) if self.attribute else None
         found = None if verdict is None else verdict[0]
         if found == "transient":
@@ -1075,6 +1096,9 @@ class DivergenceGuard(Monitor):
         self._restored: list[tuple[int, Optional[float], float]] = []  # buffered values restored from a checkpoint
         self._loss_acc: Optional[Tensor] = None
         self._judged_through = -1  # the last step judged
+        # the first step after this run's state was restored from a checkpoint (set at the start of training)
+        self._resume_step: Optional[int] = None
+        self._resume_pending = False
         for snap in self._snapshots:
             snap.discard()
         self._snapshots = []
@@ -1143,6 +1167,7 @@ class DivergenceGuard(Monitor):
         self.stopped_step = state_dict.get("stopped_step")
         self._signed = bool(state_dict.get("signed_loss", False))
         self._snapshot_files = [dict(f) for f in state_dict.get("snapshot_files", [])]
+        self._resume_pending = True
 
     def _adopt_snapshot_files(self, trainer: pl.Trainer) -> None:
         """After a resume: take over the checkpoint's snapshot files that every rank still has (each rank's own
