@@ -287,6 +287,19 @@ def test_a_run_resumed_on_new_data_is_not_stopped(tmp_path):
     assert guard.rollbacks and guard.rollbacks[0]["step"] > 100
 
 
+def test_a_second_fit_of_the_same_trainer_on_new_data_is_not_stopped(tmp_path):
+    """The same reasoning for a second ``fit`` of the same Trainer (the guard keeps its loss history): its first
+    step uses the weights the first fit ended with, so a rise that begins there is the new data."""
+    pl.seed_everything(0)
+    guard = DivergenceGuard(every_n_steps=5)
+    trainer = _trainer(tmp_path, [guard], 100)
+    trainer.fit(_Regression())
+    trainer.fit_loop.epoch_loop.max_steps = 200
+    trainer.fit(_Regression(shift_from=0))  # new targets from the second fit's first step
+    assert guard.rollbacks == [] and guard.stopped_step is None and trainer.global_step == 200
+    assert [a.kind for a in guard.hub.history if a.severity != "info"] == ["data_shift"]
+
+
 def test_nan_batch_through_batchnorm_is_rolled_back_with_finite_buffers(tmp_path):
     pl.seed_everything(0)
     guard = DivergenceGuard(every_n_steps=10, snapshot_every_n_checks=2)

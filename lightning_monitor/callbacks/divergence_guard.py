@@ -292,8 +292,9 @@ class DivergenceGuard(Monitor):
                 ) from err
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._resume_pending:  # the state came from a checkpoint: the first step ahead uses its weights
-            self._resume_step, self._resume_pending = trainer.global_step, False
+        # the first step of a fit is computed with weights that nothing has updated since the state the guard carries
+        # (a checkpoint's, or the previous fit's in the same Trainer)
+        self._resume_step = trainer.global_step
         if self.idle_reason is None and self._snapshot_files:
             self._adopt_snapshot_files(trainer)
 
@@ -731,15 +732,15 @@ class DivergenceGuard(Monitor):
             level = self._loss_watch.level() if self._loss_watch.history else self._anchor()
         if (self.attribute and loss is not None and start == self._resume_step
                 and not any(snap.step < start for snap in self._snapshots)):
-            # the first step after a resume is computed with the checkpoint's own weights, which nothing has updated
-            # since: a loss far from the level saved with them is new data or a new loss function (a second stage
-            # resumed from the first one's checkpoint), not weights that broke; no snapshot predates it to ask
+            # the first step of a fit that goes on from a checkpoint (or from the previous fit in the same Trainer) is
+            # computed with weights nothing has updated since: a loss far from the level saved with them is new data
+            # or a new loss function (a second stage), not weights that broke; no snapshot predates it to ask
             self.condition(
                 step, "data_shift", True, "warning",
-                f"The loss rose from about {level:.4g} before the checkpoint to {loss:.4g} since step {start}, the "
-                "first step after resuming, whose loss came from the checkpoint's own weights: the data or the loss "
-                "function changed across the resume, not the weights. No action taken; the new level is the normal "
-                "from here.",
+                f"The loss rose from about {level:.4g} to {loss:.4g} since step {start}, the first step after resuming "
+                "(from a checkpoint, or a new fit of the same Trainer), whose loss came from the weights the earlier "
+                "level was measured on: the data or the loss function changed across the resume, not the weights. No "
+                "action taken; the new level is the normal from here.",
                 value=loss, threshold=level, clear_message="The loss has settled at its new level.",
             )
             self._loss_watch.reseed([loss])
@@ -1096,9 +1097,9 @@ class DivergenceGuard(Monitor):
         self._restored: list[tuple[int, Optional[float], float]] = []  # buffered values restored from a checkpoint
         self._loss_acc: Optional[Tensor] = None
         self._judged_through = -1  # the last step judged
-        # the first step after this run's state was restored from a checkpoint (set at the start of training)
+        # the first step of the current fit (set at the start of training): after a resume, or a second fit in the
+        # same Trainer, the loss history goes on from a state whose weights that step still uses
         self._resume_step: Optional[int] = None
-        self._resume_pending = False
         for snap in self._snapshots:
             snap.discard()
         self._snapshots = []
@@ -1167,7 +1168,6 @@ class DivergenceGuard(Monitor):
         self.stopped_step = state_dict.get("stopped_step")
         self._signed = bool(state_dict.get("signed_loss", False))
         self._snapshot_files = [dict(f) for f in state_dict.get("snapshot_files", [])]
-        self._resume_pending = True
 
     def _adopt_snapshot_files(self, trainer: pl.Trainer) -> None:
         """After a resume: take over the checkpoint's snapshot files that every rank still has (each rank's own
