@@ -783,7 +783,7 @@ class DivergenceGuard(Monitor):
         """A loss surge at ``step`` (``blowup`` times its recent level, beyond its noise): critical at once if the
         weights are broken, i.e. the last normal batches, evaluated again now, have lost at least half as much as
         the surging one; otherwise it is one hard batch and nothing is said (it is judged again if it persists)."""
-        if not pl_module.automatic_optimization:
+        if not self._replayable(pl_module):
             return []
         batches = {s: (b, i) for s, b, i in self._recent_batches}
         refs = [(batches[s], then) for s, then in self._normal_recent if s in batches and s < step]
@@ -826,7 +826,7 @@ class DivergenceGuard(Monitor):
         new stage of the run). Then the ``objective_change`` warning is raised, the new level becomes the normal,
         and nothing acts; ``False`` without a snapshot or automatic optimization."""
         snap = next((s for s in reversed(self._snapshots) if s.step < step), None)
-        if snap is None or not pl_module.automatic_optimization:
+        if snap is None or not self._replayable(pl_module):
             return False
         saved = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
         try:
@@ -866,7 +866,7 @@ class DivergenceGuard(Monitor):
         that degraded gradually (a slow learning-rate ramp, within the noise until ``start``) leave the older
         snapshots finding it easy. The loss reported is the lowest of theirs."""
         snaps = [s for s in self._snapshots if s.step < start]
-        if not snaps or self._batch is None or not pl_module.automatic_optimization:
+        if not snaps or self._batch is None or not self._replayable(pl_module):
             return None
         now = self._rank_mean(trainer, pl_module, self._batch_loss(pl_module))
         if climb and now is not None and math.isfinite(now) and now <= level:
@@ -909,18 +909,57 @@ class DivergenceGuard(Monitor):
         out = float(trainer.strategy.reduce(t, reduce_op="mean"))
         return None if value is None and math.isnan(out) else out
 
+    @staticmethod
+    def _replayable(pl_module: pl.LightningModule) -> bool:
+        """Whether ``training_step`` can be run again to evaluate a batch: under automatic optimization, or under
+        manual optimization with one optimizer (its backward, steps and scheduler steps are then made no-ops for the
+        replay, and the loss is the one given to ``manual_backward``). With several optimizers the loss passed to
+        ``manual_backward`` mixes the players' losses, so the batch cannot be evaluated."""
+        if pl_module.automatic_optimization:
+            return True
+        trainer = pl_module._trainer
+        return trainer is not None and len(trainer.optimizers) == 1
+
     def _batch_loss(self, pl_module: pl.LightningModule, batch: Any = None, batch_idx: Optional[int] = None) -> Optional[float]:
-        """The loss of a batch (default: the current one) under the module's present weights, with no side effect."""
+        """The loss of a batch (default: the current one) under the module's present weights, with no side effect.
+        Under manual optimization (one optimizer) the step's backward, optimizer steps, gradient clipping and
+        scheduler steps do nothing during the replay (the gradients about to be applied are left as they are), and
+        the loss is what the step gives ``manual_backward``."""
         if batch is None:
             batch, batch_idx = self._batch, self._batch_idx
-        log, log_dict = pl_module.log, pl_module.log_dict
-        pl_module.log = pl_module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
+        patched: list[tuple[Any, str, bool, Any]] = []
+
+        def silence(obj: Any, name: str, fn: Any) -> None:
+            own = getattr(obj, "__dict__", {})
+            patched.append((obj, name, name in own, own.get(name)))
+            setattr(obj, name, fn)
+
+        captured: list[Tensor] = []
+        silence(pl_module, "log", lambda *a, **k: None)
+        silence(pl_module, "log_dict", lambda *a, **k: None)
+        if not pl_module.automatic_optimization:
+            trainer = pl_module.trainer
+            silence(pl_module, "manual_backward", lambda loss, *a, **k: captured.append(loss.detach()))
+            for name in ("clip_gradients", "toggle_optimizer", "untoggle_optimizer"):
+                silence(pl_module, name, lambda *a, **k: None)
+            optimizers = list(trainer.optimizers) + list(getattr(trainer.strategy, "_lightning_optimizers", []))
+            for opt in optimizers:
+                silence(opt, "step", lambda *a, **k: None)
+                silence(opt, "zero_grad", lambda *a, **k: None)
+            for cfg in trainer.lr_scheduler_configs:
+                silence(cfg.scheduler, "step", lambda *a, **k: None)
         devices = [pl_module.device] if pl_module.device.type == "cuda" else []
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
                 out = pl_module.training_step(batch, batch_idx)
         finally:
-            pl_module.log, pl_module.log_dict = log, log_dict  # type: ignore[method-assign]
+            for obj, name, had, value in reversed(patched):
+                if had:
+                    setattr(obj, name, value)
+                else:
+                    delattr(obj, name)  # the instance attribute goes: the class's method is back
+        if captured:
+            return float(sum(t.float().sum() for t in captured))
         if isinstance(out, dict):
             out = out.get("loss")
         if not isinstance(out, Tensor):

@@ -1,0 +1,100 @@
+"""DivergenceGuard under manual optimization with one optimizer: the weights-or-data tests replay
+``training_step`` with its backward, optimizer steps and scheduler steps made no-ops, so new data is told from
+weights that broke, and the replay leaves the step's gradients and the run's weights exactly as they were."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_monitor import DivergenceGuard
+
+STEPS, SWITCH, BATCH = 200, 100, 32
+
+
+def _data(new_labels: bool) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    centres = 3.0 * torch.randn(10, 16, generator=g)
+    y = torch.randint(0, 10, (STEPS * BATCH,), generator=g)
+    x = centres[y] + 0.3 * torch.randn(STEPS * BATCH, 16, generator=g)
+    if new_labels:  # from step SWITCH on, every label moves by 3 classes: new data, not a divergence
+        y = torch.where(torch.arange(len(y)) >= SWITCH * BATCH, (y + 3) % 10, y)
+    return TensorDataset(x, y)
+
+
+class _Manual(pl.LightningModule):
+    """A classifier trained by hand: zero_grad, manual_backward, clip, step and a scheduler step in
+    ``training_step``. ``blowup``: the learning rate multiplied by 3000 at step SWITCH (the weights break)."""
+
+    def __init__(self, blowup: bool = False) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.blowup = blowup
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=10.0, gradient_clip_algorithm="norm")
+        if self.blowup and self.global_step == SWITCH:
+            for group in opt.param_groups:
+                group["lr"] *= 3000.0
+        opt.step()
+        self.lr_schedulers().step()
+        # nothing returned: the guard takes the loss given to manual_backward
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=1e-3)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1000, gamma=0.5)]
+
+
+def _fit(tmp_path, model, guard=None):
+    pl.seed_everything(0)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False,
+                         callbacks=[guard] if guard else [], enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path))
+    trainer.fit(model, DataLoader(_data(not model.blowup), batch_size=BATCH))
+    return trainer
+
+
+def test_new_data_under_manual_optimization_only_warns(tmp_path) -> None:
+    """The labels change at step 100: a `data_shift` warning, no action (before, the guard could not evaluate a
+    batch under manual optimization: it rolled back and stopped the run at step 114)."""
+    guard = DivergenceGuard()
+    trainer = _fit(tmp_path, _Manual(), guard)
+    assert guard.rollbacks == [] and guard.stopped_step is None and trainer.global_step == STEPS
+    assert [a.kind for a in guard.hub.history if a.severity != "info"] == ["data_shift"]
+
+
+def test_weights_that_break_under_manual_optimization_are_rolled_back(tmp_path) -> None:
+    guard = DivergenceGuard()
+    _fit(tmp_path, _Manual(blowup=True), guard)
+    assert guard.rollbacks and guard.rollbacks[0]["step"] > SWITCH
+
+
+def test_the_replay_changes_nothing_in_the_run(tmp_path) -> None:
+    """With ``action="warn"`` the guard replays steps (it judges the label change) but never acts: the weights,
+    the optimizer's state and the scheduler's are bit for bit those of the same run without the guard."""
+    plain = _Manual()
+    trainer = _fit(tmp_path / "plain", plain)
+    guard = DivergenceGuard(action="warn")
+    guarded = _Manual()
+    guarded_trainer = _fit(tmp_path / "guarded", guarded, guard)
+    assert any(a.kind == "data_shift" for a in guard.hub.history)  # the replay did run
+    for a, b in zip(plain.state_dict().values(), guarded.state_dict().values()):
+        assert torch.equal(a, b)
+    state_a, state_b = trainer.optimizers[0].state_dict()["state"], guarded_trainer.optimizers[0].state_dict()["state"]
+    assert all(torch.equal(state_a[k]["exp_avg"], state_b[k]["exp_avg"]) for k in state_a)
+    sched_a, sched_b = trainer.lr_scheduler_configs[0].scheduler, guarded_trainer.lr_scheduler_configs[0].scheduler
+    assert sched_a.last_epoch == sched_b.last_epoch == STEPS
+    # the replay's no-ops are gone: the module's and the optimizer's own attributes are as in the plain run
+    assert set(vars(guarded)) == set(vars(plain)) and "manual_backward" not in vars(guarded)
+    for opt_a, opt_b in zip(trainer.optimizers, guarded_trainer.optimizers):
+        assert set(vars(opt_a)) == set(vars(opt_b))
+        assert vars(opt_a).get("step", None).__class__ is vars(opt_b).get("step", None).__class__
