@@ -98,3 +98,29 @@ def test_the_replay_changes_nothing_in_the_run(tmp_path) -> None:
     for opt_a, opt_b in zip(trainer.optimizers, guarded_trainer.optimizers):
         assert set(vars(opt_a)) == set(vars(opt_b))
         assert vars(opt_a).get("step", None).__class__ is vars(opt_b).get("step", None).__class__
+
+
+class _ClosureStep(_Manual):
+    """A step that takes the loss back from ``opt.step(closure)``: the replay (whose ``step`` does nothing and
+    returns None) cannot run it."""
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+
+        def closure():
+            loss = F.cross_entropy(self.net(x), y)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            return loss
+
+        self.last_loss = opt.step(closure=closure).detach()
+
+
+def test_a_step_the_replay_cannot_run_is_said_once_and_training_goes_on(tmp_path) -> None:
+    import pytest
+
+    guard = DivergenceGuard()
+    with pytest.warns(UserWarning, match="could not run `training_step` again under manual optimization"):
+        trainer = _fit(tmp_path, _ClosureStep(), guard)
+    assert trainer.global_step > SWITCH  # the fit went on past the label change (judged as before, without the test)

@@ -952,6 +952,16 @@ class DivergenceGuard(Monitor):
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
                 out = pl_module.training_step(batch, batch_idx)
+        except Exception as err:  # noqa: BLE001
+            if pl_module.automatic_optimization:
+                raise
+            # a hand-written step may need what the replay turns off (a closure's loss from `opt.step`): the batch
+            # cannot be evaluated, and the rise is judged without the weights-or-data test, as before
+            if not self._warned_replay:
+                self._warned_replay = True
+                rank_zero_warn(f"DivergenceGuard could not run `training_step` again under manual optimization "
+                               f"({type(err).__name__}: {err}); loss rises are judged without asking older weights.")
+            return None
         finally:
             for obj, name, had, value in reversed(patched):
                 if had:
@@ -1136,6 +1146,7 @@ class DivergenceGuard(Monitor):
         self._restored: list[tuple[int, Optional[float], float]] = []  # buffered values restored from a checkpoint
         self._loss_acc: Optional[Tensor] = None
         self._judged_through = -1  # the last step judged
+        self._warned_replay = False  # the manual-optimization replay failed once (said once)
         # the first step of the current fit (set at the start of training): after a resume, or a second fit in the
         # same Trainer, the loss history goes on from a state whose weights that step still uses
         self._resume_step: Optional[int] = None
