@@ -68,6 +68,10 @@ class DivergenceGuard(Monitor):
       loss by half over its lowest value and by a quarter of the initial loss (a slow climb), **and** the rise is the weights' doing:
       the current batch is evaluated again with the weights of every kept snapshot from before the rise; if
       each finds the batch about as hard (``data_shift``, a warning: the data changed, not the run), nothing acts;
+      a rise that begins on the first step of a fit that goes on from a checkpoint (or an earlier fit) is a
+      ``data_shift`` too: that step's loss came from weights nothing has updated since;
+    * ``objective_change`` (warning): a surge the newest snapshot from before it sees on the recent batches too:
+      the loss function changed (a term switched on), not the weights; nothing acts;
     * ``loss_creep`` (warning): the smoothed loss risen above its lowest value by ``creep`` of that value,
       by at least ``initial_floor`` of the initial loss, and by more than batch noise moves the average
       (six of its standard deviations, from the robust batch-to-batch noise); it clears halfway back;
