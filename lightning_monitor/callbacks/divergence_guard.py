@@ -6,7 +6,7 @@ import math
 import os
 import re
 from collections import deque
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -747,9 +747,7 @@ class DivergenceGuard(Monitor):
                 "action taken; the new level is the normal from here.",
                 value=loss, threshold=level, clear_message="The loss has settled at its new level.",
             )
-            self._loss_watch.reseed([loss])
-            self._initial = [max(self._anchor(), loss)] * 3
-            self._ema, self._ema_weight, self._ema_min = 0.0, 0.0, math.inf
+            self._new_normal([loss])
             self._creep_start = None
             return []
         verdict = self._attribute(trainer, pl_module, start, level, climb) if self.attribute else None
@@ -767,9 +765,7 @@ class DivergenceGuard(Monitor):
                 "the run. No action taken.",
                 value=now, threshold=before, clear_message="The loss has settled at its new level.",
             )
-            self._loss_watch.reseed([now, before])  # the new level is the new normal
-            self._initial = [max(self._anchor(), now)] * 3
-            self._ema, self._ema_weight, self._ema_min = 0.0, 0.0, math.inf
+            self._new_normal([now, before])
             return []
         how = "" if verdict is None else (
             f" Earlier good weights find the current batch easy ({verdict[2]:.4g} against {verdict[1]:.4g} now): "
@@ -832,18 +828,7 @@ class DivergenceGuard(Monitor):
         snap = next((s for s in reversed(self._snapshots) if s.step < step), None)
         if snap is None or not self._replayable(pl_module):
             return False
-        saved = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
-        try:
-            with torch.no_grad():
-                current = pl_module.state_dict()
-                for name, value in snap.state()["module"].items():
-                    current[name].copy_(value)
-            before = self._mean_loss(trainer, pl_module, refs)
-        finally:
-            with torch.no_grad():
-                current = pl_module.state_dict()
-                for name, value in saved.items():
-                    current[name].copy_(value)
+        (before,) = self._under_snapshots(pl_module, [snap], lambda: self._mean_loss(trainer, pl_module, refs))
         if before is None or not math.isfinite(before) or before - then < 0.5 * (now - then):
             return False
         self.alert(
@@ -855,9 +840,7 @@ class DivergenceGuard(Monitor):
             "normal from here.",
             value=loss, threshold=level,
         )
-        self._loss_watch.reseed([loss, before])
-        self._initial = [max(self._anchor(), loss)] * 3
-        self._ema, self._ema_weight, self._ema_min = 0.0, 0.0, math.inf
+        self._new_normal([loss, before])
         return True
 
     def _attribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, start: int, level: float,
@@ -880,20 +863,8 @@ class DivergenceGuard(Monitor):
             z = self._loss_watch.zscore(now, abs_floor=self.initial_floor * anchor)
             if z <= self.z_threshold and now <= self.blowup * anchor:
                 return "transient", now, now  # the anomaly is over: the current batch is normal again
-        saved = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
-        befores: list[Optional[float]] = []
-        try:
-            with torch.no_grad():
-                for snap in reversed(snaps):
-                    current = pl_module.state_dict()
-                    for name, value in snap.state()["module"].items():
-                        current[name].copy_(value)
-                    befores.append(self._rank_mean(trainer, pl_module, self._batch_loss(pl_module)))
-        finally:
-            with torch.no_grad():
-                current = pl_module.state_dict()
-                for name, value in saved.items():
-                    current[name].copy_(value)
+        befores = self._under_snapshots(pl_module, list(reversed(snaps)),
+                                        lambda: self._rank_mean(trainer, pl_module, self._batch_loss(pl_module)))
         if now is None or None in befores:
             return None
         before = min((b for b in befores if b is not None and math.isfinite(b)), default=math.nan)
@@ -902,6 +873,34 @@ class DivergenceGuard(Monitor):
         # the data explains the rise if every older state sees at least half of it on the same batch
         data = all(b is not None and math.isfinite(b) and (b - level) >= 0.5 * (now - level) for b in befores)
         return ("data" if data else "weights"), now, before
+
+    @staticmethod
+    def _under_snapshots(pl_module: pl.LightningModule, snaps: list[TrainingSnapshot],
+                         evaluate: Callable[[], Optional[float]]) -> list[Optional[float]]:
+        """``evaluate()`` with the module's weights and buffers set to each snapshot's in turn; the module's own are
+        put back afterwards, whatever happens."""
+        saved = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        out: list[Optional[float]] = []
+        try:
+            for snap in snaps:
+                with torch.no_grad():
+                    current = pl_module.state_dict()
+                    for name, value in snap.state()["module"].items():
+                        current[name].copy_(value)
+                out.append(evaluate())
+        finally:
+            with torch.no_grad():
+                current = pl_module.state_dict()
+                for name, value in saved.items():
+                    current[name].copy_(value)
+        return out
+
+    def _new_normal(self, values: list[float]) -> None:
+        """A changed level taken as the normal (new data, a new loss function): the loss history restarts from
+        ``values``, the initial level rises to the first of them if it is higher, the moving average restarts."""
+        self._loss_watch.reseed(values)
+        self._initial = [max(self._anchor(), values[0])] * 3
+        self._ema, self._ema_weight, self._ema_min = 0.0, 0.0, math.inf
 
     @staticmethod
     def _rank_mean(trainer: pl.Trainer, pl_module: pl.LightningModule, value: Optional[float]) -> Optional[float]:

@@ -849,8 +849,8 @@ class GradientWeightAlignmentMonitor(Monitor):
                 metrics[self.key("score")] = score
                 record["score"] = score
         # bimodal scores with a positive mean: past the pole of mean / (kurtosis + 1.2), ranked above every score
-        bimodal = mean if math.isfinite(kurtosis) and kurtosis + GWA_OFFSET <= 0 and mean > 0 else None
-        eligible = False if small else self._select(epoch, record.get("score"), None if bimodal is None else kurtosis)
+        bimodal = self._bimodal(kurtosis, mean)
+        eligible = False if small else self._select(epoch, record.get("score"), bimodal)
         record.update(eligible=eligible, negative=negative)
         ranked = record.get("score") is not None or bimodal is not None
         if ranked and not small and (eligible or not self.mask_warmup):
@@ -904,6 +904,14 @@ class GradientWeightAlignmentMonitor(Monitor):
     def _in_window(self, epoch: int) -> bool:
         """Whether ``epoch`` is inside the selection window (after the warm-up, and the first dip with ``finetune``)."""
         return epoch >= self._warmup_resolved and (not self.finetune or self.dip_epoch is not None)
+
+    @staticmethod
+    def _bimodal(kurtosis: Optional[float], mean: Optional[float]) -> Optional[float]:
+        """The excess kurtosis of bimodal scores with a positive mean (GWA undefined, ranked above every score: see
+        :meth:`_rank`), else ``None``."""
+        if kurtosis is None or mean is None or not math.isfinite(kurtosis):
+            return None
+        return kurtosis if kurtosis + GWA_OFFSET <= 0 and mean > 0 else None
 
     @staticmethod
     def _rank(score: Optional[float], bimodal_kurtosis: Optional[float]) -> Optional[tuple[int, float]]:
@@ -1009,10 +1017,8 @@ class GradientWeightAlignmentMonitor(Monitor):
             epoch = h["epoch"]
             if not 1 <= epoch < self._warmup_resolved or h.get("partial"):
                 continue
-            score, kurtosis, mean = h.get("score"), h.get("kurtosis"), h.get("mean")
-            bimodal = (kurtosis if score is None and kurtosis is not None and kurtosis + GWA_OFFSET <= 0
-                       and mean is not None and mean > 0 else None)
-            rank = self._rank(score, bimodal)
+            score = h.get("score")
+            rank = self._rank(score, None if score is not None else self._bimodal(h.get("kurtosis"), h.get("mean")))
             if rank is None:
                 continue
             if rank[0] == 0 and best[0] == 0 and rank[1] > best[1] + (_WARMUP_FACTOR - 1.0) * abs(best[1]):
