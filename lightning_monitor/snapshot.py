@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-__all__ = ["TrainingSnapshot", "scale_learning_rates"]
+__all__ = ["SnapshotMismatch", "TrainingSnapshot", "scale_learning_rates"]
 
 
 _ATOMS = (int, float, bool, str, bytes, type(None))
@@ -118,6 +118,7 @@ class TrainingSnapshot:
                            for i, opt in enumerate(trainer.optimizers)],
             "schedulers": [_to_host(cfg.scheduler.state_dict(), scheds[i] if i < len(scheds) else None)
                            for i, cfg in enumerate(trainer.lr_scheduler_configs)],
+            "scheduler_types": [_type_name(cfg.scheduler) for cfg in trainer.lr_scheduler_configs],
             "scaler": _to_host(scaler.state_dict()) if scaler is not None else None,
             "monitors": {key: _to_host(cb.state_dict()) for key, cb in monitors.items()},
         }
@@ -137,16 +138,30 @@ class TrainingSnapshot:
         return torch.load(self.path, map_location="cpu", weights_only=False)
 
     def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, monitors: dict[str, Any]) -> None:
-        """Copy the snapshot back into the module, optimizers, schedulers, scaler and ``monitors``."""
+        """Copy the snapshot back into the module, optimizers, schedulers, scaler and ``monitors``.
+
+        Another callback may have changed the optimizers since (``BackboneFinetuning`` adds a parameter group when it
+        unfreezes, ``StochasticWeightAveraging`` swaps the scheduler and adds keys to the groups): a group added
+        since keeps its settings and starts with no optimizer state, as it did when it was added; a key added to a
+        group since keeps its value; a scheduler of another type than the saved one keeps its state. Raises
+        :class:`SnapshotMismatch`, before changing anything, when the saved optimizer state cannot be matched to the
+        parameters (a group removed or resized, another number of optimizers)."""
         state = self.state()
+        problem = self.mismatch(trainer, state)
+        if problem is not None:
+            raise SnapshotMismatch(f"The snapshot of step {self.step} cannot be restored: {problem}.")
         with torch.no_grad():
             current = pl_module.state_dict()
             for name, saved in state["module"].items():
                 current[name].copy_(saved)
         for opt, saved in zip(trainer.optimizers, state["optimizers"]):
-            opt.load_state_dict(copy.deepcopy(saved))
-        for cfg, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
-            cfg.scheduler.load_state_dict(copy.deepcopy(saved))
+            opt.load_state_dict(_optimizer_state(opt, saved))
+        types = state.get("scheduler_types") or [None] * len(state["schedulers"])
+        for cfg, saved, kind in zip(trainer.lr_scheduler_configs, state["schedulers"], types):
+            # a scheduler swapped in since (StochasticWeightAveraging's SWALR) keeps its own state: the saved one is
+            # another schedule's
+            if kind is None or kind == _type_name(cfg.scheduler):
+                cfg.scheduler.load_state_dict(copy.deepcopy(saved))
         scaler = _loss_scaler(trainer)
         if scaler is not None and state["scaler"] is not None:
             scaler.load_state_dict(copy.deepcopy(state["scaler"]))
@@ -154,11 +169,52 @@ class TrainingSnapshot:
             if key in state["monitors"]:
                 cb.load_state_dict(copy.deepcopy(state["monitors"][key]))
 
+    def mismatch(self, trainer: pl.Trainer, state: Optional[dict[str, Any]] = None) -> Optional[str]:
+        """Why the saved optimizer states do not fit the run's optimizers now, or ``None`` when they do: each saved
+        parameter group must still be there, in order, with as many parameters (groups may have been added after
+        them)."""
+        state = self.state() if state is None else state
+        if len(state["optimizers"]) != len(trainer.optimizers):
+            return f"{len(state['optimizers'])} optimizer(s) then, {len(trainer.optimizers)} now"
+        for i, (opt, saved) in enumerate(zip(trainer.optimizers, state["optimizers"])):
+            then = [len(g["params"]) for g in saved["param_groups"]]
+            now = [len(g["params"]) for g in opt.param_groups]
+            if now[: len(then)] != then:
+                return f"optimizer {i} had parameter groups of {then} parameters, now {now}"
+        return None
+
     def discard(self) -> None:
         """Free the memory or the file."""
         self._state = None
         if self.path is not None and os.path.exists(self.path):
             os.remove(self.path)
+
+
+class SnapshotMismatch(RuntimeError):
+    """A snapshot whose optimizer states no longer fit the run's optimizers."""
+
+
+def _type_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _optimizer_state(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``saved`` (an optimizer's ``state_dict()``) for ``opt`` as it is now: the groups added after the
+    saved ones keep their present settings and get no state; keys added to a saved group since keep their present
+    values. The caller has checked that the saved groups are the first groups of ``opt`` (:meth:`TrainingSnapshot.mismatch`)."""
+    state = copy.deepcopy(saved)
+    groups = state["param_groups"]
+    for then, now in zip(groups, opt.param_groups):
+        for key, value in now.items():
+            if key != "params" and key not in then:
+                then[key] = value
+    first = sum(len(g["params"]) for g in groups)
+    for now in opt.param_groups[len(groups):]:
+        group = {k: v for k, v in now.items() if k != "params"}
+        group["params"] = list(range(first, first + len(now["params"])))
+        first += len(now["params"])
+        groups.append(group)
+    return state
 
 
 def scale_learning_rates(trainer: pl.Trainer, factor: float) -> None:

@@ -32,11 +32,17 @@ _REFERENCES = 4
 _EARLY_PATIENCE = 10
 #: factor over its lowest value at which a creeping smoothed loss is judged like an explosion (a slow climb)
 _CLIMB = 1.5
+#: factor by which a learning rate must have come back up from its low to make a warm restart (``lr_restart``)
+_RESTART = 1.5
 
 
 def _at(rows: Optional[list[list[Any]]], i: int, j: int) -> Any:
     """``rows[i][j]`` (per optimizer, per parameter group), or ``None`` where there is none."""
     return rows[i][j] if rows is not None and i < len(rows) and j < len(rows[i]) else None
+
+
+def _copy_rows(rows: Optional[list[list[Any]]]) -> Optional[list[list[Any]]]:
+    return None if rows is None else [list(r) for r in rows]
 
 
 def _is_critical(alert: Optional[Alert]) -> bool:
@@ -72,6 +78,12 @@ class DivergenceGuard(Monitor):
       ``data_shift`` too: that step's loss came from weights nothing has updated since;
     * ``objective_change`` (warning): a surge the newest snapshot from before it sees on the recent batches too:
       the loss function changed (a term switched on), not the weights; nothing acts;
+    * ``lr_restart`` (warning): a surge or a sustained rise while the learning rate is back up (by 1.5 times
+      or more from its low) at a level the run already trained at with a normal loss, having come down from it
+      since: the transient of a warm restart (SGDR, a cyclic schedule, a new stage's warm-up). Nothing acts, the
+      new level is the normal; once per rise of the rate, and not when the loss passes ``blowup`` times the
+      initial loss or after a rollback has capped the rates. A rate that rises to a new height is judged as
+      always;
     * ``loss_creep`` (warning): the smoothed loss risen above its lowest value by ``creep`` of that value,
       by at least ``initial_floor`` of the initial loss, and by more than batch noise moves the average
       (six of its standard deviations, from the robust batch-to-batch noise); it clears halfway back;
@@ -301,6 +313,14 @@ class DivergenceGuard(Monitor):
         self._resume_step = trainer.global_step
         if self.idle_reason is None and self._snapshot_files:
             self._adopt_snapshot_files(trainer)
+        if self._loss_watch.history and trainer.optimizers and not any(opt.state for opt in trainer.optimizers):
+            # a fit that goes on from earlier weights with new optimizers (a second fit of the same Trainer, no
+            # checkpoint): the first updates of a fresh optimizer overshoot and settle, as at the start of a run, so
+            # the loss is judged as at the start (its history restarts; the initial level stays)
+            self._loss_watch.reseed([])
+            self._ema, self._ema_weight, self._ema_min = 0.0, 0.0, math.inf
+            self._creep_start = None
+            self._normal_recent.clear()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.idle_reason is not None:
@@ -489,7 +509,9 @@ class DivergenceGuard(Monitor):
             self._rollback(trainer, pl_module, step, target, reasons, len(recent), diverged, bad_batch)
         else:
             if self.action == "rollback":
-                why = "no snapshot predates the anomaly" if target is None else (
+                why = ("no snapshot predates the anomaly" if self._misfit is None else
+                       f"the snapshots from before the anomaly no longer fit the optimizers ({self._misfit})"
+                       ) if target is None else (
                     f"{len(recent)} rollbacks within {self.rollback_window} steps (max_rollbacks={self.max_rollbacks})")
                 reasons += f"; stopping instead of rolling back: {why}"
             self._stop(trainer, pl_module, step, target, reasons)
@@ -563,11 +585,14 @@ class DivergenceGuard(Monitor):
             critical += reasons
             if loss is not None and math.isfinite(loss) and start is None:
                 self._normal_recent.append((s, loss))
+                self._note_lr(s)
             if start is None or reasons or explosion is not None:
                 continue
             run = self._loss_watch.run
             climbing = start == self._creep_start and not run
             sustained = run >= (self.patience if self._loss_watch.ready else max(self.patience, _EARLY_PATIENCE))
+            if (sustained or climbing or (surge and run < self.patience)) and self._lr_restart(s, start, loss):
+                continue
             if sustained or climbing:
                 explosion = (s, start, loss)
             elif surge and run < self.patience:
@@ -710,6 +735,57 @@ class DivergenceGuard(Monitor):
             self._climb_judged = True
             return True
         return False
+
+    def _note_lr(self, step: int) -> None:
+        """Note the learning rates of a normal step: each group's highest rate so far, and its lowest since."""
+        lrs = next((lrs for t, lrs in reversed(self._lr_trace) if t == step), None)
+        if lrs is None or lrs == self._lr_noted:
+            return  # the common step at a constant rate
+        self._lr_noted = lrs
+        if self._lr_peak is None or [len(r) for r in self._lr_peak] != [len(r) for r in lrs]:
+            self._lr_peak, self._lr_low = [list(r) for r in lrs], [list(r) for r in lrs]
+            return
+        for peaks, lows, row in zip(self._lr_peak, self._lr_low, lrs):
+            for j, lr in enumerate(row):
+                if lr is None:
+                    continue
+                if peaks[j] is None or lr > peaks[j]:
+                    peaks[j] = lows[j] = lr
+                elif lows[j] is None or lr < lows[j]:
+                    lows[j] = lr
+
+    def _lr_restart(self, step: int, start: int, loss: Optional[float]) -> bool:
+        """Whether a loss anomaly since ``start`` is a warm restart's transient: the learning rates in force are all
+        at or below the highest rates the run trained at with a normal loss, and one has come back up from its low
+        since by ``_RESTART`` times or more. Then the ``lr_restart`` warning is raised, the new level becomes the
+        normal, and nothing acts; the lows restart from the present rates, so the same rise is excused once. Not
+        after a rollback capped the rates, nor for a loss above ``blowup`` times the initial loss."""
+        if self._lr_peak is None or self._lr_low is None or self._lr_ceiling is not None or not self._lr_trace:
+            return False
+        if loss is None or not math.isfinite(loss) or loss > self.blowup * self._anchor():
+            return False
+        lrs = self._lr_trace[-1][1]
+        rows = [(lr, _at(self._lr_peak, i, j), _at(self._lr_low, i, j))
+                for i, row in enumerate(lrs) for j, lr in enumerate(row) if lr is not None]
+        if not rows or any(peak is None or lr > 1.001 * peak for lr, peak, _ in rows):
+            return False
+        rise = max((lr / low for lr, _, low in rows if low is not None and low > 0.0), default=0.0)
+        if rise < _RESTART:
+            return False
+        level = self._loss_watch.level() if self._loss_watch.history else self._anchor()
+        self.alert(
+            step, "lr_restart", "warning",
+            f"The loss rose to {loss:.4g} at step {step} (recent level about {level:.4g}, since step {start}) after the "
+            f"learning rate came back up {rise:.3g}x from its low, to a level the run already trained at: the "
+            "transient of a warm restart, not judged as a divergence. No action taken; the new level is the normal "
+            "from here, and a further rise is judged as usual.",
+            value=loss, threshold=level,
+        )
+        self._new_normal([loss])
+        self._creep_start = None
+        self._lr_low = [[(lr if lr is not None else low) for lr, low in zip(row, lows)]
+                        for row, lows in zip(lrs, self._lr_low)]
+        return True
 
     def _corroborate(self, step: int) -> list[str]:
         if not self._external_warnings and ("corroborated", None) not in self._conditions:
@@ -924,7 +1000,8 @@ class DivergenceGuard(Monitor):
         return trainer is not None and len(trainer.optimizers) == 1
 
     def _batch_loss(self, pl_module: pl.LightningModule, batch: Any = None, batch_idx: Optional[int] = None) -> Optional[float]:
-        """The loss of a batch (default: the current one) under the module's present weights, with no side effect.
+        """The loss of a batch (default: the current one) under the module's present weights, with no side effect on
+        the module (its buffers, BatchNorm's running statistics among them, are put back; the random state too).
         Under manual optimization (one optimizer) the step's backward, optimizer steps, gradient clipping and
         scheduler steps do nothing during the replay (the gradients about to be applied are left as they are), and
         the loss is what the step gives ``manual_backward``."""
@@ -952,6 +1029,8 @@ class DivergenceGuard(Monitor):
             for cfg in trainer.lr_scheduler_configs:
                 silence(cfg.scheduler, "step", lambda *a, **k: None)
         devices = [pl_module.device] if pl_module.device.type == "cuda" else []
+        # the step runs in training mode: BatchNorm would move its running statistics (and count the batch)
+        buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
                 out = pl_module.training_step(batch, batch_idx)
@@ -966,6 +1045,9 @@ class DivergenceGuard(Monitor):
                                f"({type(err).__name__}: {err}); loss rises are judged without asking older weights.")
             return None
         finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
             for obj, name, had, value in reversed(patched):
                 if had:
                     setattr(obj, name, value)
@@ -1028,9 +1110,16 @@ class DivergenceGuard(Monitor):
         self._seen = [e for e in self._seen if e[0] >= oldest]
 
     def _target_snapshot(self, trainer: pl.Trainer, first_bad: int) -> Optional[TrainingSnapshot]:
-        """The newest snapshot before ``first_bad`` on every rank (the ranks agree by a reduction)."""
+        """The newest snapshot before ``first_bad`` on every rank (the ranks agree by a reduction) whose optimizer states
+        still fit the optimizers (see :meth:`TrainingSnapshot.mismatch`; the reason of the last misfit is kept in
+        ``_misfit``)."""
+        self._misfit = None
         for snap in reversed(self._snapshots):
-            if self.decide(trainer, snap.step < first_bad, all=True):
+            ok = snap.step < first_bad
+            if ok:
+                self._misfit = snap.mismatch(trainer)
+                ok = self._misfit is None
+            if self.decide(trainer, ok, all=True):
                 return snap
         return None
 
@@ -1164,6 +1253,7 @@ class DivergenceGuard(Monitor):
         self._normal_recent.clear()
         self._lr_trace.clear()
         self._hard_batch: Optional[int] = None  # the last surge the weights were not to blame for
+        self._misfit: Optional[str] = None  # why the last snapshot asked for did not fit the optimizers
         self._skip: set[tuple[int, int]] = set(self._skip_given)
         self._lr_scale = 1.0
         self._lr_ceiling: Optional[list[list[float]]] = None  # per optimizer and group, after a repeated divergence
@@ -1178,6 +1268,8 @@ class DivergenceGuard(Monitor):
             "initial": list(self._initial),
             "creep": {"ema": self._ema, "weight": self._ema_weight, "min": self._ema_min, "warned_at": self._creep_warned_at},
             "lr_at_min": self._lr_at_min,
+            "lr_peak": _copy_rows(self._lr_peak),  # copies: the guard's own rows change in place
+            "lr_low": _copy_rows(self._lr_low),
         }
 
     def _load_detector_state(self, state: dict[str, Any]) -> None:
@@ -1188,6 +1280,10 @@ class DivergenceGuard(Monitor):
         self._ema_min = creep.get("min", math.inf)
         self._creep_warned_at = creep.get("warned_at", math.inf)
         self._lr_at_min = state.get("lr_at_min")
+        # per optimizer and group: the highest rate at a normal step, and the lowest since (see _lr_restart)
+        self._lr_peak: Optional[list[list[Optional[float]]]] = _copy_rows(state.get("lr_peak"))
+        self._lr_low: Optional[list[list[Optional[float]]]] = _copy_rows(state.get("lr_low"))
+        self._lr_noted: Optional[list[list[Optional[float]]]] = None  # the rates last noted (skip when unchanged)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

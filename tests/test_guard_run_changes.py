@@ -1,0 +1,228 @@
+"""DivergenceGuard across changes made to the run while it trains: another callback changing the optimizers
+(BackboneFinetuning, StochasticWeightAveraging), a second fit with fresh optimizers, a learning rate that comes
+back up (warm restarts), and the replays leaving BatchNorm statistics alone."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging
+from torch import nn
+
+from lightning_monitor import DivergenceGuard
+from lightning_monitor.alerts import AlertHub
+from lightning_monitor.snapshot import SnapshotMismatch, TrainingSnapshot
+
+N, BATCH = 512, 32  # 16 steps an epoch
+
+
+def _blobs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    centers = 2.0 * torch.randn(3, 8, generator=g)
+    y = torch.randint(0, 3, (N,), generator=g)
+    return centers[y] + torch.randn(N, 8, generator=g), y
+
+
+class _BackboneHead(pl.LightningModule):
+    """A classifier with a ``backbone`` and a ``head``; ``nan_step``: the loss of that step is NaN. The optimizer takes
+    the trainable parameters only (as BackboneFinetuning asks); ``cosine``: a per-epoch cosine schedule."""
+
+    def __init__(self, nan_step=None, cosine=False, bn=False):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32) if bn else nn.Identity(), nn.ReLU())
+        self.head = nn.Linear(32, 3)
+        self.nan_step, self.cosine = nan_step, cosine
+        self.x, self.y = _blobs()
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+    def training_step(self, batch, batch_idx):
+        lo = (batch_idx * BATCH) % N
+        loss = nn.functional.cross_entropy(self(self.x[lo:lo + BATCH]), self.y[lo:lo + BATCH])
+        return loss * float("nan") if self.global_step == self.nan_step else loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+        if not self.cosine:
+            return opt
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)}
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(N // BATCH)), batch_size=1)
+
+
+def _trainer(tmp_path, callbacks, **kw):
+    return pl.Trainer(accelerator="cpu", callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=False, logger=False, default_root_dir=str(tmp_path), **kw)
+
+
+def test_a_rollback_across_a_backbone_unfreeze_keeps_the_new_parameter_group(tmp_path):
+    # the backbone joins the optimizer at step 16 (epoch 1); the NaN at step 18 goes back to the snapshot of step 10,
+    # taken when the optimizer had one group: restoring it used to fail ("a different number of parameter groups")
+    model = _BackboneHead(nan_step=18)
+    guard = DivergenceGuard()
+    trainer = _trainer(tmp_path, [guard, BackboneFinetuning(unfreeze_backbone_at_epoch=1)], max_epochs=3)
+    trainer.fit(model)
+    assert [(r["step"], r["to_step"]) for r in guard.rollbacks] == [(18, 10)]
+    assert trainer.current_epoch == 3  # the fit went on to its end
+    opt = trainer.optimizers[0]
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 2]  # the head, then the unfrozen backbone
+    assert all(p.requires_grad for p in model.backbone.parameters())
+    assert all(p in opt.state for p in model.backbone.parameters())  # trained since the rollback
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_rollback_across_the_swa_scheduler_swap_keeps_swa_going(tmp_path):
+    # StochasticWeightAveraging swaps in its SWALR at epoch 2 (step 32) and adds `swa_lr` to the groups; the NaN at
+    # step 33 goes back to the snapshot of step 30, taken under the cosine schedule (the restore used to end the
+    # fit with a KeyError 'swa_lr' at the epoch's end)
+    model = _BackboneHead(nan_step=33, cosine=True)
+    guard = DivergenceGuard()
+    swa = StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=2, annealing_epochs=1)
+    trainer = _trainer(tmp_path, [guard, swa], max_epochs=4)
+    trainer.fit(model)
+    assert [(r["step"], r["to_step"]) for r in guard.rollbacks] == [(33, 30)]
+    assert type(trainer.lr_scheduler_configs[0].scheduler).__name__ == "SWALR"
+    assert trainer.optimizers[0].param_groups[0]["swa_lr"] == 1e-3
+    assert trainer.current_epoch == 4
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def _fake_trainer(opt):
+    return SimpleNamespace(optimizers=[opt], lr_scheduler_configs=[], precision_plugin=None, current_epoch=0,
+                           global_rank=0)
+
+
+def test_a_snapshot_fits_groups_added_since_and_refuses_groups_removed():
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    module = nn.Sequential(a, b)
+    opt = torch.optim.Adam(a.parameters(), lr=0.1)
+    a(torch.randn(4, 2)).sum().backward()
+    opt.step()
+    snap = TrainingSnapshot.capture(_fake_trainer(opt), module, {}, step=1, lr_scale=1.0)
+    moment = opt.state[a.weight]["exp_avg"].clone()
+    # a group added since (an unfreeze) with a key the saved groups lack: both kept, the new group without state
+    opt.add_param_group({"params": list(b.parameters()), "lr": 0.01})
+    opt.param_groups[0]["swa_lr"] = 0.05
+    (a(torch.randn(4, 2)).sum() + b(torch.randn(4, 2)).sum()).backward()
+    opt.step()
+    assert snap.mismatch(_fake_trainer(opt)) is None
+    snap.restore(_fake_trainer(opt), module, {})
+    assert torch.equal(opt.state[a.weight]["exp_avg"], moment)
+    assert b.weight not in opt.state and opt.param_groups[1]["lr"] == 0.01
+    assert opt.param_groups[0]["swa_lr"] == 0.05
+    # an optimizer that lost the saved group cannot take the saved state: refused before anything changes
+    other = torch.optim.Adam(b.parameters(), lr=0.1)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    reason = snap.mismatch(_fake_trainer(other))
+    assert reason is None  # same sizes: 2 tensors in one group ...
+    lone = torch.optim.Adam([b.weight], lr=0.1)
+    reason = snap.mismatch(_fake_trainer(lone))
+    assert reason is not None and "[2]" in reason and "[1]" in reason
+    with pytest.raises(SnapshotMismatch):
+        snap.restore(_fake_trainer(lone), module, {})
+    assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())
+
+
+def test_replays_leave_batchnorm_statistics_as_they_were(tmp_path, monkeypatch):
+    # the guard runs `training_step` again (in training mode) to tell weights from data; BatchNorm must not see those
+    # batches: the guarded run's buffers equal an unguarded run's bit for bit
+    replays = []
+    original = DivergenceGuard._batch_loss
+
+    def counted(self, *args, **kwargs):
+        replays.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DivergenceGuard, "_batch_loss", counted)
+
+    class _HardBatches(_BackboneHead):
+        def training_step(self, batch, batch_idx):
+            lo = (batch_idx * BATCH) % N
+            y = self.y[lo:lo + BATCH]
+            if batch_idx in (9, 13):  # two batches of wrong labels an epoch: surges the weights are not to blame for
+                y = (y + 1) % 3
+            return nn.functional.cross_entropy(self(self.x[lo:lo + BATCH]), y)
+
+    states = []
+    for callbacks in ([DivergenceGuard(action="warn")], []):
+        pl.seed_everything(0, verbose=False)
+        model = _HardBatches(bn=True)
+        _trainer(tmp_path, callbacks, max_epochs=6).fit(model)
+        states.append(model.state_dict())
+    assert replays, "no replay happened: the test would not test anything"
+    guarded, plain = states
+    assert all(torch.equal(guarded[k], plain[k]) for k in plain)
+
+
+def _gpt(tiny_gpt_factory, lr):
+    module, loader = tiny_gpt_factory(batch_size=16, n_samples=4096, lr=lr,
+                                      config={"n_layer": 2, "d_model": 64, "block_size": 64})
+    return module, loader
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("second_lr", [3e-3, 0.05])
+def test_a_second_fit_with_fresh_optimizers_is_judged_as_a_new_start(tmp_path, tiny_gpt, second_lr):
+    # a second `fit` of the same Trainer builds new optimizers: the first updates of a fresh Adam overshoot and settle
+    # (the loss 1.3 -> 2.5 on step 201 here), which was rolled back with the learning rate halved for good. The same
+    # second fit at a rate 17x higher is still rolled back on that step.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the run's numbers as measured
+    try:
+        pl.seed_everything(0, verbose=False)
+        module, loader = _gpt(tiny_gpt, 3e-3)
+        guard = DivergenceGuard()
+        trainer = _trainer(tmp_path, [guard], max_steps=200)
+        trainer.fit(module, loader)
+        trainer.fit_loop.epoch_loop.max_steps = 230
+        module.lr = second_lr
+        trainer.fit(module, loader)
+    finally:
+        torch.set_num_threads(threads)
+    rolled = [(r["step"], r["to_step"]) for r in guard.rollbacks]
+    assert rolled == ([] if second_lr == 3e-3 else [(201, 200)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("restart_factor", [1.0, 10.0])
+def test_a_warm_restart_to_a_rate_trained_at_before_only_warns(tmp_path, restart_factor):
+    # the demo's GPT under cosine with warm restarts every 150 steps, from 3e-3 down to 1e-5: the restart at step 300
+    # makes the loss jump from 1.25 to 2.3, and the run recovers (0.47 at step 600 unguarded). It was rolled back, with
+    # the rate capped at the floor of the cosine for the rest of the run (1.18 at step 600). The matched run restarts
+    # at 10x the rate it ever trained at: rolled back on the same step.
+    from gpt import GPTModule, make_loader
+
+    class _Restarts(GPTModule):
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
+
+            def factor(k):
+                cosine = 1 / 300 + (1 - 1 / 300) * 0.5 * (1 + math.cos(math.pi * (k % 150) / 150))
+                return cosine * (restart_factor if k >= 300 else 1.0)
+
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the run's numbers as measured
+    try:
+        pl.seed_everything(0, verbose=False)
+        module = _Restarts({"n_layer": 2, "n_head": 2, "d_model": 64, "block_size": 64}, lr=3e-3)
+        loader = make_loader("prose", block_size=64, batch_size=16, n_samples=16 * 600)
+        guard = DivergenceGuard()
+        trainer = _trainer(tmp_path, [guard], max_steps=330)
+        trainer.fit(module, loader)
+    finally:
+        torch.set_num_threads(threads)
+    kinds = [(a.step, a.kind) for a in AlertHub.for_trainer(trainer).history if a.severity != "info"]
+    if restart_factor == 1.0:
+        assert guard.rollbacks == [] and (301, "lr_restart") in kinds
+    else:
+        assert [r["step"] for r in guard.rollbacks] == [301]
+        assert all(kind != "lr_restart" for _, kind in kinds)
