@@ -78,15 +78,15 @@ def test_a_rollback_across_a_backbone_unfreeze_keeps_the_new_parameter_group(tmp
 
 
 def test_a_rollback_across_the_swa_scheduler_swap_keeps_swa_going(tmp_path):
-    # StochasticWeightAveraging swaps in its SWALR at epoch 2 (step 32) and adds `swa_lr` to the groups; the NaN at
-    # step 33 goes back to the snapshot of step 30, taken under the cosine schedule (the restore used to end the
-    # fit with a KeyError 'swa_lr' at the epoch's end)
-    model = _BackboneHead(nan_step=33, cosine=True)
+    # StochasticWeightAveraging swaps in its SWALR when epoch 1 starts (step 16) and adds `swa_lr` to the groups; the
+    # NaN at step 17 goes back to the snapshot of step 10, taken under the cosine schedule (the restore put the cosine's
+    # state into SWALR and dropped `swa_lr`: the fit ended with a KeyError at the epoch's end)
+    model = _BackboneHead(nan_step=17, cosine=True)
     guard = DivergenceGuard()
     swa = StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=2, annealing_epochs=1)
     trainer = _trainer(tmp_path, [guard, swa], max_epochs=4)
     trainer.fit(model)
-    assert [(r["step"], r["to_step"]) for r in guard.rollbacks] == [(33, 30)]
+    assert [(r["step"], r["to_step"]) for r in guard.rollbacks] == [(17, 10)]
     assert type(trainer.lr_scheduler_configs[0].scheduler).__name__ == "SWALR"
     assert trainer.optimizers[0].param_groups[0]["swa_lr"] == 1e-3
     assert trainer.current_epoch == 4
