@@ -282,6 +282,37 @@ def test_optimizer_over_some_parameters(tmp_path: Path) -> None:
         _trainer(tmp_path, [GradientEarlyStopping()], max_steps=2).fit(module, _loader())
 
 
+class FirstBlockFrozen(GPTModule):
+    """The optimizer over the trainable parameters only (as BackboneFinetuning asks)."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+class _FreezeFirstBlockAtSetup(pl.Callback):
+    """Freezes the first block in its ``setup``, after GradES's own ``setup`` has found the components (as
+    BackboneFinetuning does with a backbone, until it unfreezes it)."""
+
+    def setup(self, trainer, pl_module, stage):
+        for p in pl_module.model.blocks[0].parameters():
+            p.requires_grad_(False)
+
+
+def test_components_frozen_before_the_fit_are_left_out(tmp_path: Path) -> None:
+    # it raised "the optimizer does not hold the parameters of 6 component(s)" (HealthMonitor(grades=True) listed
+    # before BackboneFinetuning aborted the fit)
+    pl.seed_everything(0)
+    module = FirstBlockFrozen(GPTConfig(n_layer=2, n_head=2, d_model=16, block_size=32))
+    grades = GradientEarlyStopping(grace_steps=2)
+    logger = CSVLogger(tmp_path)
+    trainer = _trainer(tmp_path, [grades, _FreezeFirstBlockAtSetup()], max_steps=20, logger=logger)
+    trainer.fit(module, _loader())
+    assert grades.idle_reason is None and trainer.global_step == 20
+    assert grades._names and all(n.startswith("model.blocks.1.") for n in grades._names)
+    left = [a for a in read_alerts(os.path.join(logger.log_dir, "alerts.jsonl")) if a.kind == "components_left_out"]
+    assert len(left) == 1 and "model.blocks.0." in left[0].message
+
+
 @pytest.mark.parametrize(
     ("strategy", "match"),
     [

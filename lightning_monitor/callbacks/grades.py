@@ -524,8 +524,24 @@ class GradientEarlyStopping(Monitor):
                 "parameter's gradient is not reduced across ranks). Shard them, or leave them out with `exclude=[...]`."
             )
         in_optimizer = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
-        missing = [n for n, c in self._components.items()
+        outside = [n for n, c in self._components.items()
                    if n not in self.frozen and any(id(p) not in in_optimizer for p in c.params)]
+        # frozen before the fit (a backbone that BackboneFinetuning unfreezes later, a model fine-tuned in part): there
+        # is nothing of theirs to watch or to freeze; left out, said once
+        held = [n for n in outside if not any(p.requires_grad for p in self._components[n].params)]
+        if held:
+            self._components = {n: c for n, c in self._components.items() if n not in held}
+            self._names = [n for n in self._names if n not in held]
+            self.alert(
+                trainer.global_step, "components_left_out", "info",
+                f"GradientEarlyStopping leaves out {len(held)} component(s) frozen when the fit starts (not trained, "
+                f"not in the optimizer): {held[:6]}{'...' if len(held) > 6 else ''}. Components unfrozen later are "
+                "not watched.",
+            )
+            if not self._components:
+                self.nothing_to_watch(trainer, "every component is frozen when the fit starts")
+                return
+        missing = [n for n in outside if n not in held]
         if missing:
             raise ValueError(
                 f"GradientEarlyStopping: the optimizer does not hold the parameters of {len(missing)} component(s) "
