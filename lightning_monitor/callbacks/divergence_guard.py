@@ -317,8 +317,7 @@ class DivergenceGuard(Monitor):
             # a fit that goes on from earlier weights with new optimizers (a second fit of the same Trainer, no
             # checkpoint): the first updates of a fresh optimizer overshoot and settle, as at the start of a run, so
             # the loss is judged as at the start (its history restarts; the initial level stays)
-            self._loss_watch.reseed([])
-            self._ema, self._ema_weight, self._ema_min = 0.0, 0.0, math.inf
+            self._new_normal([])
             self._creep_start = None
             self._normal_recent.clear()
 
@@ -973,9 +972,11 @@ class DivergenceGuard(Monitor):
 
     def _new_normal(self, values: list[float]) -> None:
         """A changed level taken as the normal (new data, a new loss function): the loss history restarts from
-        ``values``, the initial level rises to the first of them if it is higher, the moving average restarts."""
+        ``values`` (empty: a fresh start), the initial level rises to the first of them if it is higher, the moving
+        average restarts."""
         self._loss_watch.reseed(values)
-        self._initial = [max(self._anchor(), values[0])] * 3
+        if values:
+            self._initial = [max(self._anchor(), values[0])] * 3
         self._ema, self._ema_weight, self._ema_min = 0.0, 0.0, math.inf
 
     @staticmethod
