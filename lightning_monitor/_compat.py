@@ -124,6 +124,17 @@ def ddp_comm_hook(strategy: Any) -> Optional[Any]:
     return getattr(strategy, "_ddp_comm_hook", None)
 
 
+# ---------------------------------------------------------------- Lightning: a forward-only epoch
+
+
+def backward_skipped(trainer: Any) -> bool:
+    """Whether the fit loop runs the training steps without their backward (``fit_loop._skip_backward``,
+    private; checked on lightning 2.6.6): ``StochasticWeightAveraging`` sets it for the extra epoch that
+    recomputes the BatchNorm statistics of the averaged weights. Such steps have no loss to judge and no
+    gradients to read. Fallback when missing: ``False`` (every step is a training step)."""
+    return bool(getattr(getattr(trainer, "fit_loop", None), "_skip_backward", False))
+
+
 # ---------------------------------------------------------------- Lightning: callback metrics
 
 

@@ -226,3 +226,42 @@ def test_a_warm_restart_to_a_rate_trained_at_before_only_warns(tmp_path, restart
     else:
         assert [r["step"] for r in guard.rollbacks] == [301]
         assert all(kind != "lr_restart" for _, kind in kinds)
+
+
+class _BlobsBN(pl.LightningModule):
+    """A BatchNorm classifier trained on ``(x, y)`` batches (what GWA reads its targets from)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_blobs()), batch_size=BATCH)
+
+
+def test_swa_batchnorm_epoch_is_not_judged_or_scored(tmp_path, recwarn):
+    # after its last epoch, StochasticWeightAveraging runs one more epoch forward only (the fit loop skips the
+    # backward) to recompute BatchNorm's statistics for the averaged weights: no loss reaches a backward and no
+    # gradient exists. The guard used to warn that it "saw no training loss", and GWA logged an epoch of 0 samples.
+    from lightning_monitor import GradientWeightAlignmentMonitor
+
+    guard, gwa = DivergenceGuard(), GradientWeightAlignmentMonitor(warmup_steps=0)
+    swa = StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1, annealing_epochs=1)
+    trainer = _trainer(tmp_path, [guard, gwa, swa], max_epochs=3)
+    trainer.fit(_BlobsBN())
+    assert trainer.current_epoch == 4  # the three epochs and SWA's BatchNorm epoch
+    messages = [str(w.message) for w in recwarn]
+    assert not [m for m in messages if "saw no training loss" in m or "samples; GWA skipped" in m], messages
+    assert [h["epoch"] for h in gwa.history] == [0, 1, 2]  # the BatchNorm epoch is not an epoch of GWA's
+    assert all(h["count"] == N for h in gwa.history)
+    assert guard.rollbacks == [] and guard.stopped_step is None

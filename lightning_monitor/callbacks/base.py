@@ -44,6 +44,7 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from torch import Tensor
 
 from lightning_monitor._args import check_int, deprecated_aliases, resolve_callable
+from lightning_monitor._compat import backward_skipped
 from lightning_monitor._values import TrainerRef, fold_layers, log_histogram, publish, to_host
 from lightning_monitor.alerts import SEVERITY_LEVELS, Alert, AlertHub, Severity
 
@@ -184,6 +185,8 @@ class Monitor(Callback):
             return  # idle, or a later micro-batch of the armed step
         if self._armed_step is not None:
             self.release()  # a due step whose optimizer step never came (skipped): drop it
+        if backward_skipped(trainer):
+            return  # a forward-only step (SWA's BatchNorm epoch): no gradients to check
         if self.is_due(step) and self._checked_step != step and self.arm(trainer, pl_module, step) is not False:
             self._armed_step = step
 

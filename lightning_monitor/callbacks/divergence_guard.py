@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_monitor._args import check_fraction, check_int, check_positive, deprecated_aliases
-from lightning_monitor._compat import foreach_norm, grad_scaler_scale
+from lightning_monitor._compat import backward_skipped, foreach_norm, grad_scaler_scale
 from lightning_monitor._sharded import local, nonfinite_on_host, squared_norms
 from lightning_monitor.alerts import Alert, alerts_dir, read_records
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch
@@ -397,6 +397,8 @@ class DivergenceGuard(Monitor):
             return
         step = trainer.global_step
         loss, self._loss_acc = self._loss_acc, None
+        if backward_skipped(trainer):
+            return  # a forward-only epoch (SWA's BatchNorm update): no loss reached a backward, no gradient to check
         if len(trainer.optimizers) > 1 and optimizer is not trainer.optimizers[min(self.optimizer_index,
                                                                                     len(trainer.optimizers) - 1)]:
             loss = None  # another optimizer's loss (a GAN's other network): its gradients are checked, not its loss

@@ -23,6 +23,7 @@ from lightning_monitor.alerts import _tensorboard_writer, alerts_dir
 from lightning_monitor._sharded import full, global_norm, is_sharded
 from lightning_monitor._values import publish, write_csv
 from lightning_monitor._args import check_fraction, check_int, deprecated_aliases
+from lightning_monitor._compat import backward_skipped
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch
 from lightning_monitor.probes import in_dry_run
 from lightning_monitor.functional.gwa import GWA_OFFSET, GWAMoments, SampleMeans, alignment_from_parts
@@ -512,6 +513,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._stashed = 0
         self._finished = False
         self._epoch_open = epoch
+        # batches that trained / ran forward only (SWA's BatchNorm epoch): an epoch of the latter alone is no epoch
+        self._trained = self._forward_only = False
         #: the selection state before a record of an epoch cut short (replaced if a resume continues it)
         self._before_partial: Optional[dict[str, Any]] = None
 
@@ -530,6 +533,10 @@ class GradientWeightAlignmentMonitor(Monitor):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)  # arms the hook on a due step
+        if backward_skipped(trainer):
+            self._forward_only = True
+        else:
+            self._trained = True
         if self._armed_step == trainer.global_step:  # every batch of a due step (micro-batches too) is scored
             self._targets_tried = True
             try:
@@ -798,6 +805,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._finished = True
         self.release()  # no scoring in a validation loop that follows
         self._flush()
+        if self._forward_only and not self._trained:
+            return  # nothing was trained (StochasticWeightAveraging's BatchNorm epoch): nothing to score or select
         epoch, step = trainer.current_epoch, trainer.global_step
         state, negative, lo, hi, hist, top = self._reduce(trainer)
         stats = GWAMoments.from_state(state).compute(GWA_OFFSET, min_count=_MIN_SAMPLES)
