@@ -121,6 +121,6 @@ def test_a_step_the_replay_cannot_run_is_said_once_and_training_goes_on(tmp_path
     import pytest
 
     guard = DivergenceGuard()
-    with pytest.warns(UserWarning, match="could not run `training_step` again under manual optimization"):
+    with pytest.warns(UserWarning, match="could not run `training_step` again on a kept batch"):
         trainer = _fit(tmp_path, _ClosureStep(), guard)
     assert trainer.global_step > SWITCH  # the fit went on past the label change (judged as before, without the test)

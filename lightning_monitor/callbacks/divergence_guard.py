@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import re
 from collections import deque
+from collections.abc import MutableMapping, MutableSequence
 from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
@@ -43,6 +45,18 @@ def _at(rows: Optional[list[list[Any]]], i: int, j: int) -> Any:
 
 def _copy_rows(rows: Optional[list[list[Any]]]) -> Optional[list[list[Any]]]:
     return None if rows is None else [list(r) for r in rows]
+
+
+def _kept(batch: Any) -> Any:
+    """A batch as the guard keeps it for a replay: a mutable container (a dict, a ``BatchEncoding``, a list) is copied
+    one level deep, so a ``training_step`` that pops or replaces its entries leaves the kept one whole; the tensors are
+    shared, not copied. Anything else is kept as it is."""
+    if isinstance(batch, (MutableMapping, MutableSequence)):
+        try:
+            return copy.copy(batch)
+        except Exception:  # noqa: BLE001 - a container that cannot be copied is kept as it is
+            return batch
+    return batch
 
 
 def _is_critical(alert: Optional[Alert]) -> bool:
@@ -363,6 +377,7 @@ class DivergenceGuard(Monitor):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.idle_reason is not None:
             return
+        batch = _kept(batch)  # `training_step` may pop from it (`batch.pop("labels")`): the replays need it whole
         self._batch, self._batch_idx = batch, batch_idx
         self._recent_batches.append((trainer.global_step, batch, batch_idx))
         self._lr_trace.append((trainer.global_step, self._float_lrs(trainer)))
@@ -397,6 +412,7 @@ class DivergenceGuard(Monitor):
             return
         step = trainer.global_step
         loss, self._loss_acc = self._loss_acc, None
+        self._rates_in_force(trainer, step)
         if backward_skipped(trainer):
             return  # a forward-only epoch (SWA's BatchNorm update): no loss reached a backward, no gradient to check
         if len(trainer.optimizers) > 1 and optimizer is not trainer.optimizers[min(self.optimizer_index,
@@ -1036,15 +1052,14 @@ class DivergenceGuard(Monitor):
         buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                out = pl_module.training_step(batch, batch_idx)
+                out = pl_module.training_step(_kept(batch), batch_idx)  # a fresh copy: each replay may pop from it
         except Exception as err:  # noqa: BLE001
-            if pl_module.automatic_optimization:
-                raise
-            # a hand-written step may need what the replay turns off (a closure's loss from `opt.step`): the batch
-            # cannot be evaluated, and the rise is judged without the weights-or-data test, as before
+            # a step that cannot run twice (it consumes something of the batch's or of its own; under manual
+            # optimization, it needs what the replay turns off, such as a closure's loss from `opt.step`): the batch
+            # cannot be evaluated, and the rise is judged without the replay's test. The fit goes on.
             if not self._warned_replay:
                 self._warned_replay = True
-                rank_zero_warn(f"DivergenceGuard could not run `training_step` again under manual optimization "
+                rank_zero_warn(f"DivergenceGuard could not run `training_step` again on a kept batch "
                                f"({type(err).__name__}: {err}); loss rises are judged without asking older weights.")
             return None
         finally:
@@ -1126,14 +1141,38 @@ class DivergenceGuard(Monitor):
                 return snap
         return None
 
-    def _apply_lr_ceiling(self, trainer: pl.Trainer) -> None:
-        """Hold every float learning rate at or below its ceiling (host floats only: no device work)."""
+    def _apply_lr_ceiling(self, trainer: pl.Trainer) -> bool:
+        """Hold every float learning rate at or below its ceiling (host floats only: no device work); whether one
+        was above it."""
         if self._lr_ceiling is None:
-            return
+            return False
+        above = False
         for opt, ceilings in zip(trainer.optimizers, self._lr_ceiling):
             for group, ceiling in zip(opt.param_groups, ceilings):
                 if isinstance(group["lr"], float) and group["lr"] > ceiling:
                     group["lr"] = ceiling
+                    above = True
+        return above
+
+    def _rates_in_force(self, trainer: pl.Trainer, step: int) -> None:
+        """Right before the update: hold the rates under the ceiling again, and note the rates the step uses. Code
+        that runs after the callbacks' ``on_train_batch_start`` may set them (a warm-up in ``optimizer_step``, the
+        module's own ``on_train_batch_start``): the rates noted then are not those of the update, and a ceiling
+        set by a rollback would not hold. Said once (``lr_overridden``)."""
+        if self._apply_lr_ceiling(trainer) and not self._said_lr_overridden:
+            self._said_lr_overridden = True
+            self.alert(
+                step, "lr_overridden", "warning",
+                f"A learning rate was set above the ceiling of the last rollback after the callbacks' "
+                f"`on_train_batch_start` at step {step} (by `optimizer_step`, the LightningModule's "
+                "`on_train_batch_start`, or a closure): the guard holds it at the ceiling right before each update. "
+                "Set rates with an LR scheduler, or in `on_train_batch_start` of a callback listed before the guard, "
+                "to let the guard lower them as it rolls back.",
+            )
+        if self._lr_trace and self._lr_trace[-1][0] == step:
+            lrs = self._float_lrs(trainer)
+            if lrs != self._lr_trace[-1][1]:
+                self._lr_trace[-1] = (step, lrs)
 
     @staticmethod
     def _float_lrs(trainer: pl.Trainer) -> list[list[Optional[float]]]:
@@ -1241,7 +1280,8 @@ class DivergenceGuard(Monitor):
         self._restored: list[tuple[int, Optional[float], float]] = []  # buffered values restored from a checkpoint
         self._loss_acc: Optional[Tensor] = None
         self._judged_through = -1  # the last step judged
-        self._warned_replay = False  # the manual-optimization replay failed once (said once)
+        self._warned_replay = False  # a replay of `training_step` failed once (said once)
+        self._said_lr_overridden = False  # a rate set above the ceiling after on_train_batch_start (said once)
         # the first step of the current fit (set at the start of training): after a resume, or a second fit in the
         # same Trainer, the loss history goes on from a state whose weights that step still uses
         self._resume_step: Optional[int] = None

@@ -1,0 +1,148 @@
+"""DivergenceGuard with training code that does what users' code does: a ``training_step`` that pops its labels
+from the batch (the guard replays kept batches), one that cannot run twice, and a learning rate set by the module
+after the guard has capped it (a warm-up in ``optimizer_step`` or in the module's own ``on_train_batch_start``)."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_monitor import DivergenceGuard
+from lightning_monitor.alerts import AlertHub
+
+N, BATCH = 1024, 32  # 32 steps an epoch
+
+
+def _data(seed: int = 0, hard_from: int | None = None):
+    g = torch.Generator().manual_seed(seed)
+    centers = 0.6 * torch.randn(4, 16, generator=g)
+    y = torch.randint(0, 4, (N,), generator=g)
+    x = centers[y] + torch.randn(N, 16, generator=g)
+    if hard_from is not None:  # from this sample on the labels are random: the data gets harder, the run is healthy
+        y[hard_from:] = torch.randint(0, 4, (N - hard_from,), generator=g)
+    return [{"x": x[i], "y": y[i]} for i in range(N)]
+
+
+class _PopLabels(pl.LightningModule):
+    """An MLP whose ``training_step`` pops ``y`` from the batch dict; ``boost_at``: the learning rate x``boost`` from
+    that step on (set in ``optimizer_step`` when ``late_lr``, i.e. after the callbacks' ``on_train_batch_start``)."""
+
+    def __init__(self, data, lr=3e-3, boost_at=None, boost=200.0, late_lr=False, fail_replay=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+        self.data, self.lr, self.boost_at, self.boost, self.late_lr = data, lr, boost_at, boost, late_lr
+        self.fail_replay, self.seen = fail_replay, set()
+
+    def training_step(self, batch, batch_idx):
+        if self.fail_replay:  # a step that consumes something: a second call on the same batch fails
+            key = (self.current_epoch, batch_idx)
+            if key in self.seen:
+                raise RuntimeError("this batch was already consumed")
+            self.seen.add(key)
+        y = batch.pop("y")
+        return F.cross_entropy(self.net(batch["x"]), y)
+
+    def _lr_now(self) -> float:
+        return self.lr * (self.boost if self.boost_at is not None and self.global_step >= self.boost_at else 1.0)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        if self.late_lr:  # nanoGPT-style: the rate of this step set right before the update
+            for group in optimizer.param_groups:
+                group["lr"] = self._lr_now()
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        if self.late_lr or self.boost_at is None:
+            return opt
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: self.boost if s >= self.boost_at else 1.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.data, batch_size=BATCH, shuffle=False)
+
+
+def _fit(tmp_path, model, guard, steps):
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=steps, callbacks=[guard], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, logger=False,
+                         default_root_dir=str(tmp_path))
+    trainer.fit(model)
+    return trainer
+
+
+def _held_out_loss(model) -> float:
+    batch = _data(seed=0)
+    x = torch.stack([b["x"] for b in batch])
+    y = torch.stack([b["y"] for b in batch])
+    with torch.no_grad():
+        return float(F.cross_entropy(model.net(x), y))
+
+
+def test_a_step_that_pops_its_labels_is_replayed_on_a_whole_batch(tmp_path):
+    # the learning rate x200 from step 60: the surge test replays the last normal batches, from which `training_step`
+    # had popped "y" (the replay failed with KeyError: 'y' and ended the fit)
+    model = _PopLabels(_data(), boost_at=60)
+    guard = DivergenceGuard()
+    trainer = _fit(tmp_path, model, guard, 120)
+    assert trainer.global_step == 120
+    assert guard.rollbacks and 60 <= guard.rollbacks[0]["step"] <= 66
+    assert "loss explosion" in guard.rollbacks[0]["reasons"]
+
+
+def test_harder_data_with_popped_labels_is_a_data_shift(tmp_path):
+    # healthy: from step 16 on the labels are random. The weights-or-data test asks older snapshots about the current
+    # batch (which had lost its "y" too): the verdict is the data, and nothing acts
+    model = _PopLabels(_data(hard_from=16 * BATCH))
+    guard = DivergenceGuard()
+    trainer = _fit(tmp_path, model, guard, 64)
+    assert trainer.global_step == 64 and guard.rollbacks == [] and guard.stopped_step is None
+    assert ("data_shift", None) in guard._conditions
+
+
+def test_a_step_that_cannot_run_twice_leaves_the_fit_going(tmp_path):
+    model = _PopLabels(_data(), boost_at=60, fail_replay=True)
+    guard = DivergenceGuard()
+    with pytest.warns(UserWarning, match="could not run `training_step` again on a kept batch"):
+        trainer = _fit(tmp_path, model, guard, 120)
+    assert trainer.global_step == 120
+
+
+class _LrSeen(pl.Callback):
+    """The learning rate each update used (read in the optimizer's step post-hook: the closure, with every hook of the
+    step, runs inside `step`, before the update)."""
+
+    def __init__(self):
+        self.lrs: list[float] = []
+
+    def on_train_start(self, trainer, pl_module):
+        opt = trainer.optimizers[0]
+        opt.register_step_post_hook(lambda o, args, kwargs: self.lrs.append(o.param_groups[0]["lr"]))
+
+
+def test_a_rate_set_in_optimizer_step_is_held_under_the_rollback_ceiling(tmp_path):
+    # the module sets the rate in `optimizer_step` (after the callbacks' on_train_batch_start, where the guard caps it):
+    # x200 from step 60. The cap used to be overwritten on every step: the run exploded again after each rollback, and
+    # after four the guard stopped it
+    model = _PopLabels(_data(), boost_at=60, late_lr=True)
+    guard, seen = DivergenceGuard(), _LrSeen()
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=160, callbacks=[guard, seen], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, logger=False,
+                         default_root_dir=str(tmp_path))
+    trainer.fit(model)
+    assert trainer.global_step == 160 and guard.stopped_step is None
+    assert len(guard.rollbacks) == 1
+    step, ceiling = guard.rollbacks[0]["step"], guard.rollbacks[0]["lr_ceiling"][0][0]
+    assert ceiling <= 0.5 * model.lr * model.boost
+    after = seen.lrs[step + 1:]
+    assert after and max(after) <= ceiling  # every update after the rollback used a rate under the ceiling
+    kinds = [a.kind for a in AlertHub.for_trainer(trainer).history]
+    assert kinds.count("lr_overridden") == 1
+    assert math.isfinite(_held_out_loss(model))
