@@ -589,3 +589,58 @@ def test_sparse_gradients_are_judged(tmp_path, nan_at):
         assert guard.stopped_step is None and guard.hub.history == []
     else:
         assert guard.stopped_step == 7 and [a.kind for a in guard.hub.history if a.severity == "critical"] == ["nonfinite"]
+
+
+class _ListHub:
+    """What a monitor emits its alerts to, outside a Trainer."""
+
+    def __init__(self):
+        self.history = []
+
+    def emit(self, alert):
+        self.history.append(alert)
+
+
+def test_a_creep_episode_is_dated_from_its_first_step_and_keeps_snapshots_out():
+    # the loss falls to 1.0 and rises to 1.25 (loss_creep, warned), falls back to 1.06 (cleared, no new low), rises to
+    # 1.25 again (not warned again: no new low), dips to 1.12 (below the creep limit, above halfway to it), rises
+    # again. The dip used to end the episode: the rise was dated anew from its end and, unwarned, let snapshots of
+    # the risen weights in (a later rollback then restored them, or found none from before the rise and stopped)
+    import math
+    import random
+
+    random.seed(0)
+    levels = [(200, None), (240, 1.25), (300, 1.06), (340, 1.25), (360, 1.12), (400, 1.25)]
+    guard = DivergenceGuard()
+    guard._hub = _ListHub()
+    starts, high = {}, {}
+    for step in range(400):
+        level = next(v for end, v in levels if step < end)
+        base = 2.0 * math.exp(-step / 40) + 1.0 if level is None else level
+        guard._judge(step, base + 0.02 * random.gauss(0, 1), 0.0, False)
+        starts[step], high[step] = guard._creep_start, guard._creep_high
+    assert [(a.step, a.kind) for a in guard._hub.history] == [(209, "loss_creep"), (257, "loss_creep_cleared")]
+    second = starts[310]
+    assert second is not None and 300 <= second < 310
+    assert all(starts[s] == second for s in range(310, 400))  # through the dip at 340-359
+    assert all(high[s] for s in range(310, 400))
+
+
+def test_one_hard_batch_stays_out_of_the_moving_average():
+    # one batch 10^5 times the level (bad data, judged one hard batch), then the loss climbs slowly (weights that the
+    # batch's update broke). The jump used to enter the moving average and hold it far above the losses for hundreds
+    # of steps: the climb rule (the smoothed loss 1.5 times its minimum, the recent losses up with it) never held,
+    # and the climb was never judged
+    import random
+
+    random.seed(0)
+    guard = DivergenceGuard()
+    guard._hub = _ListHub()
+    climbs = []
+    for step in range(200):
+        level = 1.0 if step < 60 else 1.0 + 0.02 * (step - 60)
+        loss = 1e5 if step == 50 else level + 0.02 * random.gauss(0, 1)
+        _, start, _ = guard._judge(step, loss, 0.0, False)
+        if start is not None and start == guard._creep_start:
+            climbs.append((step, start))
+    assert climbs and 80 < climbs[0][0] < 130 and 60 < climbs[0][1] < climbs[0][0]

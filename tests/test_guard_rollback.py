@@ -31,10 +31,13 @@ class _Regression(pl.LightningModule):
     data at the same index. ``penalty_from``: from that step on ``training_step`` adds a penalty (the loss jumps
     more than tenfold; the objective changed, not the weights). ``glitch``: steps whose learning rate is
     multiplied by 500 (a transient instability); ``unstable_from``: the learning rate is 5.0 from that step on
-    (a lasting one); ``shift_from``: from that batch index on, the targets change sign (new data, not a divergence)."""
+    (a lasting one), set in the module's ``on_before_optimizer_step``, the last hook before the update, so no ceiling
+    of the guard's holds (``lr_in_step``: set in ``training_step`` instead, which the guard's ceiling overrides); ``shift_from``: from that batch index on, the targets change sign (new data, not a divergence)."""
 
-    def __init__(self, glitch=(), unstable_from=None, shift_from=None, bn=False, nan_batch=None, penalty_from=None):
+    def __init__(self, glitch=(), unstable_from=None, shift_from=None, bn=False, nan_batch=None, penalty_from=None,
+                 lr_in_step=False):
         super().__init__()
+        self.lr_in_step = lr_in_step
         self.penalty_from = penalty_from
         self.lin = torch.nn.Linear(8, 1)
         self.bn = torch.nn.BatchNorm1d(8) if bn else torch.nn.Identity()
@@ -54,12 +57,16 @@ class _Regression(pl.LightningModule):
             group["lr"] *= 500.0
         if step - 1 in self.glitch and step not in self.glitch:
             group["lr"] /= 500.0
-        if self.unstable_from is not None and step >= self.unstable_from:
+        if self.lr_in_step and self.unstable_from is not None and step >= self.unstable_from:
             group["lr"] = 5.0
         loss = torch.nn.functional.mse_loss(self.lin(self.bn(x)), y)
         if self.penalty_from is not None and step >= self.penalty_from:
             loss = loss + 50.0 + 0.1 * self.lin.weight.pow(2).sum()  # a term switched on: the objective changes
         return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        if not self.lr_in_step and self.unstable_from is not None and self.global_step >= self.unstable_from:
+            optimizer.param_groups[0]["lr"] = 5.0
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -164,10 +171,24 @@ def test_a_run_resumed_from_an_earlier_checkpoint_skips_the_rolled_back_batches(
     _assert_same(model_b.state_dict(), model_a.state_dict())
 
 
+def test_a_rate_set_by_the_module_after_the_guard_is_held_under_the_ceiling(tmp_path):
+    # the module sets lr 5.0 in `training_step` from step 60, after the callbacks' on_train_batch_start where the
+    # guard caps the rates: the guard holds the ceiling again right before each update (it used to be overwritten,
+    # the run re-exploded after every rollback and stopped). One rollback, said once, and the run goes on
+    pl.seed_everything(0)
+    guard = DivergenceGuard(every_n_steps=5, max_rollbacks=3, dirpath=str(tmp_path / "ck"))
+    model = _Regression(unstable_from=60, lr_in_step=True)
+    _trainer(tmp_path, [guard], 150).fit(model)
+    assert [(r["to_step"], r["lr_ceiling"]) for r in guard.rollbacks] == [(60, [[0.01]])]
+    assert guard.stopped_step is None
+    assert [a.kind for a in guard.hub.history].count("lr_overridden") == 1
+    assert model.optimizers().param_groups[0]["lr"] == 0.01  # held at the ceiling, not the 5.0 the module set
+
+
 def test_repeated_rollbacks_escalate_to_a_stop_with_the_last_good_state(tmp_path):
     pl.seed_everything(0)
     guard = DivergenceGuard(every_n_steps=5, max_rollbacks=3, dirpath=str(tmp_path / "ck"))
-    model = _Regression(unstable_from=60)  # the module sets lr 5.0 at every step from 60: nothing cures it
+    model = _Regression(unstable_from=60)  # the module sets lr 5.0 right before every update from 60: nothing cures it
     _trainer(tmp_path, [guard], 300).fit(model)
     assert len(guard.rollbacks) == 3 and all(r["to_step"] == 60 for r in guard.rollbacks)
     # the rate rose (the module sets it): the first rollback caps it, the next ones also scale it, faster and faster
@@ -540,3 +561,14 @@ def test_a_snapshot_writes_over_the_memory_of_the_one_it_pushes_out(tmp_path):
     for step, module in kept.items():
         _assert_same(module, states[step])
     assert kept[25]["lin.weight"].data_ptr() != kept[30]["lin.weight"].data_ptr()
+
+
+def test_another_monitors_alert_from_steps_a_rollback_undid_is_not_acted_on_again(tmp_path):
+    # a critical alert of another monitor at step 43 waits for the guard's check at step 50; the loss explodes at 48
+    # (a one-step glitch of the rate) and the guard rolls back to step 40 at step 49. The alert belonged to weights that
+    # rollback undid: it used to trigger a second rollback at the check, with the rate scaled down again
+    pl.seed_everything(0)
+    guard = DivergenceGuard()
+    _trainer(tmp_path, [_CriticalAt(43), guard], 80).fit(_Regression(glitch=(48,)))
+    assert [(r["step"], r["to_step"]) for r in guard.rollbacks] == [(49, 40)]
+    assert guard.stopped_step is None

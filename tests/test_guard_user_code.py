@@ -146,3 +146,34 @@ def test_a_rate_set_in_optimizer_step_is_held_under_the_rollback_ceiling(tmp_pat
     kinds = [a.kind for a in AlertHub.for_trainer(trainer).history]
     assert kinds.count("lr_overridden") == 1
     assert math.isfinite(_held_out_loss(model))
+
+
+class _NanGradAt(_PopLabels):
+    """A finite loss whose gradient is NaN at the steps ``nan_steps`` (a degenerate sample: ``sqrt`` at 0 times 0)."""
+
+    def __init__(self, data, nan_steps):
+        super().__init__(data)
+        self.nan_steps = set(nan_steps)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step in self.nan_steps:
+            loss = loss + 0.0 * torch.sqrt(self.net[0].weight.sum() * 0.0)
+        return loss
+
+
+@pytest.mark.parametrize("nan_steps, factors", [
+    # rare bad batches, the run confirmed healthy in between (a snapshot two intervals after each rollback): each
+    # rollback keeps the rate, and none counts toward max_rollbacks (the 4th stopped the run, the rate cut to 0.016x)
+    ((40, 80, 120, 160, 200, 240), [1.0] * 6),
+    # a second one before the run was confirmed healthy again: a repeat, the rate halved as before
+    ((40, 55), [1.0, 0.5]),
+])
+def test_rare_non_finite_gradients_each_start_a_new_episode(tmp_path, nan_steps, factors):
+    model = _NanGradAt(_data(), nan_steps)
+    guard = DivergenceGuard()
+    trainer = _fit(tmp_path, model, guard, 260)
+    assert trainer.global_step == 260 and guard.stopped_step is None
+    assert [r["step"] for r in guard.rollbacks] == list(nan_steps)
+    assert [r["lr_factor"] for r in guard.rollbacks] == factors
+    assert all(torch.isfinite(p).all() for p in model.parameters())

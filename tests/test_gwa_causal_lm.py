@@ -134,3 +134,53 @@ def test_nearly_all_negative_scores_warn_once(tmp_path, pick: str, warns: bool) 
     assert len(mismatch) == int(warns)
     if warns:
         assert mismatch[0].severity == "warning" and mismatch[0].value == 1.0
+
+
+class _SequenceClassifier(pl.LightningModule):
+    """A tiny ``LlamaForSequenceClassification``: its ``score`` head runs on every token and the model pools the
+    logits of each sequence's last real token afterwards. Right-padded batches of different lengths; lr 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        torch.manual_seed(0)
+        self.model = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(
+            vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=16, pad_token_id=0, num_labels=3))
+        g = torch.Generator().manual_seed(1)
+        lengths = torch.randint(4, 13, (24,), generator=g)
+        self.mask = (torch.arange(12)[None, :] < lengths[:, None]).long()
+        self.ids = torch.randint(1, 40, (24, 12), generator=g) * self.mask
+        self.labels = torch.randint(0, 3, (24,), generator=g)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self):
+        rows = [{"input_ids": i, "attention_mask": m, "labels": y} for i, m, y in zip(self.ids, self.mask, self.labels)]
+        return DataLoader(rows, batch_size=8)
+
+
+def test_a_decoder_sequence_classifier_is_scored_at_its_pooled_token(tmp_path) -> None:
+    # the head's logits are [B, T, C] and the labels [B]: each label goes to its sequence's last real token. It used to
+    # fail ("one target per logits row is needed"), and no `head=` could fix it
+    pytest.importorskip("transformers")
+    module = _SequenceClassifier()
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    pl.Trainer(accelerator="cpu", max_epochs=1, callbacks=[gwa], logger=False, enable_progress_bar=False,
+               enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path)).fit(module)
+    # oracle: each sequence's loss on its pooled logits, its gradient on the head's weight, cosine with -W
+    w = module.model.score.weight
+    cos = []
+    for i in range(24):
+        out = module.model(input_ids=module.ids[i:i + 1], attention_mask=module.mask[i:i + 1], labels=module.labels[i:i + 1])
+        (grad,) = torch.autograd.grad(out.loss, w)
+        cos.append(torch.nn.functional.cosine_similarity(-grad.reshape(-1), w.detach().reshape(-1), dim=0))
+    cos = torch.stack(cos).double()
+    (epoch,) = gwa.history
+    assert epoch["count"] == 24
+    assert epoch["mean"] == pytest.approx(float(cos.mean()), abs=1e-5)

@@ -512,7 +512,17 @@ class DivergenceGuard(Monitor):
         if not act:
             return
         target = self._target_snapshot(trainer, step if first_bad is None else first_bad)
-        recent = [r for r in self.rollbacks if step - r["step"] < self.rollback_window]
+        recent = self._episode(step)
+        new_episode = False
+        if recent and critical and all(r.startswith("non-finite") for r in critical) and self._healed_since(
+                recent[-1]["step"]):
+            # bad data again (a non-finite value), after the run was confirmed healthy since the last rollback: a new
+            # episode, not a repeat (rare bad batches must not ratchet the rate down and stop a healthy run)
+            new_episode = True
+        if due:  # at a check the reasons may be rank-local (a non-finite buffer): the ranks agree first
+            new_episode = self.decide(trainer, new_episode, all=True)
+        if new_episode:
+            recent = []
         reasons = "; ".join(critical) if critical else "a critical alert on another rank"
         if self.action == "rollback" and target is not None and len(recent) < self.max_rollbacks:
             # a stretch of bad data (a non-finite loss or gradient) is cured by skipping it: the first rollback of
@@ -523,7 +533,11 @@ class DivergenceGuard(Monitor):
             # broke them): that is bad data too
             bad_batch = (self._hard_batch is not None and first_bad is not None
                          and first_bad - 1 <= self._hard_batch <= step)
+            if due:  # first_bad may come from a rank-local alert at a check: the ranks agree on the rate's factor
+                bad_batch = self.decide(trainer, bad_batch, all=True)
             self._rollback(trainer, pl_module, step, target, reasons, len(recent), diverged, bad_batch)
+            if new_episode:
+                self.rollbacks[-1]["new_episode"] = True
         else:
             if self.action == "rollback":
                 why = ("no snapshot predates the anomaly" if self._misfit is None else
@@ -715,17 +729,26 @@ class DivergenceGuard(Monitor):
         quarter of the initial loss (once per episode)."""
         if self.creep is None:
             return False
+        if self._loss_watch.run:
+            # a sudden jump is the explosion rule's to judge; creep is the slow road. The jump stays out of the moving
+            # average too: one hard batch (1000x the level) would hold it up for hundreds of steps, and a climb of
+            # the weights after it would go unseen
+            return False
         self._ema = self.smoothing * self._ema + (1.0 - self.smoothing) * loss
         self._ema_weight = self.smoothing * self._ema_weight + (1.0 - self.smoothing)
-        if len(self._loss_watch.history) < self.min_history or self._loss_watch.run:
-            return False  # a sudden jump is the explosion rule's to judge; creep is the slow road
+        if len(self._loss_watch.history) < self.min_history:
+            return False
         ema = self._ema / self._ema_weight
         self._ema_min = min(self._ema_min, ema)
         # the rise must also exceed what batch-to-batch noise moves a moving average by (4 of its std)
         noise = 6.0 * self._loss_watch.noise() * math.sqrt((1.0 - self.smoothing) / (1.0 + self.smoothing))
         limit = self._ema_min + max(self.creep * self._ema_min, self.initial_floor * anchor, noise)
+        # snapshots wait while the smoothed loss is in the upper half of its way to the limit (see _snapshot)
+        self._creep_high = ema > 0.5 * (self._ema_min + limit)
         warned = ("loss_creep", None) in self._conditions
-        if warned:  # hysteresis: clear only halfway back
+        if warned or self._creep_start is not None:
+            # hysteresis: an episode (warned or not: a repeat is not said again) ends only halfway back, so a dip
+            # below the limit neither dates the rise anew nor lets snapshots of the risen weights in
             active = ema > 0.5 * (self._ema_min + limit)
         else:
             # the recent median must have risen too (at least halfway): a few heavy-tailed batch losses (tiny
@@ -996,6 +1019,7 @@ class DivergenceGuard(Monitor):
         if values:
             self._initial = [max(self._anchor(), values[0])] * 3
         self._ema, self._ema_weight, self._ema_min = 0.0, 0.0, math.inf
+        self._creep_high = False
 
     @staticmethod
     def _rank_mean(trainer: pl.Trainer, pl_module: pl.LightningModule, value: Optional[float]) -> Optional[float]:
@@ -1105,7 +1129,9 @@ class DivergenceGuard(Monitor):
                   module_state: Optional[dict[str, Any]] = None) -> None:
         """Take a snapshot if every rank found its steps since the last check normal."""
         active = any(sev != "info" for (kind, _), sev in self._conditions.items() if kind != "data_shift")
-        ok = ok and not active and self._loss_watch.run == 0
+        # nor while the smoothed loss creeps up (warned or not), or sits closer to the creep limit than to its lowest
+        # value: the weights of a slow divergence are no "last good"
+        ok = ok and not active and self._loss_watch.run == 0 and self._creep_start is None and not self._creep_high
         if not self.decide(trainer, ok, all=True):
             return
         # a snapshot newer than the last judged step is provisional (its steps may still turn out anomalous):
@@ -1126,6 +1152,20 @@ class DivergenceGuard(Monitor):
         self._snapshots.append(snap)
         oldest = self._snapshots[0].step
         self._seen = [e for e in self._seen if e[0] >= oldest]
+
+    def _episode(self, step: int) -> list[dict[str, Any]]:
+        """The rollbacks of the episode at ``step``: those within ``rollback_window`` steps, from the last one that
+        opened a new episode on."""
+        recent = [r for r in self.rollbacks if step - r["step"] < self.rollback_window]
+        opened = [i for i, r in enumerate(recent) if r.get("new_episode")]
+        return recent[opened[-1]:] if opened else recent
+
+    def _healed_since(self, step: int) -> bool:
+        """Whether the run was confirmed healthy for a while after ``step``: a snapshot (every step normal and every
+        parameter finite) taken at least two snapshot intervals after it, and judged since."""
+        every = self.snapshot_every_n_steps
+        return every is not None and any(
+            s.step >= step + 2 * every and s.step <= self._judged_through for s in self._snapshots)
 
     def _target_snapshot(self, trainer: pl.Trainer, first_bad: int) -> Optional[TrainingSnapshot]:
         """The newest snapshot before ``first_bad`` on every rank (the ranks agree by a reduction) whose optimizer states
@@ -1196,6 +1236,9 @@ class DivergenceGuard(Monitor):
             self.condition(step, kind, False, "info", "", layer=layer, clear_message="Rolled back.")
         snap.restore(trainer, pl_module, self._monitors(trainer))
         self._load_detector_state(snap.guard)
+        # other monitors' critical alerts not yet acted on describe steps now undone: they go with them (else the next
+        # check would roll back again for them)
+        self._external = [a for a in self._external if a.step < snap.step]
         self._recent_batches.clear()  # skipped data, and losses of weights no longer there
         self._normal_recent.clear()
         self._hard_batch = None
@@ -1274,6 +1317,7 @@ class DivergenceGuard(Monitor):
         self._load_detector_state({})
         self._creep_start: Optional[int] = None
         self._climb_judged = False
+        self._creep_high = False  # the smoothed loss above halfway from its minimum to the creep limit
         # per-step values on their way to the host: (step, [loss, grad norm] (a tensor, or host floats on one CPU
         # process), copy-done event or None, no loss)
         self._ring: deque[tuple[int, Any, Any, bool]] = deque()
@@ -1322,6 +1366,7 @@ class DivergenceGuard(Monitor):
         self._ema, self._ema_weight = creep.get("ema", 0.0), creep.get("weight", 0.0)
         self._ema_min = creep.get("min", math.inf)
         self._creep_warned_at = creep.get("warned_at", math.inf)
+        self._creep_high = False  # a snapshot's state: taken with the smoothed loss near its minimum
         self._lr_at_min = state.get("lr_at_min")
         # per optimizer and group: the highest rate at a normal step, and the lowest since (see _lr_restart)
         self._lr_peak: Optional[list[list[Optional[float]]]] = _copy_rows(state.get("lr_peak"))

@@ -359,6 +359,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         from lightning_monitor._sharded import check_strategy, check_tensor_parallel
 
         self._head_name, self._head, self._pending = None, None, None
+        self._pool_mask: Optional[Tensor] = None  # the scored batch's attention mask (see _pooled_targets)
         check_strategy(trainer, "GradientWeightAlignmentMonitor", "the head's weight norm and W z cannot be read from them")
         check_tensor_parallel(trainer, "GradientWeightAlignmentMonitor", "it scores the head's input features and logits")
         self._head_name, self._head = self._find_head(pl_module)
@@ -393,6 +394,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         except NothingToWatch as err:  # raised again, or (the preset) the monitor stays idle
             self.nothing_to_watch(trainer, str(err))
             return
+        if trainer.world_size > 1 and not self._even_epochs(trainer, pl_module):
+            return
         self._check_score_consumers(trainer)
         # the epoch training starts in: Lightning calls on_train_epoch_start for it only when it starts at its
         # first batch (not after a resume inside it)
@@ -400,6 +403,22 @@ class GradientWeightAlignmentMonitor(Monitor):
         if self._resume_open is not None:
             self._continue_epoch(trainer, pl_module.device)
         self._start_run_suspects(trainer, pl_module.device)
+
+    def _even_epochs(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Whether every rank's epoch has as many batches (one gather at the start of the fit). The scores of an
+        epoch are gathered at its end; with epochs of different lengths (``use_distributed_sampler=False`` and
+        shards of different sizes) that gather on one rank would meet the next step's gradient all-reduce on
+        another, and the run would hang. Otherwise the monitor stops here (idle, or :class:`NothingToWatch`)."""
+        mine = torch.tensor([float(trainer.num_training_batches)], dtype=torch.float64, device=pl_module.device)
+        counts = [float(c) for c in trainer.strategy.all_gather(mine).reshape(-1).tolist()]
+        if len(set(counts)) == 1:
+            return True
+        self.nothing_to_watch(trainer, (
+            f"the ranks' epochs have different lengths ({', '.join(f'{c:g}' for c in counts)} batches): GWA scores "
+            "whole epochs and reduces them across the ranks at each epoch's end, which would meet another rank "
+            "still training and hang. Give every rank the same number of batches (Lightning's distributed sampler, "
+            "`use_distributed_sampler=True`, does)."))
+        return False
 
     def _check_score_consumers(self, trainer: pl.Trainer) -> None:
         """Warn about Lightning callbacks on ``gwa/score`` or ``gwa/selection`` that fail while the key has no value:
@@ -565,6 +584,10 @@ class GradientWeightAlignmentMonitor(Monitor):
             # the last position predicts nothing
             fill = -100 if self.ignore_index is None else self.ignore_index
             targets = F.pad(targets[..., 1:], (0, 1), value=fill)
+        # a sequence classifier that pools its per-token logits afterwards (a decoder-only model's `score` head: the
+        # logits of the last real token are the sequence's): where that token is, from the attention mask
+        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        self._pool_mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
         indices = None
         if self.index_fn is not None:
             indices = self.index_fn(batch)
@@ -584,6 +607,8 @@ class GradientWeightAlignmentMonitor(Monitor):
             return
         targets, indices = pending
         out = output.detach()
+        if out.dim() == 3 and targets.dim() == 1 and targets.shape[0] == out.shape[0] and not targets.is_floating_point():
+            targets = self._pooled_targets(targets, out.shape[1])
         try:
             targets = self._conform_targets(targets, out)
         except ValueError as err:
@@ -619,6 +644,20 @@ class GradientWeightAlignmentMonitor(Monitor):
         if self._stashed >= _FLUSH_ELEMENTS:
             self._flush()
 
+    def _pooled_targets(self, targets: Tensor, length: int) -> Tensor:
+        """One label per sequence for logits of every token (``[B, T, C]``): the label goes to the sequence's last
+        real token (the last 1 of the batch's ``attention_mask``; the last position without one), the other tokens
+        are ignored. That is the token a decoder-only sequence classifier (``LlamaForSequenceClassification``, GPT-2's,
+        Qwen2's) pools: its logits are the sequence's."""
+        fill = -100 if self.ignore_index is None else self.ignore_index
+        out = torch.full((targets.shape[0], length), fill, dtype=targets.dtype, device=targets.device)
+        mask = self._pool_mask
+        if mask is not None and mask.shape == (targets.shape[0], length):
+            last = (length - 1) - mask.to(targets.device).flip(-1).int().argmax(-1)
+        else:
+            last = torch.full((targets.shape[0],), length - 1, dtype=torch.long, device=targets.device)
+        return out.scatter_(1, last.long().unsqueeze(1), targets.unsqueeze(1))
+
     def _conform_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
         """Targets on the logits' device with their leading shape; checks once with one host sync."""
         if targets.device != logits.device:
@@ -638,7 +677,8 @@ class GradientWeightAlignmentMonitor(Monitor):
                 raise ValueError(
                     f"`target_fn` returned targets of shape {tuple(targets.shape)} but head `{self._head_name}` "
                     f"produced logits {tuple(logits.shape)}: one target per logits row is needed. Pass "
-                    "`head=` (the layer producing the logits) or `target_fn=`."
+                    "`head=` (the layer producing the logits) or a `target_fn=` that returns a target per row (with "
+                    "`ignore_index` for the rows without one)."
                 )
             targets = targets.reshape(rows)
         if not self._checked:

@@ -506,8 +506,16 @@ class GradientNoiseScaleMonitor(Monitor):
         return names, small, self._examples / accumulate, self._examples * trainer.world_size
 
     def _small_ddp(self, trainer: pl.Trainer, accumulate: int) -> Optional[_Small]:
-        names = [n for n in self._params if n in self._small]
-        vec = torch.stack([self._small[n] for n in names]) if names else torch.zeros(0)
+        # the same parameters, in the same order, on every rank: those with a gradient after the all-reduce (DDP
+        # writes it on every rank). A parameter this rank's batch did not reach (a branch taken on some ranks only)
+        # has a small-batch gradient of 0 here; its hook did not run
+        names = [n for n, p in self._params.items() if n in self._small or p.grad is not None]
+        if names:
+            device = next(iter(self._small.values())).device if self._small else self._params[names[0]].device
+            zero = torch.zeros((), device=device)
+            vec = torch.stack([self._small[n].to(device) if n in self._small else zero for n in names])
+        else:
+            vec = torch.zeros(0)
         vec = trainer.strategy.reduce(vec, reduce_op="mean")
         return names, dict(zip(names, vec.unbind(0))), self._examples, self._examples * trainer.world_size
 
