@@ -1,0 +1,160 @@
+"""Two gloo ranks that see different things: a branch of the model only some ranks' batches reach, epochs of
+different lengths, a critical alert raised on one rank only. Nothing may crash or hang, and every rank must take
+the same decisions (the rollback's learning-rate factor included)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import fit_ddp_spawn
+from test_guard import _CriticalAt
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_monitor as lm
+
+
+class _Branchy(pl.LightningModule):
+    """A classifier whose second head is used on rank 1's every third batch only."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+        self.body, self.head_a, self.head_b = torch.nn.Linear(8, 32), torch.nn.Linear(32, 4), torch.nn.Linear(32, 4)
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(1024, 8, generator=g)
+        self.y = (self.x @ torch.randn(8, 4, generator=g)).argmax(-1)
+
+    def training_step(self, batch, batch_idx):
+        (i,) = batch
+        h = torch.tanh(self.body(self.x[i]))
+        out = self.head_a(h)
+        if self.global_rank == 1 and batch_idx % 3 == 0:
+            out = out + self.head_b(h)
+        return torch.nn.functional.cross_entropy(out, self.y[i])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.arange(1024)), batch_size=16)
+
+    def on_train_end(self) -> None:
+        mon = next(c for c in self.trainer.callbacks if isinstance(c, lm.GradientNoiseScaleMonitor))
+        with open(os.path.join(self.out, f"rank{self.global_rank}.json"), "w") as fh:
+            json.dump({"count": mon.ema.count, "b_simple": mon.ema.b_simple, "step": self.trainer.global_step}, fh)
+
+
+def test_noise_scale_ddp_method_with_a_branch_one_rank_skips(tmp_path) -> None:
+    # the ddp method's per-parameter hooks fire only for the parameters a rank's batch reached: each rank all-reduced
+    # a vector of its own length (gloo aborted the process: "Received data size doesn't match expected size")
+    mon = lm.GradientNoiseScaleMonitor(method="ddp", every_n_steps=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn_find_unused_parameters_true", max_steps=12,
+                         callbacks=[mon], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=str(tmp_path))
+    fit_ddp_spawn(trainer, _Branchy(str(tmp_path)))
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["step"] == r1["step"] == 12 and r0["count"] == r1["count"] == 12
+    assert r0["b_simple"] == pytest.approx(r1["b_simple"], rel=1e-6)
+
+
+class _Uneven(pl.LightningModule):
+    """Rank 0's epoch has 20 batches, rank 1's 25 (no distributed sampler)."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(400, 8, generator=g)
+        self.y = (self.x @ torch.randn(8, 4, generator=g)).argmax(-1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        n = 320 if self.global_rank == 0 else 400
+        return DataLoader(TensorDataset(self.x[:n], self.y[:n]), batch_size=16)
+
+    def on_train_end(self) -> None:
+        hm = next(c for c in self.trainer.callbacks if isinstance(c, lm.HealthMonitor))
+        with open(os.path.join(self.out, f"rank{self.global_rank}.json"), "w") as fh:
+            json.dump({"step": self.trainer.global_step, "gwa_idle": hm.gwa.idle_reason}, fh)
+
+
+def test_gwa_ddp_epochs_of_different_lengths_leave_it_idle(tmp_path) -> None:
+    # GWA reduces each epoch's scores at the epoch's end: on the rank whose epoch ended first that gather met the other
+    # rank's gradient all-reduce, and the run hung. The preset's GWA now stays idle and says why; the rest trains
+    hm = lm.HealthMonitor()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=60, use_distributed_sampler=False,
+                         callbacks=[hm], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=str(tmp_path))
+    fit_ddp_spawn(trainer, _Uneven(str(tmp_path)))
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["step"] == r1["step"] == 60
+    assert r0["gwa_idle"] == r1["gwa_idle"] and "different lengths (20, 25 batches)" in r0["gwa_idle"]
+
+
+class _HardThenBroken(pl.LightningModule):
+    """Regression: at step 42 one batch with targets x30 on both ranks (bad data, the weights not to blame); at step
+    48 the weights are perturbed (a divergence at a steady rate)."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(8192, 8, generator=g)
+        self.y = 0.3 * (self.x @ torch.randn(8, 1, generator=g)) + torch.randn(8192, 1, generator=g)
+        self.poison, self.perturbed = None, False
+
+    def training_step(self, batch, batch_idx):
+        (i,) = batch
+        x, y = self.x[i], self.y[i]
+        if self.global_step == 42 and self.poison is None:
+            self.poison = i.clone()
+        if self.poison is not None and torch.equal(i, self.poison):
+            y = y * 30
+        if self.global_step == 48 and not self.perturbed:
+            self.perturbed = True
+            g = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for p in self.net.parameters():
+                    p.add_(0.3 * torch.randn(p.shape, generator=g))
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.arange(8192)), batch_size=64, shuffle=True)
+
+    def on_train_end(self) -> None:
+        guard = next(c for c in self.trainer.callbacks if isinstance(c, lm.DivergenceGuard))
+        with open(os.path.join(self.out, f"rank{self.global_rank}.json"), "w") as fh:
+            json.dump({"rollbacks": [[r["step"], r["to_step"], r["lr_factor"]] for r in guard.rollbacks],
+                       "lr": self.optimizers().param_groups[0]["lr"],
+                       "weights": [p.detach().reshape(-1).tolist() for p in self.parameters()]}, fh)
+
+
+def test_guard_ddp_rate_factor_agrees_with_an_alert_on_one_rank(tmp_path) -> None:
+    # a critical alert of another monitor on rank 1 only (step 43) moved that rank's first anomalous step, and with it
+    # whether the divergence began with the hard batch of step 42: rank 0 halved the rate, rank 1 kept it, and the
+    # replicas drifted apart
+    pl.seed_everything(0)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=70,
+                         callbacks=[_CriticalAt(43, rank=1), lm.DivergenceGuard(surge=5.0)], logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         default_root_dir=str(tmp_path))
+    fit_ddp_spawn(trainer, _HardThenBroken(str(tmp_path)))
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["rollbacks"] and r0["rollbacks"] == r1["rollbacks"]
+    assert r0["lr"] == r1["lr"]
+    assert r0["weights"] == r1["weights"]
