@@ -184,3 +184,29 @@ def test_a_decoder_sequence_classifier_is_scored_at_its_pooled_token(tmp_path) -
     (epoch,) = gwa.history
     assert epoch["count"] == 24
     assert epoch["mean"] == pytest.approx(float(cos.mean()), abs=1e-5)
+
+
+class _IndexedTokens(Tokens):
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {**super().__getitem__(i), "idx": torch.tensor(i)}
+
+
+class _IndexedLM(CausalLM):
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+
+def test_token_scores_keep_no_run_level_suspects(tmp_path) -> None:
+    # every token is scored: a sample's mean over the run would mix its tokens. The run-level file used to be written
+    # with its header only (and its per-sample sums kept in checkpoints); each epoch's file lists the tokens
+    from lightning_monitor.callbacks.gradient_weight_alignment import RUN_SUSPECTS_FILENAME, SUSPECTS_FILENAME
+
+    torch.manual_seed(0)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False, index_fn=lambda b: b["idx"])
+    logger = CSVLogger(str(tmp_path), name="csv")
+    pl.Trainer(accelerator="cpu", max_epochs=2, logger=logger, callbacks=[gwa], enable_progress_bar=False,
+               enable_model_summary=False, enable_checkpointing=False).fit(
+        _IndexedLM(), DataLoader(_IndexedTokens(), batch_size=8))
+    assert gwa._run is None
+    assert not os.path.exists(os.path.join(logger.log_dir, RUN_SUSPECTS_FILENAME))
+    assert os.path.exists(os.path.join(logger.log_dir, SUSPECTS_FILENAME))

@@ -448,3 +448,34 @@ def test_by_default_a_collapse_with_sigma_growth_stays_a_warning():
         mon._update_rule(step, {"a": 0.0, "b": 0.0}, {"a": 2.0 ** (step - 3), "b": 1.0})
     active = {(kind, sev) for s, kind, act, sev in fired if act}
     assert active == {("collapse", "warning"), ("sigma_growth", "warning")}
+
+
+def test_frozen_layers_are_left_out_of_the_check(tmp_path):
+    # a model fine-tuned in part (a LoRA model's base layers, a component GradientEarlyStopping froze): a frozen layer's
+    # alignment says nothing of the run's, and it used to count in the collapse fractions. It is left out of each check
+    # from the step it is frozen on, unless named in `include`
+    class FreezeAt(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 6:
+                pl_module.model.blocks[0].attn.v_proj.weight.requires_grad_(False)
+
+    module = GPTModule(TINY)
+    module.model.blocks[0].mlp.up_proj.weight.requires_grad_(False)  # frozen before the fit
+    mon = SpectralAlignmentMonitor(every_n_steps=4, max_rows=8)
+    tr = trainer(tmp_path, [FreezeAt(), mon], max_steps=12, logger=CSVLogger(str(tmp_path), name="csv"))
+    tr.fit(module, loader())
+    rows = list(csv.DictReader(open(os.path.join(tr.logger.log_dir, "metrics.csv"))))
+    logged = {}
+    for row in rows:
+        for key, value in row.items():
+            if key.endswith("/sign_diversity") and value != "":
+                logged.setdefault(int(row["step"]), set()).add(key.removeprefix("sa/").removesuffix("/sign_diversity"))
+    up, v = "model.blocks.0.mlp.up_proj", "model.blocks.0.attn.v_proj"
+    assert logged[4] == set(LAYERS) - {up}  # v_proj still trains at step 4
+    assert logged[8] == set(LAYERS) - {up, v}
+    # named in `include`, a frozen layer is watched
+    module = GPTModule(TINY)
+    module.model.blocks[0].mlp.up_proj.weight.requires_grad_(False)
+    mon = SpectralAlignmentMonitor(every_n_steps=4, max_rows=8, include=[up])
+    trainer(tmp_path / "b", [mon], max_steps=5).fit(module, loader())
+    assert list(mon._vectors) == [up]

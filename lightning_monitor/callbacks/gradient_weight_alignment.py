@@ -750,6 +750,13 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._top = merged[:, merged[0].topk(k, largest=False).indices]
             if self._run is not None and flat:
                 self._run.add(extra[0], scores, finite)
+            elif self._run is not None:
+                # scores per token (a language model's): a sample's mean over the run would mix its tokens, so the
+                # run-level list is not kept (each epoch's suspects file lists tokens); said once, no empty file
+                self._run = None
+                rank_zero_info(f"GradientWeightAlignmentMonitor: the head scores every token, so the suspects over the "
+                               f"run ({RUN_SUSPECTS_FILENAME}, one mean per sample) are not kept; each epoch's "
+                               "suspects file lists the tokens.")
 
     def _suspect_columns(self, stash: list[_Kept], logits: Tensor, targets: Tensor, soft: bool) -> Tensor:
         """``[4, N]`` float64: sample index, position (token) or -1, target (-1 if soft), predicted."""

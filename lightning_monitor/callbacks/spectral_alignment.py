@@ -337,13 +337,21 @@ class SpectralAlignmentMonitor(Monitor):
         assert self._capture is not None
         self._capture.arm()
 
+    @staticmethod
+    def _trains(layer: nn.Module) -> bool:
+        weight = getattr(layer, "weight", None)
+        return not isinstance(weight, Tensor) or weight.requires_grad
+
     # ------------------------------------------------------------------ the check
     @torch.no_grad()
     def measure(self, rows: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """Per-layer statistics on device (no host sync) and the alignments, from captured rows."""
         metrics: dict[str, Tensor] = {}
         alignments: dict[str, Tensor] = {}
-        names = [n for n in self.layers if n in rows]  # layers that did not run this step are skipped
+        # layers that did not run this step are skipped, and so are frozen ones (a LoRA model's base layers, a
+        # component GradientEarlyStopping froze): their weights no longer train, so their alignment says nothing of
+        # the run's, and they would dilute the collapse fractions (unless named in `include`)
+        names = [n for n in self.layers if n in rows and (self.include or self._trains(self.layers[n]))]
         mats = {n: weight_matrix(self.layers[n]) for n in names}
         plain = [n for n in names if not is_sharded(mats[n])]
         found = dict(zip(plain, top_singular_subspaces(
