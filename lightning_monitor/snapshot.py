@@ -82,6 +82,8 @@ class TrainingSnapshot:
         epoch: the epoch it was taken in.
         lr_scale: the guard's cumulative learning-rate factor when it was taken.
         path: the file holding the tensors, when kept on disk; else ``None``.
+        group_sizes: per optimizer, the number of parameters of each group when it was taken (``None``: read
+            from the stored state).
     """
 
     step: int
@@ -89,6 +91,7 @@ class TrainingSnapshot:
     lr_scale: float
     path: Optional[str] = None
     guard: dict[str, Any] = field(default_factory=dict)
+    group_sizes: Optional[list[list[int]]] = None
     _state: Optional[dict[str, Any]] = field(default=None, repr=False)
 
     @classmethod
@@ -122,7 +125,8 @@ class TrainingSnapshot:
             "scaler": _to_host(scaler.state_dict()) if scaler is not None else None,
             "monitors": {key: _to_host(cb.state_dict()) for key, cb in monitors.items()},
         }
-        snap = cls(step=step, epoch=trainer.current_epoch, lr_scale=lr_scale)
+        snap = cls(step=step, epoch=trainer.current_epoch, lr_scale=lr_scale,
+                   group_sizes=[[len(g["params"]) for g in opt.param_groups] for opt in trainer.optimizers])
         if directory is None:
             snap._state = state
         else:
@@ -146,10 +150,10 @@ class TrainingSnapshot:
         group since keeps its value; a scheduler of another type than the saved one keeps its state. Raises
         :class:`SnapshotMismatch`, before changing anything, when the saved optimizer state cannot be matched to the
         parameters (a group removed or resized, another number of optimizers)."""
-        state = self.state()
-        problem = self.mismatch(trainer, state)
+        problem = self.mismatch(trainer)
         if problem is not None:
             raise SnapshotMismatch(f"The snapshot of step {self.step} cannot be restored: {problem}.")
+        state = self.state()
         with torch.no_grad():
             current = pl_module.state_dict()
             for name, saved in state["module"].items():
@@ -169,15 +173,16 @@ class TrainingSnapshot:
             if key in state["monitors"]:
                 cb.load_state_dict(copy.deepcopy(state["monitors"][key]))
 
-    def mismatch(self, trainer: pl.Trainer, state: Optional[dict[str, Any]] = None) -> Optional[str]:
+    def mismatch(self, trainer: pl.Trainer) -> Optional[str]:
         """Why the saved optimizer states do not fit the run's optimizers now, or ``None`` when they do: each saved
         parameter group must still be there, in order, with as many parameters (groups may have been added after
-        them)."""
-        state = self.state() if state is None else state
-        if len(state["optimizers"]) != len(trainer.optimizers):
-            return f"{len(state['optimizers'])} optimizer(s) then, {len(trainer.optimizers)} now"
-        for i, (opt, saved) in enumerate(zip(trainer.optimizers, state["optimizers"])):
-            then = [len(g["params"]) for g in saved["param_groups"]]
+        them). Read from the sizes kept at capture: a snapshot on disk is not loaded to answer."""
+        sizes = self.group_sizes
+        if sizes is None:  # a snapshot adopted from a checkpoint's list of files
+            sizes = [[len(g["params"]) for g in saved["param_groups"]] for saved in self.state()["optimizers"]]
+        if len(sizes) != len(trainer.optimizers):
+            return f"{len(sizes)} optimizer(s) then, {len(trainer.optimizers)} now"
+        for i, (opt, then) in enumerate(zip(trainer.optimizers, sizes)):
             now = [len(g["params"]) for g in opt.param_groups]
             if now[: len(then)] != then:
                 return f"optimizer {i} had parameter groups of {then} parameters, now {now}"

@@ -185,9 +185,9 @@ class Monitor(Callback):
             return  # idle, or a later micro-batch of the armed step
         if self._armed_step is not None:
             self.release()  # a due step whose optimizer step never came (skipped): drop it
-        if backward_skipped(trainer):
-            return  # a forward-only step (SWA's BatchNorm epoch): no gradients to check
-        if self.is_due(step) and self._checked_step != step and self.arm(trainer, pl_module, step) is not False:
+        # not on a forward-only step (SWA's BatchNorm epoch): no gradients to check
+        if (self.is_due(step) and self._checked_step != step and not backward_skipped(trainer)
+                and self.arm(trainer, pl_module, step) is not False):
             self._armed_step = step
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:

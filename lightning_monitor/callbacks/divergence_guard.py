@@ -380,7 +380,6 @@ class DivergenceGuard(Monitor):
         batch = _kept(batch)  # `training_step` may pop from it (`batch.pop("labels")`): the replays need it whole
         self._batch, self._batch_idx = batch, batch_idx
         self._recent_batches.append((trainer.global_step, batch, batch_idx))
-        self._lr_trace.append((trainer.global_step, self._float_lrs(trainer)))
         self._apply_lr_ceiling(trainer)
         key = (trainer.current_epoch, batch_idx)
         if self.snapshot_every_n_steps is not None:
@@ -1195,10 +1194,10 @@ class DivergenceGuard(Monitor):
         return above
 
     def _rates_in_force(self, trainer: pl.Trainer, step: int) -> None:
-        """Right before the update: hold the rates under the ceiling again, and note the rates the step uses. Code
-        that runs after the callbacks' ``on_train_batch_start`` may set them (a warm-up in ``optimizer_step``, the
-        module's own ``on_train_batch_start``): the rates noted then are not those of the update, and a ceiling
-        set by a rollback would not hold. Said once (``lr_overridden``)."""
+        """Right before the update: hold the rates under the ceiling again, and note the rates the step uses (once per
+        optimizer step, micro-batches and several optimizers included). Code that runs after the callbacks'
+        ``on_train_batch_start`` may set them (a warm-up in ``optimizer_step``, the module's own
+        ``on_train_batch_start``): a ceiling set by a rollback would not hold. Said once (``lr_overridden``)."""
         if self._apply_lr_ceiling(trainer) and not self._said_lr_overridden:
             self._said_lr_overridden = True
             self.alert(
@@ -1209,10 +1208,8 @@ class DivergenceGuard(Monitor):
                 "Set rates with an LR scheduler, or in `on_train_batch_start` of a callback listed before the guard, "
                 "to let the guard lower them as it rolls back.",
             )
-        if self._lr_trace and self._lr_trace[-1][0] == step:
-            lrs = self._float_lrs(trainer)
-            if lrs != self._lr_trace[-1][1]:
-                self._lr_trace[-1] = (step, lrs)
+        if not self._lr_trace or self._lr_trace[-1][0] != step:
+            self._lr_trace.append((step, self._float_lrs(trainer)))
 
     @staticmethod
     def _float_lrs(trainer: pl.Trainer) -> list[list[Optional[float]]]:

@@ -552,10 +552,11 @@ class GradientWeightAlignmentMonitor(Monitor):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)  # arms the hook on a due step
-        if backward_skipped(trainer):
-            self._forward_only = True
-        else:
-            self._trained = True
+        if not self._trained:  # read until a batch of the epoch trains: after that it makes no difference
+            if backward_skipped(trainer):
+                self._forward_only = True
+            else:
+                self._trained = True
         if self._armed_step == trainer.global_step:  # every batch of a due step (micro-batches too) is scored
             self._targets_tried = True
             try:

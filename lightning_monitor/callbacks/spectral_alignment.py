@@ -324,6 +324,7 @@ class SpectralAlignmentMonitor(Monitor):
         check_tensor_parallel(trainer, "SpectralAlignmentMonitor", "it aligns each layer's input rows")
         self.layers, self._capture = {}, None
         self.layers = self.select_layers(pl_module)
+        self._watched: list[str] = list(self.layers)  # the layers of the due step (those that train)
         self._capture = InputCapture(self.layers, max_rows=self.max_rows, seed=self.seed)
         if self._sampler_state:
             self._capture.load_state_dict(self._sampler_state)
@@ -335,7 +336,11 @@ class SpectralAlignmentMonitor(Monitor):
 
     def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
         assert self._capture is not None
-        self._capture.arm()
+        # frozen layers are not watched (a LoRA model's base layers, a component GradientEarlyStopping froze): their
+        # weights no longer train, so their alignment says nothing of the run's, and they would dilute the collapse
+        # fractions; a layer named in `include` is watched frozen or not
+        self._watched = [n for n, m in self.layers.items() if self.include or self._trains(m)]
+        self._capture.arm(self._watched)
 
     @staticmethod
     def _trains(layer: nn.Module) -> bool:
@@ -348,10 +353,7 @@ class SpectralAlignmentMonitor(Monitor):
         """Per-layer statistics on device (no host sync) and the alignments, from captured rows."""
         metrics: dict[str, Tensor] = {}
         alignments: dict[str, Tensor] = {}
-        # layers that did not run this step are skipped, and so are frozen ones (a LoRA model's base layers, a
-        # component GradientEarlyStopping froze): their weights no longer train, so their alignment says nothing of
-        # the run's, and they would dilute the collapse fractions (unless named in `include`)
-        names = [n for n in self.layers if n in rows and (self.include or self._trains(self.layers[n]))]
+        names = [n for n in self.layers if n in rows]  # layers that did not run this step are skipped
         mats = {n: weight_matrix(self.layers[n]) for n in names}
         plain = [n for n in names if not is_sharded(mats[n])]
         found = dict(zip(plain, top_singular_subspaces(
@@ -400,7 +402,7 @@ class SpectralAlignmentMonitor(Monitor):
     def compute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[dict[str, Tensor]]:
         assert self._capture is not None
         rows = self._capture.take()
-        silent = [n for n in self.layers if n not in rows and n not in self._not_called]
+        silent = [n for n in self._watched if n not in rows and n not in self._not_called]
         if silent:  # said once per layer: a layer whose forward does not run has no input to align
             self._not_called.update(silent)
             self.alert(

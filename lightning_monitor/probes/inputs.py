@@ -14,7 +14,7 @@ run with the monitor draws the same dropout masks and batches as a run without i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
 import torch
@@ -50,12 +50,13 @@ class InputCapture:
         """Whether any hook is installed now."""
         return bool(self._handles)
 
-    def arm(self) -> None:
-        """Install a one-shot pre-hook on every module that has not captured yet (idempotent)."""
-        for name, module in self.modules.items():
+    def arm(self, names: Optional[Iterable[str]] = None) -> None:
+        """Install a one-shot pre-hook on every module (or those of ``names``) that has not captured yet
+        (idempotent)."""
+        for name in self.modules if names is None else names:
             if name in self._handles or name in self._captured:
                 continue
-            self._handles[name] = module.register_forward_pre_hook(self._make_hook(name))
+            self._handles[name] = self.modules[name].register_forward_pre_hook(self._make_hook(name))
 
     def disarm(self) -> None:
         """Remove every hook still installed."""
