@@ -143,6 +143,93 @@ def test_batch_size_run_leaves_no_trace() -> None:
     assert "batch statistics" in probe.reasons["1.weight"]
 
 
+class KeepsState(nn.Module):
+    """A forward with side effects on the model: an auxiliary loss kept as an attribute (read by the training step,
+    as mixture-of-experts routers do), an attribute set on the first call only, a list appended to and a count
+    updated in place (a metric)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.gate, self.head = nn.Linear(4, 6), nn.Linear(6, 2), nn.Linear(6, 3)
+        self.sizes: list[int] = []
+        self.count = torch.zeros(())
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.body(x))
+        self.aux_loss = self.gate(h).softmax(-1).pow(2).sum(-1).mean()
+        if not hasattr(self, "first_batch"):
+            self.first_batch = x.shape[0]
+        self.sizes.append(x.shape[0])
+        self.count += x.shape[0]
+        return self.head(h)
+
+
+def test_batch_size_run_leaves_the_models_attributes_as_they_were() -> None:
+    # the run on a slice came after the real forward and overwrote `aux_loss` with the slice's, computed without
+    # gradients: the training step added a constant and the router got no gradient
+    torch.manual_seed(0)
+    model = KeepsState()
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    with PerExampleGradNorms(model) as probe:
+        loss = F.cross_entropy(model(x), y)
+        assert model.aux_loss.requires_grad and model.sizes == [8] and float(model.count) == 8.0
+        assert "first_batch" in vars(model) and model.first_batch == 8
+        (loss + model.aux_loss).backward()
+    assert model.gate.weight.grad is not None and float(model.gate.weight.grad.abs().sum()) > 0
+    assert probe.uncovered == []  # the slice did run: every layer's batch dimension was found
+    per = probe.per_parameter()
+    for i in range(len(x)):  # the oracle: each example's loss on its own
+        twin = KeepsState()
+        twin.load_state_dict(model.state_dict())
+        (F.cross_entropy(twin(x[i:i + 1]), y[i:i + 1]) + twin.aux_loss).backward()
+        for name, p in twin.named_parameters():
+            torch.testing.assert_close(float(per[name][i]), float(p.grad.pow(2).sum()), rtol=1e-4, atol=1e-10)
+
+
+def test_batch_size_run_of_the_lightning_module_logs_nothing(tmp_path) -> None:
+    """Under DDP and FSDP Lightning calls the LightningModule itself to run `training_step`, so the probe's run on a
+    slice runs the user's step: what it logs must not replace what the step logged (here a forward that logs, the
+    same entry in one process)."""
+    import csv
+    import os
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_monitor import GradientNoiseScaleMonitor
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+            self.losses: list[float] = []
+
+        def forward(self, x: Tensor, y: Tensor) -> Tensor:
+            loss = F.cross_entropy(self.net(x), y)
+            self.log("train/loss", loss)
+            self.losses.append(float(loss))
+            return loss
+
+        def training_step(self, batch, batch_idx):
+            return self(*batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 6), torch.randint(0, 3, (64,)))
+    module, logger = Lit(), CSVLogger(tmp_path)
+    gns = GradientNoiseScaleMonitor(every_n_steps=1)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=4, logger=logger, log_every_n_steps=1, enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False, callbacks=[gns])
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
+        logged = [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
+    assert len(module.losses) == 4  # the slice's call left no trace
+    assert logged == pytest.approx(module.losses, rel=1e-6)
+    assert gns._probe is not None and "net.0.weight" in gns._probe.covered
+
+
 # ----------------------------------------------------------------------------- activation checkpointing
 
 

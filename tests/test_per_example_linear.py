@@ -114,3 +114,37 @@ def test_rule_explicit_strategies() -> None:
     # "fused" on a layer that cannot fuse is "auto"
     assert choose(LinearRule("fused", 0), **kw) == choose(LinearRule("auto", 0), **kw) == "gram"
     assert choose(LinearRule("fused", None), **kw) == "materialize"
+
+
+class MaskedInPlace(nn.Module):
+    """Writes into its first layer's output in place (wav2vec2's and HuBERT's SpecAugment: ``h[mask] = emb``).
+    ``F.linear`` with a bias on a 3-D input returns a view of its product, and a view written in place loses the
+    gradient hooks registered on it; a custom Function's output that is a view may not be written at all."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.proj = nn.Linear(5, 8, bias=bias)
+        self.emb = nn.Parameter(torch.randn(8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.proj(x)
+        h[:, :2] = self.emb
+        return self.head(torch.tanh(h))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("pre_hook", [False, True])
+def test_output_written_in_place(strategy: str, bias: bool, pre_hook: bool) -> None:
+    # it raised "Output 0 of Slice is a view and is being modified inplace" on the fused path, and on the plain
+    # hooks (a layer with a forward pre-hook, e.g. spectral alignment's input capture) it left the layer out as
+    # "has a gradient but its module's forward was not called"
+    torch.manual_seed(0)
+    model = MaskedInPlace(bias)
+    if pre_hook:
+        model.proj.register_forward_pre_hook(lambda m, args: None)
+    x, y = torch.randn(6, 4, 5), torch.randint(0, 3, (6, 4))
+    probe = check(model, ce_seq, x, y, linear_strategy=strategy)
+    assert {"proj.weight", "head.weight"} <= set(probe.covered)
+    assert probe.uncovered == ["emb"]

@@ -110,6 +110,23 @@ def _sink(done: Callable[..., None]) -> Callable[..., None]:
     return sink
 
 
+def _linear_not_a_view(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """``F.linear(x, weight, bias)`` returned as a tensor of its own, not a view: with a bias and more than two
+    dimensions ``F.linear`` multiplies the flattened input and returns a view of the product, and autograd forbids
+    in-place writes into a view that a custom Function returns (a model that masks the layer's output in place,
+    ``h[mask] = emb`` as wav2vec2's and HuBERT's SpecAugment do, would fail). The same ``addmm`` / ``mm``, written
+    into the result's own storage."""
+    if x.dim() <= 2:
+        return F.linear(x, weight, bias)
+    out = x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.result_type(x, weight))
+    flat_in, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, weight.shape[0])
+    if bias is None:
+        torch.mm(flat_in, weight.t(), out=flat_out)
+    else:
+        torch.addmm(bias, flat_in, weight.t(), out=flat_out)
+    return out
+
+
 class _FusedLinear(torch.autograd.Function):
     """``F.linear`` whose backward forms the weight gradient as the sum of the per-example gradients
     ``G_i = D_i^T A_i`` (the same multiply-adds as autograd's single matmul), taking each example's
@@ -119,7 +136,7 @@ class _FusedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], sink: Callable[..., None]) -> Tensor:
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        out, x, weight = forward_under_autocast(F.linear, x, weight, bias)
+        out, x, weight = forward_under_autocast(_linear_not_a_view, x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         ctx.sink = sink

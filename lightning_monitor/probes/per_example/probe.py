@@ -11,6 +11,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any, Callable, Literal, NamedTuple, Optional, Union
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
@@ -29,6 +30,10 @@ __all__ = ["PerExampleGradNorms"]
 
 #: Container types whose submodules' parameters are used without calling those submodules.
 _OPAQUE: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+#: the attributes every nn.Module keeps for itself (parameters, buffers, submodules, hooks, mode)
+_MODULE_OWN = frozenset(vars(nn.Module()))
+#: plain tensors kept as attributes (a metric's counts) up to this size are copied before the dry run
+_SMALL_TENSOR = 1 << 16
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -98,6 +103,48 @@ def _scaling_dim(shape: tuple[int, ...], small_shape: tuple[int, ...], batch: in
     return f"the batch is folded into dimension {i} of its input {shape} together with other positions"
 
 
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _attributes(root: nn.Module) -> list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]:
+    """What the probe's dry run could change in ``root``'s modules besides their parameters and buffers: each
+    module's other attributes (a forward that keeps its auxiliary loss, ``self.aux_loss = ...``, a training step that
+    appends to a list), with copies of the lists, dicts and sets among them and of the small plain tensors (a
+    metric's counts, updated in place). :func:`_restore_attributes` puts them back."""
+    out = []
+    for m in root.modules():
+        attrs = {k: v for k, v in vars(m).items() if k not in _MODULE_OWN}
+        kept: dict[str, Any] = {}
+        for k, v in attrs.items():
+            if type(v) in (list, dict, set):
+                kept[k] = v.copy()
+            elif type(v) is Tensor and not v.is_inference() and v.numel() <= _SMALL_TENSOR:
+                kept[k] = (v._version, v.detach().clone())
+        out.append((m, attrs, kept))
+    return out
+
+
+def _restore_attributes(saved: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]) -> None:
+    """Undo the dry run's changes to the attributes :func:`_attributes` saved: attributes set anew get their old
+    object back, attributes added go, and the saved containers and small tensors get their old contents."""
+    for m, attrs, kept in saved:
+        d = vars(m)
+        for k in [k for k in d if k not in _MODULE_OWN and k not in attrs]:
+            del d[k]
+        d.update(attrs)
+        for k, old in kept.items():
+            v = attrs[k]
+            if isinstance(v, list):
+                v[:] = old
+            elif isinstance(v, (dict, set)):
+                v.clear()
+                v.update(old)
+            elif v._version != old[0]:
+                with torch.no_grad():
+                    v.copy_(old[1])
+
+
 def _project_sparse(c: Tensor, u: Tensor, v: Tensor) -> Tensor:
     """:func:`~.kernels.project_matrix` of a sparse COO gradient (``nn.Embedding(sparse=True)``), without
     densifying it when only its rows are sparse."""
@@ -154,6 +201,22 @@ class _Uses:
                            "computes otherwise than its base class")
             return
         done = self.expect(x, ctx, rule)
+        base = output._base
+        if (base is not None and base.grad_fn is not None and base.numel() == output.numel()
+                and base.is_contiguous() and output.is_contiguous() and base.data_ptr() == output.data_ptr()):
+            # the output is a reshaped view of the layer's result (``F.linear`` with a bias on a 3-D input returns
+            # one): a hook on the view is lost if the model writes into it in place (``h[mask] = emb``, wav2vec2's
+            # and HuBERT's SpecAugment), so the node that made its base is hooked instead; it receives the
+            # gradient of the layer's result (the written positions get none), which is the view's reshaped
+            shape = output.shape
+
+            def node_hook(grad_outputs: tuple[Optional[Tensor], ...]) -> None:
+                if grad_outputs[0] is not None:
+                    with torch.no_grad():
+                        done(grad_outputs[0].reshape(shape))
+
+            base.grad_fn.register_prehook(node_hook)
+            return
 
         def grad_hook(grad: Tensor) -> None:
             with torch.no_grad():
@@ -206,8 +269,11 @@ class PerExampleGradNorms:
     shape, at the end of the outermost forward call that ran the module (an *entry*: the model, or a
     submodule the training step calls itself), it runs that call again without gradients on a slice of 2
     examples of its arguments (1 for a batch of 2; tensors whose dimension 0 is the batch size, the
-    first tensor argument's dimension 0), with the other hooks silenced, the buffers restored and the
-    random state forked, and reads which input dimension followed the batch size. That dimension is the
+    first tensor argument's dimension 0), with the other hooks silenced, the buffers restored, the
+    random state forked, the modules' other attributes put back afterwards (an auxiliary loss the forward
+    keeps, a list it appends to, a metric's counts) and, when the call is the LightningModule's own
+    (Lightning's DDP and FSDP wrappers run ``training_step`` that way), its ``self.log`` silenced, and reads
+    which input dimension followed the batch size. That dimension is the
     batch (moved to the front for the handler); an input that does not change has no batch dimension
     (positions broadcast over the batch), one where the batch is folded with other positions
     (``[B * T, d]``) or where several dimensions change cannot be split per example: such a module's
@@ -474,6 +540,7 @@ class PerExampleGradNorms:
             for key in todo:
                 self._bdims[key] = "its batch dimension is unknown: the model's call has no tensor argument"
             return
+        attributes = _attributes(module)
         small = 1 if batch == 2 else 2
         dry: list[tuple[str, tuple[int, ...]]] = []
         # the run works on copies of the buffers (BatchNorm statistics stay as they are: the real ones are
@@ -489,6 +556,10 @@ class PerExampleGradNorms:
         try:
             if swap:
                 module.forward = used  # type: ignore[method-assign]
+            if isinstance(module, pl.LightningModule):
+                # under DDP / FSDP the entry is the LightningModule running `training_step`: what it logs on the
+                # slice is not the step's (the slice's loss would replace the logged one)
+                module.log = module.log_dict = _no_log  # type: ignore[method-assign]
             with torch.no_grad(), torch.random.fork_rng(devices=devices), warnings.catch_warnings(), dry_run():
                 warnings.simplefilter("ignore")  # the model's warnings belong to its real calls
                 functional_call(module, buffers, _resize_batch(args, batch, small),
@@ -502,6 +573,7 @@ class PerExampleGradNorms:
                     module.__dict__.pop("forward", None)
                 else:
                     module.forward = now  # type: ignore[method-assign]
+            _restore_attributes(attributes)
         full: dict[str, list[tuple[int, ...]]] = defaultdict(list)
         part: dict[str, list[tuple[int, ...]]] = defaultdict(list)
         for name, shape in calls:
