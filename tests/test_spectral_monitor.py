@@ -253,9 +253,37 @@ def test_rule_escalates_and_clears():
         assert out["sigma_growth"] == 1.0  # constant sigma
     active = [(s, sev) for s, _, act, sev in fired if act]
     assert active[0] == (6, "warning") and (8, "critical") in active
-    assert any(not act for s, _, act, _ in fired if s == 10)
+    # cleared once it has not held for `patience` checks: at the second check back at 0.8
+    clears = [s for s, kind, act, _ in fired if kind == "collapse" and not act and s > 6]
+    assert clears == [11]
     # collapsed checks never enter the baseline
     assert mon.baseline("a") == pytest.approx(0.8)
+
+
+def test_a_condition_that_comes_and_goes_is_said_once():
+    """A collapse that holds, lapses for one check and holds again (a model with few eligible layers, whose share
+    jumps between 0 and 1/2) is one warning, cleared once after ``patience`` checks without it; before, each return
+    raised it anew (five warnings and five clears in 200 healthy steps of a small CNN, checked every 5 steps)."""
+    mon = SpectralAlignmentMonitor(every_n_steps=1, baseline_checks=3, patience=2, max_sigma_growth=None)
+    alerts = []
+    mon.alert = lambda step, kind, severity, message, *a, **k: alerts.append((step, kind, severity, message))
+    series = [0.8] * 3 + [0.0, 0.0, 0.8, 0.0, 0.0, 0.8, 0.0, 0.0] + [0.8, 0.8, 0.8] + [0.0, 0.0]
+    for step, d in enumerate(series):
+        mon._update_rule(step, {"a": d, "b": 0.8})
+    assert [(s, kind) for s, kind, _, _ in alerts] == [(4, "collapse"), (12, "collapse_cleared"), (15, "collapse")]
+    # the message leads with the criterion that holds: 1 of 2 layers collapsed (the share), mean at 50%
+    assert alerts[0][3].split(": ", 1)[1].startswith("1/2 layers whose inputs usually have mixed signs collapsed")
+
+
+def test_a_drop_of_the_mean_alone_is_described_as_such():
+    mon = SpectralAlignmentMonitor(every_n_steps=1, baseline_checks=3, patience=1, max_sigma_growth=None)
+    alerts = []
+    mon.alert = lambda step, kind, severity, message, *a, **k: alerts.append(message)
+    for step, d in enumerate([0.9, 0.9, 0.9, 0.6]):
+        mon._update_rule(step, {"a": d, "b": d})
+    # no layer at or below 0.1: the mean's drop to 67% of its baseline is what holds, and it is said first
+    assert alerts and "collapsing (1 checks in a row): the mean sign diversity of those layers is at 67%" in alerts[0]
+    assert "0/2 layers" in alerts[0]
 
 
 def test_partial_drop_against_baseline_counts_as_collapse():

@@ -30,11 +30,12 @@ Rules (model level; every threshold is relative to the run's own history):
   ``D <= collapse_threshold``) is at least ``warn_fraction``, or when ``diversity_ratio`` (the eligible
   layers' mean ``D`` over the mean of their baselines) is at most ``1 - max_drop``. Held for
   ``patience`` consecutive checks it raises a warning, held for ``critical_patience`` (if set) a critical
-  alert (which makes a DivergenceGuard act); it clears, with one info alert, at the first check
-  where it does not hold.
+  alert (which makes a DivergenceGuard act); it clears, with one info alert, once it has not held for
+  ``patience`` consecutive checks (a condition that comes and goes at the threshold is said once, not at
+  every return).
 * **sigma_growth.** ``sigma_growth`` is the growth of the largest ``sigma_1`` over the monitored layers
   per ``growth_window`` steps; at or above ``max_sigma_growth`` for ``patience`` consecutive checks it
-  raises a ``sigma_growth`` alert (``sigma_growth_severity``, a warning by default). Coherent inputs
+  raises a ``sigma_growth`` alert (``sigma_growth_severity``, a warning by default), cleared as above. Coherent inputs
   make ``sigma_1`` grow step after step; in our benchmark this rule warned earliest on runs with
   LayerNorm (see ``docs/spectral_alignment.md``).
 """
@@ -246,6 +247,8 @@ class SpectralAlignmentMonitor(Monitor):
             n_checks=self._n_checks,
             streak=self._streak.count,
             growth_streak=self._growth_streak.count,
+            quiet=self._quiet.count,
+            growth_quiet=self._growth_quiet.count,
             sigma_history=[[t, dict(sig)] for t, sig in self._sigma_history],
             sampler=self._capture.state_dict() if self._capture is not None else {},
         )
@@ -258,6 +261,8 @@ class SpectralAlignmentMonitor(Monitor):
         self._n_checks = int(state_dict.get("n_checks", 0))
         self._streak = Streak(state_dict.get("streak", 0))
         self._growth_streak = Streak(state_dict.get("growth_streak", 0))
+        self._quiet = Streak(state_dict.get("quiet", 0))
+        self._growth_quiet = Streak(state_dict.get("growth_quiet", 0))
         self._sigma_history = [(int(t), {k: float(v) for k, v in sig.items()}) for t, sig in state_dict.get("sigma_history", [])]
         self._sampler_state = state_dict.get("sampler", {})
         if self._capture is not None and self._sampler_state:
@@ -271,6 +276,8 @@ class SpectralAlignmentMonitor(Monitor):
         self._sigma_history: list[tuple[int, dict[str, float]]] = []
         self._n_checks = 0
         self._streak, self._growth_streak = Streak(), Streak()
+        # consecutive checks without the condition: it clears after ``patience`` of them
+        self._quiet, self._growth_quiet = Streak(), Streak()
         self._not_called: set[str] = set()  # selected layers reported as not called
         self._sampler_state: dict[str, Any] = {}
         self._alignments: dict[str, Tensor] = {}  # the check's alignments, from compute to judge
@@ -476,6 +483,17 @@ class SpectralAlignmentMonitor(Monitor):
             return 1.0
         return (now / before) ** (self.growth_window / (step - t0))
 
+    def _describe(self, diversity: dict[str, float], fraction: float, ratio: float, eligible: list[str],
+                  collapsed: list[str]) -> str:
+        """The check in words, the criterion that holds first (the collapsed share, the drop of the mean)."""
+        share = (f"{len(collapsed)}/{len(eligible)} layers whose inputs usually have mixed signs collapsed (sign "
+                 f"diversity <= {self.collapse_threshold}; the condition holds from {self.warn_fraction:.0%} of them)")
+        drop = (f"the mean sign diversity of those layers is at {ratio:.0%} of its baseline (the condition holds at "
+                f"{1.0 - self.max_drop:.0%} or below)")
+        mean_d = sum(diversity.values()) / len(diversity)
+        parts = [share, drop] if fraction >= self.warn_fraction or ratio > 1.0 - self.max_drop else [drop, share]
+        return f"{parts[0]}; {parts[1]}; mean over all layers {mean_d:.2f}"
+
     def _update_rule(self, step: int, diversity: dict[str, float], sigma: Optional[dict[str, float]] = None) -> dict[str, float]:
         """Advance the alert rules by one check; returns the model-level values to log."""
         self._n_checks += 1
@@ -501,14 +519,11 @@ class SpectralAlignmentMonitor(Monitor):
         if building:
             return out
         streak = self._streak.update(active)
-        mean_d = sum(diversity.values()) / len(diversity)
-        what = (
-            f"{len(collapsed)}/{len(eligible)} layers whose inputs usually have mixed signs collapsed "
-            f"(sign diversity <= {self.collapse_threshold}); mean sign diversity of those layers at "
-            f"{ratio:.0%} of its baseline (mean over all layers {mean_d:.2f})"
-        )
+        self._quiet.update(not active)
+        what = self._describe(diversity, fraction, ratio, eligible, collapsed)
         if self.max_sigma_growth is not None:
             self._growth_streak.update(growth >= self.max_sigma_growth)
+            self._growth_quiet.update(growth < self.max_sigma_growth)
         both = self._streak >= self.patience and self._growth_streak >= self.patience
         critical = self.critical_patience is not None and self._streak >= self.critical_patience
         if critical or (self.escalate_on_growth and both):
@@ -527,7 +542,7 @@ class SpectralAlignmentMonitor(Monitor):
                 "consider a lower learning rate.",
                 value=fraction, threshold=self.warn_fraction,
             )
-        elif not active:
+        elif not active and self._quiet >= self.patience:
             self.condition(
                 step, "collapse", False, "warning", f"Sign diversity recovered: {what}.",
                 value=fraction, threshold=self.warn_fraction,
@@ -542,7 +557,7 @@ class SpectralAlignmentMonitor(Monitor):
                     "weights are being pushed along one direction, as before a loss explosion.",
                     value=growth, threshold=self.max_sigma_growth,
                 )
-            elif not growing:
+            elif not growing and self._growth_quiet >= self.patience:
                 self.condition(
                     step, "sigma_growth", False, self.sigma_growth_severity,
                     f"Growth of the top singular values back to {growth:.2f}x per {self.growth_window} steps.",
