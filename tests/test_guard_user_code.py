@@ -177,3 +177,118 @@ def test_rare_non_finite_gradients_each_start_a_new_episode(tmp_path, nan_steps,
     assert [r["step"] for r in guard.rollbacks] == list(nan_steps)
     assert [r["lr_factor"] for r in guard.rollbacks] == factors
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- masks, self-differentiating steps
+
+
+class _MaskedLM(pl.LightningModule):
+    """A causal attention LM whose mask is a buffer of -inf above the diagonal (a common pattern); ``nan_at``: a
+    BatchNorm-like buffer turned NaN at that step (a non-finite batch reaching a buffer)."""
+
+    T, V = 12, 16
+
+    def __init__(self, nan_at=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(self.V, 32)
+        self.att = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.head = nn.Linear(32, self.V)
+        self.register_buffer("mask", torch.triu(torch.full((self.T, self.T), float("-inf")), 1))
+        self.register_buffer("stat", torch.zeros(32))
+        self.nan_at = nan_at
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.emb(x)
+        h = h + self.att(h, h, h, attn_mask=self.mask, need_weights=False)[0]
+        if self.nan_at is not None and self.global_step == self.nan_at:
+            with torch.no_grad():
+                self.stat.fill_(float("nan"))
+        return F.cross_entropy(self.head(h).reshape(-1, self.V), y.reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, self.V, (640, self.T + 1), generator=g)
+        x[:, 1:] = (x[:, :-1] * 3 + 1) % self.V
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:, :-1], x[:, 1:]), batch_size=16)
+
+
+def test_a_buffer_of_minus_inf_by_design_does_not_stop_the_run(tmp_path):
+    # the check of the state before each snapshot found the mask non-finite at step 0: no snapshot could ever be
+    # taken, and the guard stopped the run at its first step
+    guard = DivergenceGuard()
+    trainer = _fit(tmp_path, _MaskedLM(), guard, 40)
+    assert trainer.global_step == 40 and guard.stopped_step is None and not guard.rollbacks
+    said = [a for a in AlertHub.for_trainer(trainer).history if a.kind == "infinite_buffers"]
+    assert len(said) == 1 and "mask" in said[0].message and "stat" not in said[0].message
+
+
+def test_a_buffer_that_turns_nan_is_still_caught_beside_a_mask(tmp_path):
+    guard = DivergenceGuard()
+    _fit(tmp_path, _MaskedLM(nan_at=25), guard, 40)
+    kinds = [(a.kind, a.severity) for a in guard.hub.history if a.monitor == "guard"]
+    assert ("nonfinite", "critical") in kinds
+    assert guard.rollbacks or guard.stopped_step is not None
+
+
+class _InputPenalty(pl.LightningModule):
+    """A classifier with an input-gradient penalty (``torch.autograd.grad`` inside ``training_step``) on a
+    curriculum: classes 0-4 until step ``switch``, all 10 after (the loss rises: the data got harder). Records
+    whether autocast was on in each call."""
+
+    def __init__(self, switch=60, n=120):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 10))
+        self.switch, self.n, self.autocast = switch, n, []
+
+    def training_step(self, batch, batch_idx):
+        self.autocast.append(torch.is_autocast_enabled("cpu"))
+        x, y = batch
+        x = x.clone().requires_grad_(True)
+        logits = self.net(x)
+        (gx,) = torch.autograd.grad(F.cross_entropy(logits, y, reduction="sum"), x, create_graph=True)
+        return F.cross_entropy(logits, y) + 0.01 * gx.float().pow(2).sum(-1).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(22)
+        centers = torch.randn(10, 32, generator=g) * 1.6
+        ys = [torch.randint(0, 5 if i < self.switch else 10, (32,), generator=g) for i in range(self.n)]
+        y = torch.cat(ys)
+        x = centers[y] + 1.5 * torch.randn(len(y), 32, generator=g)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
+
+
+def test_a_step_that_differentiates_itself_is_replayed_with_gradients(tmp_path):
+    # the replays ran under no_grad, where `torch.autograd.grad` fails: the weights-or-data test could not run, the
+    # harder data was taken for a divergence, and the guard rolled back four times and stopped the healthy run
+    model, guard = _InputPenalty(), DivergenceGuard()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "could not run `training_step` again"
+        warnings.filterwarnings("ignore", message=".*(LeafSpec|num_workers|does not have many workers).*")
+        trainer = _fit(tmp_path, model, guard, 120)
+    assert trainer.global_step == 120 and guard.rollbacks == [] and guard.stopped_step is None
+    assert guard._replay_grad
+    assert any(a.kind == "data_shift" for a in guard.hub.history)
+
+
+def test_replays_run_under_the_precision_plugins_autocast(tmp_path):
+    # bf16-mixed: Lightning runs the step under autocast, and so must the replays (they ran in float32 and their
+    # losses were compared with bfloat16 ones)
+    model, guard = _InputPenalty(), DivergenceGuard()
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=120, callbacks=[guard], precision="bf16-mixed", logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         default_root_dir=str(tmp_path))
+    trainer.fit(model)
+    assert len(model.autocast) > 120  # the replays of the weights-or-data test are among the calls
+    assert all(model.autocast)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -325,6 +326,8 @@ class DivergenceGuard(Monitor):
         # the first step of a fit is computed with weights that nothing has updated since the state the guard carries
         # (a checkpoint's, or the previous fit's in the same Trainer)
         self._resume_step = trainer.global_step
+        if self.idle_reason is None:
+            self._infinite_by_design = self._infinite_buffers(trainer, pl_module)
         if self.idle_reason is None and self._snapshot_files:
             self._adopt_snapshot_files(trainer)
         if self._loss_watch.history and trainer.optimizers and not any(opt.state for opt in trainer.optimizers):
@@ -332,7 +335,6 @@ class DivergenceGuard(Monitor):
             # checkpoint): the first updates of a fresh optimizer overshoot and settle, as at the start of a run, so
             # the loss is judged as at the start (its history restarts; the initial level stays)
             self._new_normal([])
-            self._creep_start = None
             self._normal_recent.clear()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -455,7 +457,7 @@ class DivergenceGuard(Monitor):
         due = self.is_due(step)
         if due and self._snapshot_due(step):
             module_state = pl_module.state_dict()  # read once: checked, then copied
-            if not self._all_finite(module_state):
+            if not self._all_finite(module_state, self._infinite_by_design):
                 self.alert(step, "nonfinite", "critical",
                            f"A parameter or buffer (e.g. BatchNorm running statistics) is non-finite at step {step}, "
                            "although the gradients were kept finite: a non-finite batch reached a buffer.")
@@ -821,7 +823,6 @@ class DivergenceGuard(Monitor):
             value=loss, threshold=level,
         )
         self._new_normal([loss])
-        self._creep_start = None
         self._lr_low = [[(lr if lr is not None else low) for lr, low in zip(row, lows)]
                         for row, lows in zip(lrs, self._lr_low)]
         return True
@@ -863,7 +864,6 @@ class DivergenceGuard(Monitor):
                 value=loss, threshold=level, clear_message="The loss has settled at its new level.",
             )
             self._new_normal([loss])
-            self._creep_start = None
             return []
         verdict = self._attribute(trainer, pl_module, start, level, climb) if self.attribute else None
         found = None if verdict is None else verdict[0]
@@ -1013,12 +1013,12 @@ class DivergenceGuard(Monitor):
     def _new_normal(self, values: list[float]) -> None:
         """A changed level taken as the normal (new data, a new loss function): the loss history restarts from
         ``values`` (empty: a fresh start), the initial level rises to the first of them if it is higher, the moving
-        average restarts."""
+        average restarts, and a rise under way ends there (snapshots are taken again at once)."""
         self._loss_watch.reseed(values)
         if values:
             self._initial = [max(self._anchor(), values[0])] * 3
         self._ema, self._ema_weight, self._ema_min = 0.0, 0.0, math.inf
-        self._creep_high = False
+        self._creep_high, self._creep_start, self._climb_judged = False, None, False
 
     @staticmethod
     def _rank_mean(trainer: pl.Trainer, pl_module: pl.LightningModule, value: Optional[float]) -> Optional[float]:
@@ -1073,9 +1073,27 @@ class DivergenceGuard(Monitor):
         devices = [pl_module.device] if pl_module.device.type == "cuda" else []
         # the step runs in training mode: BatchNorm would move its running statistics (and count the batch)
         buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
+        # under the precision plugin's context (bf16-mixed: autocast), as Lightning runs the step itself
+        precision = getattr(getattr(pl_module, "_trainer", None), "precision_plugin", None)
+
+        def replay(grad: bool) -> Any:
+            context = precision.train_step_context() if precision is not None else contextlib.nullcontext()
+            with torch.set_grad_enabled(grad), torch.random.fork_rng(devices=devices), context:
+                return pl_module.training_step(_kept(batch), batch_idx)  # a fresh copy: each replay may pop from it
+
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                out = pl_module.training_step(_kept(batch), batch_idx)  # a fresh copy: each replay may pop from it
+            try:
+                out = replay(self._replay_grad)
+            except Exception:  # noqa: BLE001
+                if self._replay_grad:
+                    raise
+                # a step that differentiates itself (`torch.autograd.grad`) fails without gradients: once more with
+                # them, and so from now on if that runs
+                for buffer, saved in buffers:
+                    with torch.no_grad():
+                        buffer.copy_(saved)
+                out = replay(True)
+                self._replay_grad = True
         except Exception as err:  # noqa: BLE001
             # a step that cannot run twice (it consumes something of the batch's or of its own; under manual
             # optimization, it needs what the replay turns off, such as a closure's loss from `opt.step`): the batch
@@ -1117,12 +1135,37 @@ class DivergenceGuard(Monitor):
         return every is not None and (not self._snapshots or step - self._snapshots[-1].step >= every)
 
     @staticmethod
-    def _all_finite(module_state: dict[str, Any]) -> bool:
-        """Whether every floating parameter and buffer of a module's ``state_dict()`` is finite (one host
-        transfer)."""
-        tensors = [local(t) for t in module_state.values() if t.is_floating_point() and local(t).numel()]
+    def _all_finite(module_state: dict[str, Any], skip: frozenset[str] = frozenset()) -> bool:
+        """Whether every floating parameter and buffer of a module's ``state_dict()`` (but those named in ``skip``)
+        is finite (one host transfer)."""
+        tensors = [local(t) for k, t in module_state.items()
+                   if t.is_floating_point() and local(t).numel() and k not in skip]
         # a NaN or Inf anywhere makes its tensor's norm non-finite: one fused kernel for all of them
         return not tensors or bool(torch.isfinite(torch.stack(foreach_norm(tensors, 2.0, dtype=torch.float32)).sum()))
+
+    def _infinite_buffers(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> frozenset[str]:
+        """The floating buffers of ``pl_module.state_dict()`` that hold infinities, and no NaN, when training starts:
+        masks by design (a causal attention mask of ``-inf`` kept as a buffer), which the check of the state before
+        each snapshot leaves out (it would otherwise find the state non-finite at every step and stop the run at the
+        first). Said once (info)."""
+        params = {id(p) for p in pl_module.parameters()}
+        found = [(k, t) for k, t in pl_module.state_dict().items()
+                 if t.is_floating_point() and id(t) not in params and local(t).numel()]
+        if not found:
+            return frozenset()
+        with torch.no_grad():
+            flags = torch.stack([torch.stack([torch.isinf(local(t)).any(), torch.isnan(local(t)).any()])
+                                 for _, t in found]).cpu()  # one transfer, once per fit
+        names = frozenset(k for (k, _), (inf, nan) in zip(found, flags.tolist()) if inf and not nan)
+        if names and self._infinite_by_design != names:
+            listed = sorted(names)
+            self.alert(
+                trainer.global_step, "infinite_buffers", "info",
+                f"{len(listed)} buffer(s) hold infinities from the start of training (masks by design): "
+                f"{', '.join(listed[:4])}{'...' if len(listed) > 4 else ''}. The check of the weights and buffers "
+                "before each snapshot leaves them out; the other parameters and buffers are checked as usual.",
+            )
+        return names
 
     def _snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, ok: bool,
                   module_state: Optional[dict[str, Any]] = None) -> None:
@@ -1322,6 +1365,10 @@ class DivergenceGuard(Monitor):
         self._loss_acc: Optional[Tensor] = None
         self._judged_through = -1  # the last step judged
         self._warned_replay = False  # a replay of `training_step` failed once (said once)
+        # the step needs autograd itself (`torch.autograd.grad`: a gradient penalty, a physics-informed loss): its
+        # replays run with gradients enabled (no backward, no update)
+        self._replay_grad = False
+        self._infinite_by_design: frozenset[str] = frozenset()  # buffers that hold infinities by design
         self._said_lr_overridden = False  # a rate set above the ceiling after on_train_batch_start (said once)
         # the first step of the current fit (set at the start of training): after a resume, or a second fit in the
         # same Trainer, the loss history goes on from a state whose weights that step still uses
