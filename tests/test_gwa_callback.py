@@ -401,16 +401,68 @@ class UnusedLast(DigitsMLP):
 
 def test_head_never_called_warns_and_logs_nothing(tmp_path) -> None:
     loader, _ = _loader(100, batch_size=50)
-    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    gwa = GradientWeightAlignmentMonitor(head="aux", warmup_epochs=0)
     model = UnusedLast()
     with pytest.warns(UserWarning) as record:
         _trainer(tmp_path, False, [gwa], max_epochs=1).fit(model, loader)
     messages = " ".join(str(w.message) for w in record)
     assert "`aux` was not called" in messages and "0 < 4 samples" in messages
     assert gwa.history[0]["score"] is None and not model.aux._forward_hooks  # the hook was removed
-    gwa_ok = GradientWeightAlignmentMonitor(head="fc", warmup_epochs=0)
-    _trainer(tmp_path, False, [gwa_ok], max_epochs=1).fit(UnusedLast(), loader)
-    assert gwa_ok.history[0]["count"] == 100
+
+
+def test_the_head_is_the_linear_whose_output_the_model_returns(tmp_path) -> None:
+    # without `head=`, the last nn.Linear with >= 2 outputs registered was taken: here `aux`, never called, and
+    # nothing was scored; the first training forward now shows that `fc`'s output is what the model returns
+    loader, _ = _loader(100, batch_size=50, shuffle=False)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    torch.manual_seed(0)
+    model = UnusedLast()
+    _trainer(tmp_path, False, [gwa], max_epochs=1).fit(model, loader)
+    assert gwa._head_name == "fc" and gwa.history[0]["count"] == 100  # the first batch (the watched one) counts
+    assert not model.aux._forward_hooks and not model.fc._forward_hooks  # every watching hook removed
+    ok = GradientWeightAlignmentMonitor(head="fc", warmup_epochs=0)
+    torch.manual_seed(0)
+    _trainer(tmp_path, False, [ok], max_epochs=1).fit(UnusedLast(), loader)
+    assert ok.history[0]["score"] == pytest.approx(gwa.history[0]["score"], rel=1e-6)
+
+
+class AuxAfter(nn.Module):
+    """The classifier registered first, then an auxiliary projection called after it and not returned (a
+    contrastive or regulariser term the training step adds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decision = nn.Linear(32, 10)
+        self.encoder = nn.Sequential(nn.Linear(64, 32), nn.ReLU())
+        self.proj = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.encoder(x)
+        logits = self.decision(z)
+        self.aux = self.proj(z).pow(2).mean()
+        return logits
+
+
+class AuxModule(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = AuxAfter()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch[0], batch[1]
+        return F.cross_entropy(self.model(x), y) + 1e-3 * self.model.aux
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_an_auxiliary_projection_registered_last_is_not_taken_for_the_head(tmp_path) -> None:
+    loader, _ = _loader(100, batch_size=50)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, every_n_steps=1)
+    _trainer(tmp_path, False, [gwa], max_epochs=2).fit(AuxModule(), loader)
+    assert gwa._head_name == "model.decision"
+    assert [h["count"] for h in gwa.history] == [100, 100]
 
 
 class HookedSteps(DigitsMLP):

@@ -56,6 +56,47 @@ _CONTESTED = 0.4
 _CAUSAL_LM_NAMES = ("GPT2LMHeadModel", "OpenAIGPTLMHeadModel", "CTRLLMHeadModel")
 
 
+def _tensor_ids(obj: Any, out: set[int], depth: int = 0) -> set[int]:
+    """The ids of the tensors in a module call's output (tensors, sequences, mappings such as a ``ModelOutput``)."""
+    if isinstance(obj, Tensor):
+        out.add(id(obj))
+    elif depth < 4 and isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensor_ids(v, out, depth + 1)
+    elif depth < 4 and isinstance(obj, Mapping):
+        for v in obj.values():
+            _tensor_ids(v, out, depth + 1)
+    return out
+
+
+class _HeadWatch:
+    """The hooks of one watched forward (see ``GradientWeightAlignmentMonitor._watch_heads``)."""
+
+    def __init__(self) -> None:
+        self.handles: list[Any] = []
+        self.calls: dict[str, tuple[nn.Module, tuple[Any, ...], Any, int]] = {}  # first call: inputs, output, order
+        self.returned: list[tuple[str, set[int]]] = []
+
+    def call_hook(self, name: str) -> Callable[..., None]:
+        @torch.compiler.disable
+        def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+            if not in_dry_run() and name not in self.calls:
+                self.calls[name] = (module, inputs, output, len(self.calls))
+        return hook
+
+    def returned_hook(self, name: str) -> Callable[..., None]:
+        @torch.compiler.disable
+        def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+            if not in_dry_run():
+                self.returned.append((name, _tensor_ids(output, set())))
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+
 def default_target_fn(batch: Any) -> Tensor:
     """Targets of a ``(x, y, ...)`` tuple/list batch, of a dict batch under one of the keys ``y``, ``target``,
     ``targets``, ``label``, ``labels``, or of another batch object (a dataclass ...) under an attribute of one of
@@ -232,6 +273,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         # the fit's state, set again by select and on_train_start
         self._head_name: Optional[str] = None
         self._head: Optional[nn.Linear] = None
+        self._head_candidates: Optional[list[tuple[str, nn.Linear]]] = None
+        self._head_watch: Optional[_HeadWatch] = None
         self._shift = bool(shift_targets)
         self._pending: Optional[tuple[Tensor, Optional[Tensor]]] = None  # the batch's targets and indices
         self._checked = False  # the targets were checked once (one host sync)
@@ -359,10 +402,16 @@ class GradientWeightAlignmentMonitor(Monitor):
         from lightning_monitor._sharded import check_strategy, check_tensor_parallel
 
         self._head_name, self._head, self._pending = None, None, None
+        self._head_candidates: Optional[list[tuple[str, nn.Linear]]] = None
+        self._head_watch: Optional[_HeadWatch] = None
         self._pool_mask: Optional[Tensor] = None  # the scored batch's attention mask (see _pooled_targets)
         check_strategy(trainer, "GradientWeightAlignmentMonitor", "the head's weight norm and W z cannot be read from them")
         check_tensor_parallel(trainer, "GradientWeightAlignmentMonitor", "it scores the head's input features and logits")
         self._head_name, self._head = self._find_head(pl_module)
+        # several candidates and no `head=`: the first training forward tells which one's output the model returns
+        # (see _resolve_head); until then the last one registered stands
+        candidates = self._candidates(pl_module) if self.head is None else []
+        self._head_candidates = candidates if len(candidates) > 1 else None
         self._shift = self._causal_lm_shift(pl_module) if self.shift_targets is None else self.shift_targets
         self._checked = False
         # idle_when_nothing_to_watch: why this rank's first scored batch did not fit the head (targets missing, of
@@ -508,15 +557,82 @@ class GradientWeightAlignmentMonitor(Monitor):
                     ">= 2 classes (use a 2-output head with cross-entropy for binary tasks)."
                 )
             return self.head, module
-        candidates = [(n, m) for n, m in modules.items() if isinstance(m, nn.Linear) and m.out_features >= 2]
+        candidates = self._candidates(pl_module)
         if not candidates:
             raise NothingToWatch(
                 f"found no nn.Linear with >= 2 outputs in {type(pl_module).__name__}: GWA needs a linear "
                 "classifier head producing softmax logits. Pass `head='<name>'` if it is there under a wrapper."
             )
         name, module = candidates[-1]
-        rank_zero_info(f"GradientWeightAlignmentMonitor: classifier head `{name}` ({module}).")
+        if len(candidates) == 1:
+            rank_zero_info(f"GradientWeightAlignmentMonitor: classifier head `{name}` ({module}).")
         return name, module
+
+    @staticmethod
+    def _candidates(pl_module: pl.LightningModule) -> list[tuple[str, nn.Linear]]:
+        """The modules that may be the classifier head: every ``nn.Linear`` with >= 2 outputs, in registration order."""
+        return [(n, m) for n, m in pl_module.named_modules() if isinstance(m, nn.Linear) and m.out_features >= 2]
+
+    # ------------------------------------------------------------------ which Linear is the head
+    def _watch_heads(self, pl_module: pl.LightningModule) -> None:
+        """For one training forward: note each candidate's first call (inputs, output) and, for every module that
+        holds a candidate (the candidates too), which tensors its call returned (see :meth:`_resolve_head`)."""
+        assert self._head_candidates is not None
+        watch = _HeadWatch()
+        names = [n for n, _ in self._head_candidates]
+        holders = {""} | {n[:i] for n in names for i in range(len(n)) if n[i] == "."} | set(names)
+        for name, module in pl_module.named_modules():
+            if name in holders:
+                watch.handles.append(module.register_forward_hook(watch.returned_hook(name)))
+        for name, module in self._head_candidates:
+            watch.handles.append(module.register_forward_hook(watch.call_hook(name)))
+        self._head_watch = watch
+
+    def _resolve_head(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Choose the head among the candidates from the forward just watched: the candidate whose output is
+        returned by the outermost module call (the logits the model hands to its loss; ties: the one called last);
+        when no call returns one (a model that returns only its loss, logits transformed before they are returned),
+        the last candidate registered if it ran, else the last one called. A model whose classifier is registered
+        before another Linear (an auxiliary projection) had that projection scored. On a due step the chosen head's
+        call is scored now, and its hook is armed for the step's further micro-batches."""
+        watch, self._head_watch = self._head_watch, None
+        if watch is None:
+            return
+        watch.remove()
+        if not watch.calls:  # no candidate ran in this forward: watched again at the next batch
+            return
+        assert self._head_candidates is not None
+        order = {name: i for i, (name, _) in enumerate(self._head_candidates)}
+        by_output = {id(out): name for name, (_, _, out, _) in watch.calls.items() if isinstance(out, Tensor)}
+        depth: dict[str, int] = {}
+        for holder, ids in watch.returned:
+            level = 0 if holder == "" else holder.count(".") + 1
+            for i in ids & by_output.keys():
+                depth[by_output[i]] = min(depth.get(by_output[i], level), level)
+        default = self._head_name
+        if depth:
+            top = min(depth.values())
+            chosen = max((n for n, d in depth.items() if d == top), key=lambda n: watch.calls[n][3])
+            why = "its output is what the model's call returns"
+        elif default in watch.calls:
+            chosen, why = default, ""
+        else:
+            chosen = max(watch.calls, key=lambda n: watch.calls[n][3])
+            why = f"the last one called (`{default}`, the last registered, did not run)"
+        module, inputs, output, _ = watch.calls[chosen]
+        self._head_candidates = None
+        if chosen != default:
+            self._head_name, self._head = chosen, module
+            if self.shift_targets is None and self._causal_lm_shift(pl_module) != self._shift:
+                self._shift = not self._shift
+                self._pending = None  # this batch's targets were read for the other head: not scored
+            rank_zero_info(f"GradientWeightAlignmentMonitor: classifier head `{chosen}` ({module}): {why}; "
+                           f"not `{default}`, the last nn.Linear with >= 2 outputs registered.")
+        else:
+            rank_zero_info(f"GradientWeightAlignmentMonitor: classifier head `{chosen}` ({module}).")
+        if self._armed_step == trainer.global_step and self._pending is not None:
+            self._on_head_forward(module, inputs, output)
+            self.keep(module.register_forward_hook(self._on_head_forward))  # the step's further micro-batches
 
     # ------------------------------------------------------------------ epoch accumulators
     def _reset_epoch(self, device: Optional[torch.device], epoch: Optional[int] = None) -> None:
@@ -546,11 +662,16 @@ class GradientWeightAlignmentMonitor(Monitor):
 
     # ------------------------------------------------------------------ per step
     def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
-        """A due step: the head's forward hook, until the step's optimizer step (the base releases it)."""
+        """A due step: the head's forward hook, until the step's optimizer step (the base releases it); while the
+        head is being chosen, :meth:`_resolve_head` scores the chosen one's call instead."""
         assert self._head is not None
-        self.keep(self._head.register_forward_hook(self._on_head_forward))
+        if self._head_watch is None:
+            self.keep(self._head.register_forward_hook(self._on_head_forward))
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if (self._head_candidates is not None and self._head_watch is None and self.idle_reason is None
+                and self._head is not None):
+            self._watch_heads(pl_module)
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)  # arms the hook on a due step
         if not self._trained:  # read until a batch of the epoch trains: after that it makes no difference
             if backward_skipped(trainer):
@@ -805,9 +926,21 @@ class GradientWeightAlignmentMonitor(Monitor):
                                            f"({why}). Pass `target_fn=` and `head=` if this model has one.")
         self._refusal = None
 
+    def _release_all(self) -> None:
+        super()._release_all()
+        if self._head_watch is not None:  # a fit that ended or failed inside the watched forward
+            self._head_watch.remove()
+            self._head_watch = None
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._head_watch is not None:  # the forward that chooses the head is over
+            self._resolve_head(trainer, pl_module)
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._head_watch is not None:  # no backward in this batch
+            self._resolve_head(trainer, pl_module)
         if self.idle_reason is not None:
             return
         if self.idle_when_nothing_to_watch and not self._targets_settled and self._targets_tried:
