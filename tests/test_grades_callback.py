@@ -437,3 +437,41 @@ def test_relative_threshold_is_free_of_the_loss_scale(tmp_path: Path) -> None:
     torch.testing.assert_close(rel1000[1], 1000 * rel1[1], rtol=1e-3, atol=0)
     # the absolute rule's tau means something else at another loss scale
     assert results[1.0, "absolute"][0] != results[1000.0, "absolute"][0]
+
+
+class _AllLinear(pl.LightningModule):
+    """An MLP whose every trainable parameter belongs to a component (three Linear layers, nothing else)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(2048, 16, generator=g)
+        self.y = (self.x @ torch.randn(16, 8, generator=g)).argmax(-1)
+
+    def training_step(self, batch, batch_idx):
+        (i,) = batch
+        return F.cross_entropy(self.net(self.x[i]), self.y[i])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(2048)), batch_size=16)
+
+
+def test_stop_false_keeps_the_last_component_trainable(tmp_path: Path) -> None:
+    # with stop=False every component froze at once (tau above any ratio) and the next backward failed with "element
+    # 0 of tensors does not require grad": the docs promise that training goes on
+    grades = GradientEarlyStopping(tau=2.0, stop=False, grace_steps=10, include=["net.*"])
+    logger = CSVLogger(tmp_path)
+    trainer = _trainer(tmp_path, [grades], max_steps=60, logger=logger)
+    module = _AllLinear()
+    trainer.fit(module)
+    assert trainer.global_step == 60 and grades.stopped_at is None
+    assert len(grades.frozen) == len(grades.components) - 1 and len(grades.held) == 1
+    (held,) = grades.held
+    assert all(p.requires_grad for p in module.get_submodule(held).parameters())
+    said = [a for a in read_alerts(os.path.join(logger.log_dir, "alerts.jsonl")) if a.kind == "held_trainable"]
+    assert len(said) == 1 and said[0].layer == held

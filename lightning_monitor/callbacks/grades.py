@@ -247,6 +247,9 @@ class GradientEarlyStopping(Monitor):
     def _reset_run_state(self) -> None:
         super()._reset_run_state()
         self.frozen: dict[str, int] = {}  # component -> step it was frozen at
+        # with stop=False, components that converged last but are kept trainable: freezing them would leave the
+        # model nothing to train (the next backward would fail)
+        self.held: dict[str, int] = {}
         self.grace_end: Optional[int] = None
         self.stopped_at: Optional[int] = None
         self._ref_sum: Optional[Tensor] = None
@@ -298,6 +301,7 @@ class GradientEarlyStopping(Monitor):
         to_list = (lambda t: None if t is None else [float(x) for x in t.detach().cpu().tolist()])
         state.update(
             frozen=dict(self.frozen),
+            held=dict(self.held),
             names=list(names),
             reference_sum=to_list(self._ref_sum),
             reference_count=to_list(self._ref_cnt),
@@ -314,6 +318,7 @@ class GradientEarlyStopping(Monitor):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.frozen = {str(k): int(v) for k, v in state_dict.get("frozen", {}).items()}
+        self.held = {str(k): int(v) for k, v in state_dict.get("held", {}).items()}
         self._saved_names = list(state_dict.get("names", []))
         as_tensor = (lambda v: None if v is None else torch.tensor(v, dtype=torch.float32))
         self._ref_sum = as_tensor(state_dict.get("reference_sum"))
@@ -586,12 +591,13 @@ class GradientEarlyStopping(Monitor):
 
     # ------------------------------------------------------------------ the check
     def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> bool:
-        return len(self.frozen) < len(self._names)  # nothing left to judge once every component is frozen
+        # nothing left to judge once every component is frozen (or, with stop=False, frozen or held)
+        return len(self.frozen) + len(self.held) < len(self._names)
 
     def compute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> dict[str, Any]:
         """The statistic of every component (all-reduced), its EMA and reference, and which components
         fall below ``tau`` (``\\x00``-prefixed vectors over the components, for :meth:`judge`)."""
-        active = [n for n in self._names if n not in self.frozen]
+        active = [n for n in self._names if n not in self.frozen and n not in self.held]
         stat = self._statistic(active, step)
         if stat is None:  # first check of the update criterion: a snapshot only
             return {self.key("frozen_fraction"): self.frozen_fraction}
@@ -648,11 +654,15 @@ class GradientEarlyStopping(Monitor):
         if "\x00stat" not in values:
             return values
         position = {name: i for i, name in enumerate(self._names)}
-        active = [n for n in self._names if n not in self.frozen]
+        active = [n for n in self._names if n not in self.frozen and n not in self.held]
         vectors = {k: (v if isinstance(v, list) else [v]) for k, v in values.items() if k != "\x00decide"}
         stat_h, mask_h, ratio_h = vectors["\x00stat"], vectors["\x00mask"], vectors.get("\x00ratio")
         judged_h = ratio_h if ratio_h is not None else vectors["\x00judged"]
         newly = [n for n in active if mask_h[position[n]] > 0.5]
+        if newly and not self.stop and self._nothing_left(trainer, newly):
+            keep = max(newly, key=lambda n: judged_h[position[n]])  # the least converged of them
+            newly.remove(keep)
+            self._hold(step, keep)
         metrics: dict[str, float] = {}
         if self.log_stats:
             for name in active:
@@ -690,6 +700,24 @@ class GradientEarlyStopping(Monitor):
             if stopped:
                 self.stopped_at = step
         return metrics
+
+    def _nothing_left(self, trainer: pl.Trainer, newly: list[str]) -> bool:
+        """Whether freezing ``newly`` would leave no parameter of the optimizers to train (the same on every rank)."""
+        going = {id(p) for n in newly for p in self._components[n].params}
+        return not any(p.requires_grad and id(p) not in going
+                       for opt in trainer.optimizers for g in opt.param_groups for p in g["params"])
+
+    def _hold(self, step: int, name: str) -> None:
+        """With ``stop=False``, the last component to converge stays trainable (said once): frozen, it would leave the
+        model nothing to train and the next backward would fail, while the run is to go on."""
+        self.held[name] = step
+        self.alert(
+            step, "held_trainable", "info",
+            f"Every component has converged, but stop=False: {name} stays trainable so that training goes on "
+            "(freezing it too would leave the model nothing to train); no more checks. Pass stop=True to end the run "
+            "here instead.",
+            layer=name,
+        )
 
     def _statistic(self, active: list[str], step: int) -> Optional[Tensor]:
         comps = [self._components[n] for n in active]
