@@ -84,6 +84,8 @@ class TrainingSnapshot:
         path: the file holding the tensors, when kept on disk; else ``None``.
         group_sizes: per optimizer, the number of parameters of each group when it was taken (``None``: read
             from the stored state).
+        first_of_fit: taken as a fit started from a state training had reached (a resume): the state before its
+            step's update that no earlier step of this fit produced, a target even for an anomaly at that step.
     """
 
     step: int
@@ -92,6 +94,7 @@ class TrainingSnapshot:
     path: Optional[str] = None
     guard: dict[str, Any] = field(default_factory=dict)
     group_sizes: Optional[list[list[int]]] = None
+    first_of_fit: bool = False
     _state: Optional[dict[str, Any]] = field(default=None, repr=False)
 
     @classmethod

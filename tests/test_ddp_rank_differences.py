@@ -102,6 +102,28 @@ def test_gwa_ddp_epochs_of_different_lengths_leave_it_idle(tmp_path) -> None:
     assert r0["gwa_idle"] == r1["gwa_idle"] and "different lengths (20, 25 batches)" in r0["gwa_idle"]
 
 
+class _UnevenWeights(_Uneven):
+    def on_train_end(self) -> None:
+        guard = next(c for c in self.trainer.callbacks if isinstance(c, lm.DivergenceGuard))
+        weights = torch.cat([p.detach().flatten() for p in self.parameters()])
+        with open(os.path.join(self.out, f"rank{self.global_rank}.json"), "w") as fh:
+            json.dump({"step": self.trainer.global_step, "weights": weights.tolist(),
+                       "epoch": self.trainer.current_epoch, "rollbacks": guard.rollbacks}, fh)
+
+
+def test_guard_ddp_skip_batches_undoes_the_same_steps_on_every_rank(tmp_path) -> None:
+    # with epochs of 20 and 25 batches, batch (1, 2) comes at step 22 on rank 0 and at step 27 on rank 1: each rank
+    # undid its own step's update, and the replicas trained on with different weights (no alert, no error)
+    guard = lm.DivergenceGuard(skip_batches=[(1, 2)])
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=40, use_distributed_sampler=False,
+                         callbacks=[guard], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=str(tmp_path))
+    fit_ddp_spawn(trainer, _UnevenWeights(str(tmp_path)))
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["step"] == r1["step"] == 40 and r0["rollbacks"] == r1["rollbacks"] == []
+    assert torch.equal(torch.tensor(r0["weights"]), torch.tensor(r1["weights"]))
+
+
 class _HardThenBroken(pl.LightningModule):
     """Regression: at step 42 one batch with targets x30 on both ranks (bad data, the weights not to blame); at step
     48 the weights are perturbed (a divergence at a steady rate)."""

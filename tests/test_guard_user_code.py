@@ -166,8 +166,11 @@ class _NanGradAt(_PopLabels):
     # rare bad batches, the run confirmed healthy in between (a snapshot two intervals after each rollback): each
     # rollback keeps the rate, and none counts toward max_rollbacks (the 4th stopped the run, the rate cut to 0.016x)
     ((40, 80, 120, 160, 200, 240), [1.0] * 6),
-    # a second one before the run was confirmed healthy again: a repeat, the rate halved as before
-    ((40, 55), [1.0, 0.5]),
+    # bad batches close together (before the run was confirmed healthy again, and right after a rollback): the last
+    # normal batches, evaluated again, find the weights intact, so each is a new episode too (they were repeats: the
+    # rate halved, and a masked-LM batch whose labels were all ignored every 20 steps stopped the run at step 99)
+    ((40, 55), [1.0, 1.0]),
+    ((40, 41, 42, 43, 44, 100, 120, 140, 160), [1.0] * 9),
 ])
 def test_rare_non_finite_gradients_each_start_a_new_episode(tmp_path, nan_steps, factors):
     model = _NanGradAt(_data(), nan_steps)
@@ -177,6 +180,26 @@ def test_rare_non_finite_gradients_each_start_a_new_episode(tmp_path, nan_steps,
     assert [r["step"] for r in guard.rollbacks] == list(nan_steps)
     assert [r["lr_factor"] for r in guard.rollbacks] == factors
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class _BrokenFrom(_PopLabels):
+    """From step ``at`` on every loss is NaN, the replays' too: the weights (here, the step) are what is broken."""
+
+    def __init__(self, data, at):
+        super().__init__(data)
+        self.at = at
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_step >= self.at else loss
+
+
+def test_non_finite_steps_whose_weights_fail_the_last_normal_batches_are_repeats(tmp_path):
+    model = _BrokenFrom(_data(), at=40)
+    guard = DivergenceGuard()
+    trainer = _fit(tmp_path, model, guard, 120)
+    assert [r["lr_factor"] for r in guard.rollbacks] == [1.0, 0.5, 0.25, 0.125]
+    assert guard.stopped_step is not None and trainer.global_step < 120
 
 
 # ----------------------------------------------------------------------------- masks, self-differentiating steps
@@ -292,3 +315,69 @@ def test_replays_run_under_the_precision_plugins_autocast(tmp_path):
     trainer.fit(model)
     assert len(model.autocast) > 120  # the replays of the weights-or-data test are among the calls
     assert all(model.autocast)
+
+
+def test_an_anomaly_at_the_first_step_after_a_resume_rolls_back_to_the_checkpoints_state(tmp_path):
+    # the snapshots in host memory do not travel with a checkpoint: a NaN at the first check after the resume found no
+    # snapshot to go back to, and the guard stopped a run that the uninterrupted one rolled back and trained on
+    def fit(steps, guard, ckpt=None):
+        pl.seed_everything(0, verbose=False)
+        trainer = pl.Trainer(accelerator="cpu", max_steps=steps, callbacks=[guard], enable_progress_bar=False,
+                             enable_model_summary=False, enable_checkpointing=False, logger=False,
+                             default_root_dir=str(tmp_path))
+        model = _NanGradAt(_data(), nan_steps=[40])
+        trainer.fit(model, ckpt_path=ckpt)
+        return trainer, model
+
+    trainer, _ = fit(40, DivergenceGuard())
+    path = str(tmp_path / "at40.ckpt")
+    trainer.save_checkpoint(path)
+    guard = DivergenceGuard()
+    trainer, model = fit(80, guard, path)
+    assert trainer.global_step == 80 and guard.stopped_step is None
+    assert [(r["step"], r["to_step"]) for r in guard.rollbacks] == [(40, 40)]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class _ScheduleInABuffer(pl.LightningModule):
+    """A classifier whose labels get noisier from step 60 on, the noise level kept in a registered buffer (as a
+    teacher-forcing ratio or a curriculum stage often is): the loss rises because the task got harder. Each sample's
+    noisy label is fixed (a replay sees the same batch)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+        self.register_buffer("noise", torch.zeros(()))
+        data = _data()
+        self.x = torch.stack([b["x"] for b in data])
+        self.y = torch.stack([b["y"] for b in data])
+        g = torch.Generator().manual_seed(1)
+        self.u, self.other = torch.rand(N, generator=g), torch.randint(0, 4, (N,), generator=g)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        with torch.no_grad():
+            self.noise.fill_(min(max(self.global_step - 60, 0) / 20.0, 1.0) * 0.9)
+
+    def training_step(self, batch, batch_idx):
+        (i,) = batch
+        y = torch.where(self.u[i] < self.noise, self.other[i], self.y[i])
+        return F.cross_entropy(self.net(self.x[i]), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(N)), batch_size=BATCH)
+
+
+def test_a_schedule_kept_in_a_buffer_is_not_taken_for_older_weights(tmp_path):
+    # the weights-or-data test set each snapshot's whole state, buffers too: the older noise level made the present
+    # batches easy for the older weights, the rise was blamed on the weights, and the guard rolled back the healthy
+    # run (four times and a stop, with a teacher-forcing ratio in a buffer)
+    model, guard = _ScheduleInABuffer(), DivergenceGuard()
+    trainer = _fit(tmp_path, model, guard, 160)
+    assert trainer.global_step == 160 and guard.rollbacks == [] and guard.stopped_step is None
+    # the surge's recent batches, asked with the older weights under the present noise level, are as hard: what the
+    # step computes changed (a warning, no action)
+    assert any(a.kind in ("objective_change", "data_shift") for a in guard.hub.history)

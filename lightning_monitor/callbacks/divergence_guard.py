@@ -268,6 +268,8 @@ class DivergenceGuard(Monitor):
         # the last batches (references only) and the losses of the last normal steps: a surge is tested on them
         self._recent_batches: deque[tuple[int, Any, int]] = deque(maxlen=_REFERENCES + 3)
         self._normal_recent: deque[tuple[int, float]] = deque(maxlen=_REFERENCES)
+        # normal batches from before the last rollback's snapshot, with their losses (see _weights_intact)
+        self._refs_before: list[tuple[tuple[Any, int], float]] = []
         # (step, learning rates) of the last steps, as far back as the moving average reaches
         self._lr_trace: deque[tuple[int, list[list[Optional[float]]]]] = deque(
             maxlen=2 + round(self.smoothing / (1.0 - self.smoothing)) + (lag_steps or 2))
@@ -336,6 +338,17 @@ class DivergenceGuard(Monitor):
             # the loss is judged as at the start (its history restarts; the initial level stays)
             self._new_normal([])
             self._normal_recent.clear()
+        if (self.idle_reason is None and trainer.global_step > 0 and not self._snapshots
+                and self.snapshot_every_n_steps is not None):
+            # a resumed run (or a later fit) starts from a state that training reached and left normal (the snapshots
+            # in host memory did not travel with the checkpoint): kept at once, else an anomaly at the first check
+            # after the resume found no snapshot to go back to and stopped the run
+            module_state = pl_module.state_dict()
+            ok = self._all_finite(module_state, self._infinite_by_design)
+            self._snapshot(trainer, pl_module, trainer.global_step, ok, module_state)
+            if self._snapshots:
+                # the checkpoint's own state: an anomaly at this very step (a bad batch) goes back to it, not to a stop
+                self._snapshots[-1].first_of_fit = True
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.idle_reason is not None:
@@ -386,7 +399,12 @@ class DivergenceGuard(Monitor):
         key = (trainer.current_epoch, batch_idx)
         if self.snapshot_every_n_steps is not None:
             self._seen.append((trainer.global_step, *key))
-        if key in self._skip and self._drop is None:
+        hit = key in self._skip and self._drop is None
+        if self._skip and trainer.world_size > 1:
+            # every rank undoes the same steps (a batch's index may come at another step on another rank: epochs of
+            # different lengths); one reduction a step, only while a list of batches to skip is given
+            hit = self.decide(trainer, hit) and self._drop is None
+        if hit:
             # a batch an earlier attempt rolled back over: its update is undone at the end of the step
             self._drop = TrainingSnapshot.capture(trainer, pl_module, {}, trainer.global_step, self._lr_scale)
 
@@ -515,13 +533,18 @@ class DivergenceGuard(Monitor):
         target = self._target_snapshot(trainer, step if first_bad is None else first_bad)
         recent = self._episode(step)
         new_episode = False
-        if recent and critical and all(r.startswith("non-finite") for r in critical) and self._healed_since(
-                recent[-1]["step"]):
-            # bad data again (a non-finite value), after the run was confirmed healthy since the last rollback: a new
-            # episode, not a repeat (rare bad batches must not ratchet the rate down and stop a healthy run)
-            new_episode = True
+        nonfinite_only = bool(recent and critical and all(r.startswith("non-finite") for r in critical))
         if due:  # at a check the reasons may be rank-local (a non-finite buffer): the ranks agree first
-            new_episode = self.decide(trainer, new_episode, all=True)
+            nonfinite_only = self.decide(trainer, nonfinite_only, all=True)
+        if nonfinite_only:
+            # bad data again (a non-finite value), after the run was confirmed healthy since the last rollback, or with
+            # the weights found intact now: a new episode, not a repeat (rare bad batches, a masked-LM batch whose
+            # labels are all ignored, a CTC sample that cannot be aligned, must not ratchet the rate down and stop a
+            # healthy run)
+            new_episode = self._healed_since(recent[-1]["step"])
+            if due:
+                new_episode = self.decide(trainer, new_episode, all=True)
+            new_episode = new_episode or self._weights_intact(trainer, pl_module, step)
         if new_episode:
             recent = []
         reasons = "; ".join(critical) if critical else "a critical alert on another rank"
@@ -925,6 +948,21 @@ class DivergenceGuard(Monitor):
         )
         return [f"loss explosion (surge) at step {step}"]
 
+    def _weights_intact(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> bool:
+        """Whether the weights came through a non-finite step unharmed (every rank calls this at the same point, the
+        answer is the same on all): every parameter and buffer is finite, and the last normal batches, evaluated again
+        with the present weights, lose about what they lost then (less than ``blowup`` times it). The non-finite
+        value then came from the batch (its gradients were zeroed), not from weights on their way out."""
+        batches = {s: (b, i) for s, b, i in self._recent_batches}
+        refs = [(batches[s], then) for s, then in self._normal_recent if s in batches and s < step] or self._refs_before
+        ok = bool(refs) and self._replayable(pl_module) and self._all_finite(pl_module.state_dict(),
+                                                                             self._infinite_by_design)
+        if not self.decide(trainer, ok, all=True):
+            return False
+        now = self._mean_loss(trainer, pl_module, [b for b, _ in refs])
+        then = sum(t for _, t in refs) / len(refs)
+        return now is not None and math.isfinite(now) and now <= self.blowup * max(then, 1e-12)
+
     def _mean_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                    batches: list[tuple[Any, int]]) -> Optional[float]:
         """The mean loss of ``batches`` (``(batch, batch_idx)``) under the module's present weights, averaged over the
@@ -992,16 +1030,22 @@ class DivergenceGuard(Monitor):
     @staticmethod
     def _under_snapshots(pl_module: pl.LightningModule, snaps: list[TrainingSnapshot],
                          evaluate: Callable[[], Optional[float]]) -> list[Optional[float]]:
-        """``evaluate()`` with the module's weights and buffers set to each snapshot's in turn; the module's own are
-        put back afterwards, whatever happens."""
-        saved = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        """``evaluate()`` with the module's weights (its parameters) set to each snapshot's in turn; the module's own
+        are put back afterwards, whatever happens. The buffers stay the present ones: the question is whether older
+        weights find the batch easy, and a buffer may hold the run's schedule rather than weights (a teacher-forcing
+        ratio, a curriculum stage, a step count: older ones made the present batches look easy to older weights and
+        a harder schedule was rolled back as a divergence); BatchNorm's running statistics do not enter a training-mode
+        replay."""
+        params = {name for name, _ in pl_module.named_parameters(remove_duplicate=False)}
+        saved = {k: v.detach().clone() for k, v in pl_module.state_dict().items() if k in params}
         out: list[Optional[float]] = []
         try:
             for snap in snaps:
                 with torch.no_grad():
                     current = pl_module.state_dict()
                     for name, value in snap.state()["module"].items():
-                        current[name].copy_(value)
+                        if name in params:
+                            current[name].copy_(value)
                 out.append(evaluate())
         finally:
             with torch.no_grad():
@@ -1215,7 +1259,7 @@ class DivergenceGuard(Monitor):
         ``_misfit``)."""
         self._misfit = None
         for snap in reversed(self._snapshots):
-            ok = snap.step < first_bad
+            ok = snap.step < first_bad or (snap.first_of_fit and snap.step == first_bad)
             if ok:
                 self._misfit = snap.mismatch(trainer)
                 ok = self._misfit is None
@@ -1279,6 +1323,11 @@ class DivergenceGuard(Monitor):
         # other monitors' critical alerts not yet acted on describe steps now undone: they go with them (else the next
         # check would roll back again for them)
         self._external = [a for a in self._external if a.step < snap.step]
+        # the last normal batches stay references for the next non-finite step's question (are the weights intact?),
+        # asked right after a rollback too (bad batches close together): their losses then came from weights a few
+        # steps from the snapshot's, within the factor asked
+        kept = {s: (b, i) for s, b, i in self._recent_batches}
+        self._refs_before = [(kept[s], then) for s, then in self._normal_recent if s in kept] or self._refs_before
         self._recent_batches.clear()  # skipped data, and losses of weights no longer there
         self._normal_recent.clear()
         self._hard_batch = None
@@ -1382,6 +1431,7 @@ class DivergenceGuard(Monitor):
         self._snapshot_files: list[dict[str, Any]] = []  # a checkpoint's snapshot files, adopted at train start
         self._recent_batches.clear()
         self._normal_recent.clear()
+        self._refs_before = []
         self._lr_trace.clear()
         self._hard_batch: Optional[int] = None  # the last surge the weights were not to blame for
         self._misfit: Optional[str] = None  # why the last snapshot asked for did not fit the optimizers
