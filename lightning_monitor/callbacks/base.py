@@ -109,6 +109,11 @@ class Monitor(Callback):
     #: statistic and check (False). A class attribute: set it on ``Monitor`` for the whole suite.
     per_layer_scalars: bool = True
 
+    #: Keys of :meth:`state_dict` that hold each rank's own values (computed from the rank's own batch). Lightning
+    #: writes rank 0's callback states only; a checkpoint saved under several processes keeps every rank's values of
+    #: these keys too (:meth:`on_save_checkpoint`), and each rank takes back its own on resume.
+    _rank_local: tuple[str, ...] = ()
+
     def __init__(self, every_n_steps: int = 50, warmup_steps: int = 0) -> None:
         super().__init__()
         self.every_n_steps = check_int("every_n_steps", every_n_steps, 1)
@@ -139,9 +144,27 @@ class Monitor(Callback):
         return {"conditions": [[kind, layer, sev] for (kind, layer), sev in self._conditions.items()]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Subclasses extend this (calling it first): the state loaded is that of the next run."""
+        """Subclasses extend this (calling it first): the state loaded is that of the next run. A checkpoint's
+        per-rank values (see :attr:`_rank_local`) replace rank 0's for this rank when the world size is the same."""
+        per_rank = state_dict.get("per_rank")
+        if isinstance(per_rank, list) and torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+            if len(per_rank) == world and isinstance(per_rank[rank], dict):
+                state_dict.update(per_rank[rank])
         self._note_state_loaded()
         self._conditions = {(kind, layer): sev for kind, layer, sev in state_dict.get("conditions", [])}
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Under several processes, every rank's values of the :attr:`_rank_local` keys go into the checkpoint (one
+        gather of Python objects per checkpoint; every rank calls this hook)."""
+        if not self._rank_local or trainer.world_size <= 1 or not torch.distributed.is_initialized():
+            return
+        saved = checkpoint.get("callbacks", {}).get(self.state_key)
+        mine = {k: saved[k] for k in self._rank_local if k in saved} if isinstance(saved, dict) else {}
+        gathered: list[Any] = [None] * trainer.world_size
+        torch.distributed.all_gather_object(gathered, mine)
+        if isinstance(saved, dict):
+            saved["per_rank"] = gathered
 
     # ------------------------------------------------------------------ the stages a monitor overrides
     def select(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -358,6 +358,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         that epoch's accumulators, reduced over the ranks, so a resume into the same epoch scores all of
         it; every checkpoint carries the run-level suspects' sums, reduced too. Added here, not in
         :meth:`state_dict`: the guard's snapshots need none of it."""
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
         if self._head is None:
             return
         self._flush()

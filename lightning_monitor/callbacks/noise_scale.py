@@ -218,6 +218,9 @@ class GradientNoiseScaleMonitor(Monitor):
         self._reset_runtime()
 
     # ------------------------------------------------------------------ state
+    # each rank's own: the small-batch estimate comes from the rank's own examples (see docs/distributed.md)
+    _rank_local = ("conditions", "ema", "layer_ema")
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["ema"] = self.ema.state_dict()

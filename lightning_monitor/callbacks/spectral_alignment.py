@@ -239,6 +239,9 @@ class SpectralAlignmentMonitor(Monitor):
             exclude=self.exclude,
         )
 
+    # each rank's own: the sign diversities come from the rank's own input rows (see docs/distributed.md)
+    _rank_local = ("conditions", "history", "streak", "quiet")
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state.update(
