@@ -4,6 +4,9 @@ against per-example gradients from torch.func, or listed as uncovered with its r
 
 from __future__ import annotations
 
+from collections import defaultdict, deque
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -153,6 +156,9 @@ class KeepsState(nn.Module):
         self.body, self.gate, self.head = nn.Linear(4, 6), nn.Linear(6, 2), nn.Linear(6, 3)
         self.sizes: list[int] = []
         self.count = torch.zeros(())
+        self.recent: deque = deque(maxlen=4)
+        self.by_size: defaultdict = defaultdict(list)
+        self.gen = torch.Generator().manual_seed(0)
 
     def forward(self, x: Tensor) -> Tensor:
         h = torch.tanh(self.body(x))
@@ -161,6 +167,10 @@ class KeepsState(nn.Module):
             self.first_batch = x.shape[0]
         self.sizes.append(x.shape[0])
         self.count += x.shape[0]
+        self.recent.append(x.shape[0])
+        self.by_size["seen"].append(x.shape[0])  # a list inside a dict
+        self.draw = torch.rand(1, generator=self.gen)  # the model's own generator
+        self.np_draw = np.random.rand()  # numpy's global state (Hugging Face's SpecAugment masks draw from it)
         return self.head(h)
 
 
@@ -170,10 +180,17 @@ def test_batch_size_run_leaves_the_models_attributes_as_they_were() -> None:
     torch.manual_seed(0)
     model = KeepsState()
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    twin = KeepsState()  # the same forward, no probe: the draws it makes
+    np.random.seed(3)
+    twin(x)
+    twin_draws = [float(twin.draw), twin.np_draw, float(torch.rand(1, generator=twin.gen)), np.random.rand()]
+    np.random.seed(3)
     with PerExampleGradNorms(model) as probe:
         loss = F.cross_entropy(model(x), y)
         assert model.aux_loss.requires_grad and model.sizes == [8] and float(model.count) == 8.0
         assert "first_batch" in vars(model) and model.first_batch == 8
+        assert list(model.recent) == [8] and model.by_size == {"seen": [8]}
+        assert [float(model.draw), model.np_draw, float(torch.rand(1, generator=model.gen)), np.random.rand()] == twin_draws
         (loss + model.aux_loss).backward()
     assert model.gate.weight.grad is not None and float(model.gate.weight.grad.abs().sum()) > 0
     assert probe.uncovered == []  # the slice did run: every layer's batch dimension was found

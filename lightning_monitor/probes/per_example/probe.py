@@ -3,11 +3,13 @@ collects what their hooks compute, sums the uses of shared parameters and verifi
 
 from __future__ import annotations
 
+import copy
 import fnmatch
+import random
 import functools
 import sys
 import warnings
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Mapping
 from typing import Any, Callable, Literal, NamedTuple, Optional, Union
 
@@ -32,8 +34,9 @@ __all__ = ["PerExampleGradNorms"]
 _OPAQUE: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 #: the attributes every nn.Module keeps for itself (parameters, buffers, submodules, hooks, mode)
 _MODULE_OWN = frozenset(vars(nn.Module()))
-#: plain tensors kept as attributes (a metric's counts) up to this size are copied before the dry run
-_SMALL_TENSOR = 1 << 16
+#: plain tensors kept as attributes (a metric's counts, a memory bank) up to this many elements are copied before the
+#: batch-size run; a larger one written in place by it is named in a warning
+_SMALL_TENSOR = 1 << 22
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -108,26 +111,77 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
 
 
 def _attributes(root: nn.Module) -> list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]:
-    """What the probe's dry run could change in ``root``'s modules besides their parameters and buffers: each
+    """What the probe's batch-size run could change in ``root``'s modules besides their parameters and buffers: each
     module's other attributes (a forward that keeps its auxiliary loss, ``self.aux_loss = ...``, a training step that
-    appends to a list), with copies of the lists, dicts and sets among them and of the small plain tensors (a
-    metric's counts, updated in place). :func:`_restore_attributes` puts them back."""
+    appends to a list), with copies of the containers among them (lists, deques, dicts and sets, a container inside one
+    copied too), of the plain tensors (a metric's counts, a memory bank updated in place) and the states of the random
+    generators a module owns. :func:`_restore_attributes` puts them back."""
     out = []
     for m in root.modules():
         attrs = {k: v for k, v in vars(m).items() if k not in _MODULE_OWN}
         kept: dict[str, Any] = {}
         for k, v in attrs.items():
-            if type(v) in (list, dict, set):
-                kept[k] = v.copy()
-            elif type(v) is Tensor and not v.is_inference() and v.numel() <= _SMALL_TENSOR:
-                kept[k] = (v._version, v.detach().clone())
+            if isinstance(v, (list, deque, dict, set)):
+                kept[k] = _copy_container(v)
+            elif type(v) is Tensor and not v.is_inference():
+                kept[k] = (v._version, v.detach().clone() if v.numel() <= _SMALL_TENSOR else None)
+            elif isinstance(v, torch.Generator):
+                kept[k] = v.get_state()
         out.append((m, attrs, kept))
     return out
 
 
-def _restore_attributes(saved: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]) -> None:
-    """Undo the dry run's changes to the attributes :func:`_attributes` saved: attributes set anew get their old
-    object back, attributes added go, and the saved containers and small tensors get their old contents."""
+def _host_random_states() -> tuple[Any, Any]:
+    """Python's and numpy's global random states (a model may draw from them: Hugging Face's SpecAugment masks do)."""
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy comes with the test and benchmark extras
+        return random.getstate(), None
+    return random.getstate(), np.random.get_state()
+
+
+def _set_host_random_states(states: tuple[Any, Any]) -> None:
+    random.setstate(states[0])
+    if states[1] is not None:
+        import numpy as np
+
+        np.random.set_state(states[1])
+
+
+def _copy_container(v: Any) -> Any:
+    """A copy of a container and of the containers directly inside it (their items are not copied)."""
+    inner = (lambda x: copy.copy(x) if isinstance(x, (list, deque, dict, set)) else x)
+    if isinstance(v, dict):
+        return [(k, x, inner(x)) for k, x in v.items()]
+    return [(x, inner(x)) for x in v]
+
+
+def _refill(v: Any, saved: Any) -> None:
+    """Put back the contents :func:`_copy_container` saved, in place (the object stays the one the model holds)."""
+    for entry in saved:
+        item, contents = entry[-2], entry[-1]
+        if item is not contents and isinstance(item, (list, deque, dict, set)):
+            item.clear()
+            if isinstance(item, dict):
+                item.update(contents)
+            elif isinstance(item, set):
+                item.update(contents)
+            else:
+                item.extend(contents)
+    v.clear()
+    if isinstance(v, dict):
+        v.update((k, item) for k, item, _ in saved)
+    elif isinstance(v, set):
+        v.update(item for item, _ in saved)
+    else:
+        v.extend(item for item, _ in saved)
+
+
+def _restore_attributes(saved: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]) -> list[str]:
+    """Undo the batch-size run's changes to the attributes :func:`_attributes` saved: attributes set anew get their old
+    object back, attributes added go, the saved containers, tensors and generators get their old contents. Returns the
+    large tensors (not copied) that the run wrote in place: they cannot be put back."""
+    lost: list[str] = []
     for m, attrs, kept in saved:
         d = vars(m)
         for k in [k for k in d if k not in _MODULE_OWN and k not in attrs]:
@@ -135,14 +189,17 @@ def _restore_attributes(saved: list[tuple[nn.Module, dict[str, Any], dict[str, A
         d.update(attrs)
         for k, old in kept.items():
             v = attrs[k]
-            if isinstance(v, list):
-                v[:] = old
-            elif isinstance(v, (dict, set)):
-                v.clear()
-                v.update(old)
+            if isinstance(v, (list, deque, dict, set)):
+                _refill(v, old)
+            elif isinstance(v, torch.Generator):
+                v.set_state(old)
             elif v._version != old[0]:
-                with torch.no_grad():
-                    v.copy_(old[1])
+                if old[1] is None:
+                    lost.append(f"{type(m).__name__}.{k}")
+                else:
+                    with torch.no_grad():
+                        v.copy_(old[1])
+    return lost
 
 
 def _project_sparse(c: Tensor, u: Tensor, v: Tensor) -> Tensor:
@@ -270,8 +327,9 @@ class PerExampleGradNorms:
     submodule the training step calls itself), it runs that call again without gradients on a slice of 2
     examples of its arguments (1 for a batch of 2; tensors whose dimension 0 is the batch size, the
     first tensor argument's dimension 0), with the other hooks silenced, the buffers restored, the
-    random state forked, the modules' other attributes put back afterwards (an auxiliary loss the forward
-    keeps, a list it appends to, a metric's counts) and, when the call is the LightningModule's own
+    random states forked (torch's, numpy's, Python's, and the generators the modules own), the modules' other
+    attributes put back afterwards (an auxiliary loss the forward keeps, a list or deque it appends to, a
+    metric's counts, a memory bank updated in place) and, when the call is the LightningModule's own
     (Lightning's DDP and FSDP wrappers run ``training_step`` that way), its ``self.log`` silenced, and reads
     which input dimension followed the batch size. That dimension is the
     batch (moved to the front for the handler); an input that does not change has no batch dimension
@@ -388,6 +446,7 @@ class PerExampleGradNorms:
         self._static_uncovered = [trainable[pid] for pid in trainable if pid not in self._covered_ids]
         # (module name, input shape) -> the input dimension holding the batch, or why there is none
         self._bdims: dict[tuple[str, tuple[int, ...]], Union[int, str]] = {}
+        self._said_lost: set[str] = set()  # large attributes the batch-size run wrote in place (said once)
         self._dry: Optional[list[tuple[str, tuple[int, ...]]]] = None  # calls seen by the batch-size run
         self._depth = 0  # nesting of entry calls now running
         self._entries: Optional[tuple[tuple[str, ...], list[nn.Module]]] = None  # modules holding hooked ones
@@ -553,6 +612,7 @@ class PerExampleGradNorms:
         missing = object()
         now = module.__dict__.get("forward", missing)
         swap = used is not None and now is not used
+        states = _host_random_states()
         try:
             if swap:
                 module.forward = used  # type: ignore[method-assign]
@@ -573,7 +633,17 @@ class PerExampleGradNorms:
                     module.__dict__.pop("forward", None)
                 else:
                     module.forward = now  # type: ignore[method-assign]
-            _restore_attributes(attributes)
+            lost = _restore_attributes(attributes)
+            _set_host_random_states(states)
+            for name in lost:
+                if name not in self._said_lost:
+                    self._said_lost.add(name)
+                    warnings.warn(
+                        f"PerExampleGradNorms: its run of the model on a slice of the batch (to find the batch "
+                        f"dimension) wrote into the large tensor attribute {name} in place, which it does not copy: "
+                        "that write stays. Declare the batch dimensions with `batch_dims=` to skip that run.",
+                        stacklevel=2,
+                    )
         full: dict[str, list[tuple[int, ...]]] = defaultdict(list)
         part: dict[str, list[tuple[int, ...]]] = defaultdict(list)
         for name, shape in calls:
