@@ -702,3 +702,33 @@ def test_bf16_autocast_recomputes_wz_in_fp32(tmp_path) -> None:
     assert out.dtype == torch.bfloat16 and gwa._stash[0].wz.dtype == torch.float32
     gwa.release()
     assert not model.fc._forward_hooks
+
+
+class ProjectorInStep(LightningModule):
+    """The training step calls the encoder and the classifier itself, and a top-level projection registered last
+    on the features (a regulariser): the classifier is nested deeper than the projection, and called before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = AuxAfter()
+        self.proj = nn.Linear(32, 16)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch[0], batch[1]
+        z = self.model.encoder(x)
+        logits = self.model.decision(z)
+        return F.cross_entropy(logits, y) + 1e-3 * self.proj(z).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_the_head_is_the_linear_whose_gradient_is_a_softmaxs(tmp_path) -> None:
+    # the rule that preferred the output returned by the outermost call took the shallowest name: here `proj` (its own
+    # call is top-level), scored silently (its 16 outputs fit the 10 classes' targets). A softmax cross-entropy's
+    # gradient on its logits has rows that sum to 0; the regulariser's does not
+    loader, _ = _loader(100, batch_size=50)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, every_n_steps=1)
+    _trainer(tmp_path, False, [gwa], max_epochs=1).fit(ProjectorInStep(), loader)
+    assert gwa._head_name == "model.decision" and gwa.history[0]["count"] == 100

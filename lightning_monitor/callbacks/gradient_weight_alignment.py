@@ -70,18 +70,28 @@ def _tensor_ids(obj: Any, out: set[int], depth: int = 0) -> set[int]:
 
 
 class _HeadWatch:
-    """The hooks of one watched forward (see ``GradientWeightAlignmentMonitor._watch_heads``)."""
+    """The hooks of one watched training step (see ``GradientWeightAlignmentMonitor._watch_heads``)."""
 
     def __init__(self) -> None:
         self.handles: list[Any] = []
         self.calls: dict[str, tuple[nn.Module, tuple[Any, ...], Any, int]] = {}  # first call: inputs, output, order
         self.returned: list[tuple[str, set[int]]] = []
+        #: per candidate, on its device: [sum over rows of |row sum| of the output's gradient, sum of |gradient|]
+        self.grads: dict[str, Tensor] = {}
 
     def call_hook(self, name: str) -> Callable[..., None]:
         @torch.compiler.disable
         def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-            if not in_dry_run() and name not in self.calls:
-                self.calls[name] = (module, inputs, output, len(self.calls))
+            if in_dry_run() or name in self.calls:
+                return
+            self.calls[name] = (module, inputs, output, len(self.calls))
+            if isinstance(output, Tensor) and output.requires_grad:
+
+                def grad_hook(grad: Tensor) -> None:
+                    g = grad.detach().float()
+                    self.grads[name] = torch.stack([g.sum(-1).abs().sum(), g.abs().sum()])
+
+                output.register_hook(grad_hook)
         return hook
 
     def returned_hook(self, name: str) -> Callable[..., None]:
@@ -581,7 +591,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         assert self._head_candidates is not None
         watch = _HeadWatch()
         names = [n for n, _ in self._head_candidates]
-        holders = {""} | {n[:i] for n in names for i in range(len(n)) if n[i] == "."} | set(names)
+        holders = {""} | {n[:i] for n in names for i in range(len(n)) if n[i] == "."}
         for name, module in pl_module.named_modules():
             if name in holders:
                 watch.handles.append(module.register_forward_hook(watch.returned_hook(name)))
@@ -590,37 +600,65 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._head_watch = watch
 
     def _resolve_head(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Choose the head among the candidates from the forward just watched: the candidate whose output is
-        returned by the outermost module call (the logits the model hands to its loss; ties: the one called last);
-        when no call returns one (a model that returns only its loss, logits transformed before they are returned),
-        the last candidate registered if it ran, else the last one called. A model whose classifier is registered
-        before another Linear (an auxiliary projection) had that projection scored. On a due step the chosen head's
-        call is scored now, and its hook is armed for the step's further micro-batches."""
+        """Choose the head among the candidates from the training step just watched (after its backward). GWA scores a
+        softmax cross-entropy head, whose logits' gradient has rows that sum to 0 (softmax minus a distribution), and
+        the logits are what the model hands to its loss. In that order of preference:
+
+        1. the candidates whose output's gradient rows sum to 0 (within 1e-3 of its magnitude) and whose output is
+           returned by the outermost call that holds them (or that the training step calls itself);
+        2. those whose gradient rows sum to 0;
+        3. those whose output is so returned;
+        4. the last one registered (the rule without a watched step), if it ran;
+
+        and among several, the one called last. The gradients' sums are reduced over the ranks (one all-reduce, once),
+        so every rank takes the same head. A classifier registered before an auxiliary projection (a contrastive or
+        regulariser term), or inside a model beside a top-level adapter, had the wrong layer scored, silently. On a
+        due step the chosen head's call is scored now, and its hook is armed for the step's further micro-batches."""
         watch, self._head_watch = self._head_watch, None
         if watch is None:
             return
         watch.remove()
-        if not watch.calls:  # no candidate ran in this forward: watched again at the next batch
-            return
         assert self._head_candidates is not None
-        order = {name: i for i, (name, _) in enumerate(self._head_candidates)}
+        names = [n for n, _ in self._head_candidates]
+        device = self._head.weight.device if self._head is not None else pl_module.device
+        stats = torch.zeros(len(names), 3, dtype=torch.float64, device=device)  # |row sums|, |grad|, called
+        for i, n in enumerate(names):
+            if n in watch.calls:
+                stats[i, 2] = 1.0
+            if n in watch.grads:
+                stats[i, :2] = watch.grads[n].to(device=device, dtype=torch.float64)
+        if trainer.world_size > 1:
+            stats = trainer.strategy.reduce(stats, reduce_op="sum")
+        rows = stats.tolist()  # once per fit
+        called = [n for n, r in zip(names, rows) if r[2] > 0]
+        if not called:  # no candidate ran in this step (on any rank): watched again at the next one
+            return
         by_output = {id(out): name for name, (_, _, out, _) in watch.calls.items() if isinstance(out, Tensor)}
-        depth: dict[str, int] = {}
+        outermost: dict[str, int] = {}  # candidate -> the shallowest holder whose call returned its output
         for holder, ids in watch.returned:
             level = 0 if holder == "" else holder.count(".") + 1
             for i in ids & by_output.keys():
-                depth[by_output[i]] = min(depth.get(by_output[i], level), level)
+                outermost[by_output[i]] = min(outermost.get(by_output[i], level), level)
+        holder_levels = [0 if h == "" else h.count(".") + 1 for h, _ in watch.returned]
+
+        def returned(n: str) -> bool:
+            # returned by the outermost call holding it (its own call, when the training step calls it directly)
+            above = [lv for (h, _), lv in zip(watch.returned, holder_levels) if h == "" or n.startswith(h + ".")]
+            return not above or outermost.get(n) == min(above)
+
+        softmax = {n for n, r in zip(names, rows) if r[1] > 0 and r[0] <= 1e-3 * r[1]}
+        order = {n: watch.calls[n][3] if n in watch.calls else -1 for n in called}
         default = self._head_name
-        if depth:
-            top = min(depth.values())
-            chosen = max((n for n, d in depth.items() if d == top), key=lambda n: watch.calls[n][3])
-            why = "its output is what the model's call returns"
-        elif default in watch.calls:
-            chosen, why = default, ""
-        else:
-            chosen = max(watch.calls, key=lambda n: watch.calls[n][3])
-            why = f"the last one called (`{default}`, the last registered, did not run)"
-        module, inputs, output, _ = watch.calls[chosen]
+        tiers = [
+            ([n for n in called if n in softmax and returned(n)], "its output's gradient is a softmax's and the model returns it"),
+            ([n for n in called if n in softmax], "its output's gradient is a softmax's"),
+            ([n for n in called if returned(n)], "its output is what the model's call returns"),
+            ([default] if default in called else [], ""),
+            (called, f"the last one called (`{default}`, the last registered, did not run)"),
+        ]
+        chosen, why = next((max(group, key=lambda n: order[n]), why) for group, why in tiers if group)
+        module = dict(self._head_candidates)[chosen]
+        call = watch.calls.get(chosen)
         self._head_candidates = None
         if chosen != default:
             self._head_name, self._head = chosen, module
@@ -631,8 +669,8 @@ class GradientWeightAlignmentMonitor(Monitor):
                            f"not `{default}`, the last nn.Linear with >= 2 outputs registered.")
         else:
             rank_zero_info(f"GradientWeightAlignmentMonitor: classifier head `{chosen}` ({module}).")
-        if self._armed_step == trainer.global_step and self._pending is not None:
-            self._on_head_forward(module, inputs, output)
+        if self._armed_step == trainer.global_step and self._pending is not None and call is not None:
+            self._on_head_forward(module, call[1], call[2])
             self.keep(module.register_forward_hook(self._on_head_forward))  # the step's further micro-batches
 
     # ------------------------------------------------------------------ epoch accumulators
@@ -689,6 +727,8 @@ class GradientWeightAlignmentMonitor(Monitor):
                 self._refusal = self._refusal or str(err)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._head_watch is not None and self.idle_reason is None:  # the step that chooses the head is through
+            self._resolve_head(trainer, pl_module)
         # the hook stays for a head that runs only after a first optimizer step (manual optimization); a batch
         # whose head never runs is released by on_train_batch_end
         if self._pending is None:
@@ -932,10 +972,6 @@ class GradientWeightAlignmentMonitor(Monitor):
         if self._head_watch is not None:  # a fit that ended or failed inside the watched forward
             self._head_watch.remove()
             self._head_watch = None
-
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if self._head_watch is not None:  # the forward that chooses the head is over
-            self._resolve_head(trainer, pl_module)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
