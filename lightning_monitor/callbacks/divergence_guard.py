@@ -351,6 +351,7 @@ class DivergenceGuard(Monitor):
                 self._snapshots[-1].first_of_fit = True
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fit_lag = None  # looked up again for this fit's strategy (see _lag)
         if self.idle_reason is not None:
             return
         n = len(trainer.optimizers)
@@ -586,7 +587,11 @@ class DivergenceGuard(Monitor):
     def _lag(self, trainer: pl.Trainer) -> int:
         if self.lag_steps is not None:
             return self.lag_steps
-        return 0 if trainer.strategy.root_device.type == "cpu" else 2
+        # the strategy's device is looked up once per fit (the lookup costs as much as reading the step's values)
+        lag = self.__dict__.get("_fit_lag")
+        if lag is None:
+            lag = self._fit_lag = 0 if trainer.strategy.root_device.type == "cpu" else 2
+        return lag
 
     def _read_ready(self, step: int, lag: int) -> list[tuple[int, Optional[float], float]]:
         """The host values of the steps at least ``lag`` steps old (after those restored from a checkpoint). Their
