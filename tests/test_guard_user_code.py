@@ -381,3 +381,25 @@ def test_a_schedule_kept_in_a_buffer_is_not_taken_for_older_weights(tmp_path):
     # the surge's recent batches, asked with the older weights under the present noise level, are as hard: what the
     # step computes changed (a warning, no action)
     assert any(a.kind in ("objective_change", "data_shift") for a in guard.hub.history)
+
+
+@pytest.mark.parametrize("after_rollback", [False, True])
+def test_a_creep_soon_after_a_rollback_is_judged_as_a_climb(after_rollback):
+    # after a warm-up to a rate far too high, the rate of the best loss (the rollback's cap) can be too high as well:
+    # the run crept up again and wandered above its best for the rest of it, never 1.5 times its minimum (a climb),
+    # so nothing acted again. Within 200 steps of a rollback a creep is judged at once (the weights-or-data test
+    # still decides what it is)
+    guard = DivergenceGuard()
+    guard.alert = lambda *a, **k: None  # no trainer: the alerts go nowhere
+    guard._levels = True
+    g = torch.Generator().manual_seed(0)
+    climbs = []
+    for step in range(200):
+        if step == 100 and after_rollback:
+            guard.rollbacks = [{"step": 99}]
+        loss = (1.0 if step < 100 else 1.3) * (1.0 + 0.01 * float(torch.randn((), generator=g)))
+        _, start, _ = guard._judge(step, loss, 0.0, False)
+        if start is not None and guard._climb_judged and not climbs:
+            climbs.append(step)
+    assert bool(climbs) == after_rollback
+    assert not climbs or climbs[0] < 130

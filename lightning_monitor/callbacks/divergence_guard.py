@@ -35,6 +35,8 @@ _REFERENCES = 4
 _EARLY_PATIENCE = 10
 #: factor over its lowest value at which a creeping smoothed loss is judged like an explosion (a slow climb)
 _CLIMB = 1.5
+#: steps after a rollback within which a creep is judged as a climb (see _creep)
+_AFTER_ROLLBACK = 200
 #: factor by which a learning rate must have come back up from its low to make a warm restart (``lr_restart``)
 _RESTART = 1.5
 
@@ -800,6 +802,10 @@ class DivergenceGuard(Monitor):
         self._creep_start = step if self._creep_start is None else self._creep_start
         climb = (ema >= _CLIMB * self._ema_min and ema - self._ema_min >= 0.25 * anchor
                  and self._loss_watch.level() >= 0.5 * (self._ema_min + ema))
+        # soon after a rollback, a creep is judged at once: the rollback found the weights diverging, and a run that
+        # creeps up again from the restored state is still training too hot (after a warm-up to a rate far too high,
+        # the rate of the best loss can be too high too, and the run wandered above its best for the rest of it)
+        climb = climb or bool(self.rollbacks and step - self.rollbacks[-1]["step"] <= _AFTER_ROLLBACK)
         if climb and not self._climb_judged:
             self._climb_judged = True
             return True
