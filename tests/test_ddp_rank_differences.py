@@ -241,3 +241,33 @@ def test_ddp_resume_gives_each_rank_its_own_monitor_state(tmp_path) -> None:
     assert end[0]["sa"] != end[1]["sa"]  # the ranks' own values differ (the noise scale's agree under DDP)
     for r in (0, 1):
         assert start[r] == end[r], r
+
+
+class _NanOnRank1(_UnevenWeights):
+    """Rank 1's loss is NaN at the steps ``at`` (a batch whose labels are all ignored, on one rank)."""
+
+    def __init__(self, out: str, at: tuple[int, ...]) -> None:
+        super().__init__(out)
+        self.at = set(at)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=16)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_rank == 1 and self.global_step in self.at else loss
+
+
+def test_guard_ddp_bad_batches_close_together_on_one_rank(tmp_path) -> None:
+    # the weights-intact test replays the last normal batches on every rank and averages their losses over the ranks:
+    # both ranks call it together, agree that the weights are intact, keep the rate and the same weights
+    guard = lm.DivergenceGuard()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=70, callbacks=[guard],
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=str(tmp_path))
+    fit_ddp_spawn(trainer, _NanOnRank1(str(tmp_path), (40, 44, 48)))
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["step"] == r1["step"] == 70 and r0["rollbacks"] == r1["rollbacks"]
+    assert [r["step"] for r in r0["rollbacks"]] == [40, 44, 48]
+    assert [r["lr_factor"] for r in r0["rollbacks"]] == [1.0, 1.0, 1.0]
+    assert torch.equal(torch.tensor(r0["weights"]), torch.tensor(r1["weights"]))
