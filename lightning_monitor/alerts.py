@@ -72,7 +72,7 @@ SUPERSEDED_FILENAME = "alerts.superseded.jsonl"
 #: noise scale's batch-size advice. An info alert whose ``details`` name a ``checkpoint`` or a ``path``
 #: is printed too.
 CONSOLE_INFO_KINDS = frozenset({
-    "stopped", "rolled_back", "frozen", "all_frozen", "stop", "early_stop",
+    "stopped", "rolled_back", "frozen", "all_frozen", "stop", "early_stop", "held_trainable", "infinite_buffers",
     "batch_below_noise_scale", "batch_above_noise_scale",
 })
 _CONSOLE_FLAG = "lightning_monitor_console"
