@@ -805,8 +805,10 @@ class DivergenceGuard(Monitor):
         # soon after a rollback, a creep is judged at once: the rollback found the weights diverging, and a run that
         # creeps up again from the restored state is still training too hot (after a warm-up to a rate far too high,
         # the rate of the best loss can be too high too, and the run wandered above its best for the rest of it)
-        climb = climb or bool(self.rollbacks and step - self.rollbacks[-1]["step"] <= _AFTER_ROLLBACK)
+        after = not climb and bool(self.rollbacks and step - self.rollbacks[-1]["step"] <= _AFTER_ROLLBACK)
+        climb = climb or after
         if climb and not self._climb_judged:
+            self._climb_after_rollback = after
             self._climb_judged = True
             return True
         return False
@@ -919,11 +921,16 @@ class DivergenceGuard(Monitor):
         how = "" if verdict is None else (
             f" Earlier good weights find the current batch easy ({verdict[2]:.4g} against {verdict[1]:.4g} now): "
             "the weights diverged.")
+        what = (f"The loss has stayed above its recent history (about {level:.4g}) since step {start} "
+                f"({step - start + 1} steps).")
+        if climb and self._climb_after_rollback and self.rollbacks:
+            what = (f"The smoothed loss has crept up again since step {start} (about {level:.4g} before), "
+                    f"{start - self.rollbacks[-1]['step']} steps after the rollback at step {self.rollbacks[-1]['step']}: "
+                    "the learning rate is still too high.")
         # critical: raised now, or active already (there is no higher severity)
         self.condition(
             step, "loss_explosion", True, "critical",
-            f"The loss has stayed above its recent history (about {level:.4g}) since step {start} "
-            f"({step - start + 1} steps).{how} The run is diverging: lower the learning rate.",
+            f"{what}{how} The run is diverging: lower the learning rate.",
             value=verdict[1] if verdict else None,
         )
         return [f"loss explosion since step {start}"]
@@ -1417,6 +1424,7 @@ class DivergenceGuard(Monitor):
         self._load_detector_state({})
         self._creep_start: Optional[int] = None
         self._climb_judged = False
+        self._climb_after_rollback = False  # the climb being judged is a creep soon after a rollback
         self._creep_high = False  # the smoothed loss above halfway from its minimum to the creep limit
         # per-step values on their way to the host: (step, [loss, grad norm] (a tensor, or host floats on one CPU
         # process), copy-done event or None, no loss)
