@@ -941,8 +941,7 @@ class DivergenceGuard(Monitor):
         the surging one; otherwise it is one hard batch and nothing is said (it is judged again if it persists)."""
         if not self._replayable(pl_module):
             return []
-        batches = {s: (b, i) for s, b, i in self._recent_batches}
-        refs = [(batches[s], then) for s, then in self._normal_recent if s in batches and s < step]
+        refs = self._references(step)
         if not refs:
             return []
         level = median([then for _, then in refs])
@@ -966,13 +965,17 @@ class DivergenceGuard(Monitor):
         )
         return [f"loss explosion (surge) at step {step}"]
 
+    def _references(self, before: int) -> list[tuple[tuple[Any, int], float]]:
+        """The last normal batches kept, from before step ``before``: ``((batch, batch_idx), loss then)``."""
+        batches = {s: (b, i) for s, b, i in self._recent_batches}
+        return [(batches[s], then) for s, then in self._normal_recent if s in batches and s < before]
+
     def _weights_intact(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> bool:
         """Whether the weights came through a non-finite step unharmed (every rank calls this at the same point, the
         answer is the same on all): every parameter and buffer is finite, and the last normal batches, evaluated again
         with the present weights, lose about what they lost then (less than ``blowup`` times it). The non-finite
         value then came from the batch (its gradients were zeroed), not from weights on their way out."""
-        batches = {s: (b, i) for s, b, i in self._recent_batches}
-        refs = [(batches[s], then) for s, then in self._normal_recent if s in batches and s < step] or self._refs_before
+        refs = self._references(step) or self._refs_before
         ok = bool(refs) and self._replayable(pl_module) and self._all_finite(pl_module.state_dict(),
                                                                              self._infinite_by_design)
         if not self.decide(trainer, ok, all=True):
@@ -1344,8 +1347,7 @@ class DivergenceGuard(Monitor):
         # the last normal batches stay references for the next non-finite step's question (are the weights intact?),
         # asked right after a rollback too (bad batches close together): their losses then came from weights a few
         # steps from the snapshot's, within the factor asked
-        kept = {s: (b, i) for s, b, i in self._recent_batches}
-        self._refs_before = [(kept[s], then) for s, then in self._normal_recent if s in kept] or self._refs_before
+        self._refs_before = self._references(step + 1) or self._refs_before
         self._recent_batches.clear()  # skipped data, and losses of weights no longer there
         self._normal_recent.clear()
         self._hard_batch = None

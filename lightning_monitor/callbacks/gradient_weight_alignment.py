@@ -634,12 +634,11 @@ class GradientWeightAlignmentMonitor(Monitor):
         if not called:  # no candidate ran in this step (on any rank): watched again at the next one
             return
         by_output = {id(out): name for name, (_, _, out, _) in watch.calls.items() if isinstance(out, Tensor)}
+        holder_levels = [0 if h == "" else h.count(".") + 1 for h, _ in watch.returned]
         outermost: dict[str, int] = {}  # candidate -> the shallowest holder whose call returned its output
-        for holder, ids in watch.returned:
-            level = 0 if holder == "" else holder.count(".") + 1
+        for (_, ids), level in zip(watch.returned, holder_levels):
             for i in ids & by_output.keys():
                 outermost[by_output[i]] = min(outermost.get(by_output[i], level), level)
-        holder_levels = [0 if h == "" else h.count(".") + 1 for h, _ in watch.returned]
 
         def returned(n: str) -> bool:
             # returned by the outermost call holding it (its own call, when the training step calls it directly)

@@ -162,9 +162,7 @@ def _refill(v: Any, saved: Any) -> None:
         item, contents = entry[-2], entry[-1]
         if item is not contents and isinstance(item, (list, deque, dict, set)):
             item.clear()
-            if isinstance(item, dict):
-                item.update(contents)
-            elif isinstance(item, set):
+            if isinstance(item, (dict, set)):
                 item.update(contents)
             else:
                 item.extend(contents)
