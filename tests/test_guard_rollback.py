@@ -3,6 +3,7 @@ escalation to a stop, BatchNorm buffers, data shifts, DDP."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 
@@ -238,6 +239,25 @@ def test_a_divergence_on_a_ramp_caps_the_learning_rate(tmp_path):
     # from then on the ramp never climbs past the ceiling (the schedule alone would go on)
     after = [lr for step, lr in lrs.lr.items() if step > first["step"]]
     assert after and max(after) <= ceiling * (1 + 1e-12) and max(lrs.lr.values()) > ceiling
+
+
+def test_the_rates_read_between_steps_are_the_capped_ones(tmp_path):
+    # the scheduler steps after the update and writes its own rate back into the groups: LearningRateMonitor listed
+    # before the guard logged that rate (not the one in force), and a checkpoint saved it
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    pl.seed_everything(0)
+    guard, lrs = DivergenceGuard(every_n_steps=5, snapshot_every_n_checks=2), _LRLog()
+    trainer = _trainer(tmp_path, [LearningRateMonitor("step"), guard, lrs], 300, log_every_n_steps=1)
+    trainer.fit(_Ramp())
+    assert guard.rollbacks and guard.stopped_step is None
+    first = guard.rollbacks[0]
+    with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:
+        logged = {int(r["step"]): float(r["lr-AdamW"]) for r in csv.DictReader(f) if r.get("lr-AdamW")}
+    after = {s: lr for s, lr in logged.items() if s > first["step"]}
+    assert after and after == {s: lrs.lr[s] for s in after}  # the logged rate is the rate each update used
+    ceiling = min(c[0][0] for c in (r["lr_ceiling"] for r in guard.rollbacks) if c is not None)
+    assert trainer.optimizers[0].param_groups[0]["lr"] <= ceiling * (1 + 1e-12)  # what a checkpoint would save
 
 
 def test_healthy_run_never_rolls_back_and_a_data_shift_only_warns(tmp_path):

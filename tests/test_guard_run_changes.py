@@ -265,3 +265,47 @@ def test_swa_batchnorm_epoch_is_not_judged_or_scored(tmp_path, recwarn):
     assert [h["epoch"] for h in gwa.history] == [0, 1, 2]  # the BatchNorm epoch is not an epoch of GWA's
     assert all(h["count"] == N for h in gwa.history)
     assert guard.rollbacks == [] and guard.stopped_step is None
+
+
+class _Kicked(_BackboneHead):
+    """SGD; the update of step ``kick`` uses 300 times the rate: the weights leave the basin in one step."""
+
+    def __init__(self, kick):
+        super().__init__()
+        self.kick = kick
+
+    def training_step(self, batch, batch_idx):
+        group = self.optimizers().param_groups[0]
+        if self.global_step == self.kick:
+            group["lr"] *= 300.0
+        elif self.global_step == self.kick + 1:
+            group["lr"] /= 300.0
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class _EpochStartWeights(pl.Callback):
+    def __init__(self) -> None:
+        self.weights: dict[int, tuple[int, list[torch.Tensor]]] = {}
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.weights[trainer.current_epoch] = (trainer.global_step, [p.detach().clone() for p in pl_module.parameters()])
+
+
+def test_a_rollback_takes_the_swa_average_back_too(tmp_path):
+    # SWA adds the weights of each epoch's start to its average: the weights broken at step 31 entered it at step 32
+    # (epoch 2's start); the rollback went back to step 30, and the final average still held the broken weights
+    model, starts = _Kicked(kick=31), _EpochStartWeights()
+    guard = DivergenceGuard()
+    swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1, annealing_epochs=1)
+    trainer = _trainer(tmp_path, [guard, swa, starts], max_epochs=6)
+    trainer.fit(model)
+    assert [r["to_step"] for r in guard.rollbacks] == [30] and guard.rollbacks[0]["step"] >= 32
+    undone = [e for e, (s, _) in starts.weights.items() if 30 < s <= guard.rollbacks[0]["step"]]
+    assert undone == [2]
+    kept = [w for e, (s, w) in sorted(starts.weights.items()) if e >= swa.swa_start and e not in undone]
+    assert int(swa.n_averaged) == len(kept) == 5  # epochs 0, 1, 3, 4, 5
+    for avg, *ws in zip(swa._average_model.parameters(), *kept):
+        torch.testing.assert_close(avg, torch.stack(ws).mean(0), rtol=1e-5, atol=1e-6)

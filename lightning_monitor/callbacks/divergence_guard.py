@@ -13,6 +13,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
@@ -60,6 +61,35 @@ def _kept(batch: Any) -> Any:
         except Exception:  # noqa: BLE001 - a container that cannot be copied is kept as it is
             return batch
     return batch
+
+
+class _AveragedWeights:
+    """The running average of :class:`~lightning.pytorch.callbacks.StochasticWeightAveraging` as a snapshot holds it:
+    a rollback takes the average back too, so the weights it undoes leave the average (SWA adds the weights of each
+    epoch's start; those of a diverged stretch would stay in the final model otherwise). Restored in place: the
+    callback's own ``load_state_dict`` only primes a resume."""
+
+    def __init__(self, swa: Any) -> None:
+        self.swa = swa
+
+    def state_dict(self) -> dict[str, Any]:
+        swa = self.swa
+        epoch = swa._latest_update_epoch
+        if epoch < 0 or swa._average_model is None or swa.n_averaged is None:
+            return {"latest_update_epoch": -1}  # nothing averaged yet
+        return {"latest_update_epoch": epoch, "n_averaged": swa.n_averaged,
+                "average": swa._average_model.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        swa = self.swa
+        swa._latest_update_epoch = state["latest_update_epoch"]
+        if swa.n_averaged is not None:
+            swa.n_averaged.fill_(int(state.get("n_averaged", 0)))  # 0: the next update starts the average afresh
+        if "average" in state and swa._average_model is not None:
+            with torch.no_grad():
+                current = swa._average_model.state_dict()
+                for name, saved in state["average"].items():
+                    current[name].copy_(saved)
 
 
 def _is_critical(alert: Optional[Alert]) -> bool:
@@ -515,6 +545,9 @@ class DivergenceGuard(Monitor):
         if self._drop is not None and trainer.global_step > self._drop.step:
             self._drop.restore(trainer, pl_module, {})
             self._drop = None
+        # a scheduler that stepped after the update set its rate again: held under the ceiling at once, so that what
+        # reads the rates before the next step (LearningRateMonitor, a checkpoint) sees the rate in force
+        self._apply_lr_ceiling(trainer)
         if self._verdict is None:
             return
         step, critical, first_bad = self._verdict
@@ -1187,11 +1220,16 @@ class DivergenceGuard(Monitor):
 
     # ------------------------------------------------------------------ snapshots and actions
     def _monitors(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """The suite's other monitors whose state travels with a snapshot (freezing is not undone)."""
+        """The suite's other monitors whose state travels with a snapshot (freezing is not undone), and the running
+        averages of ``StochasticWeightAveraging``."""
         from lightning_monitor.callbacks.grades import GradientEarlyStopping
 
-        return {cb.state_key: cb for cb in trainer.callbacks
-                if isinstance(cb, Monitor) and cb is not self and not isinstance(cb, GradientEarlyStopping)}
+        out: dict[str, Any] = {cb.state_key: cb for cb in trainer.callbacks
+                               if isinstance(cb, Monitor) and cb is not self and not isinstance(cb, GradientEarlyStopping)}
+        averages = [cb for cb in trainer.callbacks if isinstance(cb, StochasticWeightAveraging)]
+        out.update({f"StochasticWeightAveraging[{i}]": _AveragedWeights(cb) for i, cb in enumerate(averages)
+                    if hasattr(cb, "_latest_update_epoch") and hasattr(cb, "_average_model")})
+        return out
 
     def _snapshot_due(self, step: int) -> bool:
         """At the first check, then once ``snapshot_every_n_steps`` have passed since the newest snapshot
