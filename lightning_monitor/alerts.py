@@ -79,7 +79,7 @@ _CONSOLE_FLAG = "lightning_monitor_console"
 
 
 class _ConsoleHandler(logging.Handler):
-    """Prints the records flagged for the console on ``sys.stderr`` (looked up at each record, so that
+    """Prints the records flagged for the console (and the package's other records from WARNING up) on ``sys.stderr`` (looked up at each record, so that
     a redirected stderr is honoured) while logging is not configured: the root logger has no handler
     and no other handler is attached to ``lightning_monitor``. Once the application configures
     logging, its handlers show the records and this one stays silent."""
@@ -90,7 +90,12 @@ class _ConsoleHandler(logging.Handler):
         self.setFormatter(logging.Formatter("lightning_monitor %(message)s"))
 
     def emit(self, record: logging.LogRecord) -> None:
-        if not getattr(record, _CONSOLE_FLAG, False) or logging.getLogger().handlers:
+        # an alert's record carries its console flag; any other record of the package's (the webhook's delivery
+        # failures, an incomplete alert record removed) is printed from WARNING up, as Python's last-resort handler
+        # would have printed it without this one
+        flag = getattr(record, _CONSOLE_FLAG, None)
+        shown = record.levelno >= logging.WARNING if flag is None else flag
+        if not shown or logging.getLogger().handlers:
             return
         if any(h.get_name() != _CONSOLE_FLAG and not isinstance(h, logging.NullHandler) for h in log.handlers):
             return

@@ -191,6 +191,23 @@ def test_console_shows_warnings_criticals_and_actions_once(tmp_path, tiny_gpt, c
     ]
 
 
+def test_the_packages_other_warnings_reach_the_console_too(capsys):
+    # the webhook's delivery failures are plain records of the package's logger: the console handler attached to it
+    # kept Python's last-resort handler from printing them, and printed only alerts
+    from lightning_monitor.alerts import log
+
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers.clear()
+    try:
+        log.info("an info note")
+        log.warning("AlertWebhook: 0 alert(s) posted, 1 failed")
+    finally:
+        root.handlers[:] = saved
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lightning_monitor ")]
+    assert lines == ["lightning_monitor AlertWebhook: 0 alert(s) posted, 1 failed"]
+
+
 def test_console_defers_to_configured_logging(tmp_path, tiny_gpt, capsys, caplog):
     # the root logger has handlers (here pytest's): the records reach them, nothing is printed twice
     with caplog.at_level(logging.INFO, logger="lightning_monitor"):

@@ -507,3 +507,23 @@ def test_frozen_layers_are_left_out_of_the_check(tmp_path):
     mon = SpectralAlignmentMonitor(every_n_steps=4, max_rows=8, include=[up])
     trainer(tmp_path / "b", [mon], max_steps=5).fit(module, loader())
     assert list(mon._vectors) == [up]
+
+
+def test_every_layer_frozen_is_said_once_and_cleared_when_one_trains_again(tmp_path):
+    # GradientEarlyStopping with `stop=False` can freeze every watched layer: the monitor then measured nothing and
+    # said nothing (its keys stopped, and HealthMonitor still listed it as watching)
+    class Freeze(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            step = trainer.global_step
+            if step in (6, 14):
+                for name in LAYERS:
+                    pl_module.get_submodule(name).weight.requires_grad_(step == 14)
+
+    mon = SpectralAlignmentMonitor(every_n_steps=4, max_rows=8)
+    tr = trainer(tmp_path, [Freeze(), mon], max_steps=20, logger=CSVLogger(str(tmp_path), name="csv"))
+    tr.fit(GPTModule(TINY), loader())
+    said = [(a.step, a.kind, a.severity) for a in mon.hub.history if a.monitor == "sa" and "frozen" in a.kind]
+    assert said == [(8, "all_frozen", "info"), (16, "all_frozen_cleared", "info")]
+    rows = list(csv.DictReader(open(os.path.join(tr.logger.log_dir, "metrics.csv"))))
+    measured = sorted({int(r["step"]) for r in rows if r.get("sa/sign_diversity_mean", "") != ""})
+    assert measured == [0, 4, 16]

@@ -344,12 +344,21 @@ class SpectralAlignmentMonitor(Monitor):
         if self._capture is not None:
             self._capture.release()
 
-    def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+    def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[bool]:
         assert self._capture is not None
         # frozen layers are not watched (a LoRA model's base layers, a component GradientEarlyStopping froze): their
         # weights no longer train, so their alignment says nothing of the run's, and they would dilute the collapse
         # fractions; a layer named in `include` is watched frozen or not
         self._watched = [n for n, m in self.layers.items() if self.include or self._trains(m)]
+        # every layer frozen (GradientEarlyStopping froze them all, with `stop=False`): said once, and when one trains again
+        self.condition(
+            step, "all_frozen", not self._watched and bool(self.layers), "info",
+            f"Every layer SpectralAlignmentMonitor watches is frozen ({len(self.layers)} layers): nothing is measured "
+            "until one trains again. Name layers in `include` to watch them frozen.",
+            clear_message="A watched layer trains again: its spectral alignment is measured again.",
+        )
+        if not self._watched:
+            return False
         self._capture.arm(self._watched)
 
     @staticmethod
