@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-from lightning_monitor import GradientEarlyStopping, read_alerts
+from lightning_monitor import GradientEarlyStopping, HealthMonitor, read_alerts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPTConfig, GPTModule, make_loader  # noqa: E402
@@ -271,8 +271,29 @@ def test_no_component_found_names_the_modules(tmp_path: Path) -> None:
 
 def test_unknown_length_with_fractional_grace(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path, [GradientEarlyStopping(grace_fraction=0.3)], max_steps=-1, max_epochs=-1)
-    with pytest.raises(ValueError, match=r"grace_fraction=0.3.*no end.*max_steps"):
+    with pytest.raises(ValueError, match=r"grace_fraction=0.3.*no planned length.*max_steps"):
         trainer.fit(_module(), _loader())
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """The loader's batches as a stream without a length."""
+
+    def __iter__(self):
+        yield from _loader()
+
+
+@pytest.mark.parametrize("kw", [{"max_epochs": 2}, {"max_time": {"seconds": 60}, "max_epochs": -1}])
+def test_a_run_of_unknown_length_has_no_fractional_grace(tmp_path: Path, kw) -> None:
+    # `max_epochs` over a stream without a length: Lightning plans -1 steps, and the grace period was 0 steps (the
+    # reference taken in the first steps' transient); `max_time` alone aborted the fit where the preset's other
+    # monitors go idle. Alone the monitor refuses, in the preset it stays idle and says why
+    stream = torch.utils.data.DataLoader(_Stream(), batch_size=None)
+    with pytest.raises(ValueError, match=r"grace_fraction=0.3.*(unknown|no planned length).*max_steps"):
+        _trainer(tmp_path, [GradientEarlyStopping()], max_steps=-1, **kw).fit(_module(), stream)
+    health = HealthMonitor(grades=True, spectral=False, noise_scale=False, gwa=False, guard=False)
+    short = {"max_epochs": 1} if "max_time" not in kw else {**kw, "max_time": {"seconds": 2}}
+    _trainer(tmp_path / "preset", [health], max_steps=-1, **short).fit(_module(), stream)
+    assert "grace_fraction=0.3" in health.grades.idle_reason and not health.grades.frozen
 
 
 def test_optimizer_over_some_parameters(tmp_path: Path) -> None:

@@ -440,10 +440,12 @@ class GradientEarlyStopping(Monitor):
     def select(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._check_strategy(trainer)
         if self.grace_steps is None and self.grace_fraction > 0 and trainer.max_steps == -1 and trainer.max_epochs == -1:
-            raise ValueError(
+            # NothingToWatch (a ValueError): raised as is, or, in the preset, the monitor stays idle and says why
+            raise NothingToWatch(
                 f"GradientEarlyStopping: `grace_fraction={self.grace_fraction}` is a fraction of the planned steps, but "
-                "the run has no end (max_steps=-1 and max_epochs=-1). Set `Trainer(max_steps=...)`, or give the grace "
-                "period in steps with `grace_steps=...`, or use `grace_fraction=0`."
+                "the run has no planned length (max_steps=-1 and max_epochs=-1; `max_time` bounds it in time only). "
+                "Set `Trainer(max_steps=...)`, or give the grace period in steps with `grace_steps=...`, or use "
+                "`grace_fraction=0`."
             )
         found = find_components(pl_module, self.include, self.exclude, trainable_only=False, allow_empty=True)
         # a component frozen before the run (and not by us) is not ours to watch
@@ -560,11 +562,14 @@ class GradientEarlyStopping(Monitor):
             self.grace_end = 0
         else:
             planned = trainer.estimated_stepping_batches
-            if not math.isfinite(planned):
-                raise ValueError(
-                    f"GradientEarlyStopping: `grace_fraction={self.grace_fraction}` needs the planned number of steps, "
-                    "which is unknown (infinite). Set `Trainer(max_steps=...)` or use `grace_steps=...`."
-                )
+            if not math.isfinite(planned) or planned <= 0:
+                # infinite, or -1: `max_epochs` over an iterable dataset without a length (a grace period of 0 steps
+                # took the reference in the first steps' transient)
+                self.nothing_to_watch(
+                    trainer, f"`grace_fraction={self.grace_fraction}` needs the planned number of steps, which is "
+                    f"unknown ({planned}: no `max_steps`, and the training data has no length). Set "
+                    "`Trainer(max_steps=...)` or use `grace_steps=...`.")
+                return
             self.grace_end = int(self.grace_fraction * planned)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
