@@ -87,7 +87,7 @@ def _masked_crc32c(data: bytes) -> int:
 
 
 def check_event_file(path: str) -> tuple[int, Optional[str], bool]:
-    """Walk the records of a TensorBoard event file (TFRecord framing, length checksums checked):
+    """Walk the records of a TensorBoard event file (TFRecord framing, length and data checksums checked):
     ``(records, problem, truncated)``. ``problem`` says where the file stops being an event file;
     ``truncated``: the last record is cut short, as a process killed while writing leaves it (TensorBoard
     reads the records before it)."""
@@ -106,6 +106,11 @@ def check_event_file(path: str) -> tuple[int, Optional[str], bool]:
             body = fh.read(length + 4)
             if len(body) < length + 4:
                 return records, None, True
+            (data_crc,) = struct.unpack("<I", body[length:])
+            if _masked_crc32c(body[:length]) != data_crc:
+                # TensorBoard's reader stops quietly at such a record: the steps after it would be missing unsaid
+                return records, (f"record {records} at byte {start} is damaged (data checksum mismatch); the "
+                                 f"{records} records before it are read"), False
             records += 1
 
 

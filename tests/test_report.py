@@ -127,6 +127,26 @@ def test_corrupt_event_file(tmp_path, capsys):
     assert f"Run: {run}" in out
 
 
+def test_a_damaged_record_in_the_middle_is_a_problem(tmp_path, real_run, capsys):
+    # a record whose data checksum fails: TensorBoard's reader stops there quietly, and the report summarised the
+    # first half of the run with exit 0
+    import struct
+
+    _, _, run_dir = real_run
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    path = next(p for p in run.iterdir() if p.name.startswith("events.out.tfevents"))
+    data = bytearray(path.read_bytes())
+    pos = 0
+    for _ in range(40):  # the 41st record
+        pos += 16 + struct.unpack("<Q", data[pos:pos + 8])[0]
+    data[pos + 14] ^= 0xFF  # a byte of its data
+    path.write_bytes(bytes(data))
+    rc, out, err = _report(capsys, str(tmp_path), "--no-html")
+    assert rc == 1
+    assert f"{path.name}: corrupt, record 40 at byte {pos} is damaged (data checksum mismatch)" in err
+
+
 def test_empty_event_file_and_alerts_without_events(tmp_path, real_run, capsys):
     _, history, run_dir = real_run
     (tmp_path / "a").mkdir()
