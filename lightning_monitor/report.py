@@ -232,7 +232,15 @@ def summarize(run: RunReport, max_alerts: int = 40) -> str:
         lines.append(f"  fits (run ids): {', '.join(run_ids)}")
 
     # alerts
-    if not run.alerts:
+    counted = {sev: int(max((v for _, v in run.scalars.get(f"alerts/count/{sev}", []) if math.isfinite(v)),
+                            default=0)) for sev in SEVERITY_LEVELS}
+    if not run.alerts and any(counted.values()):
+        # the counts reach every logger, the records one folder: with several loggers, the first logger's
+        text = ", ".join(f"{counted[sev]} {sev}" for sev in ("critical", "warning", "info") if counted[sev])
+        lines.append(f"  alerts: {text} counted in the logged scalars, but this folder has no {ALERTS_FILENAME} "
+                     "(with several loggers it is in the first logger's folder): report that folder for the alerts "
+                     "and the actions")
+    elif not run.alerts:
         lines.append("  alerts: none")
     else:
         by_sev = {sev: sum(a.severity == sev for a in run.alerts) for sev in SEVERITY_LEVELS}
@@ -252,7 +260,8 @@ def summarize(run: RunReport, max_alerts: int = 40) -> str:
             lines.append(f"    ... {len(run.alerts) - max_alerts} more in {ALERTS_FILENAME}")
 
     actions = [text for text in (_action(a) for a in run.alerts) if text]
-    lines.append("  actions taken:" + ("" if actions else " none"))
+    elsewhere = not run.alerts and any(counted.values())
+    lines.append("  actions taken:" + ("" if actions else " unknown (no alert records here)" if elsewhere else " none"))
     lines.extend(f"    {text}" for text in actions)
 
     # batch size against the noise scale

@@ -127,6 +127,19 @@ def test_corrupt_event_file(tmp_path, capsys):
     assert f"Run: {run}" in out
 
 
+def test_a_folder_whose_alert_records_are_elsewhere_says_so(tmp_path, real_run, capsys):
+    # CSVLogger listed before TensorBoardLogger: alerts.jsonl is in the CSV folder; the TensorBoard folder's report
+    # said "alerts: none" and "actions taken: none" for a run the guard stopped
+    _, history, run_dir = real_run
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    (run / "alerts.jsonl").unlink()
+    rc, out, err = _report(capsys, str(tmp_path), "--no-html")
+    critical = sum(a.severity == "critical" for a in history)
+    assert f"alerts: {critical} critical, " in out and "but this folder has no alerts.jsonl" in out
+    assert "actions taken: unknown (no alert records here)" in out and "alerts: none" not in out
+
+
 def test_a_damaged_record_in_the_middle_is_a_problem(tmp_path, real_run, capsys):
     # a record whose data checksum fails: TensorBoard's reader stops there quietly, and the report summarised the
     # first half of the run with exit 0
