@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "GradientEarlyStopping": "lightning_monitor.callbacks.grades",
     "HealthMonitor": "lightning_monitor.preset",
     "TensorBoardDashboard": "lightning_monitor.dashboard",
+    "AlertWebhook": "lightning_monitor.webhook",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -51,6 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from lightning_monitor.dashboard import TensorBoardDashboard
     from lightning_monitor.preset import HealthMonitor
     from lightning_monitor.probes.per_example import PerExampleGradNorms
+    from lightning_monitor.webhook import AlertWebhook
 
 
 def __getattr__(name: str) -> Any:
@@ -68,7 +70,8 @@ def __dir__() -> list[str]:
 
 # ---------------------------------------------------------------------- LightningCLI short names
 #: The modules that define the package's Lightning callbacks.
-_CALLBACK_MODULES = ("lightning_monitor.callbacks", "lightning_monitor.preset", "lightning_monitor.dashboard")
+_CALLBACK_MODULES = ("lightning_monitor.callbacks", "lightning_monitor.preset", "lightning_monitor.dashboard",
+                     "lightning_monitor.webhook")
 
 
 def _import_callbacks() -> None:

@@ -52,7 +52,7 @@ def test_short_names_resolve_when_lightning_is_imported_after_the_package() -> N
         "parser = ArgumentParser()\n"
         "parser.add_argument('--callbacks', type=list[Callback])\n"
         "names = ['DivergenceGuard', 'HealthMonitor', 'SpectralAlignmentMonitor', 'GradientNoiseScaleMonitor',\n"
-        "         'GradientWeightAlignmentMonitor', 'GradientEarlyStopping', 'TensorBoardDashboard']\n"
+        "         'GradientWeightAlignmentMonitor', 'GradientEarlyStopping', 'TensorBoardDashboard', 'AlertWebhook']\n"
         "cfg = parser.parse_args(['--callbacks=' + str([{'class_path': n} for n in names])])\n"
         "built = parser.instantiate_classes(cfg).callbacks\n"
         "assert [type(cb).__name__ for cb in built] == names, built\n"
