@@ -115,13 +115,35 @@ def check_event_file(path: str) -> tuple[int, Optional[str], bool]:
 
 
 def _read_scalars(run: RunReport) -> None:
+    """Every scalar of the run's event files, file by file in the order they were written. A file whose first step
+    is at or before steps of the files before it is a fit resumed from a checkpoint of that step (or a new run in the
+    same folder): the earlier files' points from that step on were superseded, as the alerts of those steps are."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     guidance = {"scalars": 0, "histograms": 1, "images": 1, "audio": 1, "tensors": 1, "compressedHistograms": 1}
-    acc = EventAccumulator(run.path, size_guidance=guidance)
-    acc.Reload()
-    for tag in acc.Tags().get("scalars", []):
-        run.scalars[tag] = [(int(e.step), float(e.value)) for e in acc.Scalars(tag)]
+    def written(path: str) -> tuple[int, str]:  # events.out.tfevents.<unix time>.<host>...
+        parts = os.path.basename(path).split(".")
+        return (int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else 0), path
+
+    files = sorted(run.event_files, key=written)
+    superseded = 0
+    for path in files:
+        acc = EventAccumulator(path, size_guidance=guidance)
+        acc.Reload()
+        points = {tag: [(int(e.step), float(e.value)) for e in acc.Scalars(tag)] for tag in acc.Tags().get("scalars", [])}
+        steps = [st for series in points.values() for st, _ in series]
+        if steps:
+            start = min(steps)
+            for tag, series in run.scalars.items():
+                kept = [(st, v) for st, v in series if st < start]
+                superseded += len(series) - len(kept)
+                run.scalars[tag] = kept
+        for tag, series in points.items():
+            run.scalars.setdefault(tag, []).extend(series)
+    run.scalars = {tag: series for tag, series in run.scalars.items() if series}
+    if superseded:
+        run.notes.append(f"{superseded} scalar point(s) of an earlier fit were superseded by a later one that "
+                         "resumed from an earlier step (or started over) in the same folder; the later ones are read.")
 
 
 def _read_alerts(run: RunReport, path: str) -> None:

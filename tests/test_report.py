@@ -20,7 +20,7 @@ from lightning_monitor import (
     SpectralAlignmentMonitor,
     read_alerts,
 )
-from lightning_monitor.report import RunReport, main, render_html, summarize
+from lightning_monitor.report import RunReport, load_run, main, render_html, summarize
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +138,26 @@ def test_a_folder_whose_alert_records_are_elsewhere_says_so(tmp_path, real_run, 
     critical = sum(a.severity == "critical" for a in history)
     assert f"alerts: {critical} critical, " in out and "but this folder has no alerts.jsonl" in out
     assert "actions taken: unknown (no alert records here)" in out and "alerts: none" not in out
+
+
+def test_a_fit_resumed_from_an_earlier_step_supersedes_the_points_it_redoes(tmp_path):
+    # a fit that crashed at step 9, resumed from its checkpoint of step 5 into the same folder: both files' points of
+    # steps 5-9 were read, the lines went back in x and the lowest loss came from steps the resume undid
+    from torch.utils.tensorboard import SummaryWriter
+
+    run = tmp_path / "run"
+    for stamp, steps, loss in ((1000, range(0, 10), lambda s: 1.0 / (s + 1) if s < 5 else 0.01),
+                               (2000, range(5, 13), lambda s: 1.0 / (s + 1))):
+        tmp = tmp_path / str(stamp)
+        with SummaryWriter(str(tmp)) as writer:
+            for step in steps:
+                writer.add_scalar("train_loss", loss(step), step)
+        run.mkdir(exist_ok=True)
+        (next(tmp.iterdir())).rename(run / f"events.out.tfevents.{stamp}.host.1.0")
+    report = load_run(str(run))
+    assert [s for s, _ in report.scalars["train_loss"]] == list(range(13))
+    assert min(v for _, v in report.scalars["train_loss"]) == pytest.approx(1.0 / 13)
+    assert any("5 scalar point(s) of an earlier fit were superseded" in n for n in report.notes)
 
 
 def test_a_damaged_record_in_the_middle_is_a_problem(tmp_path, real_run, capsys):
