@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_monitor._args import resolve_callable
 from lightning_monitor.callbacks.base import Monitor
@@ -181,17 +181,28 @@ class HealthMonitor(Callback):
     # ------------------------------------------------------------------ joining the Trainer
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         present = list(trainer.callbacks)
-        joining = []
+        # another preset in the same Trainer (a YAML's, and one added on the command line): its monitors came first
+        presets = {id(m): p for p in present if isinstance(p, HealthMonitor) and p is not self for m in p.monitors}
+        joining, kept_other = [], []
         for monitor in self.monitors:
             if any(cb is monitor for cb in present):
                 continue  # joined at an earlier setup of this Trainer: Lightning calls its hooks itself
             explicit = next((cb for cb in present if isinstance(cb, type(monitor))), None)
             if explicit is not None:
-                rank_zero_info(
-                    f"HealthMonitor: the {type(explicit).__name__} passed to the Trainer replaces the preset's."
-                )
+                if id(explicit) in presets:
+                    kept_other.append(type(explicit).__name__)
+                else:
+                    rank_zero_info(
+                        f"HealthMonitor: the {type(explicit).__name__} passed to the Trainer replaces the preset's."
+                    )
                 continue
             joining.append(monitor)
+        if kept_other:
+            rank_zero_warn(
+                f"HealthMonitor: the Trainer has two HealthMonitor presets; the first one's {', '.join(kept_other)} "
+                "watch the run and this one's are not added (its settings for them are not used). Keep one preset, "
+                "with all its settings, or pass the monitors themselves."
+            )
         if not joining:
             return
         at = next(i for i, cb in enumerate(present) if cb is self) + 1

@@ -117,6 +117,18 @@ def test_an_explicit_monitor_replaces_the_presets(tmp_path, tiny_gpt) -> None:
     assert hm.spectral in trainer.callbacks
 
 
+def test_a_second_preset_adds_what_the_first_lacks_and_says_what_it_does_not(tmp_path, tiny_gpt) -> None:
+    # a YAML's preset and one added on the command line: the second said four times that a monitor "passed to the
+    # Trainer" replaced its own, and its GradES was dropped although the first had none
+    module, loader = tiny_gpt()
+    first = lm.HealthMonitor(**FAST)
+    second = lm.HealthMonitor(**FAST, grades={"stop": False})
+    with pytest.warns(UserWarning, match="two HealthMonitor presets; the first one's SpectralAlignmentMonitor, "):
+        _trainer(tmp_path, [first, second], max_steps=2).fit(module, loader)
+    assert second.grades is not None and second.grades._hub is not None  # the one monitor the first lacked joined
+    assert second.guard._hub is None  # the first's guard watches the run
+
+
 class _States(pl.Callback):
     """The preset's monitors' states when the fit starts (after a checkpoint's restore)."""
 
