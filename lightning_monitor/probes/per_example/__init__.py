@@ -28,8 +28,11 @@ forward (a module called twice, tied weights) gets its per-example gradients mat
 its uses before the norm, so the cross terms are exact.
 
 With ``loss_reduction="mean"`` (a loss averaged over the batch, e.g. cross-entropy over ``B x T``
-tokens) the hooks see ``g_i / B``; the norms are rescaled to the true per-example gradients, where the
-per-example loss is that example's mean over its tokens.
+tokens) the hooks see ``g_i / B``; the norms are rescaled by ``B``, so the per-example loss is ``B`` times
+the example's share of the batch loss: its mean over its tokens when every example counts the same number of
+tokens, else ``B n_i / N`` times that mean (``n_i`` of the batch's ``N`` counted tokens: labels padded with
+``-100`` to different lengths). That is the definition the noise scale needs (the batch gradient is the mean
+of these per-example gradients).
 """
 
 from __future__ import annotations
