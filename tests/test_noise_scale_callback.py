@@ -280,3 +280,23 @@ def test_batch_advice_shows_b_simple_as_measured_and_never_advises_below_one_exa
     mon._batch_alerts(step=40, batch=16, b_simple=0.495)
     above = next(m for kind, active, m in raised if kind == "batch_above_noise_scale" and active)
     assert "B_simple = 0.495" in above and "toward ~1 " in above and "~0" not in above
+
+
+def test_b_simple_undefined_for_many_checks_is_said_once_and_cleared():
+    # a smoothed |G|^2 that stays <= 0 (Whisper, CLIP, MoE models at small batches): gns/b_simple was never logged and
+    # nothing said why
+    from lightning_monitor import GradientNoiseScaleMonitor
+
+    mon = GradientNoiseScaleMonitor(smoothing=0.0)
+    raised = []
+    mon.condition = lambda step, kind, active, severity, message, **kw: raised.append((step, kind, active, message))
+    mon._batch_alerts = lambda *a, **kw: None
+    mon._measured = set()
+    logged = []
+    for step, g2 in enumerate([-0.5] * 6 + [0.2]):
+        metrics = mon.judge(None, step, {"\x00g2": g2, "\x00tr": 4.0, "\x00batch": 8.0})
+        logged.append("gns/b_simple" in metrics)
+    said = [(step, active) for step, kind, active, _ in raised if kind == "b_simple_undefined"]
+    assert said == [(0, False), (1, False), (2, False), (3, False), (4, True), (5, True), (6, False)]
+    assert "stays <= 0 (-0.5)" in next(m for s, k, a, m in raised if k == "b_simple_undefined" and a)
+    assert logged == [False] * 6 + [True]

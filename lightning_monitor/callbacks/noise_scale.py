@@ -72,6 +72,10 @@ def _layer_of(param_name: str) -> str:
     return param_name.rsplit(".", 1)[0] if "." in param_name else param_name
 
 
+#: consecutive checks with B_simple undefined before the monitor says so (``b_simple_undefined``)
+_UNDEFINED_CHECKS = 5
+
+
 class GradientNoiseScaleMonitor(Monitor):
     """Logs the gradient noise scale ``B_simple`` and alerts when the batch size is far from it.
 
@@ -213,6 +217,7 @@ class GradientNoiseScaleMonitor(Monitor):
     def _reset_run_state(self) -> None:
         super()._reset_run_state()
         self.ema = NoiseScaleEMA(self.smoothing)
+        self._undefined = 0  # consecutive checks without B_simple
         self.layer_ema = {}
         self.resolved_method = None
         self._reset_runtime()
@@ -607,6 +612,19 @@ class GradientNoiseScaleMonitor(Monitor):
         b_simple = self.ema.b_simple
         if math.isfinite(b_simple):
             metrics[self.key("b_simple")] = b_simple
+        # a smoothed |G|^2 that stays <= 0 leaves B_simple undefined (not logged): said once it has lasted
+        # `_UNDEFINED_CHECKS` checks, and when it clears
+        undefined = self.__dict__.get("_undefined", 0) + 1 if not math.isfinite(b_simple) else 0
+        self._undefined = undefined
+        self.condition(
+            step, "b_simple_undefined", undefined >= _UNDEFINED_CHECKS, "info",
+            f"B_simple has been undefined for {undefined} checks: the smoothed estimate of the squared norm of the true "
+            f"gradient |G|^2 stays <= 0 ({self.ema.g2.value:.3g}): at batch size {b_big:g} the gradient noise dominates "
+            "the batch gradient (or the gradient is near 0), so the noise scale cannot be told from these batch sizes. "
+            "`gns/b_simple` is logged once the estimate turns positive; `gns/g2` and `gns/trace_sigma` are logged.",
+            value=float(self.ema.g2.value),
+            clear_message="B_simple is defined again (the smoothed |G|^2 estimate turned positive).",
+        )
         for layer in self._layers:
             if f"{layer}\x00g2" not in host:
                 continue
