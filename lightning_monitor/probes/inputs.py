@@ -86,6 +86,7 @@ class InputCapture:
         return g
 
     def _make_hook(self, name: str) -> Any:
+        @torch.compiler.disable  # eager under torch.compile: traced, it recompiled per layer (its name, its state)
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             if in_dry_run():  # another monitor's run of the module on a batch of its own
                 return

@@ -279,6 +279,9 @@ class _Uses:
 
         output.register_hook(grad_hook)
 
+    # every hook of the probe runs eagerly under torch.compile: traced, its code (per-module state, a module's name and
+    # weight shape) made Dynamo recompile once per hooked module, up to its recompile limit
+    @torch.compiler.disable
     def forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if args and isinstance(args[0], Tensor) and self.note(args[0]) == "record":
             self.record(args[0], output, self.probe._rule)
@@ -504,9 +507,10 @@ class PerExampleGradNorms:
                 continue
             hooked.append(mname)
             uses = _Uses(self, mname, mod, handler, todo)
+            # eager under torch.compile, as the hooks (see _Uses.forward_hook)
             forward = handler.patch_forward(mod, uses, self._rule)
             if forward is not None:
-                mod.forward = forward  # type: ignore[method-assign]
+                mod.forward = torch.compiler.disable(forward)  # type: ignore[method-assign]
                 self._patched.append(mod)
             else:
                 self._handles.append(mod.register_forward_hook(uses.forward_hook))
@@ -563,6 +567,7 @@ class PerExampleGradNorms:
         self._calls.append((uses.name, tuple(x.shape)))
         return "record" if torch.is_grad_enabled() else "skip"
 
+    @torch.compiler.disable
     def _entry_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._dry is not None or _in_backward():
             return
@@ -574,6 +579,7 @@ class PerExampleGradNorms:
             # this call used, so that the dry run on a slice runs the same code
             self._entry_forward = module.__dict__.get("forward")
 
+    @torch.compiler.disable
     def _entry_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if self._dry is not None or _in_backward() or self._depth == 0:
             return
