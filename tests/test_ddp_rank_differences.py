@@ -271,3 +271,55 @@ def test_guard_ddp_bad_batches_close_together_on_one_rank(tmp_path) -> None:
     assert [r["step"] for r in r0["rollbacks"]] == [40, 44, 48]
     assert [r["lr_factor"] for r in r0["rollbacks"]] == [1.0, 1.0, 1.0]
     assert torch.equal(torch.tensor(r0["weights"]), torch.tensor(r1["weights"]))
+
+
+class _OneRankDrifts(pl.LightningModule):
+    """From step 60 rank 1's inputs drift towards one repeated row: only its own rows lose their sign diversity
+    (spectral alignment's collapse, a rank-local warning). Writes each rank's rollbacks and weights at the end."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
+                                       torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(1024, 8, generator=g)
+        self.y = (self.x @ torch.randn(8, 4, generator=g)).argmax(-1)
+
+    def training_step(self, batch, batch_idx):
+        (i,) = batch
+        x = self.x[i]
+        if self.global_step >= 60 and self.global_rank == 1:
+            a = min(1.0, (self.global_step - 60) / 40.0)
+            x = (1 - a) * x + a * 3.0 * x[:1].expand_as(x)
+        return torch.nn.functional.cross_entropy(self.net(x), self.y[i])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.arange(1024)), batch_size=16)
+
+    def on_train_end(self) -> None:
+        guard = next(c for c in self.trainer.callbacks if isinstance(c, lm.DivergenceGuard))
+        with open(os.path.join(self.out, f"rank{self.global_rank}.json"), "w") as fh:
+            json.dump({"rollbacks": [(r["step"], r["to_step"]) for r in guard.rollbacks],
+                       "step": self.trainer.global_step,
+                       "weights": [float(p.double().sum()) for p in self.parameters()]}, fh)
+
+
+def test_guard_ddp_corroboration_by_one_ranks_warning_is_acted_on_together(tmp_path) -> None:
+    # corroborate=True: rank 1's own collapse warning agreed with the guard's creep warning at step 78, between two
+    # checks; rank 1 acted alone and waited in a collective rank 0 never joined (the run hung)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=130, logger=False,
+                         callbacks=[lm.SpectralAlignmentMonitor(every_n_steps=3),
+                                    lm.DivergenceGuard(every_n_steps=5, corroborate=True)],
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         default_root_dir=str(tmp_path))
+    fit_ddp_spawn(trainer, _OneRankDrifts(str(tmp_path)))
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["step"] == r1["step"] == 130
+    assert r0["rollbacks"] and r0["rollbacks"] == r1["rollbacks"]
+    assert all(step % 5 == 0 for step, _ in r0["rollbacks"])  # at the guard's checks, where the ranks agree
+    assert r0["weights"] == r1["weights"]

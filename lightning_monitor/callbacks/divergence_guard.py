@@ -384,6 +384,7 @@ class DivergenceGuard(Monitor):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit_lag = None  # looked up again for this fit's strategy (see _lag)
+        self._world_size = trainer.world_size
         if self.idle_reason is not None:
             return
         n = len(trainer.optimizers)
@@ -499,13 +500,18 @@ class DivergenceGuard(Monitor):
             self._ring.append(entry)
         values = self._read_ready(step, lag)
         critical, first_bad = self._judge_ready(trainer, pl_module, values)
+        due = self.is_due(step)
+        if due and self.corroborate and trainer.world_size > 1:
+            found = self._corroborate(step)  # rank-local: reduced with the check's other findings
+            if found:
+                critical += found
+                first_bad = step if first_bad is None else min(first_bad, step)
         if self.zero_nonfinite_grads and grads and on_host:
             # no device to wait for: this step's values are already judged; touch the gradients only when needed
             now = next(((loss, g) for s, loss, g in values if s == step), None)
             if now is not None and (not math.isfinite(now[1]) or (now[0] is not None and not math.isfinite(now[0]))):
                 for g in grads:
                     local(g).zero_()
-        due = self.is_due(step)
         if due and self._snapshot_due(step):
             module_state = pl_module.state_dict()  # read once: checked, then copied
             if not self._all_finite(module_state, self._infinite_by_design):
@@ -736,7 +742,10 @@ class DivergenceGuard(Monitor):
                                clear_message="The loss is back within its recent history.")
             if self._creep(step, loss, anchor):
                 start = self._creep_start
-        return (self._corroborate(step) if self.corroborate else []), start, surge
+        # on several ranks the other monitors' warnings are rank-local: agreement is judged at the checks, where the
+        # ranks reduce their findings (see on_before_optimizer_step); judged here, one rank acted alone and hung
+        local = self.corroborate and self.__dict__.get("_world_size", 1) == 1
+        return (self._corroborate(step) if local else []), start, surge
 
     def _signed_loss(self, step: int, loss: float) -> bool:
         """Whether the loss has gone below 0 in this run (from this step on, for good). The loss rules compare the
