@@ -767,3 +767,21 @@ def test_the_head_is_found_in_bf16_too(tmp_path, precision) -> None:
     Trainer(max_steps=8, precision=precision, callbacks=[gwa], logger=False, enable_progress_bar=False,
             enable_checkpointing=False, enable_model_summary=False, accelerator="cpu").fit(_PreNormLM(), loader)
     assert gwa._head_name == "head" and gwa.idle_reason is None
+
+
+def test_a_fractional_warm_up_in_a_time_limited_run_is_said(tmp_path) -> None:
+    # max_time with a large max_epochs: a 10% warm-up of 1000 epochs is 100, and a run that time ends in 20 epochs
+    # never logged a best epoch, without a word
+    loader, _ = _loader(100, batch_size=50)
+    gwa = GradientWeightAlignmentMonitor()
+    with pytest.warns(UserWarning, match=r"warm-up is 100 epoch\(s\), 0.1 of the 1000 planned by `max_epochs`, but "
+                                         r"`max_time` may end the run sooner"):
+        _trainer(tmp_path, False, [gwa, _StopAt(2)], max_epochs=1000, max_time={"seconds": 600}).fit(DigitsMLP(), loader)
+
+
+class _StopAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        trainer.should_stop = trainer.should_stop or trainer.global_step >= self.step

@@ -460,6 +460,7 @@ class GradientWeightAlignmentMonitor(Monitor):
             return
         if trainer.world_size > 1 and not self._even_epochs(trainer, pl_module):
             return
+        self._check_time_limit(trainer)
         self._check_score_consumers(trainer)
         # the epoch training starts in: Lightning calls on_train_epoch_start for it only when it starts at its
         # first batch (not after a resume inside it)
@@ -510,6 +511,19 @@ class GradientWeightAlignmentMonitor(Monitor):
                     f"and `{key}` has no value before the window opens. Without a validation loop it waits; with "
                     "one, pass `warmup_epochs=0` or `mask_warmup=False` (warm-up epochs can then be kept)."
                 )
+
+    def _check_time_limit(self, trainer: pl.Trainer) -> None:
+        """A warm-up planned as a fraction of the epochs of a run that ``max_time`` may end first: said once."""
+        from lightning.pytorch.callbacks import Timer
+
+        timer = next((cb for cb in trainer.callbacks if isinstance(cb, Timer)), None)
+        if timer is None or self.warmup_epochs is not None or not self._warmup_resolved:
+            return
+        rank_zero_warn(
+            f"GradientWeightAlignmentMonitor: the warm-up is {self._warmup_resolved} epoch(s), "
+            f"{self.warmup_fraction:g} of the {trainer.max_epochs} planned by `max_epochs`, but `max_time` may end the "
+            "run sooner: no epoch before the warm-up's end is scored. Pass `warmup_epochs=` for a time-limited run."
+        )
 
     def _resolve_warmup(self, trainer: pl.Trainer) -> int:
         """``warmup_epochs``, else ``ceil(warmup_fraction * planned epochs)``; the planned epochs come
