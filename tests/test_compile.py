@@ -152,3 +152,49 @@ def test_no_recompilation_after_warm_up(runs) -> None:
     assert late and all((g, f) == (base_graphs, base_frames) for _, g, f in late), [
         (s, g - base_graphs, f - base_frames) for s, g, f in late if (g, f) != (base_graphs, base_frames)
     ]
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(32), nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class _Deep(pl.LightningModule):
+    """Ten blocks (21 Linear layers) compiled: more hooked modules than Dynamo's recompile limit (8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.compile(nn.Sequential(nn.Linear(16, 32), *[_Block() for _ in range(10)], nn.Linear(32, 4)),
+                                 backend="aot_eager")
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_the_probes_hooks_do_not_recompile_per_module(tmp_path) -> None:
+    # traced, the per-example probe's hooks guarded on each module's name and weight shape: one recompilation per
+    # hooked module at the first due step, past Dynamo's limit (the frames then ran eagerly for good)
+    torch_dynamo.reset()
+    counters.clear()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        hm = HealthMonitor(spectral={"every_n_steps": 5}, noise_scale={"every_n_steps": 5}, gwa=False,
+                           guard={"every_n_steps": 5})
+        pl.Trainer(accelerator="cpu", max_steps=30, logger=False, callbacks=[hm], enable_progress_bar=False,
+                   enable_model_summary=False, enable_checkpointing=False,
+                   default_root_dir=str(tmp_path)).fit(_Deep(), _loader())
+        limit_hits = sum(v for k, v in counters["unimplemented"].items() if "recompile limit" in k.lower())
+    finally:
+        torch.set_num_threads(threads)
+        torch_dynamo.reset()
+    assert limit_hits == 0
+    assert hm.noise_scale.ema.count == 6 and hm.spectral._n_checks == 6  # every check measured
