@@ -147,7 +147,14 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
             return self.head(self.body(x))
 
         def training_step(self, batch, batch_idx):
-            return F.cross_entropy(self(batch[0]), batch[1])
+            out = self(batch[0])
+            if probs is not None:  # --full-scores: each sample's p(label) and logit margin, every epoch
+                with torch.no_grad():
+                    y = batch[1][:, None]
+                    probs[self.current_epoch, batch[2]] = out.softmax(-1).gather(1, y)[:, 0].double().numpy()
+                    other = out.scatter(1, y, float("-inf")).amax(1)
+                    margins[self.current_epoch, batch[2]] = (out.gather(1, y)[:, 0] - other).double().numpy()
+            return F.cross_entropy(out, batch[1])
 
         def configure_optimizers(self):
             if cfg["opt"] == "sgd":
@@ -172,6 +179,10 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
             pl_module.train()
             self.rows.append(row)
 
+    probs = margins = None
+    if job.get("full_scores"):
+        probs = np.full((epochs, len(data["flipped"])), np.nan)
+        margins = np.full((epochs, len(data["flipped"])), np.nan)
     seed_everything(seed, verbose=False)
     model = Net()
     loader = DataLoader(TensorDataset(*data["train"]), batch_size=64, shuffle=True)
@@ -229,6 +240,18 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
             seen = ~np.isnan(scores)
             mean = np.where(seen.any(0), np.where(seen, scores, 0.0).sum(0) / np.maximum(seen.sum(0), 1), np.inf)
             out["precision_mean"] = float(data["flipped"][np.argsort(mean)[:n_flip]].sum()) / n_flip
+            # the small-loss rankings (low p(label), low margin), over the run and its first half, and the ranks of
+            # the alignment and of p(label) added
+            from scipy.stats import rankdata
+
+            def precision(values):
+                return float(data["flipped"][np.argsort(values)[:n_flip]].sum()) / n_flip
+
+            half = max(1, len(test) // 2)
+            for tag, m in (("prob", probs), ("margin", margins)):
+                out[f"precision_{tag}_run"] = precision(m.mean(0))
+                out[f"precision_{tag}_half"] = precision(m[:half].mean(0))
+            out["precision_mean_and_prob"] = precision(rankdata(mean) + rankdata(probs.mean(0)))
     return out
 
 
@@ -303,7 +326,11 @@ def report(results: list[dict[str, Any]], args, wall: float) -> str:
         if flip:
             prec += f" (run-level list: {med([r['precision_run'] for r in sub]):.2f})"
         if flip and all("precision_mean" in r for r in sub):
-            prec += f" (mean over the epochs: {med([r['precision_mean'] for r in sub]):.2f})"
+            prec += f" (mean over the epochs: {med([r['precision_mean'] for r in sub]):.2f}"
+            prec += "".join(f"; {label}: {med([r[key] for r in sub]):.2f}" for key, label in (
+                ("precision_prob_run", "mean p(label)"), ("precision_prob_half", "p(label), first half"),
+                ("precision_margin_half", "margin, first half"), ("precision_mean_and_prob", "both ranks")))
+            prec += ")"
         p(f"| {int(100 * flip)}% | {len(sub)} | {fmt_pt(med(gaps))} | {worse} | {said}/{worse} | {first}/{len(sub)} | "
           f"{prec} |")
 
@@ -549,7 +576,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--full-scores", action="store_true",
                     help="write every sample's score each epoch and also report the precision of the per-sample "
-                         "mean over the epochs")
+                         "mean over the epochs, and of the small-loss rankings (each sample's p(label) and logit "
+                         "margin, over the run and its first half)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--trace", nargs="+", default=["cls20-mlp-adam", "cls20hard-mlp-sgd", "digits-mlp-sgd"])
     ap.add_argument("--out", default=None, help="also write the report (markdown) here")
