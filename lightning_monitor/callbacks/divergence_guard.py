@@ -552,7 +552,9 @@ class DivergenceGuard(Monitor):
             self._drop.restore(trainer, pl_module, {})
             self._drop = None
         # a scheduler that stepped after the update set its rate again: held under the ceiling at once, so that what
-        # reads the rates before the next step (LearningRateMonitor, a checkpoint) sees the rate in force
+        # reads the rates before the next step (LearningRateMonitor, a checkpoint) sees the rate in force. A rollback
+        # reads the rates as the step left them, before this hold (the rate that diverged, see _rollback)
+        rates = self._float_lrs(trainer) if self._verdict is not None and self._lr_ceiling is not None else None
         self._apply_lr_ceiling(trainer)
         if self._verdict is None:
             return
@@ -601,7 +603,7 @@ class DivergenceGuard(Monitor):
                          and first_bad - 1 <= self._hard_batch <= step)
             if due:  # first_bad may come from a rank-local alert at a check: the ranks agree on the rate's factor
                 bad_batch = self.decide(trainer, bad_batch, all=True)
-            self._rollback(trainer, pl_module, step, target, reasons, len(recent), diverged, bad_batch)
+            self._rollback(trainer, pl_module, step, target, reasons, len(recent), diverged, bad_batch, rates)
             if new_episode:
                 self.rollbacks[-1]["new_episode"] = True
         else:
@@ -1372,7 +1374,8 @@ class DivergenceGuard(Monitor):
         return [[g["lr"] if isinstance(g["lr"], float) else None for g in opt.param_groups] for opt in trainer.optimizers]
 
     def _rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, snap: TrainingSnapshot,
-                  reasons: str, repeat: int, diverged: bool, bad_batch: bool) -> None:
+                  reasons: str, repeat: int, diverged: bool, bad_batch: bool,
+                  rates: Optional[list[list[Optional[float]]]] = None) -> None:
         """Restore ``snap``. The learning rate, for the ``repeat``-th rollback of an episode (0: the first):
 
         * weights that diverged while the rate rose since the best smoothed loss (a warm-up, ramp or jump): capped
@@ -1383,7 +1386,7 @@ class DivergenceGuard(Monitor):
         * weights that diverged at a steady rate: scaled by ``lr_factor ** (repeat + 1)``.
         A scaled rate is also capped at its restored value, and any cap set earlier in the episode comes down with
         the scale."""
-        lr_now = self._float_lrs(trainer)
+        lr_now = self._float_lrs(trainer) if rates is None else rates
         for kind, layer in list(self._conditions):
             self.condition(step, kind, False, "info", "", layer=layer, clear_message="Rolled back.")
         snap.restore(trainer, pl_module, self._monitors(trainer))
