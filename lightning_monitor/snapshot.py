@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -144,7 +145,8 @@ class TrainingSnapshot:
         assert self.path is not None
         return torch.load(self.path, map_location="cpu", weights_only=False)
 
-    def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, monitors: dict[str, Any]) -> None:
+    def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, monitors: dict[str, Any],
+                keep: Collection[str] = ()) -> None:
         """Copy the snapshot back into the module, optimizers, schedulers, scaler and ``monitors``.
 
         Another callback may have changed the optimizers since (``BackboneFinetuning`` adds a parameter group when it
@@ -152,7 +154,8 @@ class TrainingSnapshot:
         since keeps its settings and starts with no optimizer state, as it did when it was added; a key added to a
         group since keeps its value; a scheduler of another type than the saved one keeps its state. Raises
         :class:`SnapshotMismatch`, before changing anything, when the saved optimizer state cannot be matched to the
-        parameters (a group removed or resized, another number of optimizers)."""
+        parameters (a group removed or resized, another number of optimizers). ``keep``: names of the module's state
+        (its ``state_dict`` keys) that keep their present values (parameters frozen for good since)."""
         problem = self.mismatch(trainer)
         if problem is not None:
             raise SnapshotMismatch(f"The snapshot of step {self.step} cannot be restored: {problem}.")
@@ -160,7 +163,8 @@ class TrainingSnapshot:
         with torch.no_grad():
             current = pl_module.state_dict()
             for name, saved in state["module"].items():
-                current[name].copy_(saved)
+                if name not in keep:
+                    current[name].copy_(saved)
         for opt, saved in zip(trainer.optimizers, state["optimizers"]):
             opt.load_state_dict(_optimizer_state(opt, saved))
         types = state.get("scheduler_types") or [None] * len(state["schedulers"])

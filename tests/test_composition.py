@@ -412,3 +412,32 @@ def test_the_probes_dry_run_is_not_seen_by_other_monitors(tmp_path) -> None:
     assert [(h["count"], h["mean"]) for h in gwa.history] == [(h["count"], h["mean"]) for h in alone.history]
     assert gwa.history[0]["count"] == 64
     assert float(trainer.callback_metrics["gns/coverage"]) == pytest.approx(1.0)
+
+
+class _FrozenWeights(pl.Callback):
+    """The weights of q/k at the end of every step (``global_step`` after it), and whether the optimizer holds state
+    for them."""
+
+    def __init__(self) -> None:
+        self.weights: dict[int, list[torch.Tensor]] = {}
+        self.in_state: dict[int, bool] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        params = [pl_module.get_submodule(n).weight for n in (Q, K)]
+        self.weights[trainer.global_step] = [p.detach().clone() for p in params]
+        self.in_state[trainer.global_step] = any(p in trainer.optimizers[0].state for p in params)
+
+
+def test_a_rollback_keeps_frozen_components_as_they_froze(tmp_path, tiny_gpt) -> None:
+    # q/k freeze at step 2; a NaN at step 7 rolls back to the snapshot of step 0, from before the freeze: q/k stayed
+    # frozen at their weights of step 0 (updates the rollback undid, on a trajectory never judged converged) and got
+    # their optimizer state back for good
+    module, loader = tiny_gpt(nan_at_step=7)
+    grades, guard, watch = _grades(), DivergenceGuard(every_n_steps=5, snapshot_every_n_checks=2), _FrozenWeights()
+    _trainer(tmp_path, "rb", [grades, guard, watch], max_steps=20).fit(module, loader)
+    assert set(grades.frozen) == {Q, K} and [(r["step"], r["to_step"]) for r in guard.rollbacks] == [(7, 0)]
+    frozen_with = watch.weights[FREEZE_STEP + 1]  # after the update of the freeze's step (which skips them)
+    for step in range(FREEZE_STEP + 1, 21):
+        assert all(torch.equal(a, b) for a, b in zip(watch.weights[step], frozen_with)), step
+        assert not watch.in_state[step], step
+    assert all(not module.get_submodule(n).weight.requires_grad for n in (Q, K))

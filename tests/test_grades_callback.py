@@ -482,6 +482,34 @@ class _AllLinear(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(2048)), batch_size=16)
 
 
+def test_a_stop_lightning_defers_keeps_the_last_component_trainable(tmp_path: Path) -> None:
+    # stop=True, every component converged at once, but `min_steps` defers the stop: the steps until then had nothing
+    # to train and the first backward failed ("element 0 of tensors does not require grad")
+    grades = GradientEarlyStopping(tau=2.0, grace_steps=10, include=["net.*"])
+    trainer = _trainer(tmp_path, [grades], max_steps=60, min_steps=30)  # Lightning adds min_epochs=1: 128 steps
+    trainer.fit(_AllLinear())
+    assert grades.stopped_at is not None and grades.stopped_at < 30 and trainer.global_step == 60
+    assert len(grades.frozen) == len(grades.components) - 1 and len(grades.held) == 1
+
+
+def test_resuming_a_run_it_stopped_stops_again(tmp_path: Path) -> None:
+    # the checkpoint written at the stop, resumed with the same budget: the run trained on with every component frozen
+    # (embeddings, norms and head only); with nothing else to train, the first backward failed
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)
+    grades = GradientEarlyStopping(tau=2.0, grace_steps=10, include=["net.*"])
+    pl.Trainer(accelerator="cpu", max_steps=60, logger=False, callbacks=[grades, ckpt], enable_progress_bar=False,
+               enable_model_summary=False, default_root_dir=tmp_path).fit(_AllLinear())
+    stopped = grades.stopped_at
+    assert stopped is not None
+    again = GradientEarlyStopping(tau=2.0, grace_steps=10, include=["net.*"])
+    trainer = _trainer(tmp_path, [again], max_steps=60)
+    trainer.fit(_AllLinear(), ckpt_path=str(tmp_path / "ck" / "last.ckpt"))
+    assert trainer.global_step == stopped + 1 and again.stopped_at == stopped
+    assert any(a.kind == "stop" and "Resumed from a state" in a.message for a in again.hub.history)
+
+
 def test_stop_false_keeps_the_last_component_trainable(tmp_path: Path) -> None:
     # with stop=False every component froze at once (tau above any ratio) and the next backward failed with "element
     # 0 of tensors does not require grad": the docs promise that training goes on

@@ -1242,6 +1242,22 @@ class DivergenceGuard(Monitor):
                     if hasattr(cb, "_latest_update_epoch") and hasattr(cb, "_average_model")})
         return out
 
+    @staticmethod
+    def _restore_keeping_frozen(trainer: pl.Trainer, pl_module: pl.LightningModule, snap: TrainingSnapshot,
+                                monitors: dict[str, Any]) -> None:
+        """Restore ``snap``, but for the parameters GradientEarlyStopping has frozen: freezing is not undone, so a
+        frozen component keeps the weights it froze with (restored, it stayed frozen at weights from before its
+        freeze, on a trajectory the rollback undid) and its optimizer state stays freed (the restore brought it
+        back, for good)."""
+        from lightning_monitor.callbacks.grades import GradientEarlyStopping
+
+        grades = [cb for cb in trainer.callbacks if isinstance(cb, GradientEarlyStopping)]
+        frozen = {id(p) for g in grades for p in g.frozen_parameters(trainer)}
+        keep = {n for n, p in pl_module.named_parameters(remove_duplicate=False) if id(p) in frozen}
+        snap.restore(trainer, pl_module, monitors, keep=keep)
+        for g in grades:
+            g.refreeze(trainer)
+
     def _snapshot_due(self, step: int) -> bool:
         """At the first check, then once ``snapshot_every_n_steps`` have passed since the newest snapshot
         (a snapshot refused because something was wrong is tried again at the next check)."""
@@ -1389,7 +1405,7 @@ class DivergenceGuard(Monitor):
         lr_now = self._float_lrs(trainer) if rates is None else rates
         for kind, layer in list(self._conditions):
             self.condition(step, kind, False, "info", "", layer=layer, clear_message="Rolled back.")
-        snap.restore(trainer, pl_module, self._monitors(trainer))
+        self._restore_keeping_frozen(trainer, pl_module, snap, self._monitors(trainer))
         self._load_detector_state(snap.guard)
         # other monitors' critical alerts not yet acted on describe steps now undone: they go with them (else the next
         # check would roll back again for them)
@@ -1447,7 +1463,7 @@ class DivergenceGuard(Monitor):
     def _stop(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, snap: Optional[TrainingSnapshot],
               reasons: str) -> None:
         if snap is not None:
-            snap.restore(trainer, pl_module, {})
+            self._restore_keeping_frozen(trainer, pl_module, snap, {})
             state = f"the state of step {snap.step}, the last good one"
         else:
             state = f"the state after step {step} (no earlier snapshot to go back to)"

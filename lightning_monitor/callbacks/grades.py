@@ -364,6 +364,21 @@ class GradientEarlyStopping(Monitor):
         if unknown:
             raise ValueError(f"GradientEarlyStopping: frozen components {unknown} of the checkpoint are not in this model.")
 
+    def frozen_parameters(self, trainer: pl.Trainer) -> list[Tensor]:
+        """The parameters this monitor has frozen: the frozen components' and those of the prefix cut."""
+        if self.idle_reason is not None or not self._components:
+            return []
+        params = [p for name in self.frozen if name in self._components for p in self._components[name].params]
+        if self.cut:
+            named = dict(trainer.lightning_module.named_parameters())
+            params += [named[n] for n in self.cut if n in named]
+        return params
+
+    def refreeze(self, trainer: pl.Trainer) -> None:
+        """Free again the optimizer state of the frozen parameters (after something loaded it back: a rollback)."""
+        if self.idle_reason is None and self._components:
+            self._apply_frozen(trainer)
+
     def _apply_frozen(self, trainer: pl.Trainer) -> None:
         for name in self.frozen:
             freeze_parameters(self._components[name].params, trainer.optimizers)
@@ -585,6 +600,16 @@ class GradientEarlyStopping(Monitor):
             self._apply_frozen(trainer)
             self._freeze_pending = False
         self._cut_prefix(trainer, trainer.global_step)
+        if self.stop and self.stopped_at is not None and not trainer.should_stop:
+            # resumed from a state this monitor had stopped (a checkpoint written at the stop): it stops again before
+            # any step (the run trained on with every component frozen; with nothing else to train, it failed)
+            self.request_stop(
+                trainer, trainer.global_step, True, "stop",
+                f"Resumed from a state in which GradientEarlyStopping had stopped the run (step {self.stopped_at}, "
+                f"{len(self.frozen)}/{len(self._names)} components frozen): stopping again. Pass stop=False (or a new "
+                "GradientEarlyStopping) to train on.",
+                value=self.frozen_fraction, threshold=self.max_frozen_ratio,
+            )
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
@@ -664,7 +689,9 @@ class GradientEarlyStopping(Monitor):
         stat_h, mask_h, ratio_h = vectors["\x00stat"], vectors["\x00mask"], vectors.get("\x00ratio")
         judged_h = ratio_h if ratio_h is not None else vectors["\x00judged"]
         newly = [n for n in active if mask_h[position[n]] > 0.5]
-        if newly and not self.stop and self._nothing_left(trainer, newly):
+        if newly and self._nothing_left(trainer, newly):
+            # also with stop=True: Lightning defers a stop until `min_steps` / `min_epochs`, and the steps until then
+            # would have nothing to train (the backward fails)
             keep = max(newly, key=lambda n: judged_h[position[n]])  # the least converged of them
             newly.remove(keep)
             self._hold(step, keep)
@@ -696,8 +723,9 @@ class GradientEarlyStopping(Monitor):
         if newly:
             self._cut_prefix(trainer, step)
         if values["\x00decide"] and self.stop:  # the same on every rank: no collective skipped on one rank only
+            done = (len(self.frozen) + len(self.held)) / len(self._names) if self._names else 0.0  # held: converged
             stopped = self.request_stop(
-                trainer, step, self.frozen_fraction >= self.max_frozen_ratio, "stop",
+                trainer, step, done >= self.max_frozen_ratio, "stop",
                 f"{len(self.frozen)}/{len(self._names)} components frozen (>= max_frozen_ratio="
                 f"{self.max_frozen_ratio:g}); stopping training.",
                 value=self.frozen_fraction, threshold=self.max_frozen_ratio,
@@ -713,16 +741,15 @@ class GradientEarlyStopping(Monitor):
                        for opt in trainer.optimizers for g in opt.param_groups for p in g["params"])
 
     def _hold(self, step: int, name: str) -> None:
-        """With ``stop=False``, the last component to converge stays trainable (said once): frozen, it would leave the
-        model nothing to train and the next backward would fail, while the run is to go on."""
+        """The last component to converge stays trainable when freezing it would leave the model nothing to train (said
+        once): the next backward would fail, with ``stop=False`` (the run goes on) or with a stop Lightning defers
+        (``min_steps``, ``min_epochs``)."""
         self.held[name] = step
-        self.alert(
-            step, "held_trainable", "info",
-            f"Every component has converged, but stop=False: {name} stays trainable so that training goes on "
-            "(freezing it too would leave the model nothing to train); no more checks. Pass stop=True to end the run "
-            "here instead.",
-            layer=name,
-        )
+        why = ("but stop=False: {name} stays trainable so that training goes on (freezing it too would leave the model "
+               "nothing to train); no more checks. Pass stop=True to end the run here instead." if not self.stop else
+               "stopping; {name} stays trainable for the steps Lightning may still run before it stops (`min_steps`, "
+               "`min_epochs`): freezing it too would leave the model nothing to train.")
+        self.alert(step, "held_trainable", "info", "Every component has converged, " + why.format(name=name), layer=name)
 
     def _statistic(self, active: list[str], step: int) -> Optional[Tensor]:
         comps = [self._components[n] for n in active]
