@@ -55,3 +55,34 @@ def test_nothing_found_can_be_asked_without_raising() -> None:
     assert find_components(model, allow_empty=True) == {}
     with pytest.raises(ValueError, match="no trainable component"):
         find_components(model)
+
+
+class _BareLoRA(nn.Module):
+    """A frozen base projection with LoRA factors held as bare parameters of the module (`q_proj.lora_A`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(8, 8)
+        self.q_proj.weight.requires_grad_(False)
+        self.q_proj.lora_A = nn.Parameter(torch.zeros(2, 8))
+        self.q_proj.lora_B = nn.Parameter(torch.zeros(8, 2))
+
+
+class _BareLoRAStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_BareLoRA() for _ in range(2))
+
+
+def test_bare_lora_parameters_are_selected_by_their_own_names() -> None:
+    # found by the naming scheme, but `include` / `exclude` checked patterns against module names only: the names the
+    # monitor reports for them were refused ("matches no module") or matched only the frozen base
+    model = _BareLoRAStack()
+    names = [f"layers.{i}.q_proj.lora_{x}" for i in range(2) for x in "AB"]
+    assert list(find_components(model, trainable_only=True)) == names
+    assert list(find_components(model, include=["*lora_A"], trainable_only=True)) == names[0::2]
+    assert list(find_components(model, include=[names[1]], trainable_only=True)) == [names[1]]
+    assert list(find_components(model, exclude=["*lora_B"], trainable_only=True)) == names[0::2]
+    assert list(find_components(model, exclude=["layers.1.q_proj"], trainable_only=True)) == names[:2]
+    with pytest.raises(ValueError, match="matches no module"):
+        find_components(model, include=["*lora_C"])

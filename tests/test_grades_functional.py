@@ -195,3 +195,14 @@ def test_freeze_parameters_frees_state_and_keeps_other_weights_training() -> Non
     # the optimizer's state_dict keeps its layout and loads into a fresh optimizer
     fresh = torch.optim.AdamW(copy.deepcopy(model).parameters(), lr=0.1)
     fresh.load_state_dict(opt.state_dict())
+
+
+def test_mean_abs_of_low_precision_gradients_is_accumulated_in_float32() -> None:
+    # a bf16 model (precision="bf16-true"): the sum of |g| was taken in bf16, up to 0.4% off
+    g = torch.Generator().manual_seed(0)
+    tensors = [(torch.randn(256, 512, generator=g) * 1e-3).bfloat16(), torch.randn(64, generator=g).double(),
+               torch.randn(30, 3, generator=g).half()]
+    oracle = np.array([np.abs(t.double().numpy()).mean() for t in tensors])
+    got = mean_abs(tensors)
+    assert got.dtype == torch.float32
+    np.testing.assert_allclose(got.double().numpy(), oracle, rtol=1e-5)

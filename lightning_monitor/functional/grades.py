@@ -169,9 +169,14 @@ def find_components(
     exc = _patterns(exclude, "exclude")
     named = [(n, m) for n, m in model.named_modules() if n]
     names = [n for n, _ in named]
+    # LoRA adapters held as bare parameters (`<module>.lora_A`): components of their own, named like parameters, which
+    # `include` / `exclude` select by that name too (the names the monitor reports)
+    bare = {name: [(f"{name}.{pname}", p) for pname, p in module.named_parameters(recurse=False)
+                   if pname in LORA_NAMES and p.dim() >= 2] for name, module in named}
+    selectable = names + [full for params in bare.values() for full, _ in params]
     for argument, pats in (("include", inc), ("exclude", exc)):
         for pat in pats:
-            if not any(fnmatchcase(n, pat) for n in names):
+            if not any(fnmatchcase(n, pat) for n in selectable):
                 raise ValueError(
                     f"{owner}: `{argument}` pattern {pat!r} matches no module of {type(model).__name__}. "
                     f"Module names are: {_preview(names)}."
@@ -182,23 +187,18 @@ def find_components(
             continue
         comp = _module_component(name, module)
         if inc:
-            if not any(fnmatchcase(name, p) for p in inc):
-                continue
-            if comp is None:
-                if any(name == p for p in inc):
+            if any(fnmatchcase(name, p) for p in inc):
+                if comp is None and any(name == p for p in inc):
                     raise ValueError(
                         f"{owner}: `include` names {name!r}, a {type(module).__name__} without a `weight` "
                         "parameter of its own; name the module that owns the matrix."
                     )
-                continue
+                if comp is not None:
+                    found[name] = comp
+        elif comp is not None and _auto_match(name, module, comp):
             found[name] = comp
-            continue
-        if comp is not None and _auto_match(name, module, comp):
-            found[name] = comp
-        # LoRA adapters held as bare parameters: `<module>.lora_A`
-        for pname, p in module.named_parameters(recurse=False):
-            full = f"{name}.{pname}"
-            if pname in LORA_NAMES and p.dim() >= 2 and not any(fnmatchcase(full, e) for e in exc):
+        for full, p in bare[name]:
+            if not any(fnmatchcase(full, e) for e in exc) and (not inc or any(fnmatchcase(full, i) for i in inc)):
                 found[full] = Component(full, p, (p,))
     if trainable_only:
         found = {n: c for n, c in found.items() if c.weight.requires_grad}
@@ -224,7 +224,8 @@ def no_component_reason(model: nn.Module, include: Patterns = None) -> str:
 
 
 def _l1_norms(tensors: list[Tensor]) -> Tensor:
-    return torch.stack([n.float() for n in foreach_norm(tensors, 1)])
+    # accumulated in float32 (a bf16 model's gradients summed in bf16 were off by up to 0.4%)
+    return torch.stack(foreach_norm(tensors, 1, dtype=torch.float32))
 
 
 def mean_abs(tensors: Sequence[Tensor]) -> Tensor:
