@@ -785,3 +785,33 @@ class _StopAt(Callback):
 
     def on_train_batch_end(self, trainer, *args) -> None:
         trainer.should_stop = trainer.should_stop or trainer.global_step >= self.step
+
+
+class _PartlyLabelled(LightningModule):
+    """Semi-supervised: unlabelled samples carry -1, which the loss ignores (`ignore_index=-1`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 4)
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.fc(batch[0]), batch[1], ignore_index=-1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_targets_the_loss_ignores_after_the_first_batch_are_not_scored(tmp_path) -> None:
+    # the targets were checked on the first batch only: a later -1 crashed the fit at the epoch's end (an index out of
+    # bounds in the scatter; a device-side assert on a GPU)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    y = x[:, :4].argmax(1)
+    y[16::3] = -1  # the first batch is fully labelled
+    loader = DataLoader(TensorDataset(x, y, torch.arange(64)), batch_size=16)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, index_fn=lambda b: b[2], suspects=64)
+    _trainer(tmp_path, False, [gwa], max_epochs=2).fit(_PartlyLabelled(), loader)
+    assert [h["count"] for h in gwa.history] == [48, 48]
+    said = [a for a in gwa.hub.history if a.kind == "targets_out_of_range"]
+    assert len(said) == 1 and said[0].value == 16.0 and "ignore_index" in said[0].message

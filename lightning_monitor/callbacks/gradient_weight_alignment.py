@@ -699,6 +699,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         """Empty accumulators on ``device`` for the epoch ``epoch`` (``None``: no epoch open)."""
         self._moments = GWAMoments(device)
         self._negative = torch.zeros((), dtype=torch.float64, device=device)
+        self._out_of_range = torch.zeros((), dtype=torch.float64, device=device)  # class targets outside [0, C)
         self._hist = torch.zeros(_HIST_BINS, dtype=torch.float64, device=device)
         self._minmax = torch.tensor([math.inf, -math.inf], dtype=torch.float64, device=device)
         # suspects: score, index, position, target, predicted (float64 keeps integers exact)
@@ -921,6 +922,11 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._moments.update(scores)
         finite = torch.isfinite(scores)
         self._negative += (scores < 0).sum()
+        if not soft:  # on the device; read at the epoch's end
+            outside = (targets < 0) | (targets >= c)
+            if self.ignore_index is not None:
+                outside &= targets != self.ignore_index
+            self._out_of_range += outside.sum()
         if self._want_histogram:
             self._hist += torch.histc(torch.where(finite, scores, 2.0), _HIST_BINS, -1.0, 1.0)  # 2: out of range
             lo = torch.where(finite, scores, math.inf).min()
@@ -1048,6 +1054,16 @@ class GradientWeightAlignmentMonitor(Monitor):
             return  # nothing was trained (StochasticWeightAveraging's BatchNorm epoch): nothing to score or select
         epoch, step = trainer.current_epoch, trainer.global_step
         state, negative, lo, hi, hist, top = self._reduce(trainer)
+        outside = int(self.__dict__.get("_out_of_range", 0))
+        if outside and not self.__dict__.get("_said_out_of_range"):
+            self._said_out_of_range = True
+            self.alert(
+                step, "targets_out_of_range", "warning",
+                f"{outside} class target(s) of epoch {epoch} lie outside [0, {self._head.out_features}) and are not scored "
+                f"(GWA's ignore_index is {self.ignore_index}): a loss with another ignore index (e.g. "
+                "`cross_entropy(..., ignore_index=-1)`) trains on the others. Pass that `ignore_index=` to the monitor.",
+                value=float(outside),
+            )
         stats = GWAMoments.from_state(state).compute(GWA_OFFSET, min_count=_MIN_SAMPLES)
         count = int(stats.count)
         score, mean, kurtosis = float(stats.score), float(stats.mean), float(stats.kurtosis)

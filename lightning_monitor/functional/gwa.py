@@ -92,7 +92,8 @@ def gwa_scores(
         targets: integer class indices with the leading shape (``[B]`` or ``[B, T]``), or soft
             targets (probabilities) of the logits' shape.
         weight: the head's weight ``[C, D]`` (bias excluded).
-        ignore_index: integer targets equal to it get no score (NaN); ``None`` ignores nothing.
+        ignore_index: integer targets equal to it get no score (NaN); ``None`` ignores nothing. Integer
+            targets outside ``[0, C)`` get no score either (a loss's own ignore index).
         eps: floor of the norms (zero features or a soft target met exactly score 0).
 
     Returns:
@@ -172,9 +173,11 @@ def alignment_from_parts(
         r_norm = r.norm(dim=-1)
     else:
         t = targets.detach().long()
+        # ignored targets, and any outside [0, C) (a loss's own ignore index other than ``ignore_index``), get no score
+        valid = (t >= 0) & (t < logits.shape[-1])
         if ignore_index is not None:
-            valid = t != ignore_index
-            t = torch.where(valid, t, torch.zeros_like(t))
+            valid &= t != ignore_index
+        t = torch.where(valid, t, torch.zeros_like(t))
         t = t.unsqueeze(-1)
         # The cosine does not change when p - y is scaled by 1 / (1 - p_y) > 0, which turns it into
         # (u, -1): u = softmax of the logits over the non-target classes. So
