@@ -815,3 +815,64 @@ def test_targets_the_loss_ignores_after_the_first_batch_are_not_scored(tmp_path)
     assert [h["count"] for h in gwa.history] == [48, 48]
     said = [a for a in gwa.hub.history if a.kind == "targets_out_of_range"]
     assert len(said) == 1 and said[0].value == 16.0 and "ignore_index" in said[0].message
+
+
+class _SigmoidBinary(LightningModule):
+    """A one-logit sigmoid head: the only nn.Linear with >= 2 outputs is a hidden layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.out = nn.Linear(16, 1)
+
+    def training_step(self, batch, batch_idx):
+        return F.binary_cross_entropy_with_logits(self.out(self.body(batch[0])).squeeze(-1), batch[1].float())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _TwoHeads(LightningModule):
+    """The model returns its classifier's and an auxiliary classifier's logits, both trained with cross-entropy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.fc, self.aux = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.body(x))), self.aux(x)
+
+    def training_step(self, batch, batch_idx):
+        main, aux = self(batch[0])
+        return F.cross_entropy(main, batch[1]) + 0.3 * F.cross_entropy(aux, batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _four_classes(n: int = 64):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    return DataLoader(TensorDataset(x, x[:, :4].argmax(1) % 2), batch_size=16), DataLoader(
+        TensorDataset(x, x[:, :4].argmax(1)), batch_size=16)
+
+
+def test_a_hidden_layer_taken_for_the_head_is_said(tmp_path) -> None:
+    # a one-logit sigmoid head with integer labels: the hidden Linear(8, 16) was scored as a 16-class head, silently
+    # (with one candidate its gradient was never looked at)
+    binary, _ = _four_classes()
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    _trainer(tmp_path, False, [gwa], max_epochs=1).fit(_SigmoidBinary(), binary)
+    said = [a for a in gwa.hub.history if a.kind == "no_softmax_head"]
+    assert len(said) == 1 and said[0].severity == "warning" and "`body.0` is scored" in said[0].message
+
+
+def test_two_qualifying_heads_are_named(tmp_path) -> None:
+    _, classes = _four_classes()
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    _trainer(tmp_path, False, [gwa], max_epochs=1).fit(_TwoHeads(), classes)
+    said = [a for a in gwa.hub.history if a.kind == "several_heads"]
+    assert len(said) == 1 and "`fc`, `aux`" in said[0].message and gwa._head_name == "aux"
+    assert not [a for a in gwa.hub.history if a.kind == "no_softmax_head"]

@@ -423,10 +423,11 @@ class GradientWeightAlignmentMonitor(Monitor):
         check_strategy(trainer, "GradientWeightAlignmentMonitor", "the head's weight norm and W z cannot be read from them")
         check_tensor_parallel(trainer, "GradientWeightAlignmentMonitor", "it scores the head's input features and logits")
         self._head_name, self._head = self._find_head(pl_module)
-        # several candidates and no `head=`: the first training forward tells which one's output the model returns
-        # (see _resolve_head); until then the last one registered stands
+        # no `head=`: the first training forward and backward tell which candidate's output the model returns and
+        # which one's gradient is a softmax's (see _resolve_head); until then the last one registered stands
         candidates = self._candidates(pl_module) if self.head is None else []
-        self._head_candidates = candidates if len(candidates) > 1 else None
+        # one candidate too: its output gradient tells whether it is a softmax classifier at all (see _resolve_head)
+        self._head_candidates = candidates or None
         self._shift = self._causal_lm_shift(pl_module) if self.shift_targets is None else self.shift_targets
         self._checked = False
         # idle_when_nothing_to_watch: why this rank's first scored batch did not fit the head (targets missing, of
@@ -592,10 +593,7 @@ class GradientWeightAlignmentMonitor(Monitor):
                 f"found no nn.Linear with >= 2 outputs in {type(pl_module).__name__}: GWA needs a linear "
                 "classifier head producing softmax logits. Pass `head='<name>'` if it is there under a wrapper."
             )
-        name, module = candidates[-1]
-        if len(candidates) == 1:
-            rank_zero_info(f"GradientWeightAlignmentMonitor: classifier head `{name}` ({module}).")
-        return name, module
+        return candidates[-1]  # until the first training step's backward tells (see _resolve_head)
 
     @staticmethod
     def _candidates(pl_module: pl.LightningModule) -> list[tuple[str, nn.Linear]]:
@@ -677,10 +675,31 @@ class GradientWeightAlignmentMonitor(Monitor):
             ([default] if default in called else [], ""),
             (called, f"the last one called (`{default}`, the last registered, did not run)"),
         ]
-        chosen, why = next((max(group, key=lambda n: order[n]), why) for group, why in tiers if group)
+        group, why = next((group, why) for group, why in tiers if group)
+        chosen = max(group, key=lambda n: order[n])
         module = dict(self._head_candidates)[chosen]
         call = watch.calls.get(chosen)
         self._head_candidates = None
+        step = trainer.global_step
+        if any(r[1] > 0 for n, r in zip(names, rows) if n in called) and not softmax & set(called):
+            # every loss that depends on the logits through a softmax gives gradient rows summing to 0 (a softmax does not
+            # change when a constant is added to its logits): none of the candidates' does
+            self.alert(
+                step, "no_softmax_head", "warning",
+                f"No nn.Linear's output gradient in the watched training step is a softmax's (rows summing to 0): "
+                f"`{chosen}` is scored as the classifier head, but GWA's scores assume a softmax cross-entropy on its "
+                "logits. A one-logit sigmoid head, a BCE loss, or a classifier that is not an nn.Linear (a tied "
+                "`F.linear`, a 1x1 convolution) has none; the layer scored is then a hidden one and its scores mean "
+                "nothing. Pass `head=` if it is the classifier (extra terms on its logits, such as a z-loss, break "
+                "the zero sums).",
+            )
+        elif group is tiers[0][0] and len(group) > 1:
+            self.alert(
+                step, "several_heads", "warning",
+                f"{len(group)} nn.Linear layers qualify as the classifier head (softmax gradients, returned by the "
+                f"model): {', '.join(f'`{n}`' for n in group)}; `{chosen}`, called last, is scored. Pass `head=` to "
+                "score another.",
+            )
         if chosen != default:
             self._head_name, self._head = chosen, module
             if self.shift_targets is None and self._causal_lm_shift(pl_module) != self._shift:
