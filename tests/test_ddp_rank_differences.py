@@ -182,6 +182,16 @@ def test_guard_ddp_rate_factor_agrees_with_an_alert_on_one_rank(tmp_path) -> Non
     assert r0["weights"] == r1["weights"]
 
 
+def _tanh_classifier(n: int) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A seeded 8-32-32-4 tanh classifier and ``n`` samples of a linear 4-class problem."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                              torch.nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    return net, x, (x @ torch.randn(8, 4, generator=g)).argmax(-1)
+
+
 class _RankInputs(pl.LightningModule):
     """Rank 1's inputs are all positive (its spectral alignment and noise scale differ from rank 0's); writes each
     rank's SA and GNS states at the end of training and at the start of a resumed one."""
@@ -189,12 +199,7 @@ class _RankInputs(pl.LightningModule):
     def __init__(self, out: str, tag: str) -> None:
         super().__init__()
         self.out, self.tag = out, tag
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
-                                       torch.nn.Tanh(), torch.nn.Linear(32, 4))
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(640, 8, generator=g)
-        self.y = (self.x @ torch.randn(8, 4, generator=g)).argmax(-1)
+        self.net, self.x, self.y = _tanh_classifier(640)
 
     def training_step(self, batch, batch_idx):
         (i,) = batch
@@ -280,12 +285,7 @@ class _OneRankDrifts(pl.LightningModule):
     def __init__(self, out: str) -> None:
         super().__init__()
         self.out = out
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
-                                       torch.nn.Tanh(), torch.nn.Linear(32, 4))
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(1024, 8, generator=g)
-        self.y = (self.x @ torch.randn(8, 4, generator=g)).argmax(-1)
+        self.net, self.x, self.y = _tanh_classifier(1024)
 
     def training_step(self, batch, batch_idx):
         (i,) = batch
