@@ -644,3 +644,25 @@ def test_one_hard_batch_stays_out_of_the_moving_average():
         if start is not None and start == guard._creep_start:
             climbs.append((step, start))
     assert climbs and 80 < climbs[0][0] < 130 and 60 < climbs[0][1] < climbs[0][0]
+
+
+def test_a_replay_missing_on_one_rank_is_missing_on_every_rank():
+    # a batch that could not be replayed on one rank (None there) and could on the other: the mean was NaN, which the
+    # first rank read as None and the second as NaN, so they took different decisions
+    from types import SimpleNamespace
+
+    class _TwoRanks:
+        def __init__(self, other: torch.Tensor) -> None:
+            self.other = other
+
+        def reduce(self, t, reduce_op):
+            assert reduce_op == "sum"
+            return t + self.other.to(t.dtype)
+
+    module = SimpleNamespace(device=torch.device("cpu"))
+    contribution = {None: torch.tensor([0.0, 1.0]), 2.0: torch.tensor([2.0, 0.0]), 4.0: torch.tensor([4.0, 0.0])}
+    for mine, theirs, expected in ((None, 2.0, None), (2.0, None, None), (2.0, 4.0, 3.0), (None, None, None)):
+        trainer = SimpleNamespace(world_size=2, strategy=_TwoRanks(contribution[theirs]))
+        assert DivergenceGuard._rank_mean(trainer, module, mine) == expected
+    single = SimpleNamespace(world_size=1)
+    assert DivergenceGuard._rank_mean(single, module, None) is None and DivergenceGuard._rank_mean(single, module, 1.5) == 1.5

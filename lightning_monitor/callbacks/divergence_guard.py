@@ -1131,13 +1131,15 @@ class DivergenceGuard(Monitor):
 
     @staticmethod
     def _rank_mean(trainer: pl.Trainer, pl_module: pl.LightningModule, value: Optional[float]) -> Optional[float]:
-        """``value`` averaged over the ranks (every rank then takes the same decision); ``None`` stays ``None`` when
-        it is ``None`` on every rank (NaN on some)."""
+        """``value`` averaged over the ranks (every rank then takes the same decision); ``None`` on every rank when it
+        is ``None`` on any (a batch that could not be replayed there: the ranks returned ``None`` on one and NaN on the
+        other, and took different decisions)."""
         if trainer.world_size <= 1:
             return value
-        t = torch.tensor([math.nan if value is None else value], device=pl_module.device)
-        out = float(trainer.strategy.reduce(t, reduce_op="mean"))
-        return None if value is None and math.isnan(out) else out
+        t = torch.tensor([0.0 if value is None else value, float(value is None)], dtype=torch.float64,
+                         device=pl_module.device)
+        total, missing = trainer.strategy.reduce(t, reduce_op="sum").tolist()
+        return None if missing > 0 else total / trainer.world_size
 
     @staticmethod
     def _replayable(pl_module: pl.LightningModule) -> bool:
