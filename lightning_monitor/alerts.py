@@ -79,10 +79,10 @@ _CONSOLE_FLAG = "lightning_monitor_console"
 
 
 class _ConsoleHandler(logging.Handler):
-    """Prints the records flagged for the console (and the package's other records from WARNING up) on ``sys.stderr`` (looked up at each record, so that
-    a redirected stderr is honoured) while logging is not configured: the root logger has no handler
-    and no other handler is attached to ``lightning_monitor``. Once the application configures
-    logging, its handlers show the records and this one stays silent."""
+    """Prints the records flagged for the console (and the package's other records from WARNING up) on
+    ``sys.stderr`` (looked up at each record, so that a redirected stderr is honoured) while logging is not
+    configured: the root logger has no handler and no other handler is attached to ``lightning_monitor``. Once
+    the application configures logging, its handlers show the records and this one stays silent."""
 
     def __init__(self) -> None:
         super().__init__()

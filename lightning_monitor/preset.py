@@ -182,14 +182,14 @@ class HealthMonitor(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         present = list(trainer.callbacks)
         # another preset in the same Trainer (a YAML's, and one added on the command line): its monitors came first
-        presets = {id(m): p for p in present if isinstance(p, HealthMonitor) and p is not self for m in p.monitors}
+        others = {id(m) for p in present if isinstance(p, HealthMonitor) and p is not self for m in p.monitors}
         joining, kept_other = [], []
         for monitor in self.monitors:
             if any(cb is monitor for cb in present):
                 continue  # joined at an earlier setup of this Trainer: Lightning calls its hooks itself
             explicit = next((cb for cb in present if isinstance(cb, type(monitor))), None)
             if explicit is not None:
-                if id(explicit) in presets:
+                if id(explicit) in others:
                     kept_other.append(type(explicit).__name__)
                 else:
                     rank_zero_info(

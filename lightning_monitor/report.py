@@ -121,6 +121,7 @@ def _read_scalars(run: RunReport) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     guidance = {"scalars": 0, "histograms": 1, "images": 1, "audio": 1, "tensors": 1, "compressedHistograms": 1}
+
     def written(path: str) -> tuple[int, str]:  # events.out.tfevents.<unix time>.<host>...
         parts = os.path.basename(path).split(".")
         return (int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else 0), path

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass, field
 from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import lightning.pytorch as pl

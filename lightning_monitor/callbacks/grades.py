@@ -745,11 +745,13 @@ class GradientEarlyStopping(Monitor):
         once): the next backward would fail, with ``stop=False`` (the run goes on) or with a stop Lightning defers
         (``min_steps``, ``min_epochs``)."""
         self.held[name] = step
-        why = ("but stop=False: {name} stays trainable so that training goes on (freezing it too would leave the model "
-               "nothing to train); no more checks. Pass stop=True to end the run here instead." if not self.stop else
-               "stopping; {name} stays trainable for the steps Lightning may still run before it stops (`min_steps`, "
-               "`min_epochs`): freezing it too would leave the model nothing to train.")
-        self.alert(step, "held_trainable", "info", "Every component has converged, " + why.format(name=name), layer=name)
+        if self.stop:
+            why = (f"stopping; {name} stays trainable for the steps Lightning may still run before it stops "
+                   "(`min_steps`, `min_epochs`): freezing it too would leave the model nothing to train.")
+        else:
+            why = (f"but stop=False: {name} stays trainable so that training goes on (freezing it too would leave the "
+                   "model nothing to train); no more checks. Pass stop=True to end the run here instead.")
+        self.alert(step, "held_trainable", "info", f"Every component has converged, {why}", layer=name)
 
     def _statistic(self, active: list[str], step: int) -> Optional[Tensor]:
         comps = [self._components[n] for n in active]

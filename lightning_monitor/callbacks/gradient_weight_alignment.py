@@ -328,6 +328,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._resume_open: Optional[dict[str, Any]] = None
         self._run: Optional[SampleMeans] = None  # this rank's per-sample sums over the run (run_suspects)
         self._run_saved: Optional[Any] = None  # those of a checkpoint, reduced over the ranks
+        self._said_out_of_range = False  # targets_out_of_range, once per run
         self._run_warned = False
 
     def _selection_state(self) -> dict[str, Any]:
@@ -1073,8 +1074,8 @@ class GradientWeightAlignmentMonitor(Monitor):
             return  # nothing was trained (StochasticWeightAveraging's BatchNorm epoch): nothing to score or select
         epoch, step = trainer.current_epoch, trainer.global_step
         state, negative, lo, hi, hist, top = self._reduce(trainer)
-        outside = int(self.__dict__.get("_out_of_range", 0))
-        if outside and not self.__dict__.get("_said_out_of_range"):
+        outside = int(self._out_of_range)
+        if outside and not self._said_out_of_range:
             self._said_out_of_range = True
             self.alert(
                 step, "targets_out_of_range", "warning",

@@ -177,6 +177,7 @@ class GradientNoiseScaleMonitor(Monitor):
         self.resolved_method: Optional[str] = None
         self.ema = NoiseScaleEMA(self.smoothing)
         self.layer_ema: dict[str, NoiseScaleEMA] = {}
+        self._undefined = 0  # consecutive checks without B_simple
         self._reset_runtime()
 
     def _reset_runtime(self) -> None:
@@ -614,8 +615,7 @@ class GradientNoiseScaleMonitor(Monitor):
             metrics[self.key("b_simple")] = b_simple
         # a smoothed |G|^2 that stays <= 0 leaves B_simple undefined (not logged): said once it has lasted
         # `_UNDEFINED_CHECKS` checks, and when it clears
-        undefined = self.__dict__.get("_undefined", 0) + 1 if not math.isfinite(b_simple) else 0
-        self._undefined = undefined
+        undefined = self._undefined = self._undefined + 1 if not math.isfinite(b_simple) else 0
         self.condition(
             step, "b_simple_undefined", undefined >= _UNDEFINED_CHECKS, "info",
             f"B_simple has been undefined for {undefined} checks: the smoothed estimate of the squared norm of the true "
