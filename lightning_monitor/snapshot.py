@@ -87,6 +87,7 @@ class TrainingSnapshot:
             from the stored state).
         first_of_fit: taken as a fit started from a state training had reached (a resume): the state before its
             step's update that no earlier step of this fit produced, a target even for an anomaly at that step.
+        module_keys: the names of the module's state it holds (``None``: read from the stored state).
     """
 
     step: int
@@ -96,6 +97,7 @@ class TrainingSnapshot:
     guard: dict[str, Any] = field(default_factory=dict)
     group_sizes: Optional[list[list[int]]] = None
     first_of_fit: bool = False
+    module_keys: Optional[frozenset[str]] = None
     _state: Optional[dict[str, Any]] = field(default=None, repr=False)
 
     @classmethod
@@ -130,7 +132,8 @@ class TrainingSnapshot:
             "monitors": {key: _to_host(cb.state_dict()) for key, cb in monitors.items()},
         }
         snap = cls(step=step, epoch=trainer.current_epoch, lr_scale=lr_scale,
-                   group_sizes=[[len(g["params"]) for g in opt.param_groups] for opt in trainer.optimizers])
+                   group_sizes=[[len(g["params"]) for g in opt.param_groups] for opt in trainer.optimizers],
+                   module_keys=frozenset(state["module"]))
         if directory is None:
             snap._state = state
         else:
@@ -156,7 +159,7 @@ class TrainingSnapshot:
         :class:`SnapshotMismatch`, before changing anything, when the saved optimizer state cannot be matched to the
         parameters (a group removed or resized, another number of optimizers). ``keep``: names of the module's state
         (its ``state_dict`` keys) that keep their present values (parameters frozen for good since)."""
-        problem = self.mismatch(trainer)
+        problem = self._optimizers_mismatch(trainer)
         if problem is not None:
             raise SnapshotMismatch(f"The snapshot of step {self.step} cannot be restored: {problem}.")
         state = self.state()
@@ -181,9 +184,24 @@ class TrainingSnapshot:
                 cb.load_state_dict(copy.deepcopy(state["monitors"][key]))
 
     def mismatch(self, trainer: pl.Trainer) -> Optional[str]:
-        """Why the saved optimizer states do not fit the run's optimizers now, or ``None`` when they do: each saved
-        parameter group must still be there, in order, with as many parameters (groups may have been added after
-        them). Read from the sizes kept at capture: a snapshot on disk is not loaded to answer."""
+        """Why the snapshot no longer fits the run, or ``None`` when it does: each saved parameter group must still be
+        there, in order, with as many parameters (groups may have been added after them), and every trainable
+        parameter of the module must be in it (a layer added since, such as an adapter or a grown block, has no
+        state to go back to: restoring the rest would leave it as it is now). Read from what was kept at capture: a
+        snapshot on disk is not loaded to answer."""
+        problem = self._optimizers_mismatch(trainer)
+        module = getattr(trainer, "lightning_module", None)
+        if problem is None and module is not None:
+            keys = self.module_keys if self.module_keys is not None else frozenset(self.state()["module"])
+            trainable = {name for name, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+            added = sorted(k for k in module.state_dict() if k in trainable and k not in keys)
+            if added:
+                problem = (f"{len(added)} trainable parameter(s) added to the module since step {self.step}: "
+                           f"{', '.join(added[:4])}{'...' if len(added) > 4 else ''}")
+        return problem
+
+    def _optimizers_mismatch(self, trainer: pl.Trainer) -> Optional[str]:
+        """Why the saved optimizer states do not fit the run's optimizers now, or ``None``."""
         sizes = self.group_sizes
         if sizes is None:  # a snapshot adopted from a checkpoint's list of files
             sizes = [[len(g["params"]) for g in saved["param_groups"]] for saved in self.state()["optimizers"]]

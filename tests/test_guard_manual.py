@@ -124,3 +124,49 @@ def test_a_step_the_replay_cannot_run_is_said_once_and_training_goes_on(tmp_path
     with pytest.warns(UserWarning, match="could not run `training_step` again on a kept batch"):
         trainer = _fit(tmp_path, _ClosureStep(), guard)
     assert trainer.global_step > SWITCH  # the fit went on past the label change (judged as before, without the test)
+
+
+class _TwoStepsPerBatch(pl.LightningModule):
+    """One optimizer stepped twice a batch, once on each half: the same updates as automatic optimization on batches
+    half the size."""
+
+    def __init__(self, manual: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = not manual
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.automatic_optimization:
+            return F.cross_entropy(self.net(x), y)
+        opt, half = self.optimizers(), len(x) // 2
+        for xs, ys in ((x[:half], y[:half]), (x[half:], y[half:])):
+            opt.zero_grad()
+            self.manual_backward(F.cross_entropy(self.net(xs), ys))
+            opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def test_two_steps_per_batch_are_judged_like_the_same_steps_under_automatic_optimization(tmp_path) -> None:
+    """A well-separated classifier whose loss falls to about 1e-4 and has a hard batch at step 57. The replay of a
+    two-step batch gives the loss of both halves under one set of weights, the step's loss was one half's: compared,
+    the difference looked like broken weights (an `objective_change` warning, and with `action="stop"` a stop at
+    step 57, while the same updates under automatic optimization drew nothing). With several steps a batch the
+    replay's tests are off, said once."""
+    g = torch.Generator().manual_seed(0)
+    centres = 2 * torch.randn(4, 16, generator=g)
+    y = torch.randint(0, 4, (256,), generator=g)
+    x = centres[y] + torch.randn(256, 16, generator=g)
+    runs = {}
+    for manual in (False, True):
+        guard = DivergenceGuard(every_n_steps=3, action="stop", snapshot_every_n_checks=None)
+        pl.seed_everything(0)
+        trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False, callbacks=[guard],
+                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+        trainer.fit(_TwoStepsPerBatch(manual), DataLoader(TensorDataset(x, y), batch_size=16 if manual else 8))
+        runs[manual] = (trainer.global_step, guard.stopped_step, [a.kind for a in guard.hub.history])
+    assert runs[False] == (64, None, [])
+    assert runs[True] == (64, None, ["several_steps_per_batch"])

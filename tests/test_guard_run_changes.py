@@ -309,3 +309,45 @@ def test_a_rollback_takes_the_swa_average_back_too(tmp_path):
     assert int(swa.n_averaged) == len(kept) == 5  # epochs 0, 1, 3, 4, 5
     for avg, *ws in zip(swa._average_model.parameters(), *kept):
         torch.testing.assert_close(avg, torch.stack(ws).mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_a_layer_added_since_the_snapshots_makes_them_unfit_and_the_guard_stops(tmp_path):
+    """A layer (and its parameter group) added at step 12 with a rate that breaks it at once: the snapshot of step 10
+    does not hold it, so going back to it would leave the broken layer as it is (the rollback said "rolled back to
+    step 10" while the loss went on to 1e11). The snapshots no longer fit the run: the guard stops, saying why."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.head, self.extra = nn.Linear(10, 16), nn.Linear(16, 4), None
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            h = torch.tanh(self.inp(x))
+            if self.extra is not None:
+                h = h + self.extra(h)
+            return nn.functional.cross_entropy(self.head(h), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    class Grow(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 12 and pl_module.extra is None:
+                pl_module.extra = nn.Linear(16, 16)
+                trainer.optimizers[0].add_param_group({"params": pl_module.extra.parameters(), "lr": 300.0})
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 10, generator=g)
+    y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+    pl.seed_everything(0)
+    guard = DivergenceGuard(every_n_steps=10)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=30, logger=False, enable_checkpointing=False,
+                         callbacks=[guard, Grow()], enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path))
+    trainer.fit(Net(), DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True))
+    assert guard.rollbacks == [] and guard.stopped_step == 13
+    (stopped,) = [a for a in guard.hub.history if a.kind == "stopped"]
+    assert "no longer fit the run" in stopped.message and "extra.weight" in stopped.message
+    assert not any(a.kind == "objective_change" for a in guard.hub.history)

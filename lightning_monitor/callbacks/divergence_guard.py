@@ -427,6 +427,7 @@ class DivergenceGuard(Monitor):
         if self.idle_reason is not None:
             return
         batch = _kept(batch)  # `training_step` may pop from it (`batch.pop("labels")`): the replays need it whole
+        self._batch_start = trainer.global_step
         self._batch, self._batch_idx = batch, batch_idx
         self._recent_batches.append((trainer.global_step, batch, batch_idx))
         self._apply_lr_ceiling(trainer)
@@ -548,6 +549,18 @@ class DivergenceGuard(Monitor):
     ) -> None:
         """Act here, after the optimizer step: every monitor of the step has been heard (whatever the order of
         the callbacks) and has read this step's gradients; the update just applied is undone by the restore."""
+        made = trainer.global_step - self._batch_start if self._batch_start is not None else 0
+        if made > self._steps_per_batch:
+            if not self._said_steps_per_batch:
+                self._said_steps_per_batch = True
+                self.alert(
+                    trainer.global_step, "several_steps_per_batch", "info",
+                    f"`training_step` made {made} optimizer steps on one batch (manual optimization): the loss of each "
+                    "step is judged, but a kept batch can no longer be evaluated again as the step saw it, so loss "
+                    "surges and rises are judged without asking older weights (a sustained rise still acts; a single "
+                    "surge is taken for a hard batch).",
+                )
+            self._steps_per_batch = made
         if self._drop is not None and trainer.global_step > self._drop.step:
             self._drop.restore(trainer, pl_module, {})
             self._drop = None
@@ -609,7 +622,7 @@ class DivergenceGuard(Monitor):
         else:
             if self.action == "rollback":
                 why = ("no snapshot predates the anomaly" if self._misfit is None else
-                       f"the snapshots from before the anomaly no longer fit the optimizers ({self._misfit})"
+                       f"the snapshots from before the anomaly no longer fit the run ({self._misfit})"
                        ) if target is None else (
                     f"{len(recent)} rollbacks within {self.rollback_window} steps (max_rollbacks={self.max_rollbacks})")
                 reasons += f"; stopping instead of rolling back: {why}"
@@ -1043,7 +1056,7 @@ class DivergenceGuard(Monitor):
         weights do mean ``training_step`` computes something else now (a penalty or an auxiliary loss switched on, a
         new stage of the run). Then the ``objective_change`` warning is raised, the new level becomes the normal,
         and nothing acts; ``False`` without a snapshot or automatic optimization."""
-        snap = next((s for s in reversed(self._snapshots) if s.step < step), None)
+        snap = next((s for s in reversed(self._snapshots) if s.step < step and s.mismatch(trainer) is None), None)
         if snap is None or not self._replayable(pl_module):
             return False
         (before,) = self._under_snapshots(pl_module, [snap], lambda: self._mean_loss(trainer, pl_module, refs))
@@ -1070,7 +1083,7 @@ class DivergenceGuard(Monitor):
         them finds it about as hard: a batch that is hard by itself is hard for older weights too, while weights
         that degraded gradually (a slow learning-rate ramp, within the noise until ``start``) leave the older
         snapshots finding it easy. The loss reported is the lowest of theirs."""
-        snaps = [s for s in self._snapshots if s.step < start]
+        snaps = [s for s in self._snapshots if s.step < start and s.mismatch(trainer) is None]
         if not snaps or self._batch is None or not self._replayable(pl_module):
             return None
         now = self._rank_mean(trainer, pl_module, self._batch_loss(pl_module))
@@ -1141,14 +1154,17 @@ class DivergenceGuard(Monitor):
         total, missing = trainer.strategy.reduce(t, reduce_op="sum").tolist()
         return None if missing > 0 else total / trainer.world_size
 
-    @staticmethod
-    def _replayable(pl_module: pl.LightningModule) -> bool:
+    def _replayable(self, pl_module: pl.LightningModule) -> bool:
         """Whether ``training_step`` can be run again to evaluate a batch: under automatic optimization, or under
-        manual optimization with one optimizer (its backward, steps and scheduler steps are then made no-ops for the
-        replay, and the loss is the one given to ``manual_backward``). With several optimizers the loss passed to
-        ``manual_backward`` mixes the players' losses, so the batch cannot be evaluated."""
+        manual optimization with one optimizer stepped once a batch (its backward, steps and scheduler steps are then
+        made no-ops for the replay, and the loss is the one given to ``manual_backward``). With several optimizers the
+        loss passed to ``manual_backward`` mixes the players' losses, and with several steps a batch the replay gives
+        the losses of every step's part of the batch under one set of weights while each step's loss was of its own
+        part: the batch cannot be evaluated like the step."""
         if pl_module.automatic_optimization:
             return True
+        if self._steps_per_batch > 1:
+            return False
         trainer = pl_module._trainer
         return trainer is not None and len(trainer.optimizers) == 1
 
@@ -1342,15 +1358,15 @@ class DivergenceGuard(Monitor):
             s.step >= step + 2 * every and s.step <= self._judged_through for s in self._snapshots)
 
     def _target_snapshot(self, trainer: pl.Trainer, first_bad: int) -> Optional[TrainingSnapshot]:
-        """The newest snapshot before ``first_bad`` on every rank (the ranks agree by a reduction) whose optimizer states
-        still fit the optimizers (see :meth:`TrainingSnapshot.mismatch`; the reason of the last misfit is kept in
-        ``_misfit``)."""
+        """The newest snapshot before ``first_bad`` on every rank (the ranks agree by a reduction) that still fits the
+        run (see :meth:`TrainingSnapshot.mismatch`; the reason the newest one did not is kept in ``_misfit``)."""
         self._misfit = None
         for snap in reversed(self._snapshots):
             ok = snap.step < first_bad or (snap.first_of_fit and snap.step == first_bad)
             if ok:
-                self._misfit = snap.mismatch(trainer)
-                ok = self._misfit is None
+                misfit = snap.mismatch(trainer)
+                self._misfit = self._misfit or misfit
+                ok = misfit is None
             if self.decide(trainer, ok, all=True):
                 return snap
         return None
@@ -1468,7 +1484,8 @@ class DivergenceGuard(Monitor):
             self._restore_keeping_frozen(trainer, pl_module, snap, {})
             state = f"the state of step {snap.step}, the last good one"
         else:
-            state = f"the state after step {step} (no earlier snapshot to go back to)"
+            why = "no earlier snapshot fits the run" if self._misfit else "no earlier snapshot to go back to"
+            state = f"the state after step {step} ({why})"
         path = os.path.join(self._checkpoint_dir(trainer), f"guard-step={step}.ckpt")
         trainer.save_checkpoint(path)
         trainer.should_stop = True
@@ -1503,6 +1520,9 @@ class DivergenceGuard(Monitor):
         self._loss_acc: Optional[Tensor] = None
         self._judged_through = -1  # the last step judged
         self._warned_replay = False  # a replay of `training_step` failed once (said once)
+        self._batch_start: Optional[int] = None  # the optimizer step at the start of the current batch
+        self._steps_per_batch = 1  # the most optimizer steps one batch made (manual optimization may make several)
+        self._said_steps_per_batch = False
         # the step needs autograd itself (`torch.autograd.grad`: a gradient penalty, a physics-informed loss): its
         # replays run with gradients enabled (no backward, no update)
         self._replay_grad = False
@@ -1523,7 +1543,7 @@ class DivergenceGuard(Monitor):
         self._refs_before = []
         self._lr_trace.clear()
         self._hard_batch: Optional[int] = None  # the last surge the weights were not to blame for
-        self._misfit: Optional[str] = None  # why the last snapshot asked for did not fit the optimizers
+        self._misfit: Optional[str] = None  # why the newest snapshot asked for did not fit the run
         self._skip: set[tuple[int, int]] = set(self._skip_given)
         self._lr_scale = 1.0
         self._lr_ceiling: Optional[list[list[float]]] = None  # per optimizer and group, after a repeated divergence
