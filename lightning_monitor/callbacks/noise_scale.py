@@ -105,6 +105,11 @@ class GradientNoiseScaleMonitor(Monitor):
         min_coverage: for ``"per_example"``: below this share of the gradient's squared norm covered by
             per-example norms (in (0, 1]), the estimate is marked partial (``gns/partial`` = 1, and the
             coverage alert says so).
+        batch_dims: for ``"per_example"``: glob patterns of qualified module names -> the dimension of the module's
+            input that holds the batch (``None``: it has none, the module is left out), declared instead of found
+            by the probe (see :class:`~lightning_monitor.probes.per_example.PerExampleGradNorms`); the first
+            matching pattern applies. E.g. ``{"net.encoder.*": 1, "*": 0}`` for an encoder run sequence-first
+            ``[T, B, d]`` whose output the model cannot tell apart.
 
     **Coverage.** ``gns/coverage`` is logged at every check: the share of the batch gradient's squared
     norm ``sum_covered |G_p|^2 / sum_all |G_p|^2`` carried by the parameters whose per-example norms are
@@ -145,6 +150,7 @@ class GradientNoiseScaleMonitor(Monitor):
         loss_reduction: Literal["mean", "sum"] = "mean",
         linear_strategy: Literal["auto", "fused", "gram", "materialize"] = "auto",
         min_coverage: float = 0.9,
+        batch_dims: Optional[dict[str, Optional[int]]] = None,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
         if method not in _METHODS:
@@ -163,6 +169,15 @@ class GradientNoiseScaleMonitor(Monitor):
             )
         if isinstance(min_coverage, bool) or not isinstance(min_coverage, (int, float)) or not 0.0 < min_coverage <= 1.0:
             raise ValueError(f"`min_coverage` must be a number in (0, 1], got {min_coverage!r}.")
+        if batch_dims is not None and not (isinstance(batch_dims, dict) and all(
+            isinstance(k, str) and (v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0))
+            for k, v in batch_dims.items()
+        )):
+            raise ValueError(
+                "`batch_dims` must map module name patterns to the input dimension holding the batch (an integer "
+                f">= 0) or None (no batch dimension), e.g. {{'encoder.*': 1}}; got {batch_dims!r}."
+            )
+        self.batch_dims = dict(batch_dims or {})
         self.min_coverage = float(min_coverage)
         self.method: Method = method
         self.smoothing = float(smoothing)
@@ -364,6 +379,7 @@ class GradientNoiseScaleMonitor(Monitor):
                 loss_reduction=self.loss_reduction,
                 linear_strategy=self.linear_strategy,
                 include=(lambda name, mod: name in selected) if (self.include or self.exclude) else None,
+                batch_dims=self.batch_dims,
             )
             if not probe.covered:
                 if initial:
@@ -430,6 +446,8 @@ class GradientNoiseScaleMonitor(Monitor):
             self._examples += size
             self._micro_batches += 1
             self._micro_sizes.append(size)
+            if self._probe is not None:  # the batch size a model call's arguments must hold (a sequence-first input)
+                self._probe.batch_size = self._examples
 
     def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[bool]:
         self._examples = 0
@@ -494,8 +512,10 @@ class GradientNoiseScaleMonitor(Monitor):
         scale = grad_scaler_scale(scaler)
         return scale.detach().float() if scale is not None else None
 
-    # the small-batch squared norms of each method: (parameter names, {name: |g_small|^2}, B_small, B_big)
-    def _small_per_example(self, trainer: pl.Trainer, accumulate: int) -> Optional[_Small]:
+    # the small-batch squared norms of each method: (parameter names, {name: |g_small|^2}, B_small, B_big), from
+    # `micro` micro-batches, each loss divided by `accumulate` (Lightning's division, also in an epoch's last, shorter
+    # accumulation window)
+    def _small_per_example(self, trainer: pl.Trainer, accumulate: int, micro: int) -> Optional[_Small]:
         assert self._probe is not None
         self._probe.batch_size = self._examples
         per_param = self._probe.per_parameter()
@@ -509,12 +529,13 @@ class GradientNoiseScaleMonitor(Monitor):
         factor = float(accumulate) ** 2
         return names, {n: per_param[n].mean() * factor for n in names}, 1, self._examples * trainer.world_size
 
-    def _small_accumulation(self, trainer: pl.Trainer, accumulate: int) -> Optional[_Small]:
+    def _small_accumulation(self, trainer: pl.Trainer, accumulate: int, micro: int) -> Optional[_Small]:
         names = [n for n in self._params if n in self._small]
-        small = {n: self._small[n] * float(accumulate) for n in names}  # (accumulate * g)^2 / accumulate
-        return names, small, self._examples / accumulate, self._examples * trainer.world_size
+        factor = float(accumulate) ** 2 / micro  # the mean over the micro-batches of (accumulate * g)^2
+        small = {n: self._small[n] * factor for n in names}
+        return names, small, self._examples / micro, self._examples * trainer.world_size
 
-    def _small_ddp(self, trainer: pl.Trainer, accumulate: int) -> Optional[_Small]:
+    def _small_ddp(self, trainer: pl.Trainer, accumulate: int, micro: int) -> Optional[_Small]:
         # the same parameters, in the same order, on every rank: those with a gradient after the all-reduce (DDP
         # writes it on every rank). A parameter this rank's batch did not reach (a branch taken on some ranks only)
         # has a small-batch gradient of 0 here; its hook did not run
@@ -526,6 +547,8 @@ class GradientNoiseScaleMonitor(Monitor):
         else:
             vec = torch.zeros(0)
         vec = trainer.strategy.reduce(vec, reduce_op="mean")
+        if micro != accumulate:  # a short window: the accumulated local gradient is micro / accumulate of its mean
+            vec = vec * (float(accumulate) / micro) ** 2
         return names, dict(zip(names, vec.unbind(0))), self._examples, self._examples * trainer.world_size
 
     def compute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[dict[str, Any]]:
@@ -535,7 +558,10 @@ class GradientNoiseScaleMonitor(Monitor):
             return None
         method = self.resolved_method
         read = {"per_example": self._small_per_example, "accumulation": self._small_accumulation, "ddp": self._small_ddp}
-        found = read[method](trainer, max(self._micro_batches, 1))
+        # Lightning divides every micro-batch's loss by accumulate_grad_batches, also when an epoch's last
+        # accumulation window holds fewer micro-batches
+        accumulate, micro = trainer.accumulate_grad_batches, max(self._micro_batches, 1)
+        found = read[method](trainer, accumulate, micro)
         if found is None and method == "per_example" and self._probe is not None and not self._probe.covered:
             # the per-example norms cover no parameter (every module left out, e.g. a batch folded with the choices
             # of a multiple-choice model): said once, with each module's reason, and logged as a coverage of 0
@@ -573,6 +599,8 @@ class GradientNoiseScaleMonitor(Monitor):
         rest = [p.grad.detach() for n, p in self._params.items() if n not in measured and p.grad is not None]
         # .grad is unscaled at this hook
         big_vec, rest_vec = self._sq_norms_global(trainer, [[g.detach() for g in grads], rest])
+        if micro != accumulate:  # a short window: .grad holds micro / accumulate times the big-batch mean gradient
+            big_vec, rest_vec = (v * (float(accumulate) / micro) ** 2 for v in (big_vec, rest_vec))
         small_vec = torch.stack([small[n] for n in names]).to(big_vec.device)
 
         raw: dict[str, Any] = {"\x00batch": float(b_big)}

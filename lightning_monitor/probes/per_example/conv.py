@@ -78,6 +78,9 @@ def _patches(m: nn.Module, x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
 
 @register(nn.Conv2d, nn.Conv1d)
 class Conv2dHandler(Handler):
+    def param_names(self, m: nn.Module) -> tuple[str, ...]:
+        return ("weight", "bias")
+
     def capture(self, m: nn.Module, x: Tensor) -> Any:
         return x if x.dim() == (3 if isinstance(m, nn.Conv1d) else 4) else None
 

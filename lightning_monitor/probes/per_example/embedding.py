@@ -33,6 +33,9 @@ class EmbeddingHandler(Handler):
     def unsupported(self, m: nn.Module) -> Optional[str]:
         return "scale_grad_by_freq couples the examples of a batch" if m.scale_grad_by_freq else None
 
+    def param_names(self, m: nn.Module) -> tuple[str, ...]:
+        return ("weight",)
+
     def capture(self, m: nn.Module, idx: Tensor) -> Any:
         # an integer index tensor; anything else is the input of a subclass with a forward of its own (OPT's
         # learned positions take the attention mask and index with positions computed inside): not this handler's

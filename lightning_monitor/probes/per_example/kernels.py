@@ -36,8 +36,8 @@ def as_seq(x: Tensor, d: int) -> Tensor:
 
 def project_matrix(c: Tensor, u: Tensor, v: Tensor) -> Tensor:
     """``u_j^T C v_j`` for each row ``j`` of ``u`` (``k x rows``) and ``v`` (``k x cols``), with ``C`` the
-    tensor ``c`` viewed as ``(shape[0], -1)`` (a 1-D ``c`` as a column)."""
-    c2 = c.float().reshape(c.shape[0], -1)
+    tensor ``c`` viewed as ``(shape[0], -1)`` (a 1-D ``c`` as a column, a 0-D one as ``1 x 1``)."""
+    c2 = c.float().reshape(c.shape[0] if c.dim() else 1, -1)
     return ((u @ c2) * v).sum(1)
 
 

@@ -28,6 +28,9 @@ from lightning_monitor.probes.per_example.strategy import LinearRule
 
 @register(nn.Linear)
 class LinearHandler(Handler):
+    def param_names(self, m: nn.Module) -> tuple[str, ...]:
+        return ("weight", "bias")
+
     def capture(self, m: nn.Module, x: Tensor) -> Any:
         return x if x.dim() >= 2 else None
 
@@ -183,6 +186,9 @@ class HFConv1DHandler(Handler):
         if not isinstance(w, nn.Parameter) or w.dim() != 2:
             return "not the Conv1D layout (a 2-D weight [in, out])"
         return None
+
+    def param_names(self, m: nn.Module) -> tuple[str, ...]:
+        return ("weight", "bias")
 
     def capture(self, m: nn.Module, x: Tensor) -> Any:
         return x if x.dim() >= 2 else None

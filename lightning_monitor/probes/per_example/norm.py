@@ -57,6 +57,9 @@ def _normalized(m: nn.Module, x: Tensor) -> Tensor:
 
 
 class NormHandler(Handler):
+    def param_names(self, m: nn.Module) -> tuple[str, ...]:
+        return ("weight", "bias")
+
     def batch_dims(self, m: nn.Module, x: Tensor) -> int:
         return max(x.dim() - len(tuple(m.normalized_shape)), 0)
 

@@ -60,31 +60,43 @@ def _in_backward() -> bool:
     return current is not None and current() != -1
 
 
-def _first_batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[int]:
-    """Dimension 0 of the first tensor among a call's arguments (one level into lists, tuples and dicts),
-    the batch size by Lightning's convention (``extract_batch_size``)."""
+def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[Tensor]:
+    """The first tensor of at least one dimension among a call's arguments (one level into lists, tuples and dicts):
+    its dimension 0 is the batch size by Lightning's convention (``extract_batch_size``)."""
     for value in (*args, *kwargs.values()):
         items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
         for item in items:
             if isinstance(item, Tensor) and item.dim() >= 1:
-                return int(item.shape[0])
+                return item
     return None
 
 
-def _resize_batch(value: Any, batch: int, size: int) -> Any:
-    """``value`` with every tensor whose dimension 0 is ``batch`` cut (or repeated) to ``size`` examples,
-    through lists, tuples and dicts."""
+def _resize_batch(value: Any, batch: int, size: int, dim: int = 0) -> Any:
+    """``value`` with every tensor whose dimension ``dim`` is ``batch`` cut (or repeated) to ``size`` examples along
+    it (else, for ``dim > 0``, along dimension 0 if that is ``batch``: a batch-first mask beside a sequence-first
+    input), through lists, tuples and dicts."""
     if isinstance(value, Tensor):
-        if value.dim() >= 1 and value.shape[0] == batch:
-            return value[:size] if size <= batch else value.repeat_interleave(-(-size // batch), dim=0)[:size]
+        at = dim if value.dim() > dim and value.shape[dim] == batch else 0
+        if value.dim() >= 1 and value.shape[at] == batch:
+            if size <= batch:
+                return value.narrow(at, 0, size)
+            return value.repeat_interleave(-(-size // batch), dim=at).narrow(at, 0, size)
         return value
     if isinstance(value, dict):
-        return type(value)({k: _resize_batch(v, batch, size) for k, v in value.items()})
+        return type(value)({k: _resize_batch(v, batch, size, dim) for k, v in value.items()})
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_resize_batch(v, batch, size) for v in value))
+        return type(value)(*(_resize_batch(v, batch, size, dim) for v in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(_resize_batch(v, batch, size) for v in value)
+        return type(value)(_resize_batch(v, batch, size, dim) for v in value)
     return value
+
+
+def _shapes(value: Any) -> list[tuple[int, ...]]:
+    """The shapes of the tensors in a call's output (through lists, tuples and dicts, as a ``ModelOutput``)."""
+    if isinstance(value, Tensor):
+        return [tuple(value.shape)]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return [shape for item in items for shape in _shapes(item)]
 
 
 def _scaling_dim(shape: tuple[int, ...], small_shape: tuple[int, ...], batch: int, small: int) -> Union[int, str]:
@@ -310,7 +322,7 @@ class PerExampleGradNorms:
         include: optional predicate ``(qualified name, module) -> bool`` restricting the modules hooked.
         batch_size: the number of examples expected over the backward passes read together; a parameter
             with another count is moved to :attr:`uncovered`. ``None``: the most common count among the
-            parameters.
+            parameters. Also a size the batch-size run tries for a model whose input is sequence-first (below).
         batch_dims: glob patterns of hooked module names -> the dimension of the module's input that holds
             the batch (``None``: it has none, the module is left out), declared instead of found (see
             below); the first matching pattern applies. E.g. ``{"*": 0}`` when every hooked input is
@@ -339,7 +351,15 @@ class PerExampleGradNorms:
     parameters go to :attr:`uncovered` with the reason. The result is kept per module and input shape,
     so the extra small forward runs once per new shape. A model that fails on the slice (one that
     requires a fixed batch size) leaves the modules of that call uncovered, with the reason;
-    ``batch_dims`` declares them instead.
+    ``batch_dims`` declares them instead. When the entry's own input is sequence-first, dimension 0 of its
+    first tensor argument is not the batch: if the call's output stays as it is on the slice, the run is
+    repeated slicing each other dimension of that argument whose size is the batch size (or ``batch_size``,
+    or a size of the output), and the one the output follows is the batch; if none is and the output has a
+    dimension of the batch size, the call's modules are left out with that reason. An output sequence-first
+    too, with ``T == B``, cannot be told from a batch-first one: declare ``batch_dims``.
+
+    **Forward hooks that replace a module's output** (quantization-aware training's activation fake-quantizer,
+    a user hook): the probe's hook runs first and reads the gradient of the module's own output, through them.
 
     **Activation checkpointing.** ``torch.utils.checkpoint`` with ``use_reentrant=False`` recomputes a
     segment's forward during the backward to refill saved tensors: those recomputed calls are recognised
@@ -435,6 +455,23 @@ class PerExampleGradNorms:
                 for ln, p in own:
                     self.reasons.setdefault(trainable[id(p)], f"{type(mod).__name__}: {reason}")
                 continue
+            computed = handler.param_names(mod)
+            left: dict[str, str] = {}
+            for ln, _ in own:
+                if computed is not None and ln not in computed:  # a subclass's own (LoRA adapters, weight_norm's g / v)
+                    left[ln] = (f"{type(mod).__name__}.{ln} is not computed by the handler of its module type, which "
+                                f"computes {' and '.join(computed)} only: a parameter the layer holds besides them "
+                                "(LoRA adapters, weight_norm's weight_g / weight_v) has no per-example rule here")
+                elif ln == "weight" and isinstance(getattr(mod, "weight_fake_quant", None), nn.Module):
+                    left[ln] = (f"{type(mod).__name__} fake-quantizes its weight (quantization-aware training): the "
+                                "straight-through gradient is masked where the weight leaves the quantization range, "
+                                "which the per-example rule of its base class does not follow")
+            for ln, p in own:
+                if ln in left:
+                    self.reasons.setdefault(trainable[id(p)], left[ln])
+            own = [(ln, p) for ln, p in own if ln not in left]
+            if not own:
+                continue
             self._modules[mname] = (mod, handler, [(ln, id(p)) for ln, p in own])
             covered.update(id(p) for _, p in own)
         uncovered_ids = [pid for pid in trainable if pid not in covered]
@@ -513,7 +550,7 @@ class PerExampleGradNorms:
                 mod.forward = torch.compiler.disable(forward)  # type: ignore[method-assign]
                 self._patched.append(mod)
             else:
-                self._handles.append(mod.register_forward_hook(uses.forward_hook))
+                self._handles.append(mod.register_forward_hook(uses.forward_hook, prepend=True))
         # entry hooks on every module holding a hooked one (registered after the hooks above, so that a
         # hooked module called as an entry has noted its call before its entry hook ends)
         key = tuple(hooked)
@@ -573,6 +610,8 @@ class PerExampleGradNorms:
             return
         self._depth += 1
         if self._depth == 1:
+            if self._pending:  # a new forward: the last backward is over
+                self._settle()
             self._entry, self._calls = (module, args, kwargs), []
             # Lightning's DDP / FSDP wrappers call the LightningModule with its `forward` patched, for this
             # one call, to run `training_step` (the patch restores `forward` as it starts): keep the forward
@@ -591,63 +630,44 @@ class PerExampleGradNorms:
             return
         todo = sorted({c for c in calls if c not in self._bdims and self._declared(c[0]) is None})
         if todo:
-            self._resolve_batch_dims(entry, calls, todo)
+            self._resolve_batch_dims(entry, calls, todo, _shapes(output))
 
     def _resolve_batch_dims(self, entry: tuple[nn.Module, tuple[Any, ...], dict[str, Any]],
-                            calls: list[tuple[str, tuple[int, ...]]], todo: list[tuple[str, tuple[int, ...]]]) -> None:
+                            calls: list[tuple[str, tuple[int, ...]]], todo: list[tuple[str, tuple[int, ...]]],
+                            output: list[tuple[int, ...]]) -> None:
         """Find the batch dimension of each ``(module, input shape)`` in ``todo`` by running the entry call
-        again on a slice of its batch (see the class docstring)."""
-        module, args, kwargs = entry
-        batch = _first_batch_size(args, kwargs)
-        if batch is None:
+        again on a slice of its batch (see the class docstring); ``output``: the shapes of the call's output."""
+        first = _first_tensor(*entry[1:])
+        if first is None:
             for key in todo:
                 self._bdims[key] = "its batch dimension is unknown: the model's call has no tensor argument"
             return
-        attributes = _attributes(module)
+        batch = int(first.shape[0])
         small = 1 if batch == 2 else 2
-        dry: list[tuple[str, tuple[int, ...]]] = []
-        # the run works on copies of the buffers (BatchNorm statistics stay as they are: the real ones are
-        # saved for the backward, and must keep their version)
-        buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
-        devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
-        error: Optional[BaseException] = None
-        self._dry = dry
-        used = getattr(self, "_entry_forward", None)
-        missing = object()
-        now = module.__dict__.get("forward", missing)
-        swap = used is not None and now is not used
-        states = _host_random_states()
-        try:
-            if swap:
-                module.forward = used  # type: ignore[method-assign]
-            if isinstance(module, pl.LightningModule):
-                # under DDP / FSDP the entry is the LightningModule running `training_step`: what it logs on the
-                # slice is not the step's (the slice's loss would replace the logged one)
-                module.log = module.log_dict = _no_log  # type: ignore[method-assign]
-            with torch.no_grad(), torch.random.fork_rng(devices=devices), warnings.catch_warnings(), dry_run():
-                warnings.simplefilter("ignore")  # the model's warnings belong to its real calls
-                functional_call(module, buffers, _resize_batch(args, batch, small),
-                                _resize_batch(kwargs, batch, small), strict=False)
-        except Exception as err:  # the model may require its batch size: the modules stay unresolved
-            error = err
-        finally:
-            self._dry = None
-            if swap:
-                if now is missing:
-                    module.__dict__.pop("forward", None)
-                else:
-                    module.forward = now  # type: ignore[method-assign]
-            lost = _restore_attributes(attributes)
-            _set_host_random_states(states)
-            for name in lost:
-                if name not in self._said_lost:
-                    self._said_lost.add(name)
-                    warnings.warn(
-                        f"PerExampleGradNorms: its run of the model on a slice of the batch (to find the batch "
-                        f"dimension) wrote into the large tensor attribute {name} in place, which it does not copy: "
-                        "that write stays. Declare the batch dimensions with `batch_dims=` to skip that run.",
-                        stacklevel=2,
-                    )
+        dry, error, out = self._dry_run(entry, batch, small, 0)
+        # an output that stays as it is when dimension 0 of the first argument is sliced: that dimension may not be the
+        # batch (a sequence-first input [T, B, ...], T == B or not). The run is repeated slicing each other dimension
+        # of that argument whose size is the batch's (or `batch_size`, or a size of the output), and the one the output
+        # follows is the batch. If none is, an output with a dimension of the batch's size says dimension 0 was not it
+        sizes = {batch} if self.batch_size is None else {batch, self.batch_size}
+        if error is None and out == output and any(output):
+            outs = {n for shape in output for n in shape}
+            for k in [k for k in range(1, first.dim()) if first.shape[k] in sizes | outs]:
+                n = int(first.shape[k])
+                tried = self._dry_run(entry, n, 1 if n == 2 else 2, k)
+                if tried[1] is None and tried[2] != output:
+                    batch, small, (dry, error, out) = n, 1 if n == 2 else 2, tried
+                    break
+            else:
+                if sizes & outs:
+                    for key in todo:
+                        self._bdims[key] = (
+                            f"its batch dimension could not be found: dimension 0 of the model call's first tensor "
+                            f"argument {tuple(first.shape)} is not the batch (the call's output, of shape "
+                            f"{next(o for o in output if sizes & set(o))}, stays as it is when it is sliced: a "
+                            "sequence-first input?); declare it with `batch_dims`"
+                        )
+                    return
         full: dict[str, list[tuple[int, ...]]] = defaultdict(list)
         part: dict[str, list[tuple[int, ...]]] = defaultdict(list)
         for name, shape in calls:
@@ -672,6 +692,59 @@ class PerExampleGradNorms:
             self._bdims[(name, shape)] = found.pop() if len(found) == 1 else (
                 f"calls on inputs of shape {shape} disagree on the batch dimension"
             )
+
+    def _dry_run(self, entry: tuple[nn.Module, tuple[Any, ...], dict[str, Any]], batch: int, small: int,
+                 dim: int) -> tuple[list[tuple[str, tuple[int, ...]]], Optional[BaseException], list[tuple[int, ...]]]:
+        """Run the entry call without gradients on ``small`` examples of its batch (``batch`` along dimension ``dim``
+        of its tensors), leaving no trace; returns the hooked calls it made, its error (if it failed) and the shapes
+        of its output."""
+        module, args, kwargs = entry
+        attributes = _attributes(module)
+        dry: list[tuple[str, tuple[int, ...]]] = []
+        out: list[tuple[int, ...]] = []
+        # the run works on copies of the buffers (BatchNorm statistics stay as they are: the real ones are
+        # saved for the backward, and must keep their version)
+        buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+        devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+        error: Optional[BaseException] = None
+        self._dry = dry
+        used = getattr(self, "_entry_forward", None)
+        missing = object()
+        now = module.__dict__.get("forward", missing)
+        swap = used is not None and now is not used
+        states = _host_random_states()
+        try:
+            if swap:
+                module.forward = used  # type: ignore[method-assign]
+            if isinstance(module, pl.LightningModule):
+                # under DDP / FSDP the entry is the LightningModule running `training_step`: what it logs on the
+                # slice is not the step's (the slice's loss would replace the logged one)
+                module.log = module.log_dict = _no_log  # type: ignore[method-assign]
+            with torch.no_grad(), torch.random.fork_rng(devices=devices), warnings.catch_warnings(), dry_run():
+                warnings.simplefilter("ignore")  # the model's warnings belong to its real calls
+                out = _shapes(functional_call(module, buffers, _resize_batch(args, batch, small, dim),
+                                              _resize_batch(kwargs, batch, small, dim), strict=False))
+        except Exception as err:  # the model may require its batch size: the modules stay unresolved
+            error = err
+        finally:
+            self._dry = None
+            if swap:
+                if now is missing:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.forward = now  # type: ignore[method-assign]
+            lost = _restore_attributes(attributes)
+            _set_host_random_states(states)
+            for name in lost:
+                if name not in self._said_lost:
+                    self._said_lost.add(name)
+                    warnings.warn(
+                        f"PerExampleGradNorms: its run of the model on a slice of the batch (to find the batch "
+                        f"dimension) wrote into the large tensor attribute {name} in place, which it does not copy: "
+                        "that write stays. Declare the batch dimensions with `batch_dims=` to skip that run.",
+                        stacklevel=2,
+                    )
+        return dry, error, out
 
     def _batch_dim(self, use: _Use) -> Union[int, str]:
         """The input dimension holding the batch for this use, or why it is not known."""
@@ -752,6 +825,12 @@ class PerExampleGradNorms:
             self._drop(params, f"its handler failed on it ({type(err).__name__}: {err}): its module computes "
                                "otherwise than the handler assumes")
             return
+        missing = [(ln, pid) for ln, pid in params
+                   if ln not in (grads if pid in shared else sqs) or (self.verify and ln not in fps)]
+        if missing:  # a handler that does not declare `param_names`, on a module holding parameters it does not know
+            self._drop(missing, "its module's handler returned no per-example norm for it (a parameter the layer "
+                                "holds besides those its handler computes)")
+            params = [lp for lp in params if lp not in missing]
         if self.verify:
             self._verified = False
             for ln, pid in params:
@@ -779,6 +858,14 @@ class PerExampleGradNorms:
             self._pending[pid] = g if prev is None else prev + g
             if self._outstanding[pid] == 0:
                 self._records[pid].append(self._pending.pop(pid).flatten(1).pow(2).sum(1))
+
+    def _settle(self) -> None:
+        """Finish the parameters of modules called several times whose backward is over with uses still awaited: the
+        output of such a call received no gradient (a target under stop-gradient, logits used for an argmax only),
+        so it contributes nothing to the gradient, and the uses that did receive one make the per-example gradient."""
+        for pid in list(self._pending):
+            self._records[pid].append(self._pending.pop(pid).flatten(1).pow(2).sum(1))
+            self._outstanding[pid] = 0
 
     def _uv(self, pid: int) -> tuple[Tensor, Tensor]:
         """Two fixed random projections for parameter ``pid`` (rows and columns of its matrix view)."""
@@ -827,6 +914,8 @@ class PerExampleGradNorms:
     def per_parameter(self) -> dict[str, Tensor]:
         """Per covered parameter name, the squared norm of each example's gradient (``Tensor[N]``, fp32,
         ``N`` examples over every backward pass since the last :meth:`reset`)."""
+        if self._pending and not _in_backward():
+            self._settle()
         if self.verify and not self._verified and not self._pending:
             self._check_projections()
         out: dict[str, Tensor] = {}
@@ -840,8 +929,10 @@ class PerExampleGradNorms:
                 if p.grad is not None:
                     # it has a gradient, but its module's forward never ran: used outside its module
                     self._not_reached.append(name)
-                    self.reasons[name] = self._refused.get(name.rpartition(".")[0],
-                                                           "has a gradient but its module's forward was not called")
+                    owner = name.rpartition(".")[0]
+                    self.reasons[name] = self._refused.get(owner, (
+                        "has a gradient, but no output of its module received one: it is used outside its module"
+                        if self._fwd_uses.get(owner) else "has a gradient but its module's forward was not called"))
                 continue
             if self._outstanding.get(pid, 0) or pid in self._pending:
                 raise RuntimeError(
@@ -853,12 +944,14 @@ class PerExampleGradNorms:
             sizes = [v.shape[0] for v in out.values()]
             expected = self.batch_size if self.batch_size is not None else max(set(sizes), key=lambda n: (sizes.count(n), n))
             for name in [n for n, v in out.items() if v.shape[0] != expected]:
-                del out[name]
+                rows = out.pop(name).shape[0]
                 if name not in self._not_reached:
                     self._not_reached.append(name)
                     self.reasons[name] = (
-                        "its module's input has no batch dimension (e.g. positions broadcast over the batch), "
-                        "so per-example gradients are not separable there"
+                        f"its module's input has no batch dimension of the batch's {expected} examples (it gave "
+                        f"{rows} rows: positions broadcast over the batch, or a model call whose first "
+                        "tensor argument holds the batch along another dimension than 0), so per-example gradients "
+                        "are not separable there; declare it with `batch_dims` if it has one"
                     )
         return out
 

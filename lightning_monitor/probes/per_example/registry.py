@@ -25,7 +25,7 @@ class Handler:
     * :meth:`capture` at forward time, :meth:`sq_norms` when the backward reaches the module's output
       (or :meth:`grads` instead, for parameters used several times in one forward), and :meth:`project`
       when the probe verifies that the hooks saw every use of each parameter;
-    * :meth:`unsupported` once, when the probe is built;
+    * :meth:`unsupported` and :meth:`param_names` once, when the probe is built;
     * :meth:`patch_forward` when the probe is armed (optional: a replacement ``forward``).
 
     Every result is keyed by the module's local parameter name (``"weight"``, ``"bias"``) and is fp32.
@@ -42,6 +42,12 @@ class Handler:
 
     def unsupported(self, module: nn.Module) -> Optional[str]:
         """Why this instance cannot be covered, or ``None``."""
+        return None
+
+    def param_names(self, module: nn.Module) -> Optional[tuple[str, ...]]:
+        """The local names of the module's own parameters this handler computes (``None``: all of them). Any other
+        parameter the module holds (a subclass's own: loralib's ``lora_A`` / ``lora_B``, ``weight_g`` / ``weight_v``
+        of ``torch.nn.utils.weight_norm``) is listed as uncovered, with the reason."""
         return None
 
     def capture(self, module: nn.Module, x: Tensor) -> Any:
