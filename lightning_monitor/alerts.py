@@ -363,7 +363,8 @@ class AlertHub:
     @classmethod
     def for_trainer(cls, trainer: pl.Trainer) -> AlertHub:
         """The hub of ``trainer``, created (and its log directory checked) on first use; a new fit of the
-        same trainer gets a new run id. Called in every rank's ``setup`` (the run id is broadcast)."""
+        same trainer gets a new run id, and continues the counts when it writes the same ``alerts.jsonl``.
+        Called in every rank's ``setup`` (the run id is broadcast)."""
         hub = cls._hubs.get(trainer)
         if hub is None:
             hub = cls(trainer, run_id=_shared_run_id(trainer))
@@ -371,9 +372,14 @@ class AlertHub:
             cls._hubs[trainer] = hub
             hub._attach(trainer)
         elif hub._finished and _fitting(trainer):
+            path, counts, count_step, entries = hub.path, hub.counts, hub._count_step, hub._text_entries
             hub.run_id = _shared_run_id(trainer)
             hub._begin_counts()
             hub._prepare_file(trainer)
+            if hub.path == path:
+                # the same alerts.jsonl (the same logger folder) holds the earlier fits' records: the cumulative
+                # counts continue from them, as after a resume, and the logged series (the same steps) never go back
+                hub.counts, hub._count_step, hub._text_entries = counts, count_step, entries
         return hub
 
     def _attach(self, trainer: pl.Trainer) -> None:

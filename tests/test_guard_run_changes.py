@@ -351,3 +351,54 @@ def test_a_layer_added_since_the_snapshots_makes_them_unfit_and_the_guard_stops(
     (stopped,) = [a for a in guard.hub.history if a.kind == "stopped"]
     assert "no longer fit the run" in stopped.message and "extra.weight" in stopped.message
     assert not any(a.kind == "objective_change" for a in guard.hub.history)
+
+
+def test_a_rollback_does_not_hold_a_group_that_was_off_at_the_best_loss_at_zero(tmp_path):
+    """A backbone at rate 0 until step 100 (a LambdaLR unfreeze), then too hot: the rollback capped each group at its
+    rate at the best smoothed loss, 0 for the backbone, which then never trained again (held-out loss 0.28-0.32
+    against the control's 0.01-0.02). A group off at the best loss is capped at a fraction of the rate that diverged."""
+    from sklearn.datasets import load_digits
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor((x - x.mean(0)) / (x.std(0) + 1.0), dtype=torch.float32)
+    y = torch.tensor(y)
+    torch.manual_seed(700)
+    net = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 10))
+    first = y < 5  # pre-trained on digits 0-4
+    opt = torch.optim.Adam(net.parameters(), 1e-3)
+    g = torch.Generator().manual_seed(700)
+    for _ in range(300):
+        i = torch.nonzero(first).squeeze(1)[torch.randint(0, int(first.sum()), (32,), generator=g)]
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x[i]), y[i]).backward()
+        opt.step()
+    torch.manual_seed(0)
+    net[4].reset_parameters()  # a new head for the ten digits
+
+    class FineTune(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            back = [p for n, p in self.net.named_parameters() if not n.startswith("4.")]
+            opt = torch.optim.SGD([{"params": list(self.net[4].parameters()), "lr": 0.05},
+                                   {"params": back, "lr": 0.5}], momentum=0.9)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 1.0, lambda s: 0.0 if s < 100 else 1.0])
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    pl.seed_everything(0)
+    guard = DivergenceGuard()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=250, logger=False, enable_checkpointing=False,
+                         callbacks=[guard], enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path))
+    trainer.fit(FineTune(), DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True))
+    assert guard.rollbacks and guard.rollbacks[0]["to_step"] >= 100  # the hot unfreeze is caught and undone
+    assert all(r["lr_ceiling"][0][1] > 0.0 for r in guard.rollbacks)  # the backbone's cap is not 0 ...
+    assert trainer.optimizers[0].param_groups[1]["lr"] > 0.0  # ... and it trains on
+    with torch.no_grad():
+        assert float(nn.functional.cross_entropy(net(x), y)) < 0.15

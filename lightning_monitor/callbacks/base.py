@@ -6,7 +6,11 @@
   - :meth:`Monitor.select` once per fit, at setup: find what to watch (raise :class:`NothingToWatch`
     when there is nothing);
   - :meth:`Monitor.arm` at the first batch of a due step: register the hooks the check needs, keeping
-    each handle with :meth:`Monitor.keep`;
+    each handle with :meth:`Monitor.keep`. Under manual optimization a batch may take several optimizer
+    steps (a GAN's two players, several updates per batch), and a later one has no batch start of its own:
+    a due step that follows another step is armed in ``on_before_optimizer_step`` of that step (after its
+    backward, before the due step's forward), and released at the end of the batch if it did not come
+    there (the next batch arms it afresh);
   - :meth:`Monitor.compute` in ``on_before_optimizer_step`` of an armed step (gradients ready, weights not
     yet updated): the check's values as named tensors, on the device;
   - :meth:`Monitor.judge` with those values on the host (one transfer): alerts and decisions; it returns
@@ -34,21 +38,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerStatus
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from lightning_monitor._args import check_int, deprecated_aliases, resolve_callable
 from lightning_monitor._compat import backward_skipped
 from lightning_monitor._values import TrainerRef, fold_layers, log_histogram, publish, to_host
 from lightning_monitor.alerts import SEVERITY_LEVELS, Alert, AlertHub, Severity
 
-__all__ = ["Monitor", "NothingToWatch", "Streak", "deprecated_aliases", "resolve_callable"]
+__all__ = ["Monitor", "NothingToWatch", "Streak", "deprecated_aliases", "reading_weights", "resolve_callable"]
 
 
 class NothingToWatch(ValueError):
@@ -58,6 +64,28 @@ class NothingToWatch(ValueError):
     warning alert and stays idle instead (:meth:`Monitor.nothing_to_watch`)."""
 
 Number = Union[Tensor, float, int]
+
+
+@contextmanager
+def reading_weights(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Inside, the weights of ``modules`` read without side effects: the parametrizations
+    (``torch.nn.utils.parametrize``) of those that have some run in eval mode, their modes restored after.
+
+    In training mode, reading a parametrized weight runs its parametrization, and ``spectral_norm``'s advances
+    its power iteration (its ``_u`` / ``_v`` buffers) at every read, which changes the training of a run a
+    monitor reads it in. In eval mode it uses the vectors as they are: before the optimizer step, the weight
+    read is the one the step's forward used. A monitor reads weights only inside this; a module without
+    parametrizations costs one attribute test.
+    """
+    switched = [sub for m in modules if parametrize.is_parametrized(m)
+                for sub in m.parametrizations.modules() if sub.training]
+    for sub in switched:
+        sub.training = False
+    try:
+        yield
+    finally:
+        for sub in switched:
+            sub.training = True
 
 
 class Streak:
@@ -126,6 +154,7 @@ class Monitor(Callback):
         #: the reason this monitor is idle (nothing to watch), or None while it watches something
         self.idle_reason: Optional[str] = None
         self._armed_step: Optional[int] = None  # the due step whose hooks are armed
+        self._armed_ahead = False  # armed at the step before it (manual optimization), not at a batch start
         self._checked_step: Optional[int] = None  # the last step checked (several optimizers: once a step)
 
     # ------------------------------------------------------------------ identity / state
@@ -172,8 +201,9 @@ class Monitor(Callback):
         to watch. Raise :class:`NothingToWatch` when the model offers nothing (see :meth:`nothing_to_watch`)."""
 
     def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[bool]:
-        """At the first batch of a due step: register the hooks the check needs (each handle kept with
-        :meth:`keep`). Return ``False`` to skip this step's check."""
+        """At the first batch of a due step, or, under manual optimization, in ``on_before_optimizer_step`` of
+        the step before it (``step`` is then ``trainer.global_step + 1``; see the module docstring): register the
+        hooks the check needs (each handle kept with :meth:`keep`). Return ``False`` to skip this step's check."""
         return None
 
     def compute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[Mapping[str, Number]]:
@@ -204,10 +234,11 @@ class Monitor(Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
-        if self.idle_reason is not None or self._armed_step == step:
+        if self.idle_reason is not None or (self._armed_step == step and not self._armed_ahead):
             return  # idle, or a later micro-batch of the armed step
         if self._armed_step is not None:
-            self.release()  # a due step whose optimizer step never came (skipped): drop it
+            # a due step whose optimizer step never came (skipped), or one armed ahead in the last batch: drop it
+            self.release()
         # not on a forward-only step (SWA's BatchNorm epoch): no gradients to check
         if (self.is_due(step) and self._checked_step != step and not backward_skipped(trainer)
                 and self.arm(trainer, pl_module, step) is not False):
@@ -215,16 +246,37 @@ class Monitor(Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         step = trainer.global_step
-        if self._armed_step != step or self._checked_step == step or self.idle_reason is not None:
+        if self.idle_reason is not None:
             return
-        self._checked_step = step
-        try:
-            values = self.compute(trainer, pl_module, step)
-            if values is not None:
-                logged = self.judge(trainer, step, self.to_host(values))
-                if logged:
-                    self.log_metrics(trainer, logged, step)
-        finally:
+        if self._armed_step == step and self._checked_step != step:
+            self._checked_step = step
+            try:
+                values = self.compute(trainer, pl_module, step)
+                if values is not None:
+                    logged = self.judge(trainer, step, self.to_host(values))
+                    if logged:
+                        self.log_metrics(trainer, logged, step)
+            finally:
+                self.release()
+        if not pl_module.automatic_optimization:
+            self._arm_ahead(trainer, pl_module, step + 1)
+
+    def _arm_ahead(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        """Manual optimization: arm the due step ``step`` now, in ``on_before_optimizer_step`` of the step
+        before it, since the batch may take it without a batch start of its own. Called again for the same
+        step (a closure evaluated again inside ``optimizer.step``, LBFGS), it arms afresh, dropping what that
+        evaluation's forward left in the hooks."""
+        if not self.is_due(step) or self._checked_step == step:
+            return
+        if self._armed_step is not None:
+            self.release()
+        if self.arm(trainer, pl_module, step) is not False:
+            self._armed_step, self._armed_ahead = step, True
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._armed_ahead:  # the batch took no further step: the next batch start arms the step afresh
             self.release()
 
     def keep(self, handle: Any, until_end: bool = False) -> Any:
@@ -239,6 +291,7 @@ class Monitor(Callback):
         for handle in self.__dict__.pop("_kept", []):
             handle.remove()
         self._armed_step = None
+        self._armed_ahead = False
 
     def _release_all(self) -> None:
         self.release()
@@ -306,12 +359,13 @@ class Monitor(Callback):
         """Forget everything a previous run left (subclasses extend this); the configuration stays."""
         self._conditions = {}
 
-    def nothing_to_watch(self, trainer: pl.Trainer, reason: str) -> None:
+    def nothing_to_watch(self, trainer: pl.Trainer, reason: str, training: bool = False) -> None:
         """Called when the model offers this monitor nothing to watch: raises :class:`NothingToWatch`
         with ``reason``, or, when ``idle_when_nothing_to_watch`` is set, records the reason in
         ``idle_reason``, releases the hooks, raises one warning alert (``nothing_to_watch``) and returns;
-        every hook then returns at once. :meth:`select` raising :class:`NothingToWatch` comes here."""
-        if not self.idle_when_nothing_to_watch:
+        every hook then returns at once. :meth:`select` raising :class:`NothingToWatch` comes here. ``training``:
+        found once training is under way, where it never raises (a monitor does not end a run it cannot measure)."""
+        if not self.idle_when_nothing_to_watch and not training:
             raise NothingToWatch(f"{type(self).__name__}: {reason}")
         self.release()
         self.idle_reason = reason

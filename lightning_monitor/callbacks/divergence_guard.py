@@ -549,8 +549,9 @@ class DivergenceGuard(Monitor):
     ) -> None:
         """Act here, after the optimizer step: every monitor of the step has been heard (whatever the order of
         the callbacks) and has read this step's gradients; the update just applied is undone by the restore."""
+        # (several optimizers, one step each: their steps are not replayed anyway, see _replayable)
         made = trainer.global_step - self._batch_start if self._batch_start is not None else 0
-        if made > self._steps_per_batch:
+        if made > self._steps_per_batch and len(trainer.optimizers) == 1:
             if not self._said_steps_per_batch:
                 self._said_steps_per_batch = True
                 self.alert(
@@ -1449,7 +1450,8 @@ class DivergenceGuard(Monitor):
                 for j, group in enumerate(opt.param_groups):
                     caps = [group["lr"] if isinstance(group["lr"], float) else math.inf]
                     if rose:  # the rate of the best smoothed loss, and a fraction of the rate that diverged
-                        caps += [b for b in [_at(best, i, j)] if b is not None]
+                        # (a group switched off then, a backbone before its unfreeze, is not held at 0 for good)
+                        caps += [b for b in [_at(best, i, j)] if b is not None and b > 0.0]
                         caps += [self.lr_factor * n for n in [_at(lr_now, i, j)] if n is not None]
                     caps += [c * factor for c in [_at(before, i, j)] if c is not None]
                     row.append(min(caps))

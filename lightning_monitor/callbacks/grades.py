@@ -14,7 +14,7 @@ from torch import Tensor
 
 from lightning_monitor._sharded import is_sharded, local, replication
 from lightning_monitor._args import check_fraction, check_int, deprecated_aliases
-from lightning_monitor.callbacks.base import Monitor, NothingToWatch
+from lightning_monitor.callbacks.base import Monitor, NothingToWatch, reading_weights
 from lightning_monitor.functional.grades import (
     Component,
     block_container,
@@ -462,7 +462,8 @@ class GradientEarlyStopping(Monitor):
                 "Set `Trainer(max_steps=...)`, or give the grace period in steps with `grace_steps=...`, or use "
                 "`grace_fraction=0`."
             )
-        found = find_components(pl_module, self.include, self.exclude, trainable_only=False, allow_empty=True)
+        with reading_weights(pl_module.modules()):  # parametrized weights (spectral_norm) read without side effects
+            found = find_components(pl_module, self.include, self.exclude, trainable_only=False, allow_empty=True)
         # a component frozen before the run (and not by us) is not ours to watch
         self._components = {n: c for n, c in found.items() if c.weight.requires_grad or n in self.frozen}
         self._names = list(self._components)
@@ -528,7 +529,8 @@ class GradientEarlyStopping(Monitor):
             return
         # FSDP2 (`fully_shard` in configure_model, after setup) replaces every parameter by a new DTensor
         # parameter: read the components' parameters again, now that the model is final
-        found = find_components(pl_module, self.include, self.exclude, trainable_only=False, allow_empty=True)
+        with reading_weights(pl_module.modules()):  # parametrized weights (spectral_norm) read without side effects
+            found = find_components(pl_module, self.include, self.exclude, trainable_only=False, allow_empty=True)
         self._components = {n: found[n] for n in self._components if n in found}
         self._names = [n for n in self._names if n in self._components]
         flags = {is_sharded(p) for c in self._components.values() for p in c.params}

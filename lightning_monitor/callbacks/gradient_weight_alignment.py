@@ -24,9 +24,16 @@ from lightning_monitor._sharded import full, global_norm, is_sharded
 from lightning_monitor._values import publish, write_csv
 from lightning_monitor._args import check_fraction, check_int, deprecated_aliases
 from lightning_monitor._compat import backward_skipped
-from lightning_monitor.callbacks.base import Monitor, NothingToWatch
+from lightning_monitor.callbacks.base import Monitor, NothingToWatch, reading_weights
 from lightning_monitor.probes import in_dry_run
-from lightning_monitor.functional.gwa import GWA_OFFSET, GWAMoments, SampleMeans, alignment_from_parts
+from lightning_monitor.functional.gwa import (
+    GWA_OFFSET,
+    ZERO_SUM_TOLERANCE,
+    GWAMoments,
+    SampleMeans,
+    alignment_from_parts,
+    softmax_gradient_evidence,
+)
 
 __all__ = ["GradientWeightAlignmentMonitor", "default_target_fn"]
 
@@ -76,7 +83,7 @@ class _HeadWatch:
         self.handles: list[Any] = []
         self.calls: dict[str, tuple[nn.Module, tuple[Any, ...], Any, int]] = {}  # first call: inputs, output, order
         self.returned: list[tuple[str, set[int]]] = []
-        #: per candidate, on its device: [sum over rows of |row sum| of the output's gradient, sum of |gradient|]
+        #: per candidate, on its device: how far its output's gradient is a softmax's (``softmax_gradient_evidence``)
         self.grads: dict[str, Tensor] = {}
         #: per candidate, the machine epsilon of its output gradient's dtype (the rounding the zero sums carry)
         self.eps: dict[str, float] = {}
@@ -88,12 +95,12 @@ class _HeadWatch:
                 return
             self.calls[name] = (module, inputs, output, len(self.calls))
             if isinstance(output, Tensor) and output.requires_grad:
+                logits = output.detach()
 
                 def grad_hook(grad: Tensor) -> None:
                     if grad.is_floating_point():
                         self.eps[name] = torch.finfo(grad.dtype).eps
-                    g = grad.detach().float()
-                    self.grads[name] = torch.stack([g.sum(-1).abs().sum(), g.abs().sum()])
+                    self.grads[name] = softmax_gradient_evidence(grad, logits, self.eps.get(name, 0.0))
 
                 output.register_hook(grad_hook)
         return hook
@@ -177,7 +184,8 @@ class GradientWeightAlignmentMonitor(Monitor):
     number inside the window (``0.5 + atan(GWA) / pi`` in ``(0, 1)`` for a score, ``1 + (-1.2 - kurtosis) /
     0.8`` in ``[1, 2]`` for bimodal scores); outside it, or when the epoch is not ranked, it is left as it
     was: absent before the first windowed epoch, the last value after it (no placeholder value). So
-    ``ModelCheckpoint(monitor="gwa/selection", mode="max")`` keeps the checkpoint of ``best_epoch``, and
+    ``ModelCheckpoint(monitor="gwa/selection", mode="max")`` keeps the checkpoint of ``best_epoch`` (with validation
+    inside the epochs, pass it ``save_on_train_epoch_end=True``: the key is set at each epoch's end), and
     ``EarlyStopping(monitor="gwa/selection", mode="max", strict=False)`` waits through the warm-up and
     stops like ``stop=True`` with ``min_delta=0``. ``callback_metrics["gwa/score"]``, masked the same way,
     is the paper's score alone (bimodal epochs never reach it). ``mask_warmup=False`` publishes both outside
@@ -489,10 +497,14 @@ class GradientWeightAlignmentMonitor(Monitor):
 
     def _check_score_consumers(self, trainer: pl.Trainer) -> None:
         """Warn about Lightning callbacks on ``gwa/score`` or ``gwa/selection`` that fail while the key has no value:
-        it is absent from ``callback_metrics`` until the first selectable epoch (no placeholder)."""
+        it is absent from ``callback_metrics`` until the first selectable epoch (no placeholder), and set at the end of
+        each training epoch, so a checkpoint saved after a validation inside an epoch fails before the first epoch's
+        end, and carries the score of the epoch before it afterwards."""
         from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
-        if not self.mask_warmup or self._in_window(trainer.current_epoch):
+        masked = self.mask_warmup and not self._in_window(trainer.current_epoch)
+        within = self._validates_within_epochs(trainer)
+        if not masked and not within:
             return
         keys = (self.key("score"), self.key("selection"))
         gap = f"epochs < {self._warmup_resolved}" + (" and until GWA's first dip" if self.finetune else "")
@@ -500,7 +512,22 @@ class GradientWeightAlignmentMonitor(Monitor):
             key = getattr(cb, "monitor", None)
             if key not in keys:
                 continue
-            if isinstance(cb, EarlyStopping) and cb.strict:
+            if (within and isinstance(cb, ModelCheckpoint) and cb.save_top_k != 0
+                    and getattr(cb, "_save_on_train_epoch_end", None) is not True):
+                rank_zero_warn(
+                    f"ModelCheckpoint(monitor={key!r}) saves after each validation, and validation runs within the "
+                    "training epochs (`val_check_interval` below an epoch, or counted across epochs or in time), "
+                    f"while `{key}` is set at the end of each training epoch: the first validation, before the first "
+                    "epoch ends, raises (the key has no value yet), and later ones would checkpoint weights from "
+                    "inside an epoch under the score of the epoch before. Pass "
+                    f"`ModelCheckpoint(monitor={key!r}, mode='max', save_on_train_epoch_end=True)`: it then saves the "
+                    "weights at each epoch's end, the ones scored"
+                    + (" (and `warmup_epochs=0` or `mask_warmup=False`: the key has no value during the warm-up)."
+                       if masked else ".")
+                )
+            elif not masked:
+                continue
+            elif isinstance(cb, EarlyStopping) and cb.strict:
                 rank_zero_warn(
                     f"EarlyStopping(monitor={key!r}) with strict=True raises at its first check: `{key}` is not in "
                     f"trainer.callback_metrics during GWA's warm-up ({gap}). Pass `strict=False`: EarlyStopping "
@@ -513,6 +540,16 @@ class GradientWeightAlignmentMonitor(Monitor):
                     f"and `{key}` has no value before the window opens. Without a validation loop it waits; with "
                     "one, pass `warmup_epochs=0` or `mask_warmup=False` (warm-up epochs can then be kept)."
                 )
+
+    @staticmethod
+    def _validates_within_epochs(trainer: pl.Trainer) -> bool:
+        """Whether a validation may run before a training epoch ends: ``val_check_interval`` below an epoch, counted
+        across epochs (``check_val_every_n_epoch=None``) or in time."""
+        if not trainer.enable_validation:
+            return False
+        if getattr(trainer, "_val_check_time_interval", None) is not None or trainer.check_val_every_n_epoch is None:
+            return True
+        return trainer.val_check_batch < trainer.num_training_batches
 
     def _check_time_limit(self, trainer: pl.Trainer) -> None:
         """A warm-up planned as a fraction of the epochs of a run that ``max_time`` may end first: said once."""
@@ -621,11 +658,14 @@ class GradientWeightAlignmentMonitor(Monitor):
         softmax cross-entropy head, whose logits' gradient has rows that sum to 0 (softmax minus a distribution), and
         the logits are what the model hands to its loss. In that order of preference:
 
-        1. the candidates whose output's gradient rows sum to 0 (within 1e-3 of its magnitude) and whose output is
-           returned by the outermost call that holds them (or that the training step calls itself);
-        2. those whose gradient rows sum to 0;
-        3. those whose output is so returned;
-        4. the last one registered (the rule without a watched step), if it ran;
+        1. the candidates whose output's gradient rows sum to 0 (within 1e-3 of its magnitude, and the rounding of the
+           probabilities: ``softmax_gradient_evidence``) and whose output is returned by the outermost call that
+           holds them (or that the training step calls itself);
+        2. those so returned whose rows are all too confident to tell (probabilities one-hot to within the rounding:
+           a fit resumed from a well-trained classifier);
+        3. those whose gradient rows sum to 0;
+        4. those whose output is so returned;
+        5. the last one registered (the rule without a watched step), if it ran;
 
         and among several, the one called last. The gradients' sums are reduced over the ranks (one all-reduce, once),
         so every rank takes the same head. A classifier registered before an auxiliary projection (a contrastive or
@@ -637,17 +677,18 @@ class GradientWeightAlignmentMonitor(Monitor):
         watch.remove()
         assert self._head_candidates is not None
         names = [n for n, _ in self._head_candidates]
-        device = self._head.weight.device if self._head is not None else pl_module.device
-        stats = torch.zeros(len(names), 3, dtype=torch.float64, device=device)  # |row sums|, |grad|, called
+        device = next(self._head.parameters()).device if self._head is not None else pl_module.device
+        # |row sums|, |grad| and rounding allowed of the judged rows, |grad| of every row, called
+        stats = torch.zeros(len(names), 5, dtype=torch.float64, device=device)
         for i, n in enumerate(names):
             if n in watch.calls:
-                stats[i, 2] = 1.0
+                stats[i, 4] = 1.0
             if n in watch.grads:
-                stats[i, :2] = watch.grads[n].to(device=device, dtype=torch.float64)
+                stats[i, :4] = watch.grads[n].to(device=device, dtype=torch.float64)
         if trainer.world_size > 1:
             stats = trainer.strategy.reduce(stats, reduce_op="sum")
         rows = stats.tolist()  # once per fit
-        called = [n for n, r in zip(names, rows) if r[2] > 0]
+        called = [n for n, r in zip(names, rows) if r[4] > 0]
         if not called:  # no candidate ran in this step (on any rank): watched again at the next one
             return
         by_output = {id(out): name for name, (_, _, out, _) in watch.calls.items() if isinstance(out, Tensor)}
@@ -664,13 +705,18 @@ class GradientWeightAlignmentMonitor(Monitor):
 
         # a softmax's output gradient rows sum to 0 up to the rounding of the gradient's dtype: each element is rounded
         # once, so the rows' |sums| stay under eps / 2 of the |gradient| (bf16: a real head measured 2.2e-3; a 1e-3
-        # bound failed it, and a Linear feeding a LayerNorm, whose rows also sum to 0, was taken instead)
+        # bound failed it, and a Linear feeding a LayerNorm, whose rows also sum to 0, was taken instead), plus the
+        # rounding of the probabilities, which does not shrink with the gradient: the rows of a confident classifier
+        # (a fit resumed from a well-trained one) are not judged, and a head whose rows all are is `unsure`
         softmax = {n for n, r in zip(names, rows)
-                   if r[1] > 0 and r[0] <= max(1e-3, 2.0 * watch.eps.get(n, 0.0)) * r[1]}
+                   if r[1] > 0 and r[0] <= max(ZERO_SUM_TOLERANCE, 2.0 * watch.eps.get(n, 0.0)) * r[1] + r[2]}
+        unsure = {n for n, r in zip(names, rows) if r[1] == 0 < r[3]}
         order = {n: watch.calls[n][3] if n in watch.calls else -1 for n in called}
         default = self._head_name
         tiers = [
             ([n for n in called if n in softmax and returned(n)], "its output's gradient is a softmax's and the model returns it"),
+            ([n for n in called if n in unsure and returned(n)],
+             "the model returns it, and its output's gradient rows are too confident (one-hot) to test for a softmax's"),
             ([n for n in called if n in softmax], "its output's gradient is a softmax's"),
             ([n for n in called if returned(n)], "its output is what the model's call returns"),
             ([default] if default in called else [], ""),
@@ -682,9 +728,11 @@ class GradientWeightAlignmentMonitor(Monitor):
         call = watch.calls.get(chosen)
         self._head_candidates = None
         step = trainer.global_step
-        if any(r[1] > 0 for n, r in zip(names, rows) if n in called) and not softmax & set(called):
+        had_gradient = any(r[3] > 0 for n, r in zip(names, rows) if n in called)
+        if had_gradient and not softmax & set(called) and chosen not in unsure:
             # every loss that depends on the logits through a softmax gives gradient rows summing to 0 (a softmax does not
-            # change when a constant is added to its logits): none of the candidates' does
+            # change when a constant is added to its logits): none of the candidates' does (one whose rows are all too
+            # confident to tell is not blamed)
             self.alert(
                 step, "no_softmax_head", "warning",
                 f"No nn.Linear's output gradient in the watched training step is a softmax's (rows summing to 0): "
@@ -742,10 +790,14 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._reset_epoch(pl_module.device, trainer.current_epoch)
 
     # ------------------------------------------------------------------ per step
-    def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+    def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[bool]:
         """A due step: the head's forward hook, until the step's optimizer step (the base releases it); while the
-        head is being chosen, :meth:`_resolve_head` scores the chosen one's call instead."""
+        head is being chosen, :meth:`_resolve_head` scores the chosen one's call instead. The unit scored is a
+        batch (its targets are read at its start): a due step that a batch takes after its first (manual
+        optimization) is not armed."""
         assert self._head is not None
+        if step != trainer.global_step:
+            return False
         if self._head_watch is None:
             self.keep(self._head.register_forward_hook(self._on_head_forward))
 
@@ -822,7 +874,8 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._refusal = self._refusal or str(err)
             return
         z = inputs[0].detach()
-        w = module.weight.detach()
+        with reading_weights((module,)):  # a parametrized head (spectral_norm) is read as its forward used it
+            w = module.weight.detach()
         sharded_head = is_sharded(w)  # FSDP2 resharded the head after its forward: read it from the shards
         if out.dtype == w.dtype == z.dtype and out.dtype in (torch.float32, torch.float64):
             # W z from the logits themselves (an nn.Linear: logits = W z + b)
@@ -1023,6 +1076,7 @@ class GradientWeightAlignmentMonitor(Monitor):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._head_watch is not None:  # no backward in this batch
             self._resolve_head(trainer, pl_module)
         if self.idle_reason is not None:

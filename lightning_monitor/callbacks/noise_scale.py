@@ -440,6 +440,7 @@ class GradientNoiseScaleMonitor(Monitor):
 
     # ------------------------------------------------------------------ arming
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch_start = trainer.global_step
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if self._armed_step == trainer.global_step:  # every micro-batch of the armed step counts
             size = extract_batch_size(batch)
@@ -449,7 +450,22 @@ class GradientNoiseScaleMonitor(Monitor):
             if self._probe is not None:  # the batch size a model call's arguments must hold (a sequence-first input)
                 self._probe.batch_size = self._examples
 
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        made = trainer.global_step - self.__dict__.get("_batch_start", trainer.global_step)
+        if made > 1 and self.idle_reason is None:
+            # every estimate counts a step's examples from its batch: with several steps a batch (manual
+            # optimization) each step's gradient is of a part of the batch that the monitor cannot see
+            self.nothing_to_watch(
+                trainer, f"a batch made {made} optimizer steps (manual optimization); the noise scale needs one "
+                "optimizer step per batch (or per accumulation window), since the batch size of a step is read from "
+                "its batches", training=True)
+
     def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[bool]:
+        if step != trainer.global_step:
+            return False  # a step a batch takes after its first (manual optimization): its examples are unknown
         self._examples = 0
         self._micro_batches = 0
         self._micro_sizes = []

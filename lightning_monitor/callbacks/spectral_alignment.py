@@ -50,10 +50,11 @@ from typing import Any, Optional, Union
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from lightning_monitor._sharded import is_sharded
 from lightning_monitor._args import check_fraction, check_int
-from lightning_monitor.callbacks.base import Monitor, NothingToWatch, Streak
+from lightning_monitor.callbacks.base import Monitor, NothingToWatch, Streak, reading_weights
 from lightning_monitor.functional.spectral import (
     MAX_BATCH_ELEMENTS,
     sign_diversity,
@@ -80,11 +81,10 @@ def find_output_head(model: nn.Module) -> Optional[str]:
     linears = [(n, m) for n, m in model.named_modules() if n and isinstance(m, nn.Linear)]
     if not linears:
         return None
-    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    for name, mod in linears:
-        if id(mod.weight) in embedding_weights:
-            return name
-    return linears[-1][0]
+    with reading_weights(model.modules()):
+        embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        tied = [name for name, mod in linears if id(mod.weight) in embedding_weights]
+    return tied[0] if tied else linears[-1][0]
 
 
 class SpectralAlignmentMonitor(Monitor):
@@ -363,6 +363,8 @@ class SpectralAlignmentMonitor(Monitor):
 
     @staticmethod
     def _trains(layer: nn.Module) -> bool:
+        if parametrize.is_parametrized(layer, "weight"):  # from its parameters: the parametrization is not run
+            return any(p.requires_grad for p in layer.parametrizations.weight.parameters())
         weight = getattr(layer, "weight", None)
         return not isinstance(weight, Tensor) or weight.requires_grad
 
@@ -373,7 +375,8 @@ class SpectralAlignmentMonitor(Monitor):
         metrics: dict[str, Tensor] = {}
         alignments: dict[str, Tensor] = {}
         names = [n for n in self.layers if n in rows]  # layers that did not run this step are skipped
-        mats = {n: weight_matrix(self.layers[n]) for n in names}
+        with reading_weights(self.layers[n] for n in names):  # spectral_norm's vectors stay as the forward left them
+            mats = {n: weight_matrix(self.layers[n]) for n in names}
         plain = [n for n in names if not is_sharded(mats[n])]
         found = dict(zip(plain, top_singular_subspaces(
             [mats[n] for n in plain], [self._vectors.get(n) for n in plain], n_iter=self.n_iter, n_vectors=self.n_vectors,

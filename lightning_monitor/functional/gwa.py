@@ -46,6 +46,7 @@ __all__ = [
     "gwa_scores",
     "gwa_statistics",
     "merge_moments",
+    "softmax_gradient_evidence",
 ]
 
 #: Offset added to the excess kurtosis: minus the excess kurtosis of U[-1, 1] (-6/5).
@@ -192,6 +193,57 @@ def alignment_from_parts(
     if valid is not None:
         scores = torch.where(valid, scores, torch.full_like(scores, float("nan")))
     return scores
+
+
+#: a softmax gradient's rows sum to 0 within this share of their size (or 2 eps of the gradient's dtype, if larger)
+ZERO_SUM_TOLERANCE = 1e-3
+#: the rounding of a softmax gradient row's sum from its probabilities, in units of ``eps s``
+PROBABILITY_ROUNDING = 2.0
+
+
+def softmax_gradient_evidence(grad: Tensor, logits: Tensor, eps: float) -> Tensor:
+    r"""How far the gradient ``grad`` of ``logits`` (rows along the last dimension) is a softmax
+    cross-entropy's, whose rows sum to 0: ``[A, J, R, T]`` (float64, on the device, no host sync), with
+
+    * ``A = sum |sum_j g_ij|`` and ``J = sum ||g_i||_1`` over the *judged* rows,
+    * ``R = sum 2 eps s_i`` over them: the rounding their sums may carry from the probabilities,
+    * ``T = sum ||g_i||_1`` over every row.
+
+    The rows are a softmax's when ``J > 0`` and ``A <= max(1e-3, 2 eps) J + R``.
+
+    A softmax cross-entropy's row is ``g_i = s_i (p_i - t_i)`` (``s_i`` the row's weight in the loss, ``t_i`` a
+    distribution), whose sum ``s_i (sum_j p_ij - 1)`` is 0 up to the rounding of the probabilities, each
+    computed to ``eps`` relative and summing to 1: about ``eps s_i``, whatever the row's size. A confident row
+    (``p_i`` one-hot to within ``eps``: a well-fit classifier, or a fit resumed from one) is then mostly or wholly
+    rounding (``p_iy`` rounds to 1 and the row sum is its whole norm), and tells nothing. ``s_i`` is read from the
+    row's positive entries, ``s_i p_ij`` where ``t_ij = 0``: ``s_i ~ sum_+ g_ij / sum_+ p_ij`` with ``p_i =
+    softmax(logits_i)``; a row is judged when its rounding ``2 eps s_i`` is within the tolerance
+    ``max(1e-3, 2 eps) ||g_i||_1`` (a float32 row whose probabilities are one-hot to within ``1.2e-4`` is not).
+    Rows of other outputs (a hidden layer, a sigmoid head) have sums of the order of their norm, and are judged
+    unless their ``softmax`` is one-hot to within that too. No judged row (``J = 0 < T``): the rows cannot tell.
+
+    Example::
+
+        >>> z = torch.tensor([[2.0, 0.0, -1.0], [30.0, 0.0, 0.0]], requires_grad=True)
+        >>> torch.nn.functional.cross_entropy(z, torch.tensor([0, 0])).backward()
+        >>> a, j, r, t = softmax_gradient_evidence(z.grad, z.detach(), torch.finfo(torch.float32).eps).tolist()
+        >>> j < t and a <= 1e-3 * j + r  # the second row (p one-hot to 1e-13) is not judged
+        True
+    """
+    g = grad.detach().float()
+    total, l1 = g.sum(-1), g.abs().sum(-1)
+    p_pos = torch.softmax(logits.detach().float(), -1).masked_fill_(g <= 0, 0.0).sum(-1)
+    # 0 / 0 (a row without a positive entry: no softmax's): nothing allowed; x / 0: s unknown, not judged
+    s = torch.nan_to_num((total + l1) / 2 / p_pos, nan=0.0, posinf=math.inf)
+    allowance = PROBABILITY_ROUNDING * eps * s
+    judged = (l1 > 0) & (allowance <= max(ZERO_SUM_TOLERANCE, 2.0 * eps) * l1)
+    zero = torch.zeros((), dtype=torch.float64, device=g.device)
+    return torch.stack([
+        torch.where(judged, total.abs().double(), zero).sum(),
+        torch.where(judged, l1.double(), zero).sum(),
+        torch.where(judged, allowance.double(), zero).sum(),
+        l1.double().sum(),
+    ])
 
 
 def _batch_moments(scores: Tensor) -> Tensor:

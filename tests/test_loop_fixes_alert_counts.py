@@ -1,0 +1,42 @@
+"""The cumulative `alerts/count/*` series of a further `fit` of the same Trainer without a checkpoint: it writes the
+same `alerts.jsonl` (the same logger folder) as the first fit, and its counts continue from the first fit's, as they
+do after `fit(ckpt_path=...)`, instead of restarting at 0."""
+
+from __future__ import annotations
+
+import os
+
+import lightning.pytorch as pl
+from conftest import tb_scalars
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from lightning_monitor import Monitor, read_alerts
+
+
+class _OnceAt(Monitor):
+    """One warning at step 3 (of the first fit only), nothing else."""
+
+    name = "probe"
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == 3:
+            self.alert(3, "odd", "warning", "once")
+
+
+def test_a_second_fit_of_the_same_trainer_continues_the_counts_of_its_alerts_file(tmp_path, tiny_gpt):
+    module, loader = tiny_gpt()
+    tb, csv = TensorBoardLogger(str(tmp_path), name="tb"), CSVLogger(str(tmp_path), name="csv")
+    trainer = pl.Trainer(max_steps=6, accelerator="cpu", logger=[tb, csv], callbacks=[_OnceAt()],
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(module, loader)
+    trainer.fit_loop.epoch_loop.max_steps = 10
+    trainer.fit(module, loader)  # no checkpoint: a new run id, the same folder and alerts.jsonl
+    alerts = read_alerts(os.path.join(tb.log_dir, "alerts.jsonl"))
+    assert [(a.step, a.kind) for a in alerts] == [(3, "odd")] and trainer.global_step == 10
+    warnings = tb_scalars(tb.log_dir)["alerts/count/warning"]
+    # the staircase up at step 3, then 1 to the end of the second fit (at its start, step 6, and its end, step 10)
+    assert warnings == [(0, 0.0), (2, 0.0), (3, 1.0), (6, 1.0), (6, 1.0), (10, 1.0)]
+    with open(os.path.join(csv.log_dir, "metrics.csv")) as fh:
+        lines = fh.read().splitlines()
+    column = lines[0].split(",").index("alerts/count/warning")
+    assert [float(row.split(",")[column]) for row in lines[1:] if row.split(",")[column]][-1] == len(alerts)
