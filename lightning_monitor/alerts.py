@@ -378,7 +378,8 @@ class AlertHub:
             hub._prepare_file(trainer)
             if hub.path == path:
                 # the same alerts.jsonl (the same logger folder) holds the earlier fits' records: the cumulative
-                # counts continue from them, as after a resume, and the logged series (the same steps) never go back
+                # counts continue from them, and the logged series (the same steps) never go back. A fit from a
+                # checkpoint takes the counts of that checkpoint, and its steps, instead (see resume)
                 hub.counts, hub._count_step, hub._text_entries = counts, count_step, entries
         return hub
 
@@ -545,6 +546,10 @@ class AlertHub:
         self._offset = len(new)
         self._kept_keys = keys
         self.counts = counts
+        # the steps from the checkpoint's on are replayed: their counts and texts are logged again there (an earlier
+        # fit of the same Trainer had carried its last logged step and texts over)
+        self._count_step = min(self._count_step, step - 1)
+        self._text_entries = {k: n for k, n in self._text_entries.items() if k[1] < step}
 
 
 def _parse_record(raw: bytes) -> Optional[dict[str, Any]]:

@@ -187,12 +187,13 @@ class TrainingSnapshot:
         """Why the snapshot no longer fits the run, or ``None`` when it does: each saved parameter group must still be
         there, in order, with as many parameters (groups may have been added after them), and every trainable
         parameter of the module must be in it (a layer added since, such as an adapter or a grown block, has no
-        state to go back to: restoring the rest would leave it as it is now). Read from what was kept at capture: a
-        snapshot on disk is not loaded to answer."""
+        state to go back to: restoring the rest would leave it as it is now). Read from what was kept at capture (a
+        snapshot adopted from a checkpoint's files: read from its file once)."""
+        self._read_layout()
         problem = self._optimizers_mismatch(trainer)
         module = getattr(trainer, "lightning_module", None)
         if problem is None and module is not None:
-            keys = self.module_keys if self.module_keys is not None else frozenset(self.state()["module"])
+            keys = self.module_keys or frozenset()
             trainable = {name for name, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
             added = sorted(k for k in module.state_dict() if k in trainable and k not in keys)
             if added:
@@ -200,11 +201,19 @@ class TrainingSnapshot:
                            f"{', '.join(added[:4])}{'...' if len(added) > 4 else ''}")
         return problem
 
+    def _read_layout(self) -> None:
+        """A snapshot adopted from a checkpoint's list of files: its group sizes and module keys, read from the file
+        once (kept from then on)."""
+        if self.group_sizes is None or self.module_keys is None:
+            state = self.state()
+            self.group_sizes = [[len(g["params"]) for g in saved["param_groups"]] for saved in state["optimizers"]]
+            self.module_keys = frozenset(state["module"])
+
     def _optimizers_mismatch(self, trainer: pl.Trainer) -> Optional[str]:
         """Why the saved optimizer states do not fit the run's optimizers now, or ``None``."""
+        self._read_layout()
         sizes = self.group_sizes
-        if sizes is None:  # a snapshot adopted from a checkpoint's list of files
-            sizes = [[len(g["params"]) for g in saved["param_groups"]] for saved in self.state()["optimizers"]]
+        assert sizes is not None
         if len(sizes) != len(trainer.optimizers):
             return f"{len(sizes)} optimizer(s) then, {len(trainer.optimizers)} now"
         for i, (opt, then) in enumerate(zip(trainer.optimizers, sizes)):

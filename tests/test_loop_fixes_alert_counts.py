@@ -40,3 +40,29 @@ def test_a_second_fit_of_the_same_trainer_continues_the_counts_of_its_alerts_fil
         lines = fh.read().splitlines()
     column = lines[0].split(",").index("alerts/count/warning")
     assert [float(row.split(",")[column]) for row in lines[1:] if row.split(",")[column]][-1] == len(alerts)
+
+
+class _At4And6(Monitor):
+    name = "probe"
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step in (4, 6):
+            self.alert(trainer.global_step, "odd", "warning", "x")
+
+
+def test_a_second_fit_from_an_earlier_checkpoint_replays_the_counts_at_their_steps(tmp_path, tiny_gpt):
+    """The same Trainer fitted to step 8, then again from its checkpoint of step 3: the replayed steps log their counts
+    at their own steps (the first fit's last logged step, carried over, pushed the whole replay to step 8)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    module, loader = tiny_gpt()
+    tb = TensorBoardLogger(str(tmp_path), name="tb")
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    trainer = pl.Trainer(max_steps=8, accelerator="cpu", logger=tb, callbacks=[_At4And6(), ckpt],
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, loader)
+    trainer.fit(module, loader, ckpt_path=str(tmp_path / "ck" / "step=3.ckpt"))
+    assert [(a.step, a.kind) for a in read_alerts(os.path.join(tb.log_dir, "alerts.jsonl"))] == [(4, "odd"), (6, "odd")]
+    warnings = tb_scalars(tb.log_dir)["alerts/count/warning"]
+    replay = warnings[warnings.index((8, 2.0)) + 1:]
+    assert [s for s, _ in replay if s < 8] == [3, 4, 5, 6] and replay[-1] == (8, 2.0)

@@ -115,3 +115,45 @@ def test_the_noise_scale_stands_down_when_a_batch_makes_several_steps(tmp_path):
     assert [a.kind for a in gns.hub.history if a.severity == "warning"][-1] == "nothing_to_watch"
     scalars = tb_scalars(trainer.logger.log_dir)
     assert [s for s, _ in scalars.get("gns/batch_size", [])] in ([], [0])  # at most the first batch's first step
+
+
+class _GAN(pl.LightningModule):
+    """Both players' forwards first, then the discriminator's step and the generator's (a valid GAN ordering)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.G = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.D = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        g_opt, d_opt = self.optimizers()
+        fake = self.G(torch.randn(x.shape[0], 4))
+        ones, zeros = torch.ones(x.shape[0], 1), torch.zeros(x.shape[0], 1)
+        d_loss = (F.binary_cross_entropy_with_logits(self.D(x), ones)
+                  + F.binary_cross_entropy_with_logits(self.D(fake.detach()), zeros))
+        g_loss = F.binary_cross_entropy_with_logits(self.D(fake), ones)
+        g_opt.zero_grad()
+        self.manual_backward(g_loss, retain_graph=True)
+        g_opt.step()
+        d_opt.zero_grad()
+        self.manual_backward(d_loss)
+        d_opt.step()
+
+    def configure_optimizers(self):
+        return [torch.optim.Adam(self.G.parameters(), 1e-3), torch.optim.Adam(self.D.parameters(), 1e-3)]
+
+
+def test_with_several_optimizers_only_a_batchs_first_step_is_armed(tmp_path):
+    """A GAN whose forwards all run before its first step: a step armed after the one before it would find its
+    forward over (SA warned `layers_not_called` for layers that ran, and muted that alert for them)."""
+    sa = lm.SpectralAlignmentMonitor(every_n_steps=1)
+    trainer = pl.Trainer(max_steps=8, accelerator="cpu", logger=TensorBoardLogger(str(tmp_path), name="tb"),
+                         callbacks=[sa], enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, log_every_n_steps=1)
+    trainer.fit(_GAN(), DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=8))
+    assert trainer.global_step == 8
+    assert not any(a.kind == "layers_not_called" for a in sa.hub.history)
+    assert [s for s, _ in tb_scalars(trainer.logger.log_dir)["sa/sigma_max"]] == [0, 2, 4, 6]

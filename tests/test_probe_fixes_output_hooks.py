@@ -23,6 +23,9 @@ from test_probe_fixes_oracle import NoiseScaleOracle, assert_exact, loop_oracle
 HOOKS: dict[str, Callable[..., Tensor]] = {
     "rescale": lambda mod, inp, out: out * 2.0,
     "clamp": lambda mod, inp, out: out.clamp(-0.3, 0.3),  # as an activation fake-quantizer: gradient 0 outside
+    # a hook that leaves the output and scales its gradient: the probe's own tensor hook must come after it (a probe
+    # hook registered first read the gradient before the scaling: norms off 4x)
+    "grad_hook": lambda mod, inp, out: (out.register_hook(lambda g: g * 0.5) if out.requires_grad else None) and None,
 }
 
 
@@ -41,8 +44,12 @@ def hooked_mlp(hook: str) -> nn.Module:
 @pytest.mark.parametrize("verify", [True, False])
 @pytest.mark.parametrize("strategy", ["gram", "materialize", "auto"])
 @pytest.mark.parametrize("shape", [(8, 10), (6, 3, 10)])
-@pytest.mark.parametrize("hook", ["rescale", "clamp"])
+@pytest.mark.parametrize("hook", ["rescale", "clamp", "grad_hook"])
 def test_hook_replacing_the_output_exact(hook: str, shape: tuple[int, ...], strategy: str, verify: bool) -> None:
+    if hook == "grad_hook" and strategy == "auto" and len(shape) == 2:
+        # the fused path computes inside the layer's patched forward, before any forward hook: a gradient scaled by
+        # a tensor hook put on the output afterwards is not seen (a known limit, docs/gradient_noise_scale.md)
+        pytest.xfail("a tensor hook on the output of a fused layer")
     model = hooked_mlp(hook)
     x = torch.randn(*shape) * 2
     y = torch.randint(0, 4, shape[:-1])

@@ -49,10 +49,12 @@ class SeqFirstTagger(nn.Module):
 @pytest.mark.parametrize("batch_size", [None, B])
 @pytest.mark.parametrize("t", [B, 4, 9])  # T == B (ambiguous by shape), T < B, T > B
 def test_sequence_first_model_input_exact(t: int, batch_size: Optional[int], strategy: str) -> None:
+    """With the batch's size known (``entry_batch_size``, as the noise-scale monitor sets it from each batch)."""
     torch.manual_seed(0)
     model = SeqFirstClassifier()
     x, y = torch.randn(t, B, 5), torch.randint(0, 3, (B,))
     with PerExampleGradNorms(model, batch_size=batch_size, linear_strategy=strategy) as probe:
+        probe.entry_batch_size = B
         F.cross_entropy(model(x), y).backward()
     per = probe.per_parameter()
     assert probe.uncovered == []
@@ -75,8 +77,8 @@ def test_batch_first_model_with_square_input_stays_batch_first() -> None:
 
 
 def test_output_that_ignores_the_sliced_dimension_gives_the_reason() -> None:
-    """Sequence-first with the batch packed with the features (``[T, B * 5]``): no dimension of the argument is the
-    batch; the output ``[B, 3]`` stays as it is when dimension 0 is sliced: left out, with the reason."""
+    """Sequence-first with the batch packed with the features (``[T, B * 5]``, ``T != B``): no dimension of the
+    argument holds the batch's examples: left out, with the reason."""
 
     class Packed(SeqFirstClassifier):
         def forward(self, x: Tensor) -> Tensor:
@@ -84,12 +86,48 @@ def test_output_that_ignores_the_sliced_dimension_gives_the_reason() -> None:
 
     torch.manual_seed(0)
     model = Packed()
-    x, y = torch.randn(B, B * 5), torch.randint(0, 3, (B,))
+    x, y = torch.randn(4, B * 5), torch.randint(0, 3, (B,))
     with PerExampleGradNorms(model, batch_size=B) as probe:
+        probe.entry_batch_size = B
         F.cross_entropy(model(x), y).backward()
     assert probe.per_parameter() == {}
     assert len(probe.uncovered) == 6
-    assert "is not the batch" in probe.reasons["inp.weight"] and "batch_dims" in probe.reasons["inp.weight"]
+    assert f"the batch's {B} examples along no dimension" in probe.reasons["inp.weight"]
+    assert "batch_dims" in probe.reasons["inp.weight"]
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_batch_first_model_whose_output_does_not_follow_the_batch_stays_exact(pooled: bool) -> None:
+    """A batch-first model returning a per-position loss averaged over the batch (``[T]``) or a vector pooled over the
+    batch (``[C]``, ``C == B``): slicing dimension 0 leaves the output's shape as it is, as for a sequence-first
+    input, but dimension 0 holds the batch's examples: it stays the batch (it was taken for time steps, or every layer
+    was left out)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, B if pooled else 3))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, x: Tensor) -> Tensor:
+            out = self.net(x)  # [B, T, B] pooled, [B, T, 3] not
+            return out.mean((0, 1)) if pooled else out.pow(2).mean((0, 2))
+
+    model = Model()
+    x = torch.randn(B, 4, 5)
+
+    def loss_fn(out: Tensor, _: Tensor) -> Tensor:
+        return out.sum()
+
+    y = torch.zeros(B)
+    with PerExampleGradNorms(model, batch_size=B) as probe:
+        probe.entry_batch_size = B
+        loss_fn(model(x), y).backward()
+    assert probe.uncovered == []
+    # the loss is a mean over the batch: each example's gradient is B times its share
+    ref = {n: v for n, v in loop_oracle(model, loss_fn, x, y).items()}
+    assert_exact(probe.per_parameter(), ref)
 
 
 def test_sequence_first_output_with_other_length_is_left_out_with_the_reason() -> None:

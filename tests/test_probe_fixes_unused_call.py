@@ -134,3 +134,24 @@ def test_fit_covers_every_parameter_and_matches_the_oracle(case: str, tmp_path) 
     assert float(trainer.callback_metrics["gns/coverage"]) == 1.0
     assert mon._probe.uncovered == []
     assert len(oracle.rows) == 4 and oracle.worst() < 1e-3
+
+
+@pytest.mark.parametrize("strategy", ["gram", "auto"])
+def test_two_views_then_a_backward_each_with_a_forward_between_exact(strategy: str) -> None:
+    """An encoder run on two views, then one backward per view, with a forward without gradients between (a metric):
+    the parameters wait for the second view's gradient across that forward (settling them at any new forward broke
+    the second backward: 'the backward of enc.0.weight has not finished')."""
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    x1, x2 = torch.randn(6, 5), torch.randn(6, 5)
+    truth = []
+    for i in range(6):
+        grads = torch.autograd.grad(enc(x1[i:i + 1]).pow(2).sum() + enc(x2[i:i + 1]).pow(2).sum(), list(enc.parameters()))
+        truth.append(sum(float(g.pow(2).sum()) for g in grads))
+    with PerExampleGradNorms(enc, loss_reduction="sum", linear_strategy=strategy) as probe:
+        z1, z2 = enc(x1), enc(x2)
+        z1.pow(2).sum().backward()
+        with torch.no_grad():
+            enc(x1)
+        z2.pow(2).sum().backward()
+    torch.testing.assert_close(probe.squared_norms(), torch.tensor(truth), rtol=1e-4, atol=1e-6)

@@ -6,11 +6,12 @@
   - :meth:`Monitor.select` once per fit, at setup: find what to watch (raise :class:`NothingToWatch`
     when there is nothing);
   - :meth:`Monitor.arm` at the first batch of a due step: register the hooks the check needs, keeping
-    each handle with :meth:`Monitor.keep`. Under manual optimization a batch may take several optimizer
-    steps (a GAN's two players, several updates per batch), and a later one has no batch start of its own:
-    a due step that follows another step is armed in ``on_before_optimizer_step`` of that step (after its
-    backward, before the due step's forward), and released at the end of the batch if it did not come
-    there (the next batch arms it afresh);
+    each handle with :meth:`Monitor.keep`. Under manual optimization with one optimizer a batch may take
+    several optimizer steps, and a later one has no batch start of its own: a due step that follows another
+    step is armed in ``on_before_optimizer_step`` of that step (after its backward, before the due step's
+    forward), and released at the end of the batch if it did not come there (the next batch arms it afresh).
+    With several optimizers (a GAN's players, whose forwards may all run before the first step) only a
+    batch's first step is checked;
   - :meth:`Monitor.compute` in ``on_before_optimizer_step`` of an armed step (gradients ready, weights not
     yet updated): the check's values as named tensors, on the device;
   - :meth:`Monitor.judge` with those values on the host (one transfer): alerts and decisions; it returns
@@ -258,7 +259,9 @@ class Monitor(Callback):
                         self.log_metrics(trainer, logged, step)
             finally:
                 self.release()
-        if not pl_module.automatic_optimization:
+        if not pl_module.automatic_optimization and len(trainer.optimizers) == 1:
+            # (several optimizers, a GAN's players: each may run its forward before the other's step, so a step armed
+            # here could find its forward over; their later steps in a batch stay unchecked, as documented)
             self._arm_ahead(trainer, pl_module, step + 1)
 
     def _arm_ahead(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:

@@ -447,8 +447,8 @@ class GradientNoiseScaleMonitor(Monitor):
             self._examples += size
             self._micro_batches += 1
             self._micro_sizes.append(size)
-            if self._probe is not None:  # the batch size a model call's arguments must hold (a sequence-first input)
-                self._probe.batch_size = self._examples
+            if self._probe is not None:  # the examples a model call's arguments hold (a sequence-first input)
+                self._probe.entry_batch_size = size
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -251,6 +251,11 @@ class _Uses:
         """Count one use of the module on input ``x``; its backward calls the returned
         ``done(grad_output, results=None)`` once. ``results``: the ``(sq_fn, grads_fn, proj_fn)`` the
         backward computed itself, valid when the batch lies along dimension 0 of ``x``."""
+        waiting = [pid for _, pid in self.params if pid in self.probe._pending]
+        if waiting:
+            # a use recorded while a backward left this module's parameters waiting for another: that one received no
+            # gradient (a micro-batch of gradient accumulation starts after a backward that was over)
+            self.probe._settle(waiting)
         for _, pid in self.params:
             self.probe._outstanding[pid] += 1
         self.probe._fwd_uses[self.name] += 1
@@ -294,9 +299,18 @@ class _Uses:
     # every hook of the probe runs eagerly under torch.compile: traced, its code (per-module state, a module's name and
     # weight shape) made Dynamo recompile once per hooked module, up to its recompile limit
     @torch.compiler.disable
+    def own_output_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """The first forward hook of the module: keeps the module's own output, before any hook registered
+        earlier replaces it (quantization-aware training's activation fake-quantizer, a user hook)."""
+        self._own_output = output
+
+    @torch.compiler.disable
     def forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        # the gradient of the module's own output is read (through the hooks that replaced it: their masks count),
+        # by a tensor hook registered after theirs (a hook that scales the gradient on that output counts too)
+        own = self.__dict__.pop("_own_output", None)
         if args and isinstance(args[0], Tensor) and self.note(args[0]) == "record":
-            self.record(args[0], output, self.probe._rule)
+            self.record(args[0], output if own is None else own, self.probe._rule)
 
 
 class PerExampleGradNorms:
@@ -322,7 +336,7 @@ class PerExampleGradNorms:
         include: optional predicate ``(qualified name, module) -> bool`` restricting the modules hooked.
         batch_size: the number of examples expected over the backward passes read together; a parameter
             with another count is moved to :attr:`uncovered`. ``None``: the most common count among the
-            parameters. Also a size the batch-size run tries for a model whose input is sequence-first (below).
+            parameters.
         batch_dims: glob patterns of hooked module names -> the dimension of the module's input that holds
             the batch (``None``: it has none, the module is left out), declared instead of found (see
             below); the first matching pattern applies. E.g. ``{"*": 0}`` when every hooked input is
@@ -352,14 +366,17 @@ class PerExampleGradNorms:
     so the extra small forward runs once per new shape. A model that fails on the slice (one that
     requires a fixed batch size) leaves the modules of that call uncovered, with the reason;
     ``batch_dims`` declares them instead. When the entry's own input is sequence-first, dimension 0 of its
-    first tensor argument is not the batch: if the call's output stays as it is on the slice, the run is
-    repeated slicing each other dimension of that argument whose size is the batch size (or ``batch_size``,
-    or a size of the output), and the one the output follows is the batch; if none is and the output has a
-    dimension of the batch size, the call's modules are left out with that reason. An output sequence-first
-    too, with ``T == B``, cannot be told from a batch-first one: declare ``batch_dims``.
+    first tensor argument is not the batch. With the batch's size known (:attr:`entry_batch_size`, set by
+    the noise-scale monitor from each micro-batch): if dimension 0 has another size, or the call's output
+    stays as it is on the slice, the run is repeated slicing each other dimension of that argument of the
+    batch's size, and the one the output follows is the batch; if none is and dimension 0 has another size,
+    the call's modules are left out with that reason. An output sequence-first too, with ``T == B``, cannot
+    be told from a batch-first one, nor, without the batch's size, a sequence-first input from a
+    batch-first model whose output does not follow its batch: declare ``batch_dims``.
 
     **Forward hooks that replace a module's output** (quantization-aware training's activation fake-quantizer,
-    a user hook): the probe's hook runs first and reads the gradient of the module's own output, through them.
+    a user hook): the probe keeps the module's own output in a hook that runs first, and reads its gradient, through
+    them, in a hook that runs after them (so a tensor hook they put on that output, scaling its gradient, counts).
 
     **Activation checkpointing.** ``torch.utils.checkpoint`` with ``use_reentrant=False`` recomputes a
     segment's forward during the backward to refill saved tensors: those recomputed calls are recognised
@@ -406,6 +423,9 @@ class PerExampleGradNorms:
         self.loss_reduction = loss_reduction
         self.linear_strategy = linear_strategy
         self.batch_size = batch_size
+        #: the number of examples in the batch of the model's next call (``None``: unknown): a model call whose first
+        #: tensor argument does not hold them along dimension 0 (a sequence-first input) is then looked through
+        self.entry_batch_size: Optional[int] = None
         self.max_fused_bytes = max_fused_bytes
         self.verify = bool(verify)
         if batch_dims is not None and not all(
@@ -550,7 +570,8 @@ class PerExampleGradNorms:
                 mod.forward = torch.compiler.disable(forward)  # type: ignore[method-assign]
                 self._patched.append(mod)
             else:
-                self._handles.append(mod.register_forward_hook(uses.forward_hook, prepend=True))
+                self._handles.append(mod.register_forward_hook(uses.own_output_hook, prepend=True))
+                self._handles.append(mod.register_forward_hook(uses.forward_hook))
         # entry hooks on every module holding a hooked one (registered after the hooks above, so that a
         # hooked module called as an entry has noted its call before its entry hook ends)
         key = tuple(hooked)
@@ -610,8 +631,6 @@ class PerExampleGradNorms:
             return
         self._depth += 1
         if self._depth == 1:
-            if self._pending:  # a new forward: the last backward is over
-                self._settle()
             self._entry, self._calls = (module, args, kwargs), []
             # Lightning's DDP / FSDP wrappers call the LightningModule with its `forward` patched, for this
             # one call, to run `training_step` (the patch restores `forward` as it starts): keep the forward
@@ -645,27 +664,27 @@ class PerExampleGradNorms:
         batch = int(first.shape[0])
         small = 1 if batch == 2 else 2
         dry, error, out = self._dry_run(entry, batch, small, 0)
-        # an output that stays as it is when dimension 0 of the first argument is sliced: that dimension may not be the
-        # batch (a sequence-first input [T, B, ...], T == B or not). The run is repeated slicing each other dimension
-        # of that argument whose size is the batch's (or `batch_size`, or a size of the output), and the one the output
-        # follows is the batch. If none is, an output with a dimension of the batch's size says dimension 0 was not it
-        sizes = {batch} if self.batch_size is None else {batch, self.batch_size}
-        if error is None and out == output and any(output):
-            outs = {n for shape in output for n in shape}
-            for k in [k for k in range(1, first.dim()) if first.shape[k] in sizes | outs]:
-                n = int(first.shape[k])
-                tried = self._dry_run(entry, n, 1 if n == 2 else 2, k)
+        # With the batch's size known (``entry_batch_size``, which the noise-scale monitor sets from each micro-batch):
+        # dimension 0 of the first argument is not the batch if its size is another, or if the call's output stays
+        # as it is when it is sliced (a sequence-first input [T, B, ...], T == B or not). The run is then repeated
+        # slicing each other dimension of that argument of the batch's size, and the one the output follows is the
+        # batch; if none is and dimension 0 has another size, the call's modules are left out with that reason.
+        # Unknown, dimension 0 is the batch: a batch-first model whose output does not follow its batch (a
+        # per-position loss averaged over the batch, a pooled vector) looks like a sequence-first one by shapes alone
+        known = self.entry_batch_size
+        if known is not None and error is None and (batch != known or (out == output and any(output))):
+            for k in [k for k in range(1, first.dim()) if first.shape[k] == known]:
+                tried = self._dry_run(entry, known, 1 if known == 2 else 2, k)
                 if tried[1] is None and tried[2] != output:
-                    batch, small, (dry, error, out) = n, 1 if n == 2 else 2, tried
+                    batch, small, (dry, error, out) = known, 1 if known == 2 else 2, tried
                     break
             else:
-                if sizes & outs:
+                if batch != known:
                     for key in todo:
                         self._bdims[key] = (
-                            f"its batch dimension could not be found: dimension 0 of the model call's first tensor "
-                            f"argument {tuple(first.shape)} is not the batch (the call's output, of shape "
-                            f"{next(o for o in output if sizes & set(o))}, stays as it is when it is sliced: a "
-                            "sequence-first input?); declare it with `batch_dims`"
+                            f"its batch dimension could not be found: the model call's first tensor argument "
+                            f"{tuple(first.shape)} holds the batch's {known} examples along no dimension its output "
+                            "follows (a sequence-first input?); declare it with `batch_dims`"
                         )
                     return
         full: dict[str, list[tuple[int, ...]]] = defaultdict(list)
@@ -859,11 +878,13 @@ class PerExampleGradNorms:
             if self._outstanding[pid] == 0:
                 self._records[pid].append(self._pending.pop(pid).flatten(1).pow(2).sum(1))
 
-    def _settle(self) -> None:
-        """Finish the parameters of modules called several times whose backward is over with uses still awaited: the
-        output of such a call received no gradient (a target under stop-gradient, logits used for an argmax only),
-        so it contributes nothing to the gradient, and the uses that did receive one make the per-example gradient."""
-        for pid in list(self._pending):
+    def _settle(self, pids: Optional[list[int]] = None) -> None:
+        """Finish the parameters (default: all) of modules called several times whose backward is over with uses
+        still awaited: the output of such a call received no gradient (a target under stop-gradient, logits used for
+        an argmax only), so it contributes nothing to the gradient, and the uses that did receive one make the
+        per-example gradient. Called when the norms are read, and when such a module is used again with gradients;
+        not at any new forward (two views encoded, then a backward each, with a forward without gradients between)."""
+        for pid in list(self._pending) if pids is None else pids:
             self._records[pid].append(self._pending.pop(pid).flatten(1).pow(2).sum(1))
             self._outstanding[pid] = 0
 
