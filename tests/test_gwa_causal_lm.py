@@ -210,3 +210,42 @@ def test_token_scores_keep_no_run_level_suspects(tmp_path) -> None:
     assert gwa._run is None
     assert not os.path.exists(os.path.join(logger.log_dir, RUN_SUSPECTS_FILENAME))
     assert os.path.exists(os.path.join(logger.log_dir, SUSPECTS_FILENAME))
+
+
+class _Tagger(pl.LightningModule):
+    """A token classifier with frozen weights whose head runs sequence-first (``[T, B, C]`` logits) or batch-first,
+    on the same ``[B, T]`` targets."""
+
+    def __init__(self, sequence_first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.sequence_first = sequence_first
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh())
+        self.head = torch.nn.Linear(16, 5)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch  # x [B, T, 6], y [B, T]
+        if self.sequence_first:
+            logits = self.head(self.body(x.transpose(0, 1)))  # [T, B, 5]
+            return torch.nn.functional.cross_entropy(logits.permute(1, 2, 0), y)
+        return torch.nn.functional.cross_entropy(self.head(self.body(x)).transpose(1, 2), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_sequence_first_logits_are_paired_with_their_own_targets(tmp_path) -> None:
+    """Logits ``[T, B, C]`` against targets ``[B, T]``: each logits row is scored against its own token's target, as
+    the batch-first twin scores it (the targets were reshaped to ``[T, B]``, pairing rows with other tokens' targets,
+    silently)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 3, 6, generator=g), torch.randint(0, 5, (32, 3), generator=g)
+    means = []
+    for sequence_first in (True, False):
+        gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False, shift_targets=False)
+        trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, callbacks=[gwa], enable_progress_bar=False,
+                             enable_model_summary=False, enable_checkpointing=False)
+        trainer.fit(_Tagger(sequence_first), DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8))
+        assert gwa.history and gwa.history[0]["count"] == 32 * 3
+        means.append(gwa.history[0]["mean"])
+    assert means[0] == pytest.approx(means[1], rel=1e-5)

@@ -938,7 +938,12 @@ class GradientWeightAlignmentMonitor(Monitor):
                     "`head=` (the layer producing the logits) or a `target_fn=` that returns a target per row (with "
                     "`ignore_index` for the rows without one)."
                 )
-            targets = targets.reshape(rows)
+            if targets.dim() == 2 and len(rows) == 2 and tuple(targets.shape) == tuple(rows)[::-1]:
+                # sequence-first logits [T, B, C] against batch-first targets [B, T] (T != B): each row's own target
+                # is the transpose's (a reshape would pair rows with other tokens' targets)
+                targets = targets.transpose(0, 1)
+            else:
+                targets = targets.reshape(rows)
         if not self._checked:
             self._check_targets_once(targets, logits.shape[-1])
             self._checked = True
