@@ -72,10 +72,12 @@ def test_every_monitor_on_every_family(tmp_path, recwarn, family: str) -> None:
         assert all(0.0 < c < 1.0 for c in coverage)
         partial = [v for _, v in run.scalars["gns/partial"]]
         assert partial == [float(c < mon.min_coverage) for c in coverage]
-        # said once: a warning alert when the estimate is partial, else a console warning
+        # said once: a warning alert when the estimate is partial, else a console warning; and an alert when a later
+        # check first finds it partial (the left-out share grew: HF GPT-2's position embeddings)
         said = [a.message for a in alerted] if partial[0] else console
         assert len(said) == 1 and all(m in said[0] for m in left_out)
-        assert len(alerted) == int(partial[0]) and (not alerted or alerted[0].severity == "warning")
+        assert len(alerted) == int(any(partial)) and all(a.severity == "warning" for a in alerted)
+        assert not alerted or alerted[0].step == run.scalars["gns/partial"][partial.index(1.0)][0]
     else:
         assert coverage == [1.0] * len(coverage) and not alerted and not console
 

@@ -219,3 +219,37 @@ def test_lazy_modules_are_measured_from_the_first_due_step_after_they_exist(tmp_
                        GradientNoiseScaleMonitor(every_n_steps=2), steps=8)
     assert [s for s, _ in tags["gns/coverage"]] == [2, 4, 6] and all(v == 1.0 for _, v in tags["gns/coverage"])
     assert not [a for a in alerts if a.kind == "partial_coverage"]
+
+
+class _GrowingShare(pl.LightningModule):
+    """A covered classifier plus a bare parameter (no per-example rule) whose gradient is 0.01 before step 5 and 100
+    from there: the share the left-out parameter carries grows past ``1 - min_coverage`` with nothing new left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        self.extra = nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        k = 0.01 if self.global_step < 5 else 100.0
+        return F.cross_entropy(self.net(x), y) + k * self.extra.sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_an_estimate_that_turns_partial_later_is_said_once(tmp_path):
+    """The left-out parameter is named at the first check on the console (the estimate stood); when its share grows
+    and the estimate turns partial, a `partial_coverage` warning says so (it was never said: nothing new was left
+    out)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(160, 6, generator=g), torch.randint(0, 3, (160,), generator=g)
+    gns = GradientNoiseScaleMonitor(every_n_steps=1, min_coverage=0.9)
+    trainer = pl.Trainer(max_steps=10, accelerator="cpu", logger=False, callbacks=[gns], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match="leave out 1 trainable parameter"):
+        trainer.fit(_GrowingShare(), DataLoader(TensorDataset(x, y), batch_size=16))
+    partial = [a for a in gns.hub.history if a.kind == "partial_coverage"]
+    assert [a.step for a in partial] == [5] and partial[0].value < 0.9

@@ -119,7 +119,8 @@ class GradientNoiseScaleMonitor(Monitor):
     separable batch dimension, such as positions broadcast over the batch) names them by module with the
     reason and the share they carry: in a ``partial_coverage`` warning alert when the coverage is below
     ``min_coverage``, else in a console warning (the estimate stands; a healthy run raises no alert); a
-    check that finds new ones says so again. ``B_simple`` is then that of the covered parameters. When the
+    check that finds new ones says so again, and so does the first check whose estimate turns partial (the
+    share of the same parameters grew). ``B_simple`` is then that of the covered parameters. When the
     first backward finds that they cover nothing (no module's rows are the batch's examples), every check logs
     a coverage of 0 with ``gns/partial`` 1 and estimates nothing, and one ``partial_coverage`` warning names
     every module with its reason.
@@ -210,6 +211,7 @@ class GradientNoiseScaleMonitor(Monitor):
         self._measurable = False  # something trainable is measured (else checks are skipped)
         self._lazy = True  # parameters may still be uninitialized (lazy modules) until a due step finds none
         self._reported: set[str] = set()  # uncovered parameters named in a coverage alert
+        self._said_partial = False  # a partial estimate was said (in an alert) this fit
         self._measured: set[str] = set()  # the parameters measured at this check
         self._selected: set[str] = set()  # modules selected by include / exclude
 
@@ -682,12 +684,15 @@ class GradientNoiseScaleMonitor(Monitor):
 
     def _coverage_alert(self, step: int, measured: set[str], coverage: float, partial: bool) -> None:
         """One warning alert naming the trainable parameters left out of the estimate (by module, with
-        the reason), when a check finds some not named before."""
+        the reason), when a check finds some not named before, or when the estimate turns partial for the first
+        time (the share the same parameters carry grew past ``1 - min_coverage``: it was said on the console only)."""
         left = [n for n in self._params if n not in measured and self._params[n].grad is not None]
         new = [n for n in left if n not in self._reported]
-        if not new:
+        crossed = partial and not self._said_partial
+        if not new and not crossed:
             return
         self._reported.update(new)
+        self._said_partial = self._said_partial or partial
         reasons = self._probe.reasons if self._probe is not None else {}
         selected = self._selected if (self.include or self.exclude) else None
         by_module: dict[str, list[str]] = defaultdict(list)
