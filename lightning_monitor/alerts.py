@@ -496,6 +496,10 @@ class AlertHub:
         written (at setup) stay, except where they repeat a record kept. Without a hub state the
         records of other runs at steps ``>= step`` move. :attr:`counts` continue from the records kept.
         """
+        # the steps from the checkpoint's on are replayed: their counts and texts are logged again there (an earlier
+        # fit of the same Trainer had carried its last logged step and texts over)
+        self._count_step = min(self._count_step, step - 1)
+        self._text_entries = {k: n for k, n in self._text_entries.items() if k[1] < step}
         if trainer.global_rank != 0 or self.path is None or not os.path.exists(self.path):
             return
         if state is not None and state.get("path") != os.path.abspath(self.path):
@@ -546,10 +550,6 @@ class AlertHub:
         self._offset = len(new)
         self._kept_keys = keys
         self.counts = counts
-        # the steps from the checkpoint's on are replayed: their counts and texts are logged again there (an earlier
-        # fit of the same Trainer had carried its last logged step and texts over)
-        self._count_step = min(self._count_step, step - 1)
-        self._text_entries = {k: n for k, n in self._text_entries.items() if k[1] < step}
 
 
 def _parse_record(raw: bytes) -> Optional[dict[str, Any]]:

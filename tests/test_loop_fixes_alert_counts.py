@@ -66,3 +66,20 @@ def test_a_second_fit_from_an_earlier_checkpoint_replays_the_counts_at_their_ste
     warnings = tb_scalars(tb.log_dir)["alerts/count/warning"]
     replay = warnings[warnings.index((8, 2.0)) + 1:]
     assert [s for s, _ in replay if s < 8] == [3, 4, 5, 6] and replay[-1] == (8, 2.0)
+
+
+def test_a_second_fit_from_an_earlier_checkpoint_without_any_alert_logs_its_counts_at_its_steps(tmp_path, tiny_gpt):
+    """No alert at all (no alerts.jsonl): the replay's counts were logged at the first fit's last step."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    module, loader = tiny_gpt()
+    tb = TensorBoardLogger(str(tmp_path), name="tb")
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    trainer = pl.Trainer(max_steps=8, accelerator="cpu", logger=tb, callbacks=[Monitor(every_n_steps=100), ckpt],
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, loader)
+    trainer.fit(module, loader, ckpt_path=str(tmp_path / "ck" / "step=3.ckpt"))
+    assert not os.path.exists(os.path.join(tb.log_dir, "alerts.jsonl"))
+    warnings = tb_scalars(tb.log_dir)["alerts/count/warning"]
+    first_end = warnings.index((8, 0.0))
+    assert warnings[first_end + 1][0] == 3  # the replay starts at its checkpoint's step
