@@ -189,11 +189,11 @@ class TrainingSnapshot:
         parameter of the module must be in it (a layer added since, such as an adapter or a grown block, has no
         state to go back to: restoring the rest would leave it as it is now). Read from what was kept at capture (a
         snapshot adopted from a checkpoint's files: read from its file once)."""
-        self._read_layout()
-        problem = self._optimizers_mismatch(trainer)
+        problem = self._optimizers_mismatch(trainer)  # reads the layout of an adopted snapshot's file
         module = getattr(trainer, "lightning_module", None)
         if problem is None and module is not None:
-            keys = self.module_keys or frozenset()
+            keys = self.module_keys
+            assert keys is not None
             trainable = {name for name, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
             added = sorted(k for k in module.state_dict() if k in trainable and k not in keys)
             if added:

@@ -552,8 +552,7 @@ class DivergenceGuard(Monitor):
         # (several optimizers, one step each: their steps are not replayed anyway, see _replayable)
         made = trainer.global_step - self._batch_start if self._batch_start is not None else 0
         if made > self._steps_per_batch and len(trainer.optimizers) == 1:
-            if not self._said_steps_per_batch:
-                self._said_steps_per_batch = True
+            if self._steps_per_batch == 1:  # the first batch seen to make several: said once
                 self.alert(
                     trainer.global_step, "several_steps_per_batch", "info",
                     f"`training_step` made {made} optimizer steps on one batch (manual optimization): the loss of each "
@@ -760,7 +759,7 @@ class DivergenceGuard(Monitor):
                 start = self._creep_start
         # on several ranks the other monitors' warnings are rank-local: agreement is judged at the checks, where the
         # ranks reduce their findings (see on_before_optimizer_step); judged here, one rank acted alone and hung
-        local = self.corroborate and self.__dict__.get("_world_size", 1) == 1
+        local = self.corroborate and self._world_size == 1
         return (self._corroborate(step) if local else []), start, surge
 
     def _signed_loss(self, step: int, loss: float) -> bool:
@@ -1524,7 +1523,7 @@ class DivergenceGuard(Monitor):
         self._warned_replay = False  # a replay of `training_step` failed once (said once)
         self._batch_start: Optional[int] = None  # the optimizer step at the start of the current batch
         self._steps_per_batch = 1  # the most optimizer steps one batch made (manual optimization may make several)
-        self._said_steps_per_batch = False
+        self._world_size = 1  # the fit's (set at its start)
         # the step needs autograd itself (`torch.autograd.grad`: a gradient penalty, a physics-informed loss): its
         # replays run with gradients enabled (no backward, no update)
         self._replay_grad = False

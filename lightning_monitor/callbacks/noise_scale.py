@@ -212,6 +212,7 @@ class GradientNoiseScaleMonitor(Monitor):
         self._lazy = True  # parameters may still be uninitialized (lazy modules) until a due step finds none
         self._reported: set[str] = set()  # uncovered parameters named in a coverage alert
         self._said_partial = False  # a partial estimate was said (in an alert) this fit
+        self._batch_start = 0  # the optimizer step at the start of the current batch
         self._measured: set[str] = set()  # the parameters measured at this check
         self._selected: set[str] = set()  # modules selected by include / exclude
 
@@ -456,7 +457,7 @@ class GradientNoiseScaleMonitor(Monitor):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        made = trainer.global_step - self.__dict__.get("_batch_start", trainer.global_step)
+        made = trainer.global_step - self._batch_start
         if made > 1 and self.idle_reason is None:
             # every estimate counts a step's examples from its batch: with several steps a batch (manual
             # optimization) each step's gradient is of a part of the batch that the monitor cannot see
