@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging
 from torch import nn
 
-from lightning_monitor import DivergenceGuard
+from lightning_monitor import DivergenceGuard, read_alerts
 from lightning_monitor.alerts import AlertHub
 from lightning_monitor.snapshot import SnapshotMismatch, TrainingSnapshot
 
@@ -402,3 +402,44 @@ def test_a_rollback_does_not_hold_a_group_that_was_off_at_the_best_loss_at_zero(
     assert trainer.optimizers[0].param_groups[1]["lr"] > 0.0  # ... and it trains on
     with torch.no_grad():
         assert float(nn.functional.cross_entropy(net(x), y)) < 0.15
+
+
+class _Rates(pl.Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, list[float]]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.seen.append((trainer.global_step, [g["lr"] for g in optimizer.param_groups]))
+
+
+def test_a_later_fit_with_new_optimizers_runs_at_its_own_rate_after_a_rollback(tmp_path):
+    # fit 1 diverges under a rate ramp (a GPT without LayerNorm, 1e-3 -> 0.04) and is rolled back, its rate capped;
+    # fit 2 of the same Trainer, no checkpoint, builds a new optimizer at a rate the user picked (after lr_find,
+    # say): it ran at the old cap, silently, before
+    from gpt import GPTModule, make_loader
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pl.seed_everything(0, verbose=False)
+        module = GPTModule({"n_layer": 2, "n_head": 4, "d_model": 64, "block_size": 32, "layernorm": False},
+                           lr=1e-3, lr_end=0.04, ramp_steps=100)
+        loader = make_loader("prose", block_size=32, batch_size=16, n_samples=4096)
+        guard, rates = DivergenceGuard(), _Rates()
+        trainer = _trainer(tmp_path, [guard, rates], max_steps=120)
+        trainer.fit(module, loader)
+        assert guard.rollbacks and guard.rollbacks[-1]["lr_ceiling"] is not None
+        cap = max(c for row in guard.rollbacks[-1]["lr_ceiling"] for c in row)
+        assert cap < 0.02
+        module.lr, module.lr_end = 0.02, None
+        rates.seen.clear()
+        trainer.fit_loop.epoch_loop.max_steps = 125
+        trainer.fit(module, loader)
+    finally:
+        torch.set_num_threads(threads)
+    # the new optimizer's rate is used (0.02 diverges this model at once: the guard rolls it back and lowers it again)
+    again = min([r["step"] for r in guard.rollbacks if r["step"] >= 120], default=125)
+    before = [lrs for step, lrs in rates.seen if step <= again]
+    assert before and all(lrs == [0.02] * len(lrs) for lrs in before)
+    lifted = [a for a in read_alerts(str(tmp_path / "alerts.jsonl")) if a.kind == "lr_ceiling_lifted"]
+    assert len(lifted) == 1 and lifted[0].severity == "info" and f"{cap:.3g}" in lifted[0].message

@@ -370,6 +370,8 @@ class DivergenceGuard(Monitor):
             # the loss is judged as at the start (its history restarts; the initial level stays)
             self._new_normal([])
             self._normal_recent.clear()
+        if trainer.ckpt_path is None and (self._lr_ceiling is not None or self._lr_scale != 1.0):
+            self._lift_lr_ceiling(trainer)
         if (self.idle_reason is None and trainer.global_step > 0 and not self._snapshots
                 and self.snapshot_every_n_steps is not None):
             # a resumed run (or a later fit) starts from a state that training reached and left normal (the snapshots
@@ -1370,6 +1372,27 @@ class DivergenceGuard(Monitor):
             if self.decide(trainer, ok, all=True):
                 return snap
         return None
+
+    def _lift_lr_ceiling(self, trainer: pl.Trainer) -> None:
+        """A fit that starts without a checkpoint after a rollback of an earlier fit of the same Trainer: its
+        optimizers are new, built by ``configure_optimizers`` at the rates the user set for this fit (a rate picked by
+        ``Tuner.lr_find`` in between, say), and their groups need not be the old ones. The earlier fit's ceiling and
+        scale are lifted, said once (info): a divergence of this fit is met with rollbacks of its own."""
+        ceiling, scale = self._lr_ceiling, self._lr_scale
+        self._lr_ceiling, self._lr_scale = None, 1.0
+        was = []
+        if ceiling is not None:
+            was.append("a ceiling of " + ", ".join(f"{c:.3g}" for row in ceiling for c in row if math.isfinite(c)))
+        if scale != 1.0:
+            was.append(f"{scale:.3g}x their schedule")
+        last = self.rollbacks[-1]["step"] if self.rollbacks else None
+        self.alert(
+            trainer.global_step, "lr_ceiling_lifted", "info",
+            f"This fit starts with new optimizers (no checkpoint): the learning rates set by the rollback"
+            f"{f' at step {last}' if last is not None else ''} of an earlier fit ({'; '.join(was) or 'none'}) are "
+            "lifted, and the rates are those of the new optimizers. A divergence of this fit is rolled back and "
+            "its rate lowered again.",
+        )
 
     def _apply_lr_ceiling(self, trainer: pl.Trainer) -> bool:
         """Hold every float learning rate at or below its ceiling (host floats only: no device work); whether one

@@ -193,8 +193,7 @@ class GradientNoiseScaleMonitor(Monitor):
         self.resolved_method: Optional[str] = None
         self.ema = NoiseScaleEMA(self.smoothing)
         self.layer_ema: dict[str, NoiseScaleEMA] = {}
-        self._undefined = 0  # consecutive checks without B_simple
-        self._reset_runtime()
+        self._reset_run_state()
 
     def _reset_runtime(self) -> None:
         self._probe: Optional[PerExampleGradNorms] = None
@@ -205,13 +204,10 @@ class GradientNoiseScaleMonitor(Monitor):
         self._micro_sizes: list[int] = []
         self._small: dict[str, Tensor] = {}  # accumulation / ddp: per-param sum of small-batch sq norms
         self._ddp_registered = False
-        self._warned_single = False
         self._module: Optional[nn.Module] = None  # the model, to re-read the trainable set at arming
         self._flags: tuple[bool, ...] = ()  # requires_grad of every parameter when last selected
         self._measurable = False  # something trainable is measured (else checks are skipped)
         self._lazy = True  # parameters may still be uninitialized (lazy modules) until a due step finds none
-        self._reported: set[str] = set()  # uncovered parameters named in a coverage alert
-        self._said_partial = False  # a partial estimate was said (in an alert) this fit
         self._batch_start = 0  # the optimizer step at the start of the current batch
         self._measured: set[str] = set()  # the parameters measured at this check
         self._selected: set[str] = set()  # modules selected by include / exclude
@@ -239,6 +235,11 @@ class GradientNoiseScaleMonitor(Monitor):
         self._undefined = 0  # consecutive checks without B_simple
         self.layer_ema = {}
         self.resolved_method = None
+        # what was said once in this run (kept in checkpoints: a resumed run does not say it again)
+        self._reported: set[str] = set()  # uncovered parameters named in a coverage alert
+        self._said_partial = False  # a partial estimate was said (in an alert)
+        self._warned_single = False  # a check without two batch sizes was said
+        self._single_run = 0  # consecutive checks without two batch sizes
         self._reset_runtime()
 
     # ------------------------------------------------------------------ state
@@ -249,6 +250,8 @@ class GradientNoiseScaleMonitor(Monitor):
         state = super().state_dict()
         state["ema"] = self.ema.state_dict()
         state["layer_ema"] = {k: v.state_dict() for k, v in self.layer_ema.items()}
+        state["said"] = {"reported": sorted(self._reported), "partial": self._said_partial,
+                         "single": self._warned_single}
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -260,6 +263,10 @@ class GradientNoiseScaleMonitor(Monitor):
             ema = NoiseScaleEMA(self.smoothing)
             ema.load_state_dict(v)
             self.layer_ema[k] = ema
+        said = state_dict.get("said") or {}
+        self._reported = set(said.get("reported", ()))
+        self._said_partial = bool(said.get("partial", False))
+        self._warned_single = bool(said.get("single", False))
 
     # ------------------------------------------------------------------ setup
     def select(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -598,6 +605,11 @@ class GradientNoiseScaleMonitor(Monitor):
         if not names:
             return None
         if b_big <= b_small:
+            self._single_run += 1
+            if self.ema.count and self._single_run < 2:
+                # an epoch's short last batch (one example) after checks that had two batch sizes: this check has
+                # nothing to estimate, which is no condition of the run (said if it persists)
+                return None
             if not self._warned_single:
                 self._warned_single = True
                 self.alert(
@@ -608,6 +620,7 @@ class GradientNoiseScaleMonitor(Monitor):
                     value=float(b_big),
                 )
             return {self.key("batch_size"): float(b_big)}
+        self._single_run = 0
 
         grads = [self._params[n].grad for n in names]
         if any(g is None for g in grads):

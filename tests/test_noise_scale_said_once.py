@@ -1,0 +1,108 @@
+"""The noise-scale monitor says each of its one-time conditions once per run: a run resumed from a checkpoint does not
+say again what the interrupted run said (the parameters left out of the estimate, the estimate turning partial),
+and a check that falls on an epoch's short last batch of one example skips quietly instead of telling the user
+to raise a batch size of 32."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from gpt import GPTModule, make_loader
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_monitor import GradientNoiseScaleMonitor, read_alerts
+
+
+def _gpt_fit(root: str, name: str, max_epochs: int, ckpt_path: Optional[str] = None) -> pl.Trainer:
+    pl.seed_everything(0, verbose=False)
+    module = GPTModule({"n_layer": 2, "n_head": 4, "d_model": 64, "block_size": 32}, lr=3e-3)
+    loader = make_loader("prose", block_size=32, batch_size=16, n_samples=256, shuffle=False)  # 16 steps an epoch
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=max_epochs, logger=CSVLogger(root, name=name, version=0),
+        callbacks=[GradientNoiseScaleMonitor(every_n_steps=4),
+                   ModelCheckpoint(dirpath=os.path.join(root, name, "ck"), save_top_k=-1)],
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+    )
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    return trainer
+
+
+def _alerts(root: str, name: str) -> list[tuple[int, str, str]]:
+    return sorted((a.step, a.kind, a.severity) for a in read_alerts(os.path.join(root, name, "version_0", "alerts.jsonl")))
+
+
+def test_a_resumed_run_does_not_say_its_coverage_again(tmp_path) -> None:
+    root = str(tmp_path)
+    _gpt_fit(root, "straight", 4)
+    straight = _alerts(root, "straight")
+    # the demo GPT's position embedding is used outside a hooked module: named once, and the estimate turns partial
+    assert [k for _, k, _ in straight].count("partial_coverage") >= 1
+    _gpt_fit(root, "resumed", 2)
+    _gpt_fit(root, "resumed", 4, ckpt_path=os.path.join(root, "resumed", "ck", "epoch=1-step=32.ckpt"))
+    assert _alerts(root, "resumed") == straight
+
+
+class _MLP(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _mlp_fit(root: str, n: int, batch_size: int, every: int, epochs: int) -> tuple[GradientNoiseScaleMonitor, str]:
+    pl.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, :3] + 0.3 * torch.randn(n, 3, generator=g)).argmax(1)
+    mon = GradientNoiseScaleMonitor(every_n_steps=every)
+    logger = CSVLogger(root, name="mlp", version=0)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=epochs, logger=logger, callbacks=[mon], log_every_n_steps=1,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(_MLP(), DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False))
+    return mon, logger.log_dir
+
+
+def _logged_batch_sizes(log_dir: str) -> dict[int, float]:
+    import csv
+
+    out = {}
+    with open(os.path.join(log_dir, "metrics.csv")) as f:
+        for row in csv.DictReader(f):
+            if row.get("gns/batch_size"):
+                out[int(row["step"])] = float(row["gns/batch_size"])
+    return out
+
+
+def test_a_check_on_a_short_last_batch_of_one_example_is_skipped_quietly(tmp_path) -> None:
+    # 97 examples at 32 a batch: each epoch's fourth batch holds one; checks every 3 steps land on steps 3 and 15
+    # (an epoch is 4 steps: the last batch of the first epoch is step 3, of the fourth step 15)
+    mon, log_dir = _mlp_fit(str(tmp_path), 97, 32, 3, 5)
+    alerts = read_alerts(os.path.join(log_dir, "alerts.jsonl")) if os.path.exists(
+        os.path.join(log_dir, "alerts.jsonl")) else []
+    assert [a.kind for a in alerts if a.kind == "no_variance_estimate"] == []
+    logged = _logged_batch_sizes(log_dir)
+    assert logged and set(logged.values()) == {32.0}  # the one-example checks log nothing
+    assert 15 not in logged and 12 in logged and 18 in logged
+    assert mon.ema.count == len(logged)
+
+
+def test_batches_of_one_example_throughout_are_still_said(tmp_path) -> None:
+    mon, log_dir = _mlp_fit(str(tmp_path), 12, 1, 2, 1)
+    kinds = [a.kind for a in read_alerts(os.path.join(log_dir, "alerts.jsonl"))]
+    assert kinds.count("no_variance_estimate") == 1
+    assert mon.ema.count == 0

@@ -1,0 +1,89 @@
+"""The per-example probe's check that a parameter's gradient is all seen by its module's hooks (a parameter used
+outside its module is left out) allows for the rounding of the precision the backward ran in: bf16 weights, or
+bf16 autocast, round the gradient's sum over a batch of positions by about 1e-2 of its size, which a fixed
+relative tolerance of 1e-2 took for a contribution the hooks did not see."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lightning_monitor import PerExampleGradNorms
+
+
+class TinyLM(nn.Module):
+    """Embedding, LayerNorm, MLP, LayerNorm, head: every parameter used only inside its own module; with ``tied``,
+    the head's logits are ``h @ emb.weight.T`` (the embedding used outside its module as well)."""
+
+    def __init__(self, vocab: int = 48, d: int = 64, tied: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.ln1 = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.tied = tied
+        self.head = None if tied else nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        h = h + self.down(F.gelu(self.up(self.ln1(h))))
+        h = self.ln2(h)
+        return h @ self.emb.weight.T if self.tied else self.head(h)
+
+
+def _probe(model: nn.Module, dtype: torch.dtype, autocast: bool = False, seed: int = 0) -> PerExampleGradNorms:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 48, (16, 32), generator=gen)
+    y = torch.randint(0, 48, (16, 32), generator=gen)
+    with PerExampleGradNorms(model) as probe:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(x)
+        F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+    probe.per_parameter()
+    return probe
+
+
+def test_bf16_weights_keep_layernorm_and_mlp_parameters():
+    for seed in range(3):
+        torch.manual_seed(seed)
+        probe = _probe(TinyLM().to(torch.bfloat16), torch.bfloat16, seed=seed)
+        assert probe.uncovered == [], (seed, probe.reasons)
+
+
+def test_bf16_autocast_keeps_every_parameter():
+    for seed in range(3):
+        torch.manual_seed(seed)
+        probe = _probe(TinyLM(), torch.float32, autocast=True, seed=seed)
+        assert probe.uncovered == [], (seed, probe.reasons)
+
+
+def test_a_parameter_used_outside_its_module_is_still_left_out_in_bf16():
+    # the control: the tied embedding's gradient has the head's part, which no hook of the embedding sees
+    torch.manual_seed(0)
+    probe = _probe(TinyLM(tied=True).to(torch.bfloat16), torch.bfloat16)
+    assert "emb.weight" in probe.uncovered
+    assert "hooks did not see" in probe.reasons["emb.weight"]
+    assert [n for n in probe.uncovered if n != "emb.weight"] == []
+
+
+def test_bf16_norms_of_the_kept_parameters_match_a_loop_over_examples():
+    torch.manual_seed(0)
+    model = TinyLM().to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 48, (8, 32), generator=gen)
+    y = torch.randint(0, 48, (8, 32), generator=gen)
+    with PerExampleGradNorms(model) as probe:
+        logits = model(x)
+        F.cross_entropy(logits.float().reshape(-1, 48), y.reshape(-1)).backward()
+    got = probe.per_parameter()
+    assert set(got) == {n for n, _ in model.named_parameters()}
+    for i in range(8):
+        model.zero_grad()
+        logits = model(x[i:i + 1])
+        F.cross_entropy(logits.float().reshape(-1, 48), y[i].reshape(-1)).backward()
+        for name, p in model.named_parameters():
+            want = p.grad.float().pow(2).sum()
+            # bf16 gradients: a few parts in 1e2 of the norm
+            assert torch.allclose(got[name][i], want, rtol=0.1, atol=1e-6 * float(want) + 1e-12), (name, i)
