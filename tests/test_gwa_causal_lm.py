@@ -33,12 +33,16 @@ class Tokens(Dataset):
         return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
+def _gpt2() -> torch.nn.Module:
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=16, n_layer=1, n_head=2,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
 class CausalLM(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, make=_gpt2) -> None:
         super().__init__()
-        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=16, n_layer=1, n_head=2,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        self.model = transformers.GPT2LMHeadModel(cfg)
+        self.model = make()
 
     def training_step(self, batch, batch_idx):
         return self.model(**batch).loss
@@ -50,7 +54,7 @@ class CausalLM(pl.LightningModule):
 def reference_scores(module: CausalLM, data: Tokens, shift: bool) -> torch.Tensor:
     """gamma_i = (y_i - p_i)^T W z_i / (||z_i|| ||y_i - p_i|| ||W||_F) per scored token."""
     seen = {}
-    head = module.model.lm_head
+    head = module.model.get_output_embeddings()
     h = head.register_forward_hook(lambda m, a, o: seen.update(z=a[0].detach(), logits=o.detach()))
     with torch.no_grad():
         module.model(input_ids=data.ids)
@@ -64,9 +68,9 @@ def reference_scores(module: CausalLM, data: Tokens, shift: bool) -> torch.Tenso
     return (r * (z.double() @ w.T)).sum(-1) / (z.double().norm(dim=-1) * r.norm(dim=-1) * w.norm())
 
 
-def run(tmp_path, gwa):
+def run(tmp_path, gwa, make=_gpt2):
     torch.manual_seed(0)
-    module = CausalLM()
+    module = CausalLM(make)
     data = Tokens()
     logger = CSVLogger(str(tmp_path), name="csv")
     trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=logger, callbacks=[gwa], enable_progress_bar=False,
@@ -86,6 +90,39 @@ def test_labels_shifted_and_ignored_tokens_dropped(tmp_path) -> None:
     assert rec["mean"] == pytest.approx(float(ref.mean()), rel=1e-4)
     assert rec["negative"] == float((ref < 0).sum())
     assert not [a for a in alerts if a.kind == "target_mismatch"]
+
+
+def _bert_decoder() -> torch.nn.Module:
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=T, is_decoder=True,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return transformers.BertLMHeadModel(cfg)
+
+
+def _xlnet() -> torch.nn.Module:
+    cfg = transformers.XLNetConfig(vocab_size=VOCAB, d_model=16, n_layer=1, n_head=2, d_inner=32, dropout=0.0)
+    return transformers.XLNetLMHeadModel(cfg)
+
+
+@pytest.mark.parametrize("make, shift", [(_bert_decoder, True), (_xlnet, False)], ids=["BertLMHeadModel", "XLNet"])
+def test_the_shift_follows_the_loss_the_model_computes(tmp_path, make, shift) -> None:
+    # BertLMHeadModel (and Reformer's, OpenAI GPT's ...) compute the causal-LM loss, which shifts the labels, from a
+    # class whose name does not say so: they were scored against unshifted targets, silently. XLNet's LM head is
+    # trained on its labels as given (its own loss): not shifted
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False)
+    module, data, _ = run(tmp_path, gwa, make)
+    with torch.no_grad():
+        given = module.model(input_ids=data.ids, labels=data.labels).loss
+        logits = module.model(input_ids=data.ids).logits
+    shifted = torch.cat([data.labels[:, 1:], torch.full((len(data), 1), -100)], 1)
+    trained_on = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), (shifted if shift else data.labels).reshape(-1))
+    assert float(given) == pytest.approx(float(trained_on), rel=1e-5)  # what the model's own loss scores
+    assert gwa._shift is shift
+    ref = reference_scores(module, data, shift=shift)
+    rec = gwa.history[0]
+    assert rec["count"] == ref.numel()
+    assert rec["mean"] == pytest.approx(float(ref.mean()), rel=1e-4)
+    assert rec["negative"] == float((ref < 0).sum())
 
 
 def test_unshifted_targets_scored_as_given(tmp_path) -> None:
@@ -249,3 +286,46 @@ def test_sequence_first_logits_are_paired_with_their_own_targets(tmp_path) -> No
         assert gwa.history and gwa.history[0]["count"] == 32 * 3
         means.append(gwa.history[0]["mean"])
     assert means[0] == pytest.approx(means[1], rel=1e-5)
+
+
+def _gemma2(cap: float) -> torch.nn.Module:
+    cfg = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                    max_position_embeddings=T, final_logit_softcapping=cap, attention_dropout=0.0)
+    model = transformers.Gemma2ForCausalLM(cfg)
+    with torch.no_grad():  # logits in the cap's range (random init gives logits below 1)
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+def test_soft_capped_logits_are_scored_through_the_cap(tmp_path) -> None:
+    # Gemma 2 trains on cap * tanh(logits / cap): the head's per-token gradient is damped per class by the cap's slope;
+    # the scores were those of the raw logits' softmax. Oracle: each token's head gradient by autograd through the cap
+    cap = 2.0
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False)
+    module, data, _ = run(tmp_path, gwa, lambda: _gemma2(cap))
+    assert gwa._shift and gwa._softcap == cap
+    head = module.model.get_output_embeddings()
+    seen = {}
+    h = head.register_forward_hook(lambda m, a, o: seen.update(z=a[0].detach(), out=o.detach()))
+    with torch.no_grad():
+        module.model(input_ids=data.ids)
+    h.remove()
+    labels = torch.cat([data.labels[:, 1:], torch.full((len(data), 1), -100)], 1)
+    keep = labels != -100
+    z, out, y = seen["z"][keep].double(), seen["out"][keep].double(), labels[keep]
+    assert out.abs().max() > cap  # the cap bites
+    w0 = head.weight.detach().double()
+    oracle = []
+    for zi, yi in zip(z, y):
+        w = w0.clone().requires_grad_(True)
+        loss = torch.nn.functional.cross_entropy((cap * torch.tanh(zi @ w.T / cap)).unsqueeze(0), yi.unsqueeze(0))
+        (g,) = torch.autograd.grad(loss, w)
+        oracle.append(float((-g * w0).sum() / (g.norm() * w0.norm())))
+    oracle = torch.tensor(oracle, dtype=torch.float64)
+    rec = gwa.history[0]
+    assert rec["count"] == len(oracle)
+    assert rec["mean"] == pytest.approx(float(oracle.mean()), rel=1e-4)
+    assert rec["negative"] == float((oracle < 0).sum())
+    uncapped = reference_scores(module, data, shift=True)  # the softmax of the raw logits
+    assert abs(float(uncapped.mean()) - float(oracle.mean())) > 20 * 1e-4 * abs(float(oracle.mean()))

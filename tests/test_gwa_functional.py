@@ -19,12 +19,16 @@ from lightning_monitor.functional import (
 )
 
 
-def _autograd_alignment(z: torch.Tensor, y: torch.Tensor, head: torch.nn.Linear, ignore: int = -100):
-    """cos(-dL_i/dW, W) from torch.func per-sample gradients of the real cross-entropy."""
+def _autograd_alignment(z: torch.Tensor, y: torch.Tensor, head: torch.nn.Linear, ignore: int = -100,
+                        softcap: float | None = None):
+    """cos(-dL_i/dW, W) from torch.func per-sample gradients of the real cross-entropy (of the soft-capped logits
+    ``c tanh(out / c)`` with ``softcap``)."""
     params = {k: v.detach() for k, v in head.named_parameters()}
 
     def loss(p, zi, yi):
         out = functional_call(head, p, (zi.unsqueeze(0),))
+        if softcap is not None:
+            out = softcap * torch.tanh(out / softcap)
         if yi.is_floating_point():
             return -(yi.unsqueeze(0) * F.log_softmax(out, -1)).sum()
         return F.cross_entropy(out, yi.unsqueeze(0), ignore_index=ignore)
@@ -64,6 +68,28 @@ def test_scores_soft_targets_match_autograd() -> None:
         atol=1e-6,
         rtol=0,
     )
+
+
+@pytest.mark.parametrize("soft", [False, True], ids=["class indices", "soft targets"])
+def test_soft_capped_logits_match_per_sample_autograd(soft: bool) -> None:
+    # Gemma 2's loss sees 30 tanh(logits / 30): where the logits reach the cap's range the head's gradient is damped
+    # per class, and scores from the softmax of the raw logits were 8% (cap 30) to 2x (cap 2) off the true alignment
+    torch.manual_seed(2)
+    head = torch.nn.Linear(12, 9).double()  # in float64: near the cap, 1 - tanh^2 loses float32's digits
+    with torch.no_grad():
+        head.weight.mul_(25.0)  # logits up to about 40: well into the cap
+    z = torch.randn(50, 12, dtype=torch.float64)
+    y = torch.softmax(2 * torch.randn(50, 9, dtype=torch.float64), -1) if soft else torch.randint(0, 9, (50,))
+    out = head(z)
+    assert out.abs().max() > 30
+    for cap in (30.0, 2.0):
+        ours = gwa_scores(z, out, y, head.weight, softcap=cap)
+        oracle = _autograd_alignment(z, y, head, softcap=cap)
+        torch.testing.assert_close(ours, oracle, atol=1e-10, rtol=0)
+        uncapped = gwa_scores(z, out, y, head.weight)
+        assert (uncapped.double() - oracle).abs().max() > 1e-2  # the cap matters on these logits
+    with pytest.raises(ValueError, match="softcap"):
+        gwa_scores(z, out, y, head.weight, softcap=0.0)
 
 
 def test_sequence_tokens_are_samples_and_ignored_targets_are_nan() -> None:

@@ -6,6 +6,7 @@ Classification Tasks", NeurIPS 2025. The math lives in :mod:`lightning_monitor.f
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import warnings
@@ -61,6 +62,25 @@ _WARMUP_FACTOR = 2.0
 _CONTESTED = 0.4
 #: Hugging Face causal LMs named otherwise than ``*ForCausalLM`` whose loss shifts the labels
 _CAUSAL_LM_NAMES = ("GPT2LMHeadModel", "OpenAIGPTLMHeadModel", "CTRLLMHeadModel")
+
+
+def _computes_causal_lm_loss(module: nn.Module) -> bool:
+    """Whether a Hugging Face model's ``forward`` computes its loss with ``self.loss_function`` and that resolves to
+    the causal-LM loss, which shifts the labels (``BertLMHeadModel``, ``ReformerModelWithLMHead``: classes whose name
+    does not say so, whose ``loss_type`` is unset and falls back to it). Read from the class's code and the loss's
+    mapping, without asking the model (its ``loss_function`` property warns about an unset ``loss_type``)."""
+    forward = getattr(type(module), "forward", None)
+    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+    if code is None or "loss_function" not in code.co_names:
+        return False
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:
+        return False
+    own = module.__dict__.get("_loss_function")  # set by the user
+    if own is not None:
+        return own is ForCausalLMLoss
+    return LOSS_MAPPING.get(getattr(module, "loss_type", None), ForCausalLMLoss) is ForCausalLMLoss
 
 
 def _tensor_ids(obj: Any, out: set[int], depth: int = 0) -> set[int]:
@@ -225,8 +245,13 @@ class GradientWeightAlignmentMonitor(Monitor):
         shift_targets: targets ``[B, T]`` are the labels of a causal LM, which its loss shifts (the
             logits at position ``t`` predict the label at ``t + 1``): score against ``labels[:, 1:]``, the
             last position left out (``ignore_index``). ``None`` (default): shift when the model holds a
-            Hugging Face causal LM (``*ForCausalLM``, ``GPT2LMHeadModel`` ...) whose output layer is the head
-            and the targets are the ``labels`` of a dict batch read by the default ``target_fn``.
+            Hugging Face causal LM (``*ForCausalLM``, ``GPT2LMHeadModel``, any class whose ``forward`` computes
+            the causal-LM loss, e.g. ``BertLMHeadModel``) whose output layer is the head and the targets are the
+            ``labels`` of a dict batch read by the default ``target_fn``.
+
+    **Soft-capped logits.** A Hugging Face model with ``config.final_logit_softcapping = c`` (Gemma 2) trains on
+    ``c tanh(logits / c)``: its head is scored through the cap (the softmax of the capped logits, the gradient
+    damped by the cap's slope per class), exact against autograd.
 
     **Target mismatch.** When at least 90% of the scores of the first scored epoch are negative, a
     warning alert (``target_mismatch``) says that the targets most likely do not match the logits
@@ -298,6 +323,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._head_candidates: Optional[list[tuple[str, nn.Linear]]] = None
         self._head_watch: Optional[_HeadWatch] = None
         self._shift = bool(shift_targets)
+        self._softcap: Optional[float] = None  # the model caps the head's logits (see _logit_softcap)
         self._pending: Optional[tuple[Tensor, Optional[Tensor]]] = None  # the batch's targets and indices
         self._checked = False  # the targets were checked once (one host sync)
         self._refusal: Optional[str] = None
@@ -438,6 +464,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         # one candidate too: its output gradient tells whether it is a softmax classifier at all (see _resolve_head)
         self._head_candidates = candidates or None
         self._shift = self._causal_lm_shift(pl_module) if self.shift_targets is None else self.shift_targets
+        self._softcap = self._logit_softcap(pl_module)
         self._checked = False
         # idle_when_nothing_to_watch: why this rank's first scored batch did not fit the head (targets missing, of
         # another kind or shape), settled across the ranks at the end of that batch (see _settle_targets)
@@ -588,11 +615,11 @@ class GradientWeightAlignmentMonitor(Monitor):
     def _causal_lm_shift(self, pl_module: pl.LightningModule) -> bool:
         """Whether the head is the output layer of a Hugging Face causal LM inside ``pl_module`` (one whose
         loss shifts the labels: ``loss_type == "ForCausalLM"``, a ``*ForCausalLM`` class, GPT-2's
-        ``GPT2LMHeadModel`` ...)."""
+        ``GPT2LMHeadModel``, any class whose ``forward`` computes the causal-LM loss ...)."""
         for module in pl_module.modules():
             name = type(module).__name__
             causal = getattr(module, "loss_type", None) == "ForCausalLM" or name.endswith("ForCausalLM") or (
-                name in _CAUSAL_LM_NAMES
+                name in _CAUSAL_LM_NAMES or _computes_causal_lm_loss(module)
             )
             get_output = getattr(module, "get_output_embeddings", None)
             if not causal or not callable(get_output) or getattr(getattr(module, "config", None), "is_encoder_decoder", False):
@@ -603,6 +630,21 @@ class GradientWeightAlignmentMonitor(Monitor):
             except Exception:  # a model whose output layer cannot be read: not detected
                 continue
         return False
+
+    def _logit_softcap(self, pl_module: pl.LightningModule) -> Optional[float]:
+        """The cap ``c`` of a Hugging Face model that feeds its loss ``c tanh(logits / c)`` of the head's output
+        (``config.final_logit_softcapping``: Gemma 2), else ``None``."""
+        for module in pl_module.modules():
+            cap = getattr(getattr(module, "config", None), "final_logit_softcapping", None)
+            get_output = getattr(module, "get_output_embeddings", None)
+            if not isinstance(cap, (int, float)) or isinstance(cap, bool) or cap <= 0 or not callable(get_output):
+                continue
+            try:
+                if get_output() is self._head:
+                    return float(cap)
+            except Exception:  # a model whose output layer cannot be read: not detected
+                continue
+        return None
 
     def _find_head(self, pl_module: pl.LightningModule) -> tuple[str, nn.Linear]:
         modules = dict(pl_module.named_modules())
@@ -754,6 +796,7 @@ class GradientWeightAlignmentMonitor(Monitor):
             if self.shift_targets is None and self._causal_lm_shift(pl_module) != self._shift:
                 self._shift = not self._shift
                 self._pending = None  # this batch's targets were read for the other head: not scored
+            self._softcap = self._logit_softcap(pl_module)
             rank_zero_info(f"GradientWeightAlignmentMonitor: classifier head `{chosen}` ({module}): {why}; "
                            f"not `{default}`, the last nn.Linear with >= 2 outputs registered.")
         else:
@@ -995,7 +1038,8 @@ class GradientWeightAlignmentMonitor(Monitor):
             else:
                 w_norm = w_norm.repeat_interleave(torch.tensor(rows, device=w_norm.device), output_size=sum(rows))
         scores = alignment_from_parts(
-            None, wz, logits, targets, w_norm, ignore_index=self.ignore_index, feature_norm=z_norm
+            None, wz, logits, targets, w_norm, ignore_index=self.ignore_index, feature_norm=z_norm,
+            softcap=self._softcap,
         ).double()
         self._moments.update(scores)
         finite = torch.isfinite(scores)

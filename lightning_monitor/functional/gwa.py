@@ -83,6 +83,7 @@ def gwa_scores(
     *,
     ignore_index: Optional[int] = -100,
     eps: float = 1e-12,
+    softcap: Optional[float] = None,
 ) -> Tensor:
     """Per-sample gradient-weight alignment ``gamma_i = cos(-grad_W loss_i, W)``, closed form.
 
@@ -96,6 +97,8 @@ def gwa_scores(
         ignore_index: integer targets equal to it get no score (NaN); ``None`` ignores nothing. Integer
             targets outside ``[0, C)`` get no score either (a loss's own ignore index).
         eps: floor of the norms (zero features or a soft target met exactly score 0).
+        softcap: ``c`` when the loss sees ``c tanh(logits / c)`` rather than the logits (logit
+            soft-capping); ``logits`` stay the head's outputs.
 
     Returns:
         scores of the leading shape in ``[-1, 1]`` (float32, float64 for float64 inputs); NaN for
@@ -117,6 +120,8 @@ def gwa_scores(
             f"and logits, got {tuple(weight.shape)}."
         )
     num_classes = logits.shape[-1]
+    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"`softcap` must be a positive number, got {softcap!r}.")
     if num_classes < 2:
         raise ValueError(
             "GWA needs a softmax head with at least 2 outputs; a single-logit (sigmoid) head has no "
@@ -137,7 +142,8 @@ def gwa_scores(
     with torch.autocast(device_type=features.device.type, enabled=False):  # W z in fp32 under autocast too
         z = features.detach().to(dtype)
         w = weight.detach().to(dtype)
-        return alignment_from_parts(z, z @ w.T, logits, targets, w.norm(), ignore_index=ignore_index, eps=eps)
+        return alignment_from_parts(z, z @ w.T, logits, targets, w.norm(), ignore_index=ignore_index, eps=eps,
+                                    softcap=softcap)
 
 
 def alignment_from_parts(
@@ -150,6 +156,7 @@ def alignment_from_parts(
     ignore_index: Optional[int] = -100,
     eps: float = 1e-12,
     feature_norm: Optional[Tensor] = None,
+    softcap: Optional[float] = None,
 ) -> Tensor:
     """:func:`gwa_scores` from ``wz = W z`` (``logits - bias`` for an ``nn.Linear`` head) and
     ``||W||_F`` (a scalar, or one per row when rows come from different steps); no shape checks.
@@ -157,7 +164,11 @@ def alignment_from_parts(
 
     The features enter only through their norms: pass ``feature_norm`` (``||z||`` per row, the
     logits' leading shape) instead of ``features`` (then ``None``) to keep ``[..]`` instead of
-    ``[.., D]`` per sample."""
+    ``[.., D]`` per sample.
+
+    ``softcap``: the loss sees ``c tanh(logits / c)`` (logit soft-capping, Gemma 2's ``final_logit_softcapping``),
+    so the head's per-sample gradient is ``((p - y) * (1 - tanh^2(logits / c))) z^T``, ``p`` the softmax of the
+    capped logits: scored so (``logits`` is then the head's output, before the cap)."""
     dtype = torch.promote_types(logits.dtype, torch.float32)
     if feature_norm is None:
         if features is None:
@@ -167,9 +178,15 @@ def alignment_from_parts(
         z_norm = feature_norm.detach().to(dtype)
     wz = wz.detach().to(dtype)
     logits = logits.detach().to(dtype)
+    slope: Optional[Tensor] = None
+    if softcap is not None:
+        squashed = torch.tanh(logits / softcap)
+        logits, slope = softcap * squashed, 1.0 - squashed * squashed  # d(capped) / d(logits), per class
     valid = None
     if targets.is_floating_point():
         r = _softmax(logits) - targets.detach().to(dtype)
+        if slope is not None:
+            r = r * slope
         num = -(r * wz).sum(-1)
         r_norm = r.norm(dim=-1)
     else:
@@ -186,8 +203,14 @@ def alignment_from_parts(
         # exact even when p_y rounds to 1 (no 1 - p_y cancellation, no underflow), no one-hot.
         u = _softmax(logits.scatter(-1, t, float("-inf")))
         wz_y = wz.gather(-1, t).squeeze(-1)
-        num = wz_y - (u * wz).sum(-1)
-        r_norm = ((u * u).sum(-1) + 1.0).sqrt()
+        if slope is None:
+            num = wz_y - (u * wz).sum(-1)
+            r_norm = ((u * u).sum(-1) + 1.0).sqrt()
+        else:  # (u, -1) times the cap's slope per class
+            s_y = slope.gather(-1, t).squeeze(-1)
+            us = u * slope
+            num = s_y * wz_y - (us * wz).sum(-1)
+            r_norm = ((us * us).sum(-1) + s_y * s_y).sqrt()
     denom = (r_norm * z_norm).clamp_min(eps) * weight_norm.to(dtype).clamp_min(eps)
     scores = (num / denom).clamp(-1.0, 1.0)
     if valid is not None:
