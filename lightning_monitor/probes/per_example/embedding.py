@@ -40,7 +40,15 @@ class EmbeddingHandler(Handler):
         # an integer index tensor; anything else is the input of a subclass with a forward of its own (OPT's
         # learned positions take the attention mask and index with positions computed inside): not this handler's
         integer = not (idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool)
-        return idx if idx.dim() >= 1 and integer else None
+        if idx.dim() < 1 or not integer:
+            return None
+        if type(m).forward is not nn.Embedding.forward:
+            # a subclass with a forward of its own may take indices it does not look up (Whisper's learned
+            # positions take the token ids and slice positions): kept inside the table, so that no index falls
+            # outside it (on CUDA a device-side assert, which ends the process); whether the module computes what
+            # this handler assumes is the probe's verification's to find (it leaves such a parameter out)
+            idx = idx.clamp(0, m.num_embeddings - 1)
+        return idx
 
     def batch_dims(self, m: nn.Module, idx: Tensor) -> int:
         return idx.dim()
