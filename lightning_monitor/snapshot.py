@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -67,6 +67,29 @@ def _host_structure(obj: Any, reuse: Any, dst: list[Tensor], src: list[Tensor]) 
         old = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else (None,) * len(obj)
         return type(obj)(_host_structure(v, r, dst, src) for v, r in zip(obj, old))
     return copy.deepcopy(obj)
+
+
+def present_names(saved: Iterable[str], present: Collection[str]) -> dict[str, str]:
+    """Each saved module-state name -> the present name that holds it: the same name, or across the renaming of
+    ``torch.nn.utils.prune`` (Lightning's ``ModelPruning``): a parameter pruned since it was saved (``w`` then,
+    ``w_orig`` now beside a ``w_mask`` buffer), or pruned then and made permanent since (``w_orig`` then, ``w`` now).
+    Names with no present holder are left out."""
+    out = {}
+    for name in saved:
+        if name in present:
+            out[name] = name
+        elif name + "_orig" in present and name + "_mask" in present:
+            out[name] = name + "_orig"
+        elif name.endswith("_orig") and name[: -len("_orig")] in present:
+            out[name] = name[: -len("_orig")]
+    return out
+
+
+def pruned_since(saved: Collection[str], present: Collection[str]) -> list[str]:
+    """The present names of the parameters ``torch.nn.utils.prune`` has masked since a state with the names
+    ``saved``: ``w_orig`` with its ``w_mask`` now, whose mask was not saved."""
+    return sorted(k[: -len("_mask")] for k in present
+                  if k.endswith("_mask") and k[: -len("_mask")] + "_orig" in present and k not in saved)
 
 
 def _loss_scaler(trainer: pl.Trainer) -> Any:
@@ -165,9 +188,9 @@ class TrainingSnapshot:
         state = self.state()
         with torch.no_grad():
             current = pl_module.state_dict()
-            for name, saved in state["module"].items():
-                if name not in keep:
-                    current[name].copy_(saved)
+            for name, now in present_names(state["module"], current).items():
+                if now not in keep and name not in keep:
+                    current[now].copy_(state["module"][name])
         for opt, saved in zip(trainer.optimizers, state["optimizers"]):
             opt.load_state_dict(_optimizer_state(opt, saved))
         types = state.get("scheduler_types") or [None] * len(state["schedulers"])
@@ -195,7 +218,9 @@ class TrainingSnapshot:
             keys = self.module_keys
             assert keys is not None
             trainable = {name for name, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
-            added = sorted(k for k in module.state_dict() if k in trainable and k not in keys)
+            present = module.state_dict().keys()
+            held = set(present_names(keys, present).values())  # a pruned parameter is held under its old name
+            added = sorted(k for k in present if k in trainable and k not in held)
             if added:
                 problem = (f"{len(added)} trainable parameter(s) added to the module since step {self.step}: "
                            f"{', '.join(added[:4])}{'...' if len(added) > 4 else ''}")

@@ -23,7 +23,7 @@ from lightning_monitor._sharded import local, nonfinite_on_host, squared_norms
 from lightning_monitor.alerts import Alert, alerts_dir, read_records
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch
 from lightning_monitor.functional.robust import SeriesWatch, median
-from lightning_monitor.snapshot import TrainingSnapshot, scale_learning_rates
+from lightning_monitor.snapshot import TrainingSnapshot, present_names, pruned_since, scale_learning_rates
 
 __all__ = ["DivergenceGuard"]
 
@@ -960,6 +960,8 @@ class DivergenceGuard(Monitor):
             )
             self._new_normal([loss])
             return []
+        if loss is not None and self._pruned(trainer, pl_module, start, loss, level):
+            return []
         verdict = self._attribute(trainer, pl_module, start, level, climb) if self.attribute else None
         found = None if verdict is None else verdict[0]
         if found == "transient":
@@ -1012,6 +1014,8 @@ class DivergenceGuard(Monitor):
             # before any history the references are the first batches, and the first updates of a healthy run can
             # overshoot and settle: at once only if the weights broke by ``blowup`` on those batches too
             return []
+        if self._pruned(trainer, pl_module, step, loss, level):
+            return []
         if math.isfinite(now) and self._objective_changed(trainer, pl_module, step, loss, level, [b for b, _ in refs],
                                                           then, now):
             return []
@@ -1049,6 +1053,36 @@ class DivergenceGuard(Monitor):
         ranks; ``None`` when a batch gives no loss."""
         losses = [self._batch_loss(pl_module, b, i) for b, i in batches]
         return self._rank_mean(trainer, pl_module, None if None in losses else sum(losses) / len(losses))
+
+    def _pruned(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, loss: float,
+                level: float) -> bool:
+        """Whether ``torch.nn.utils.prune`` (Lightning's ``ModelPruning``) masked parameters since the newest snapshot
+        from before ``step``, and the loss rose with it on a run that was normal until then: the pruning's effect (its
+        masks, and with the lottery-ticket rewind the weights of the start), not a divergence; the older weights,
+        which find the batches easier, are no state to go back to. Said (``model_pruned``, info), the new level
+        becomes the normal, and nothing acts; once per masked parameter. Every rank has the same masks (a callback
+        prunes every rank alike) and judges the same mean loss: no reduction."""
+        snap = next((s for s in reversed(self._snapshots) if s.step < step), None)
+        # only a rise on a run that was normal up to it, once per pruning: a divergence later on (the smoothed loss
+        # already creeping, or a second rise with the same masks) is judged as ever, the pruned model replayed with
+        # the older weights under its present masks
+        if snap is None or any(sev != "info" for (kind, _), sev in self._conditions.items()):
+            return False
+        snap._read_layout()
+        assert snap.module_keys is not None
+        masked = [n for n in pruned_since(snap.module_keys, pl_module.state_dict().keys()) if n not in self._masked]
+        if not masked:
+            return False
+        self._masked.update(masked)
+        self.alert(
+            step, "model_pruned", "info",
+            f"The loss rose to {loss:.4g} at step {step} (recent level about {level:.4g}) after {len(masked)} "
+            f"parameter(s) were pruned since step {snap.step} ({', '.join(masked[:4])}{'...' if len(masked) > 4 else ''}): "
+            "the pruning's effect, not a divergence. No action taken; the new level is the normal from here.",
+            value=loss, threshold=level,
+        )
+        self._new_normal([loss])
+        return True
 
     def _objective_changed(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, loss: float,
                            level: float, refs: list[tuple[Any, int]], then: float, now: float) -> bool:
@@ -1123,9 +1157,10 @@ class DivergenceGuard(Monitor):
             for snap in snaps:
                 with torch.no_grad():
                     current = pl_module.state_dict()
-                    for name, value in snap.state()["module"].items():
-                        if name in params:
-                            current[name].copy_(value)
+                    module_state = snap.state()["module"]
+                    for name, now in present_names(module_state, current).items():
+                        if now in params:
+                            current[now].copy_(module_state[name])
                 out.append(evaluate())
         finally:
             with torch.no_grad():
@@ -1373,6 +1408,34 @@ class DivergenceGuard(Monitor):
                 return snap
         return None
 
+    def rebase(self, trainer: pl.Trainer, reason: str = "the weights were changed on purpose") -> None:
+        """Tell the guard that the weights were changed on purpose (a head re-initialised, shrink-and-perturb,
+        pruning that zeroes weights in place, weights loaded by hand): the rise of the loss that follows is the
+        change's, not a divergence, and the weights from before it are no state to go back to. The loss history
+        restarts, the snapshots from before are dropped, and the present state is kept as a snapshot at once (when
+        every parameter and buffer is finite), so that a divergence after the change rolls back to it. Said
+        (``rebased``, info). Call it from a hook of a callback or of the LightningModule, after the change and
+        before the step's backward (``on_train_batch_start``, or ``on_train_batch_end`` for the next step), on
+        every rank alike (under several processes the snapshot's agreement is a collective)."""
+        step = trainer.global_step
+        pl_module = trainer.lightning_module
+        for kind, layer in list(self._conditions):
+            self.condition(step, kind, False, "info", "", layer=layer, clear_message=f"Rebased: {reason}.")
+        self._new_normal([])
+        self._normal_recent.clear()
+        self._recent_batches.clear()
+        self._hard_batch = None
+        for snap in self._snapshots:
+            snap.discard()
+        self._snapshots = []
+        self.alert(step, "rebased", "info",
+                   f"Rebased at step {step}: {reason}. The loss is judged afresh from here, and the state of step "
+                   f"{step} is the one to go back to.")
+        if self.idle_reason is None and self.snapshot_every_n_steps is not None:
+            module_state = pl_module.state_dict()
+            self._snapshot(trainer, pl_module, step, self._all_finite(module_state, self._infinite_by_design),
+                           module_state)
+
     def _lift_lr_ceiling(self, trainer: pl.Trainer) -> None:
         """A fit that starts without a checkpoint after a rollback of an earlier fit of the same Trainer: its
         optimizers are new, built by ``configure_optimizers`` at the rates the user set for this fit (a rate picked by
@@ -1571,6 +1634,7 @@ class DivergenceGuard(Monitor):
         self._skip: set[tuple[int, int]] = set(self._skip_given)
         self._lr_scale = 1.0
         self._lr_ceiling: Optional[list[list[float]]] = None  # per optimizer and group, after a repeated divergence
+        self._masked: set[str] = set()  # parameters whose pruning excused a rise of the loss (see _pruned)
         self._external: list[Alert] = []
         self._external_warnings: dict[tuple[str, str, Optional[str]], Alert] = {}
         self.rollbacks, self.stop_checkpoint, self.stopped_step = [], None, None
@@ -1593,7 +1657,10 @@ class DivergenceGuard(Monitor):
         self._ema, self._ema_weight = creep.get("ema", 0.0), creep.get("weight", 0.0)
         self._ema_min = creep.get("min", math.inf)
         self._creep_warned_at = creep.get("warned_at", math.inf)
-        self._creep_high = False  # a snapshot's state: taken with the smoothed loss near its minimum
+        # a snapshot's state: taken with the smoothed loss near its minimum and no creep episode open (one open when a
+        # rollback restores it ended with it: judged on, it rolled the restored weights back again at the next step)
+        self._creep_high = False
+        self._creep_start, self._climb_judged = None, False
         self._lr_at_min = state.get("lr_at_min")
         # per optimizer and group: the highest rate at a normal step, and the lowest since (see _lr_restart)
         self._lr_peak: Optional[list[list[Optional[float]]]] = _copy_rows(state.get("lr_peak"))
