@@ -49,6 +49,23 @@ def test_resnet_stage_convolutions_are_components() -> None:
     assert torch.allclose(mean_abs([g]), g.abs().mean().reshape(1))
 
 
+def test_a_head_numbered_only_inside_its_own_sequential_is_not_a_component() -> None:
+    # Hugging Face's ResNet head is `classifier = Sequential(Flatten(), Linear(...))`: its Linear is `classifier.1`,
+    # numbered like a repeated block, and was a component (frozen with the blocks, counted in the frozen fraction)
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                    num_labels=4)
+    model = transformers.ResNetForImageClassification(cfg)
+    comps = find_components(model)
+    assert "classifier.1" not in comps
+    assert comps and all(".layers." in n or ".stages." in n for n in comps)
+    # a Sequential of several layers of one kind stays a stack of numbered layers: each one a component
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    assert sorted(find_components(mlp)) == ["0", "2", "4"]
+    head = nn.ModuleDict({"body": mlp, "out": nn.Sequential(nn.Flatten(), nn.Linear(3, 2))})
+    assert sorted(find_components(head)) == ["body.0", "body.2", "body.4"]
+
+
 def test_nothing_found_can_be_asked_without_raising() -> None:
     model = nn.Sequential()
     model.add_module("emb", nn.Embedding(5, 4))

@@ -118,7 +118,7 @@ def _module_component(name: str, module: nn.Module) -> Optional[Component]:
     return Component(name, weight, _own_params(module))
 
 
-def _auto_match(name: str, module: nn.Module, component: Component) -> bool:
+def _auto_match(name: str, module: nn.Module, component: Component, parent: Optional[nn.Module] = None) -> bool:
     segments = name.split(".")
     if any(s in LORA_NAMES for s in segments):
         return component.weight.dim() >= 2
@@ -126,7 +126,13 @@ def _auto_match(name: str, module: nn.Module, component: Component) -> bool:
         return component.weight.dim() >= 2
     # a weight matrix inside a repeated block (a child of a ModuleList or Sequential: a numeric name
     # segment): nn.Linear, Hugging Face Conv1D, a convolution (ResNet stages: `layer1.0.conv1`)
-    return isinstance(module, _matrix_types()) and bool(_BLOCK_INDEX.search(name))
+    if not isinstance(module, _matrix_types()) or not _BLOCK_INDEX.search(name):
+        return False
+    if segments[-1].isdigit() and not _BLOCK_INDEX.search(".".join(segments[:-1])) and parent is not None:
+        # numbered only as a child of a Sequential with no other layer of its kind: an output head's
+        # `classifier = Sequential(Flatten(), Linear(...))` (HF ResNet's `classifier.1`) is no repeated block
+        return sum(type(child) is type(module) for child in parent.children()) > 1
+    return True
 
 
 def _matrix_types() -> tuple[type[nn.Module], ...]:
@@ -182,6 +188,7 @@ def find_components(
                     f"Module names are: {_preview(names)}."
                 )
     found: dict[str, Component] = {}
+    modules = {"": model, **dict(named)}
     for name, module in named:
         if any(fnmatchcase(name, p) for p in exc):
             continue
@@ -195,7 +202,7 @@ def find_components(
                     )
                 if comp is not None:
                     found[name] = comp
-        elif comp is not None and _auto_match(name, module, comp):
+        elif comp is not None and _auto_match(name, module, comp, modules.get(name.rpartition(".")[0])):
             found[name] = comp
         for full, p in bare[name]:
             if not any(fnmatchcase(full, e) for e in exc) and (not inc or any(fnmatchcase(full, i) for i in inc)):
