@@ -267,7 +267,9 @@ def test_parameter_used_outside_its_module_is_reported() -> None:
     model = Functional()
     probe = probe_run(model, F.cross_entropy, torch.randn(3, 4), torch.randint(0, 2, (3,)))
     per = probe.per_parameter()
-    assert set(per) == {"a.weight", "a.bias"}
+    # b.bias gets no gradient at all: covered, with per-example norms of zero
+    assert set(per) == {"a.weight", "a.bias", "b.bias"} == set(probe.covered)
+    assert torch.equal(per["b.bias"], torch.zeros(3))
     assert "b.weight" in probe.uncovered and "b.weight" not in probe.covered
 
 

@@ -64,3 +64,37 @@ def test_positions_looked_up_from_token_ids_are_left_out_without_indexing_outsid
             if name != "pos.weight":
                 # the probe rescales the batch mean's per-example parts to each example's own loss
                 torch.testing.assert_close(per[name][i], p.grad.pow(2).sum(), rtol=1e-4, atol=1e-9)
+
+
+class WithUnusedPooler(nn.Module):
+    """A pooler the classifier does not use (BigBird's, under a classifier on the first token's hidden state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 8)
+        self.pooler = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        self.pooler(h.detach())  # computed, unused by the loss
+        return self.head(h)
+
+
+def test_a_covered_parameter_that_gets_no_gradient_has_zero_norms() -> None:
+    # `covered` named the pooler's parameters, but `per_parameter()` left them out: every covered name has a row of
+    # per-example norms, zero for a parameter no gradient reaches
+    torch.manual_seed(0)
+    model = WithUnusedPooler()
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    with PerExampleGradNorms(model) as probe:
+        F.cross_entropy(model(x), y).backward()
+    per = probe.per_parameter()
+    assert set(per) == set(probe.covered) == {n for n, _ in model.named_parameters()}
+    assert torch.equal(per["pooler.weight"], torch.zeros(5)) and torch.equal(per["pooler.bias"], torch.zeros(5))
+    for i in range(5):
+        model.zero_grad()
+        F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
+        for name, p in model.named_parameters():
+            want = torch.zeros(()) if p.grad is None else p.grad.pow(2).sum()
+            torch.testing.assert_close(per[name][i], want, rtol=1e-4, atol=1e-9)

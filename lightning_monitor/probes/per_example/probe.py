@@ -958,6 +958,7 @@ class PerExampleGradNorms:
         if self.verify and not self._verified and not self._pending:
             self._check_projections()
         out: dict[str, Tensor] = {}
+        unused: list[str] = []  # covered, but no gradient reached them in these backward passes
         for pid in self._covered_ids:
             name = self._names[pid]
             if name in self._not_reached:
@@ -965,7 +966,9 @@ class PerExampleGradNorms:
             recs = self._records.get(pid)
             if not recs:
                 p = self._params[pid]
-                if p.grad is not None:
+                if p.grad is None:
+                    unused.append(name)
+                else:
                     # it has a gradient, but its module's forward never ran: used outside its module
                     self._not_reached.append(name)
                     owner = name.rpartition(".")[0]
@@ -992,6 +995,12 @@ class PerExampleGradNorms:
                         "tensor argument holds the batch along another dimension than 0), so per-example gradients "
                         "are not separable there; declare it with `batch_dims` if it has one"
                     )
+        if unused and (out or self.batch_size is not None):
+            # no gradient at all (a pooler the classifier does not use): each example's is zero
+            n = self.batch_size if self.batch_size is not None else next(iter(out.values())).shape[0]
+            device = next(iter(out.values())).device if out else self._params[self._covered_ids[0]].device
+            for name in unused:
+                out[name] = torch.zeros(n, device=device, dtype=torch.float32)
         return out
 
     def squared_norms(self) -> Tensor:
