@@ -19,18 +19,23 @@ from lightning_monitor import DivergenceGuard
 sklearn_datasets = pytest.importorskip("sklearn.datasets")
 
 
-def _digits():
+def _digits(n: int = 1200, noise: float = 0.0):
     x, y = sklearn_datasets.load_digits(return_X_y=True)
     x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(11))
-    return x[perm[:1200]], y[perm[:1200]]
+    x, y = x[perm[:1200]][:n], y[perm[:1200]][:n].clone()
+    if noise > 0:  # a share of the labels drawn at random
+        g = torch.Generator().manual_seed(77)
+        flip = torch.rand(len(y), generator=g) < noise
+        y = torch.where(flip, torch.randint(0, 10, (len(y),), generator=g), y)
+    return x, y
 
 
 class _Stream(Dataset):
     """``steps`` batches of 32 drawn with a seed: one epoch is the whole run."""
 
-    def __init__(self, steps: int, seed: int) -> None:
-        x, y = _digits()
+    def __init__(self, steps: int, seed: int, n: int = 1200, noise: float = 0.0) -> None:
+        x, y = _digits(n, noise)
         g = torch.Generator().manual_seed(1000 + seed)
         self.batches = [(x[i], y[i]) for i in (torch.randint(0, len(x), (32,), generator=g) for _ in range(steps))]
 
@@ -42,17 +47,18 @@ class _Stream(Dataset):
 
 
 class _Clf(pl.LightningModule):
-    def __init__(self, jump_at: int | None = None, factor: float = 1.0) -> None:
+    def __init__(self, jump_at: int | None = None, factor: float = 1.0, adamw: bool = False) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
-        self.jump_at, self.factor = jump_at, factor
+        self.jump_at, self.factor, self.adamw = jump_at, factor, adamw
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         return F.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self):
-        opt = torch.optim.Adam(self.parameters(), lr=1e-3)
+        opt = (torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.0) if self.adamw
+               else torch.optim.Adam(self.parameters(), lr=1e-3))
         if self.jump_at is None:
             return opt
         at, factor = self.jump_at, self.factor
@@ -80,7 +86,7 @@ class _InPlacePruner(Callback):
                     layer.weight.mul_((layer.weight.abs() > threshold).float())
 
 
-def _fit(tmp_path, make, callbacks, steps: int, seed: int = 0) -> tuple[pl.Trainer, DivergenceGuard]:
+def _fit(tmp_path, make, callbacks, steps: int, seed: int = 0, **data) -> tuple[pl.Trainer, DivergenceGuard]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the run's numbers as measured
     try:
@@ -90,7 +96,7 @@ def _fit(tmp_path, make, callbacks, steps: int, seed: int = 0) -> tuple[pl.Train
         trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, callbacks=[*callbacks, guard],
                              enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                              default_root_dir=str(tmp_path))
-        trainer.fit(module, DataLoader(_Stream(steps, seed), batch_size=None))
+        trainer.fit(module, DataLoader(_Stream(steps, seed, **data), batch_size=None))
     finally:
         torch.set_num_threads(threads)
     return trainer, guard
@@ -213,3 +219,31 @@ def test_an_untold_head_reset_is_rolled_back(tmp_path):
     # the control: without `rebase`, the reset looks like weights that broke (documented)
     _, guard = _fit(tmp_path, lambda: _Clf(), [_HeadReset(200, tell=False)], steps=220)
     assert [r["to_step"] for r in guard.rollbacks][:1] == [190]
+
+
+class _DecayRamp(Callback):
+    """AdamW's decoupled weight decay ramped from 0 to ``final`` between ``start`` and ``end``."""
+
+    def __init__(self, start: int, end: int, final: float) -> None:
+        self.start, self.end, self.final = start, end, final
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        done = min(1.0, max(0.0, (trainer.global_step - self.start) / (self.end - self.start)))
+        for group in trainer.optimizers[0].param_groups:
+            group["weight_decay"] = self.final * done
+
+
+@pytest.mark.parametrize("jump, seed", [(None, 0), (None, 1), (30.0, 0)],
+                         ids=["healthy", "healthy, seed 1", "rate x30 during the ramp"])
+def test_a_weight_decay_ramp_is_not_taken_for_a_divergence(tmp_path, jump, seed):
+    # 300 digits with 20% noisy labels, AdamW's decay ramped 0 -> 10 over steps 300-500: the training loss rises by
+    # design (validation accuracy 0.84 against 0.82 without the decay); older, larger weights find the batches easier,
+    # and the rise was rolled back at step 562 to step 400, the rate halved. A rate x30 from step 420 is still caught
+    _, guard = _fit(tmp_path, lambda: _Clf(jump_at=None if jump is None else 420, factor=jump or 1.0, adamw=True),
+                    [_DecayRamp(300, 500, 10.0)], steps=650, seed=seed, n=300, noise=0.2)
+    said = [a for a in guard.hub.history if a.kind == "decay_change"]
+    if jump is None:
+        assert guard.rollbacks == [] and guard.stopped_step is None
+        assert said and said[0].severity == "warning"
+    else:
+        assert guard.rollbacks and 420 <= guard.rollbacks[0]["step"] <= 430

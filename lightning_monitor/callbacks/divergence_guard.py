@@ -697,6 +697,7 @@ class DivergenceGuard(Monitor):
                 # describes the losses of about smoothing / (1 - smoothing) steps back (its mean age)
                 back = 1 + round(self.smoothing / (1.0 - self.smoothing))
                 self._lr_at_min = next((lrs for t, lrs in self._lr_trace if t >= s - back), self._lr_at_min)
+                self._wd_at_min = self._float_decays(trainer)
             self._judged_through = s
             if reasons and first_bad is None:
                 first_bad = start
@@ -978,6 +979,19 @@ class DivergenceGuard(Monitor):
                 value=now, threshold=before, clear_message="The loss has settled at its new level.",
             )
             self._new_normal([now, before])
+            return []
+        decay = self._decay_rose(trainer) if found == "weights" else None
+        if decay is not None:
+            _, now, before = verdict
+            self.condition(
+                step, "decay_change", True, "warning",
+                f"The loss rose from about {level:.4g} to {now:.4g} since step {start} while the weight decay rose "
+                f"({decay}) since the lowest smoothed loss and no learning rate did: the decay's effect (it trades the "
+                f"training loss for smaller weights: older, larger weights find the batch easier, at {before:.4g}), "
+                "not a divergence. No action taken; the new level is the normal from here.",
+                value=now, threshold=level, clear_message="The loss has settled at its new level.",
+            )
+            self._new_normal([now])
             return []
         how = "" if verdict is None else (
             f" Earlier good weights find the current batch easy ({verdict[2]:.4g} against {verdict[1]:.4g} now): "
@@ -1489,6 +1503,30 @@ class DivergenceGuard(Monitor):
             self._lr_trace.append((step, self._float_lrs(trainer)))
 
     @staticmethod
+    def _float_decays(trainer: pl.Trainer) -> list[list[Optional[float]]]:
+        """Every parameter group's weight decay (``None`` where it has none, or a tensor)."""
+        return [[g.get("weight_decay") if isinstance(g.get("weight_decay"), (int, float)) else None
+                 for g in opt.param_groups] for opt in trainer.optimizers]
+
+    def _decay_rose(self, trainer: pl.Trainer) -> Optional[str]:
+        """How the weight decay rose since the lowest smoothed loss, when it did (a group's by half or more, or from
+        0) while every learning rate stayed at or below its rate then (a weight-decay ramp, a regularisation
+        schedule: the training loss rises by design); else ``None`` (a rate that rose since is the likelier cause)."""
+        then, best = self._wd_at_min, self._lr_at_min
+        if then is None or best is None:
+            return None
+        for i, row in enumerate(self._float_lrs(trainer)):
+            for j, n in enumerate(row):
+                b = _at(best, i, j)
+                if n is None or b is None or n > 1.001 * b:
+                    return None
+        rose = [(b, n) for i, row in enumerate(self._float_decays(trainer)) for j, n in enumerate(row)
+                for b in [_at(then, i, j)] if n is not None and b is not None and n > 1.5 * b and n > 0]
+        if not rose:
+            return None
+        return ", ".join(f"{b:.3g} -> {n:.3g}" for b, n in rose[:3]) + (" ..." if len(rose) > 3 else "")
+
+    @staticmethod
     def _float_lrs(trainer: pl.Trainer) -> list[list[Optional[float]]]:
         """Every parameter group's learning rate (``None`` for a tensor rate: reading it would sync)."""
         return [[g["lr"] if isinstance(g["lr"], float) else None for g in opt.param_groups] for opt in trainer.optimizers]
@@ -1646,6 +1684,7 @@ class DivergenceGuard(Monitor):
             "initial": list(self._initial),
             "creep": {"ema": self._ema, "weight": self._ema_weight, "min": self._ema_min, "warned_at": self._creep_warned_at},
             "lr_at_min": self._lr_at_min,
+            "wd_at_min": _copy_rows(self._wd_at_min),
             "lr_peak": _copy_rows(self._lr_peak),  # copies: the guard's own rows change in place
             "lr_low": _copy_rows(self._lr_low),
         }
@@ -1662,6 +1701,7 @@ class DivergenceGuard(Monitor):
         self._creep_high = False
         self._creep_start, self._climb_judged = None, False
         self._lr_at_min = state.get("lr_at_min")
+        self._wd_at_min: Optional[list[list[Optional[float]]]] = _copy_rows(state.get("wd_at_min"))
         # per optimizer and group: the highest rate at a normal step, and the lowest since (see _lr_restart)
         self._lr_peak: Optional[list[list[Optional[float]]]] = _copy_rows(state.get("lr_peak"))
         self._lr_low: Optional[list[list[Optional[float]]]] = _copy_rows(state.get("lr_low"))
