@@ -1163,9 +1163,12 @@ class DivergenceGuard(Monitor):
         weights find the batch easy, and a buffer may hold the run's schedule rather than weights (a teacher-forcing
         ratio, a curriculum stage, a step count: older ones made the present batches look easy to older weights and
         a harder schedule was rolled back as a divergence); BatchNorm's running statistics do not enter a training-mode
-        replay."""
+        replay. The weights that are exactly zero now stay zero (weights pruned in place since, by a callback that
+        zeroes the smallest ones: the older weights are asked under today's pruning, as under today's masks when
+        the pruning keeps them as buffers; trained weights are never exactly zero otherwise)."""
         params = {name for name, _ in pl_module.named_parameters(remove_duplicate=False)}
         saved = {k: v.detach().clone() for k, v in pl_module.state_dict().items() if k in params}
+        zeros = {k: v == 0 for k, v in saved.items() if v.is_floating_point()}
         out: list[Optional[float]] = []
         try:
             for snap in snaps:
@@ -1175,6 +1178,8 @@ class DivergenceGuard(Monitor):
                     for name, now in present_names(module_state, current).items():
                         if now in params:
                             current[now].copy_(module_state[name])
+                            if now in zeros:
+                                current[now].masked_fill_(zeros[now], 0.0)
                 out.append(evaluate())
         finally:
             with torch.no_grad():
