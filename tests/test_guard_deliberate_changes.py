@@ -246,7 +246,9 @@ def test_a_weight_decay_ramp_is_not_taken_for_a_divergence(tmp_path, jump, seed)
         assert guard.rollbacks == [] and guard.stopped_step is None
         assert said and said[0].severity == "warning"
     else:
-        assert guard.rollbacks and 420 <= guard.rollbacks[0]["step"] <= 430
+        # the jump is rolled back; the climbs of the decay that goes on rising after it are not (before: at 479 and
+        # 582 too, the rate down to 0.125x)
+        assert [r["step"] for r in guard.rollbacks] == [421]
 
 
 @pytest.mark.parametrize("jump", [None, 300.0], ids=["healthy", "rate x300 at step 210"])

@@ -1514,9 +1514,9 @@ class DivergenceGuard(Monitor):
                  for g in opt.param_groups] for opt in trainer.optimizers]
 
     def _decay_rose(self, trainer: pl.Trainer) -> Optional[str]:
-        """How the weight decay rose since the lowest smoothed loss, when it did (a group's by half or more, or from
-        0) while every learning rate stayed at or below its rate then (a weight-decay ramp, a regularisation
-        schedule: the training loss rises by design); else ``None`` (a rate that rose since is the likelier cause)."""
+        """How the weight decay rose since the lowest smoothed loss, when it did (some group's) while every learning
+        rate stayed at or below its rate then (a weight-decay ramp, a regularisation schedule: the training loss
+        rises by design); else ``None`` (a rate that rose since is the likelier cause)."""
         then, best = self._wd_at_min, self._lr_at_min
         if then is None or best is None:
             return None
@@ -1526,7 +1526,7 @@ class DivergenceGuard(Monitor):
                 if n is None or b is None or n > 1.001 * b:
                     return None
         rose = [(b, n) for i, row in enumerate(self._float_decays(trainer)) for j, n in enumerate(row)
-                for b in [_at(then, i, j)] if n is not None and b is not None and n > 1.5 * b and n > 0]
+                for b in [_at(then, i, j)] if n is not None and b is not None and n > 1.001 * b and n > 0]
         if not rose:
             return None
         return ", ".join(f"{b:.3g} -> {n:.3g}" for b, n in rose[:3]) + (" ..." if len(rose) > 3 else "")
