@@ -125,23 +125,20 @@ class _Epochs(Dataset):
         return self.x[i], self.y[i]
 
 
-@pytest.mark.parametrize("rewind", [True, False], ids=["lottery-ticket rewind", "no rewind"])
-def test_lightnings_model_pruning_is_not_taken_for_a_divergence(tmp_path, rewind):
-    # ModelPruning prunes at the end of epoch 2 (80% with the lottery-ticket rewind, 95% without): the loss surges, and
-    # the guard found that no snapshot fitted the pruned model (`weight` is `weight_orig` now) and stopped the run at
-    # step 111 (validation accuracy 0.83 and 0.23 against 0.95 and 0.89 unguarded)
+def _fit_pruned(tmp_path, make, amount: float, rewind: bool, steps: int) -> tuple[pl.Trainer, DivergenceGuard]:
+    """Epochs of the digits (37 steps each) under Lightning's ModelPruning, which prunes ``amount`` (L1, global) at the
+    end of epoch 2, with or without the lottery-ticket rewind."""
     from lightning.pytorch.callbacks import ModelPruning
 
-    amount = 0.8 if rewind else 0.95
     pruning = ModelPruning("l1_unstructured", amount=lambda epoch: amount if epoch == 2 else 0.0,
                            parameter_names=["weight"], use_lottery_ticket_hypothesis=rewind, verbose=0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         pl.seed_everything(0, verbose=False)
-        module = _Clf()
+        module = make()
         guard = DivergenceGuard()
-        trainer = pl.Trainer(max_steps=200, accelerator="cpu", logger=False, callbacks=[pruning, guard],
+        trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, callbacks=[pruning, guard],
                              enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                              default_root_dir=str(tmp_path))
         loader = DataLoader(_Epochs(), batch_size=32, shuffle=True, drop_last=True,
@@ -149,6 +146,17 @@ def test_lightnings_model_pruning_is_not_taken_for_a_divergence(tmp_path, rewind
         trainer.fit(module, loader)
     finally:
         torch.set_num_threads(threads)
+    return trainer, guard
+
+
+@pytest.mark.parametrize("rewind", [True, False], ids=["lottery-ticket rewind", "no rewind"])
+def test_lightnings_model_pruning_is_not_taken_for_a_divergence(tmp_path, rewind):
+    # ModelPruning prunes at the end of epoch 2 (80% with the lottery-ticket rewind, 95% without): the loss surges, and
+    # the guard found that no snapshot fitted the pruned model (`weight` is `weight_orig` now) and stopped the run at
+    # step 111 (validation accuracy 0.83 and 0.23 against 0.95 and 0.89 unguarded)
+    amount = 0.8 if rewind else 0.95
+    trainer, guard = _fit_pruned(tmp_path, _Clf, amount, rewind, steps=200)
+    module = trainer.lightning_module
     assert guard.stopped_step is None and trainer.global_step == 200
     assert guard.rollbacks == []
     weights = torch.cat([module.net[i].weight.flatten() for i in (0, 2, 4)])
@@ -158,27 +166,11 @@ def test_lightnings_model_pruning_is_not_taken_for_a_divergence(tmp_path, rewind
 def test_a_divergence_after_model_pruning_is_rolled_back_into_the_pruned_weights(tmp_path):
     # the snapshots from before the pruning hold `weight`, the pruned model `weight_orig` (and a `weight_mask` buffer):
     # a rollback writes the saved weights into `weight_orig` and keeps the masks
-    from lightning.pytorch.callbacks import ModelPruning
-
-    pruning = ModelPruning("l1_unstructured", amount=lambda epoch: 0.8 if epoch == 2 else 0.0,
-                           parameter_names=["weight"], use_lottery_ticket_hypothesis=False, verbose=0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        pl.seed_everything(0, verbose=False)
-        module = _Clf(jump_at=150, factor=300.0)
-        guard = DivergenceGuard()
-        trainer = pl.Trainer(max_steps=220, accelerator="cpu", logger=False, callbacks=[pruning, guard],
-                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                             default_root_dir=str(tmp_path))
-        loader = DataLoader(_Epochs(), batch_size=32, shuffle=True, drop_last=True,
-                            generator=torch.Generator().manual_seed(0))
-        trainer.fit(module, loader)
-        x, y = _digits()
-        with torch.no_grad():
-            final = float(F.cross_entropy(module.net(x), y))
-    finally:
-        torch.set_num_threads(threads)
+    trainer, guard = _fit_pruned(tmp_path, lambda: _Clf(jump_at=150, factor=300.0), 0.8, False, steps=220)
+    module = trainer.lightning_module
+    x, y = _digits()
+    with torch.no_grad():
+        final = float(F.cross_entropy(module.net(x), y))
     assert guard.stopped_step is None and guard.rollbacks and guard.rollbacks[0]["step"] >= 150
     weights = torch.cat([module.net[i].weight.flatten() for i in (0, 2, 4)])
     assert float((weights == 0).float().mean()) == pytest.approx(0.8, abs=0.01)
