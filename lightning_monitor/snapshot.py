@@ -85,6 +85,14 @@ def present_names(saved: Iterable[str], present: Collection[str]) -> dict[str, s
     return out
 
 
+def saved_value(module_state: dict[str, Any], name: str, now: str) -> Any:
+    """The saved value of ``name`` as the present ``now`` holds it: a pruned parameter made permanent since (``w_orig``
+    then, ``w`` now) is its saved ``w_orig`` times its saved ``w_mask`` (the pruned entries stay zero)."""
+    value = module_state[name]
+    mask = module_state.get(name[: -len("_orig")] + "_mask") if name != now and name.endswith("_orig") else None
+    return value if mask is None else value * mask
+
+
 def pruned_since(saved: Collection[str], present: Collection[str]) -> list[str]:
     """The present names of the parameters ``torch.nn.utils.prune`` has masked since a state with the names
     ``saved``: ``w_orig`` with its ``w_mask`` now, whose mask was not saved."""
@@ -190,7 +198,7 @@ class TrainingSnapshot:
             current = pl_module.state_dict()
             for name, now in present_names(state["module"], current).items():
                 if now not in keep and name not in keep:
-                    current[now].copy_(state["module"][name])
+                    current[now].copy_(saved_value(state["module"], name, now))
         for opt, saved in zip(trainer.optimizers, state["optimizers"]):
             opt.load_state_dict(_optimizer_state(opt, saved))
         types = state.get("scheduler_types") or [None] * len(state["schedulers"])

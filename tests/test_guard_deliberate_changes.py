@@ -214,15 +214,15 @@ def test_an_untold_head_reset_is_rolled_back(tmp_path):
 
 
 class _DecayRamp(Callback):
-    """AdamW's decoupled weight decay ramped from 0 to ``final`` between ``start`` and ``end``."""
+    """AdamW's decoupled weight decay ramped from ``base`` to ``base + rise`` between ``start`` and ``end``."""
 
-    def __init__(self, start: int, end: int, final: float) -> None:
-        self.start, self.end, self.final = start, end, final
+    def __init__(self, start: int, end: int, rise: float, base: float = 0.0) -> None:
+        self.start, self.end, self.rise, self.base = start, end, rise, base
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         done = min(1.0, max(0.0, (trainer.global_step - self.start) / (self.end - self.start)))
         for group in trainer.optimizers[0].param_groups:
-            group["weight_decay"] = self.final * done
+            group["weight_decay"] = self.base + self.rise * done
 
 
 @pytest.mark.parametrize("jump, seed", [(None, 0), (None, 1), (30.0, 0)],
@@ -262,3 +262,53 @@ def test_gradual_pruning_in_place_is_judged_under_todays_zeros(tmp_path, jump):
     x, y = _digits()
     with torch.no_grad():
         assert float(F.cross_entropy(module.net(x), y)) < 0.6  # trained (the diverged run sits at 2.3 and beyond)
+
+
+class _Drift(Callback):
+    """Adds noise to the hidden layers' weights at every step from ``at`` on (60 steps): weights that degrade at a
+    constant learning rate, a divergence no rate explains."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.at <= trainer.global_step < self.at + 60:
+            g = torch.Generator().manual_seed(5)
+            with torch.no_grad():
+                for i in (0, 2):
+                    w = pl_module.net[i].weight
+                    w.add_(torch.randn(w.shape, generator=g) * w.std() * 0.1)
+
+
+def test_a_decay_that_rose_too_little_to_matter_excuses_nothing(tmp_path):
+    # the weight decay ramped 0.01 -> 0.02 (a shrink of the weights of about 1e-5: nothing) while the weights degrade
+    # from step 420 at a constant rate: any rise of the decay excused the degradation as `decay_change`, no rollback
+    # at all (at a constant decay the same run is rolled back from step 444 on)
+    _, guard = _fit(tmp_path, lambda: _Clf(adamw=True), [_DecayRamp(300, 600, 0.01, base=0.01), _Drift(420)],
+                    steps=520, n=300, noise=0.2)
+    assert guard.rollbacks and guard.rollbacks[0]["step"] >= 420
+    assert not [a for a in guard.hub.history if a.kind == "decay_change"]
+
+
+def test_a_state_saved_while_pruned_restores_into_weights_made_permanent_with_their_zeros():
+    # saved while pruned (`weight_orig` and `weight_mask`), restored after `prune.remove` made the pruning permanent
+    # (`weight`): the saved `weight_orig` alone brought the pruned entries back
+    from torch.nn.utils import prune
+
+    from lightning_monitor.snapshot import present_names, saved_value
+
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4)
+    prune.l1_unstructured(layer, "weight", amount=0.5)
+    saved = {k: v.detach().clone() for k, v in layer.state_dict().items()}
+    prune.remove(layer, "weight")
+    with torch.no_grad():
+        layer.weight.fill_(3.0)  # weights that diverged since
+    current = layer.state_dict()
+    names = present_names(saved, current)
+    assert names == {"weight_orig": "weight", "bias": "bias"}
+    with torch.no_grad():
+        for name, now in names.items():
+            current[now].copy_(saved_value(saved, name, now))
+    assert torch.equal(layer.weight, saved["weight_orig"] * saved["weight_mask"])
+    assert int((layer.weight == 0).sum()) == 8

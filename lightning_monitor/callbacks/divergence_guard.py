@@ -23,7 +23,13 @@ from lightning_monitor._sharded import local, nonfinite_on_host, squared_norms
 from lightning_monitor.alerts import Alert, alerts_dir, read_records
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch
 from lightning_monitor.functional.robust import SeriesWatch, median
-from lightning_monitor.snapshot import TrainingSnapshot, present_names, pruned_since, scale_learning_rates
+from lightning_monitor.snapshot import (
+    TrainingSnapshot,
+    present_names,
+    pruned_since,
+    saved_value,
+    scale_learning_rates,
+)
 
 __all__ = ["DivergenceGuard"]
 
@@ -40,6 +46,12 @@ _CLIMB = 1.5
 _AFTER_ROLLBACK = 200
 #: factor by which a learning rate must have come back up from its low to make a warm restart (``lr_restart``)
 _RESTART = 1.5
+
+
+#: a rise of the weight decay can explain a rise of the loss (``decay_change``) only where the decay is strong: its
+#: shrink of the weights a step, ``lr * weight_decay`` (decoupled, as AdamW's), at least this (the weights would halve
+#: in about 700 steps without gradients; AdamW's usual 1e-3 * 0.01 is 1e-5)
+_DECAY_STRENGTH = 1e-3
 
 
 def _at(rows: Optional[list[list[Any]]], i: int, j: int) -> Any:
@@ -1071,16 +1083,20 @@ class DivergenceGuard(Monitor):
     def _pruned(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, loss: float,
                 level: float) -> bool:
         """Whether ``torch.nn.utils.prune`` (Lightning's ``ModelPruning``) masked parameters since the newest snapshot
-        from before ``step``, and the loss rose with it on a run that was normal until then: the pruning's effect (its
+        from before ``step`` (``step`` within one snapshot interval of it), and the loss rose with it on a run that was
+        normal until then: the pruning's effect (its
         masks, and with the lottery-ticket rewind the weights of the start), not a divergence; the older weights,
         which find the batches easier, are no state to go back to. Said (``model_pruned``, info), the new level
         becomes the normal, and nothing acts; once per masked parameter. Every rank has the same masks (a callback
         prunes every rank alike) and judges the same mean loss: no reduction."""
         snap = next((s for s in reversed(self._snapshots) if s.step < step), None)
-        # only a rise on a run that was normal up to it, once per pruning: a divergence later on (the smoothed loss
-        # already creeping, or a second rise with the same masks) is judged as ever, the pruned model replayed with
-        # the older weights under its present masks
-        if snap is None or any(sev != "info" for (kind, _), sev in self._conditions.items()):
+        # only a rise on a run that was normal up to it (the conditions that hold snapshots back: none), within one
+        # snapshot interval of that snapshot (a pruning between two checks shows at once), once per pruning: a
+        # divergence later on (the smoothed loss already creeping, a rise long after the pruning, a second rise with
+        # the same masks) is judged as ever, the pruned model replayed with the older weights under its masks
+        every = self.snapshot_every_n_steps
+        if (snap is None or every is None or step - snap.step > every + 1
+                or any(sev != "info" for (kind, _), sev in self._conditions.items() if kind != "data_shift")):
             return False
         snap._read_layout()
         assert snap.module_keys is not None
@@ -1165,10 +1181,11 @@ class DivergenceGuard(Monitor):
         a harder schedule was rolled back as a divergence); BatchNorm's running statistics do not enter a training-mode
         replay. The weights that are exactly zero now stay zero (weights pruned in place since, by a callback that
         zeroes the smallest ones: the older weights are asked under today's pruning, as under today's masks when
-        the pruning keeps them as buffers; trained weights are never exactly zero otherwise)."""
+        the pruning keeps them as buffers; a weight that plain gradient training leaves exactly zero is rare, and
+        one held at zero by a projection is zero in the snapshot too). Read on the rare path of a judgement only."""
         params = {name for name, _ in pl_module.named_parameters(remove_duplicate=False)}
         saved = {k: v.detach().clone() for k, v in pl_module.state_dict().items() if k in params}
-        zeros = {k: v == 0 for k, v in saved.items() if v.is_floating_point()}
+        zeros = {k: z for k, v in saved.items() if v.is_floating_point() for z in [v == 0] if bool(z.any())}
         out: list[Optional[float]] = []
         try:
             for snap in snaps:
@@ -1177,7 +1194,7 @@ class DivergenceGuard(Monitor):
                     module_state = snap.state()["module"]
                     for name, now in present_names(module_state, current).items():
                         if now in params:
-                            current[now].copy_(module_state[name])
+                            current[now].copy_(saved_value(module_state, name, now))
                             if now in zeros:
                                 current[now].masked_fill_(zeros[now], 0.0)
                 out.append(evaluate())
@@ -1514,19 +1531,23 @@ class DivergenceGuard(Monitor):
                  for g in opt.param_groups] for opt in trainer.optimizers]
 
     def _decay_rose(self, trainer: pl.Trainer) -> Optional[str]:
-        """How the weight decay rose since the lowest smoothed loss, when it did (some group's) while every learning
-        rate stayed at or below its rate then (a weight-decay ramp, a regularisation schedule: the training loss
-        rises by design); else ``None`` (a rate that rose since is the likelier cause)."""
+        """How the weight decay rose since the lowest smoothed loss, where it is strong enough to move the loss
+        (:data:`_DECAY_STRENGTH`), while every learning rate stayed at or below its rate then (a weight-decay ramp, a
+        regularisation schedule: the training loss rises by design); else ``None`` (a rate that rose since is the
+        likelier cause, and a weak decay explains nothing)."""
         then, best = self._wd_at_min, self._lr_at_min
         if then is None or best is None:
             return None
-        for i, row in enumerate(self._float_lrs(trainer)):
+        lrs = self._float_lrs(trainer)
+        for i, row in enumerate(lrs):
             for j, n in enumerate(row):
                 b = _at(best, i, j)
                 if n is None or b is None or n > 1.001 * b:
                     return None
         rose = [(b, n) for i, row in enumerate(self._float_decays(trainer)) for j, n in enumerate(row)
-                for b in [_at(then, i, j)] if n is not None and b is not None and n > 1.001 * b and n > 0]
+                for b, lr in [(_at(then, i, j), _at(lrs, i, j))]
+                if n is not None and b is not None and lr is not None and n > 1.001 * b
+                and lr * n >= _DECAY_STRENGTH]
         if not rose:
             return None
         return ", ".join(f"{b:.3g} -> {n:.3g}" for b, n in rose[:3]) + (" ..." if len(rose) > 3 else "")
@@ -1707,6 +1728,7 @@ class DivergenceGuard(Monitor):
         self._creep_start, self._climb_judged = None, False
         self._lr_at_min = state.get("lr_at_min")
         self._wd_at_min: Optional[list[list[Optional[float]]]] = _copy_rows(state.get("wd_at_min"))
+
         # per optimizer and group: the highest rate at a normal step, and the lowest since (see _lr_restart)
         self._lr_peak: Optional[list[list[Optional[float]]]] = _copy_rows(state.get("lr_peak"))
         self._lr_low: Optional[list[list[Optional[float]]]] = _copy_rows(state.get("lr_low"))

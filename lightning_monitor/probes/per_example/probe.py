@@ -530,7 +530,7 @@ class PerExampleGradNorms:
         self._fp_mod: dict[int, Tensor] = {}
         self._fp_total: dict[int, Tensor] = {}
         self._verified = True
-        self._rounding = 0.0  # the coarsest machine epsilon the backward's gradients were computed in
+        self._rounding: dict[int, float] = {}  # per parameter: the coarsest machine epsilon of its gradients' dtypes
         self._fwd_uses: dict[str, int] = defaultdict(int)  # uses recorded in forward, per module
         self._recomputed: dict[str, int] = defaultdict(int)  # of those, recomputed by checkpointing
         self._refused: dict[str, str] = {}  # modules whose input their handler did not take, and why
@@ -807,7 +807,8 @@ class PerExampleGradNorms:
             return
         ctx, g = use.ctx, grad
         if self.verify:
-            self._rounding = max(self._rounding, _eps(grad.dtype))
+            for _, pid in use.uses.params:
+                self._rounding[pid] = max(self._rounding.get(pid, 0.0), _eps(grad.dtype))
         if dim != 0:
             ctx, g, results = ctx.movedim(dim, 0), g.movedim(dim, 0), None
         if results is None:
@@ -917,7 +918,7 @@ class PerExampleGradNorms:
     def _make_leaf_hook(self, pid: int) -> Callable[[Tensor], None]:
         def leaf_hook(grad: Tensor) -> None:
             with torch.no_grad():
-                self._rounding = max(self._rounding, _eps(grad.dtype))
+                self._rounding[pid] = max(self._rounding.get(pid, 0.0), _eps(grad.dtype))
                 fp = (_project_sparse if grad.is_sparse else project_matrix)(grad.detach(), *self._uv(pid))
                 prev = self._fp_total.get(pid)
                 self._fp_total[pid] = fp if prev is None else prev + fp
@@ -938,7 +939,8 @@ class PerExampleGradNorms:
         # gradient computed in bf16 (bf16 weights, or autocast) is a sum over the batch's positions rounded to 8
         # bits: 1-5% of its size apart from the fp32 sum of the per-example parts, where a contribution the hooks
         # miss (a tied head's) is of the order of the gradient itself
-        rel = max(1e-2, _ROUNDING_ALLOWANCE * self._rounding)
+        rel = torch.tensor([max(1e-2, _ROUNDING_ALLOWANCE * self._rounding.get(pid, 0.0)) for pid in pids],
+                           device=diff.device, dtype=diff.dtype)
         bad = diff > rel * ref + 1e-5 * ref.max()
         for pid, flag in zip(pids, bad.tolist()):
             name = self._names[pid]
