@@ -323,3 +323,68 @@ def test_guard_ddp_corroboration_by_one_ranks_warning_is_acted_on_together(tmp_p
     assert r0["rollbacks"] and r0["rollbacks"] == r1["rollbacks"]
     assert all(step % 5 == 0 for step, _ in r0["rollbacks"])  # at the guard's checks, where the ranks agree
     assert r0["weights"] == r1["weights"]
+
+
+def _jump_at_80(step: int) -> float:
+    return 1000.0 if step >= 80 else 1.0
+
+
+class _PrunedResetJumped(pl.LightningModule):
+    """Pruned by Lightning's ModelPruning (with the lottery-ticket rewind) at the end of epoch 1, its head
+    re-initialised at step 40 with the guard told (`rebase`), and the rate x1000 from step 80."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                                       torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(400, 8, generator=g)
+        self.y = (self.x @ torch.randn(8, 4, generator=g)).argmax(-1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.trainer.global_step == 40:
+            torch.manual_seed(1)  # the same new head on every rank
+            self.net[4].reset_parameters()
+            guard = next(c for c in self.trainer.callbacks if isinstance(c, lm.DivergenceGuard))
+            guard.rebase(self.trainer, "the head was re-initialised")
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _jump_at_80)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=16)
+
+    def on_train_end(self) -> None:
+        guard = next(c for c in self.trainer.callbacks if isinstance(c, lm.DivergenceGuard))
+        weights = torch.cat([p.detach().flatten() for p in self.parameters()])
+        with open(os.path.join(self.out, f"rank{self.global_rank}.json"), "w") as fh:
+            json.dump({"step": self.trainer.global_step, "weights": weights.tolist(), "stopped": guard.stopped_step,
+                       "rollbacks": [(r["step"], r["to_step"]) for r in guard.rollbacks],
+                       "kinds": sorted({a.kind for a in guard.hub.history if a.monitor == "guard"})}, fh)
+
+
+def _prune_at_epoch_1(epoch: int) -> float:  # a module-level function: the spawned ranks unpickle it
+    return 0.8 if epoch == 1 else 0.0
+
+
+def test_guard_ddp_pruning_a_rebase_and_a_divergence_are_judged_alike_on_every_rank(tmp_path) -> None:
+    from lightning.pytorch.callbacks import ModelPruning
+
+    pruning = ModelPruning("l1_unstructured", amount=_prune_at_epoch_1, parameter_names=["weight"],
+                           use_lottery_ticket_hypothesis=True, verbose=0)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=100,
+                         callbacks=[pruning, lm.DivergenceGuard()], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+    fit_ddp_spawn(trainer, _PrunedResetJumped(str(tmp_path)))
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["step"] == r1["step"] == 100 and r0["stopped"] is None and r1["stopped"] is None
+    assert "rebased" in r0["kinds"] and r0["kinds"] == r1["kinds"]
+    assert r0["rollbacks"] == r1["rollbacks"] and r0["rollbacks"] and all(to >= 40 for _, to in r0["rollbacks"])
+    assert torch.equal(torch.tensor(r0["weights"]), torch.tensor(r1["weights"]))
