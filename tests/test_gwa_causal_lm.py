@@ -303,8 +303,11 @@ def test_soft_capped_logits_are_scored_through_the_cap(tmp_path) -> None:
     # the scores were those of the raw logits' softmax. Oracle: each token's head gradient by autograd through the cap
     cap = 2.0
     gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False)
-    module, data, _ = run(tmp_path, gwa, lambda: _gemma2(cap))
+    module, data, alerts = run(tmp_path, gwa, lambda: _gemma2(cap))
     assert gwa._shift and gwa._softcap == cap
+    # the head's output gradient is the softmax's damped by the cap's slope: its rows do not sum to 0 as they are,
+    # and the head was said to be no softmax classifier ("its scores mean nothing")
+    assert not [a for a in alerts if a.kind == "no_softmax_head"]
     head = module.model.get_output_embeddings()
     seen = {}
     h = head.register_forward_hook(lambda m, a, o: seen.update(z=a[0].detach(), out=o.detach()))

@@ -99,8 +99,10 @@ def _tensor_ids(obj: Any, out: set[int], depth: int = 0) -> set[int]:
 class _HeadWatch:
     """The hooks of one watched training step (see ``GradientWeightAlignmentMonitor._watch_heads``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, softcaps: Optional[dict[str, float]] = None) -> None:
         self.handles: list[Any] = []
+        #: per candidate that feeds its loss ``c tanh(logits / c)`` (Gemma 2): the cap ``c``
+        self.softcaps = softcaps or {}
         self.calls: dict[str, tuple[nn.Module, tuple[Any, ...], Any, int]] = {}  # first call: inputs, output, order
         self.returned: list[tuple[str, set[int]]] = []
         #: per candidate, on its device: how far its output's gradient is a softmax's (``softmax_gradient_evidence``)
@@ -116,11 +118,17 @@ class _HeadWatch:
             self.calls[name] = (module, inputs, output, len(self.calls))
             if isinstance(output, Tensor) and output.requires_grad:
                 logits = output.detach()
+                cap = self.softcaps.get(name)
 
                 def grad_hook(grad: Tensor) -> None:
                     if grad.is_floating_point():
                         self.eps[name] = torch.finfo(grad.dtype).eps
-                    self.grads[name] = softmax_gradient_evidence(grad, logits, self.eps.get(name, 0.0))
+                    z = logits
+                    if cap is not None:
+                        # the softmax is the capped logits': its gradient there is this one over the cap's slope
+                        squashed = torch.tanh(logits.float() / cap)
+                        z, grad = cap * squashed, grad.float() / (1.0 - squashed * squashed).clamp_min(1e-12)
+                    self.grads[name] = softmax_gradient_evidence(grad, z, self.eps.get(name, 0.0))
 
                 output.register_hook(grad_hook)
         return hook
@@ -631,16 +639,17 @@ class GradientWeightAlignmentMonitor(Monitor):
                 continue
         return False
 
-    def _logit_softcap(self, pl_module: pl.LightningModule) -> Optional[float]:
-        """The cap ``c`` of a Hugging Face model that feeds its loss ``c tanh(logits / c)`` of the head's output
-        (``config.final_logit_softcapping``: Gemma 2), else ``None``."""
+    def _logit_softcap(self, pl_module: pl.LightningModule, head: Optional[nn.Module] = None) -> Optional[float]:
+        """The cap ``c`` of a Hugging Face model that feeds its loss ``c tanh(logits / c)`` of the output of ``head``
+        (default: the head scored; ``config.final_logit_softcapping``: Gemma 2), else ``None``."""
+        head = self._head if head is None else head
         for module in pl_module.modules():
             cap = getattr(getattr(module, "config", None), "final_logit_softcapping", None)
             get_output = getattr(module, "get_output_embeddings", None)
             if not isinstance(cap, (int, float)) or isinstance(cap, bool) or cap <= 0 or not callable(get_output):
                 continue
             try:
-                if get_output() is self._head:
+                if get_output() is head:
                     return float(cap)
             except Exception:  # a model whose output layer cannot be read: not detected
                 continue
@@ -685,8 +694,9 @@ class GradientWeightAlignmentMonitor(Monitor):
         """For one training forward: note each candidate's first call (inputs, output) and, for every module that
         holds a candidate (the candidates too), which tensors its call returned (see :meth:`_resolve_head`)."""
         assert self._head_candidates is not None
-        watch = _HeadWatch()
         names = [n for n, _ in self._head_candidates]
+        caps = {n: cap for n, m in self._head_candidates for cap in [self._logit_softcap(pl_module, m)] if cap}
+        watch = _HeadWatch(caps)
         holders = {""} | {n[:i] for n in names for i in range(len(n)) if n[i] == "."}
         for name, module in pl_module.named_modules():
             if name in holders:
