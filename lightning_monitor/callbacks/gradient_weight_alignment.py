@@ -64,6 +64,24 @@ _CONTESTED = 0.4
 _CAUSAL_LM_NAMES = ("GPT2LMHeadModel", "OpenAIGPTLMHeadModel", "CTRLLMHeadModel")
 
 
+def _softcapped_outputs(pl_module: nn.Module) -> dict[int, float]:
+    """``id`` of the output layer -> its cap, for each Hugging Face model inside ``pl_module`` that feeds its loss
+    ``c tanh(logits / c)`` (``config.final_logit_softcapping``: Gemma 2)."""
+    out = {}
+    for module in pl_module.modules():
+        cap = getattr(getattr(module, "config", None), "final_logit_softcapping", None)
+        get_output = getattr(module, "get_output_embeddings", None)
+        if not isinstance(cap, (int, float)) or isinstance(cap, bool) or cap <= 0 or not callable(get_output):
+            continue
+        try:
+            head = get_output()
+        except Exception:  # a model whose output layer cannot be read: not detected
+            continue
+        if head is not None:
+            out[id(head)] = float(cap)
+    return out
+
+
 def _computes_causal_lm_loss(module: nn.Module) -> bool:
     """Whether a Hugging Face model's ``forward`` computes its loss with ``self.loss_function`` and that resolves to
     the causal-LM loss, which shifts the labels (``BertLMHeadModel``, ``ReformerModelWithLMHead``: classes whose name
@@ -639,21 +657,10 @@ class GradientWeightAlignmentMonitor(Monitor):
                 continue
         return False
 
-    def _logit_softcap(self, pl_module: pl.LightningModule, head: Optional[nn.Module] = None) -> Optional[float]:
-        """The cap ``c`` of a Hugging Face model that feeds its loss ``c tanh(logits / c)`` of the output of ``head``
-        (default: the head scored; ``config.final_logit_softcapping``: Gemma 2), else ``None``."""
-        head = self._head if head is None else head
-        for module in pl_module.modules():
-            cap = getattr(getattr(module, "config", None), "final_logit_softcapping", None)
-            get_output = getattr(module, "get_output_embeddings", None)
-            if not isinstance(cap, (int, float)) or isinstance(cap, bool) or cap <= 0 or not callable(get_output):
-                continue
-            try:
-                if get_output() is head:
-                    return float(cap)
-            except Exception:  # a model whose output layer cannot be read: not detected
-                continue
-        return None
+    def _logit_softcap(self, pl_module: pl.LightningModule) -> Optional[float]:
+        """The cap ``c`` of a Hugging Face model that feeds its loss ``c tanh(logits / c)`` of the scored head's output
+        (``config.final_logit_softcapping``: Gemma 2), else ``None``."""
+        return _softcapped_outputs(pl_module).get(id(self._head))
 
     def _find_head(self, pl_module: pl.LightningModule) -> tuple[str, nn.Linear]:
         modules = dict(pl_module.named_modules())
@@ -695,8 +702,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         holds a candidate (the candidates too), which tensors its call returned (see :meth:`_resolve_head`)."""
         assert self._head_candidates is not None
         names = [n for n, _ in self._head_candidates]
-        caps = {n: cap for n, m in self._head_candidates for cap in [self._logit_softcap(pl_module, m)] if cap}
-        watch = _HeadWatch(caps)
+        capped = _softcapped_outputs(pl_module)
+        watch = _HeadWatch({n: capped[id(m)] for n, m in self._head_candidates if id(m) in capped})
         holders = {""} | {n[:i] for n in names for i in range(len(n)) if n[i] == "."}
         for name, module in pl_module.named_modules():
             if name in holders:
