@@ -312,3 +312,9 @@ def test_a_state_saved_while_pruned_restores_into_weights_made_permanent_with_th
             current[now].copy_(saved_value(saved, name, now))
     assert torch.equal(layer.weight, saved["weight_orig"] * saved["weight_mask"])
     assert int((layer.weight == 0).sum()) == 8
+
+
+def test_rebase_outside_a_fit_says_when_to_call_it(tmp_path):
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, default_root_dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match="during a fit"):
+        DivergenceGuard().rebase(trainer)

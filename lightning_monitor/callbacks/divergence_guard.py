@@ -1453,6 +1453,11 @@ class DivergenceGuard(Monitor):
         (``rebased``, info). Call it from a hook of a callback or of the LightningModule, after the change and
         before the step's backward (``on_train_batch_start``, or ``on_train_batch_end`` for the next step), on
         every rank alike (under several processes the snapshot's agreement is a collective)."""
+        from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+
+        if trainer.state.fn != TrainerFn.FITTING or trainer.state.status != TrainerStatus.RUNNING:
+            raise RuntimeError("DivergenceGuard.rebase() is called during a fit (from a hook of a callback or of the "
+                               "LightningModule), after the change it announces.")
         step = trainer.global_step
         pl_module = trainer.lightning_module
         for kind, layer in list(self._conditions):
