@@ -329,22 +329,15 @@ def _jump_at_80(step: int) -> float:
     return 1000.0 if step >= 80 else 1.0
 
 
-class _PrunedResetJumped(pl.LightningModule):
+class _PrunedResetJumped(_Uneven):
     """Pruned by Lightning's ModelPruning (with the lottery-ticket rewind) at the end of epoch 1, its head
-    re-initialised at step 40 with the guard told (`rebase`), and the rate x1000 from step 80."""
+    re-initialised at step 40 with the guard told (`rebase`), and the rate x1000 from step 80; both ranks see epochs
+    of the same length (the distributed sampler)."""
 
     def __init__(self, out: str) -> None:
-        super().__init__()
-        self.out = out
+        super().__init__(out)
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
                                        torch.nn.ReLU(), torch.nn.Linear(32, 4))
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(400, 8, generator=g)
-        self.y = (self.x @ torch.randn(8, 4, generator=g)).argmax(-1)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.cross_entropy(self.net(x), y)
 
     def on_train_batch_start(self, batch, batch_idx):
         if self.trainer.global_step == 40:
