@@ -1084,11 +1084,10 @@ class DivergenceGuard(Monitor):
                 level: float) -> bool:
         """Whether ``torch.nn.utils.prune`` (Lightning's ``ModelPruning``) masked parameters since the newest snapshot
         from before ``step`` (``step`` within one snapshot interval of it), and the loss rose with it on a run that was
-        normal until then: the pruning's effect (its
-        masks, and with the lottery-ticket rewind the weights of the start), not a divergence; the older weights,
-        which find the batches easier, are no state to go back to. Said (``model_pruned``, info), the new level
-        becomes the normal, and nothing acts; once per masked parameter. Every rank has the same masks (a callback
-        prunes every rank alike) and judges the same mean loss: no reduction."""
+        normal until then: the pruning's effect (its masks, and with the lottery-ticket rewind the weights of the
+        start), not a divergence; the older weights, which find the batches easier, are no state to go back to. Said
+        (``model_pruned``, info), the new level becomes the normal, and nothing acts; once per masked parameter. Every
+        rank has the same masks (a callback prunes every rank alike) and judges the same mean loss: no reduction."""
         snap = next((s for s in reversed(self._snapshots) if s.step < step), None)
         # only a rise on a run that was normal up to it (the conditions that hold snapshots back: none), within one
         # snapshot interval of that snapshot (a pruning between two checks shows at once), once per pruning: a
