@@ -85,12 +85,16 @@ def present_names(saved: Iterable[str], present: Collection[str]) -> dict[str, s
     return out
 
 
-def saved_value(module_state: dict[str, Any], name: str, now: str) -> Any:
-    """The saved value of ``name`` as the present ``now`` holds it: a pruned parameter made permanent since (``w_orig``
-    then, ``w`` now) is its saved ``w_orig`` times its saved ``w_mask`` (the pruned entries stay zero)."""
-    value = module_state[name]
-    mask = module_state.get(name[: -len("_orig")] + "_mask") if name != now and name.endswith("_orig") else None
-    return value if mask is None else value * mask
+def held_values(module_state: dict[str, Any], present: Collection[str]) -> list[tuple[str, str, Any]]:
+    """``(saved name, present name, value)`` for each saved entry the present module state holds (see
+    :func:`present_names`); a pruned parameter made permanent since (``w_orig`` then, ``w`` now) gets its saved
+    ``w_orig`` times its saved ``w_mask`` (the pruned entries stay zero)."""
+    out = []
+    for name, now in present_names(module_state, present).items():
+        value = module_state[name]
+        mask = module_state.get(name[: -len("_orig")] + "_mask") if name != now else None
+        out.append((name, now, value if mask is None else value * mask))
+    return out
 
 
 def pruned_since(saved: Collection[str], present: Collection[str]) -> list[str]:
@@ -196,9 +200,9 @@ class TrainingSnapshot:
         state = self.state()
         with torch.no_grad():
             current = pl_module.state_dict()
-            for name, now in present_names(state["module"], current).items():
+            for name, now, value in held_values(state["module"], current):
                 if now not in keep and name not in keep:
-                    current[now].copy_(saved_value(state["module"], name, now))
+                    current[now].copy_(value)
         for opt, saved in zip(trainer.optimizers, state["optimizers"]):
             opt.load_state_dict(_optimizer_state(opt, saved))
         types = state.get("scheduler_types") or [None] * len(state["schedulers"])
@@ -220,11 +224,10 @@ class TrainingSnapshot:
         parameter of the module must be in it (a layer added since, such as an adapter or a grown block, has no
         state to go back to: restoring the rest would leave it as it is now). Read from what was kept at capture (a
         snapshot adopted from a checkpoint's files: read from its file once)."""
-        problem = self._optimizers_mismatch(trainer)  # reads the layout of an adopted snapshot's file
+        problem = self._optimizers_mismatch(trainer)
         module = getattr(trainer, "lightning_module", None)
         if problem is None and module is not None:
-            keys = self.module_keys
-            assert keys is not None
+            keys = self.saved_keys()
             trainable = {name for name, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
             present = module.state_dict().keys()
             held = set(present_names(keys, present).values())  # a pruned parameter is held under its old name
@@ -233,6 +236,12 @@ class TrainingSnapshot:
                 problem = (f"{len(added)} trainable parameter(s) added to the module since step {self.step}: "
                            f"{', '.join(added[:4])}{'...' if len(added) > 4 else ''}")
         return problem
+
+    def saved_keys(self) -> frozenset[str]:
+        """The names of the module state saved (an adopted snapshot's: read from its file once)."""
+        self._read_layout()
+        assert self.module_keys is not None
+        return self.module_keys
 
     def _read_layout(self) -> None:
         """A snapshot adopted from a checkpoint's list of files: its group sizes and module keys, read from the file

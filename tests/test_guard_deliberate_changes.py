@@ -295,7 +295,7 @@ def test_a_state_saved_while_pruned_restores_into_weights_made_permanent_with_th
     # (`weight`): the saved `weight_orig` alone brought the pruned entries back
     from torch.nn.utils import prune
 
-    from lightning_monitor.snapshot import present_names, saved_value
+    from lightning_monitor.snapshot import held_values, present_names
 
     torch.manual_seed(0)
     layer = nn.Linear(4, 4)
@@ -308,8 +308,8 @@ def test_a_state_saved_while_pruned_restores_into_weights_made_permanent_with_th
     names = present_names(saved, current)
     assert names == {"weight_orig": "weight", "bias": "bias"}
     with torch.no_grad():
-        for name, now in names.items():
-            current[now].copy_(saved_value(saved, name, now))
+        for _, now, value in held_values(saved, current):
+            current[now].copy_(value)
     assert torch.equal(layer.weight, saved["weight_orig"] * saved["weight_mask"])
     assert int((layer.weight == 0).sum()) == 8
 

@@ -23,13 +23,7 @@ from lightning_monitor._sharded import local, nonfinite_on_host, squared_norms
 from lightning_monitor.alerts import Alert, alerts_dir, read_records
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch
 from lightning_monitor.functional.robust import SeriesWatch, median
-from lightning_monitor.snapshot import (
-    TrainingSnapshot,
-    present_names,
-    pruned_since,
-    saved_value,
-    scale_learning_rates,
-)
+from lightning_monitor.snapshot import TrainingSnapshot, held_values, pruned_since, scale_learning_rates
 
 __all__ = ["DivergenceGuard"]
 
@@ -389,9 +383,7 @@ class DivergenceGuard(Monitor):
             # a resumed run (or a later fit) starts from a state that training reached and left normal (the snapshots
             # in host memory did not travel with the checkpoint): kept at once, else an anomaly at the first check
             # after the resume found no snapshot to go back to and stopped the run
-            module_state = pl_module.state_dict()
-            ok = self._all_finite(module_state, self._infinite_by_design)
-            self._snapshot(trainer, pl_module, trainer.global_step, ok, module_state)
+            self._snapshot_now(trainer, pl_module)
             if self._snapshots:
                 # the checkpoint's own state: an anomaly at this very step (a bad batch) goes back to it, not to a stop
                 self._snapshots[-1].first_of_fit = True
@@ -1097,9 +1089,7 @@ class DivergenceGuard(Monitor):
         if (snap is None or every is None or step - snap.step > every + 1
                 or any(sev != "info" for (kind, _), sev in self._conditions.items() if kind != "data_shift")):
             return False
-        snap._read_layout()
-        assert snap.module_keys is not None
-        masked = [n for n in pruned_since(snap.module_keys, pl_module.state_dict().keys()) if n not in self._masked]
+        masked = [n for n in pruned_since(snap.saved_keys(), pl_module.state_dict().keys()) if n not in self._masked]
         if not masked:
             return False
         self._masked.update(masked)
@@ -1190,10 +1180,9 @@ class DivergenceGuard(Monitor):
             for snap in snaps:
                 with torch.no_grad():
                     current = pl_module.state_dict()
-                    module_state = snap.state()["module"]
-                    for name, now in present_names(module_state, current).items():
+                    for _, now, value in held_values(snap.state()["module"], current):
                         if now in params:
-                            current[now].copy_(saved_value(module_state, name, now))
+                            current[now].copy_(value)
                             if now in zeros:
                                 current[now].masked_fill_(zeros[now], 0.0)
                 out.append(evaluate())
@@ -1387,6 +1376,13 @@ class DivergenceGuard(Monitor):
             )
         return names
 
+    def _snapshot_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Keep the present state as a snapshot, if every parameter and buffer is finite (and nothing holds snapshots
+        back: see :meth:`_snapshot`)."""
+        module_state = pl_module.state_dict()
+        ok = self._all_finite(module_state, self._infinite_by_design)
+        self._snapshot(trainer, pl_module, trainer.global_step, ok, module_state)
+
     def _snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, ok: bool,
                   module_state: Optional[dict[str, Any]] = None) -> None:
         """Take a snapshot if every rank found its steps since the last check normal."""
@@ -1443,6 +1439,16 @@ class DivergenceGuard(Monitor):
                 return snap
         return None
 
+    def _clear_conditions(self, step: int, message: str) -> None:
+        for kind, layer in list(self._conditions):
+            self.condition(step, kind, False, "info", "", layer=layer, clear_message=message)
+
+    def _forget_recent(self) -> None:
+        """Drop the kept batches and the losses of the last normal steps (of weights no longer there)."""
+        self._recent_batches.clear()
+        self._normal_recent.clear()
+        self._hard_batch = None
+
     def rebase(self, trainer: pl.Trainer, reason: str = "the weights were changed on purpose") -> None:
         """Tell the guard that the weights were changed on purpose (a head re-initialised, shrink-and-perturb,
         pruning that zeroes weights in place, weights loaded by hand): the rise of the loss that follows is the
@@ -1459,12 +1465,9 @@ class DivergenceGuard(Monitor):
                                "LightningModule), after the change it announces.")
         step = trainer.global_step
         pl_module = trainer.lightning_module
-        for kind, layer in list(self._conditions):
-            self.condition(step, kind, False, "info", "", layer=layer, clear_message=f"Rebased: {reason}.")
+        self._clear_conditions(step, f"Rebased: {reason}.")
+        self._forget_recent()
         self._new_normal([])
-        self._normal_recent.clear()
-        self._recent_batches.clear()
-        self._hard_batch = None
         for snap in self._snapshots:
             snap.discard()
         self._snapshots = []
@@ -1472,9 +1475,7 @@ class DivergenceGuard(Monitor):
                    f"Rebased at step {step}: {reason}. The loss is judged afresh from here, and the state of step "
                    f"{step} is the one to go back to.")
         if self.idle_reason is None and self.snapshot_every_n_steps is not None:
-            module_state = pl_module.state_dict()
-            self._snapshot(trainer, pl_module, step, self._all_finite(module_state, self._infinite_by_design),
-                           module_state)
+            self._snapshot_now(trainer, pl_module)
 
     def _lift_lr_ceiling(self, trainer: pl.Trainer) -> None:
         """A fit that starts without a checkpoint after a rollback of an earlier fit of the same Trainer: its
@@ -1575,8 +1576,7 @@ class DivergenceGuard(Monitor):
         A scaled rate is also capped at its restored value, and any cap set earlier in the episode comes down with
         the scale."""
         lr_now = self._float_lrs(trainer) if rates is None else rates
-        for kind, layer in list(self._conditions):
-            self.condition(step, kind, False, "info", "", layer=layer, clear_message="Rolled back.")
+        self._clear_conditions(step, "Rolled back.")
         self._restore_keeping_frozen(trainer, pl_module, snap, self._monitors(trainer))
         self._load_detector_state(snap.guard)
         # other monitors' critical alerts not yet acted on describe steps now undone: they go with them (else the next
@@ -1586,9 +1586,7 @@ class DivergenceGuard(Monitor):
         # asked right after a rollback too (bad batches close together): their losses then came from weights a few
         # steps from the snapshot's, within the factor asked
         self._refs_before = self._references(step + 1) or self._refs_before
-        self._recent_batches.clear()  # skipped data, and losses of weights no longer there
-        self._normal_recent.clear()
-        self._hard_batch = None
+        self._forget_recent()  # skipped data, and losses of weights no longer there
         best, before = self._lr_at_min, self._lr_ceiling
         rose = diverged and any(n is not None and b is not None and n > 1.001 * b
                                 for i, row in enumerate(lr_now) for j, n in enumerate(row) for b in [_at(best, i, j)])

@@ -190,9 +190,6 @@ class GradientNoiseScaleMonitor(Monitor):
         self.loss_reduction = loss_reduction
         self.linear_strategy = linear_strategy
 
-        self.resolved_method: Optional[str] = None
-        self.ema = NoiseScaleEMA(self.smoothing)
-        self.layer_ema: dict[str, NoiseScaleEMA] = {}
         self._reset_run_state()
 
     def _reset_runtime(self) -> None:
@@ -233,8 +230,8 @@ class GradientNoiseScaleMonitor(Monitor):
         super()._reset_run_state()
         self.ema = NoiseScaleEMA(self.smoothing)
         self._undefined = 0  # consecutive checks without B_simple
-        self.layer_ema = {}
-        self.resolved_method = None
+        self.layer_ema: dict[str, NoiseScaleEMA] = {}
+        self.resolved_method: Optional[str] = None
         # what was said once in this run (kept in checkpoints: a resumed run does not say it again)
         self._reported: set[str] = set()  # uncovered parameters named in a coverage alert
         self._said_partial = False  # a partial estimate was said (in an alert)
