@@ -150,15 +150,35 @@ class Fixed(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-@pytest.mark.parametrize("pick, warns", [("argmin", True), ("argmax", False)])
-def test_nearly_all_negative_scores_warn_once(tmp_path, pick: str, warns: bool) -> None:
+class _TrainsOn(Fixed):
+    """``Fixed`` whose loss trains on targets of its own (``loss_targets``), whatever the batch's second item says."""
+
+    def __init__(self, loss_targets: torch.Tensor) -> None:
+        super().__init__()
+        self.loss_targets = loss_targets
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        y = self.loss_targets[batch_idx * 16:(batch_idx + 1) * 16]
+        return torch.nn.functional.cross_entropy(self.head(self.body(x)), y)
+
+
+@pytest.mark.parametrize("pick, loss_pick, kind", [
+    ("argmin", "argmin", "opposed_start"),  # the targets are the loss's: the head starts against them
+    ("argmin", "argmax", "target_mismatch"),  # GWA reads other targets than the loss trains on
+    ("argmax", "argmax", None),
+])
+def test_nearly_all_negative_scores_warn_once(tmp_path, pick: str, loss_pick: str, kind) -> None:
     """Targets chosen as each sample's least likely class give (y - p)^T W z < 0 for every sample: the
-    scores of the first scored epoch are all negative and a target_mismatch warning is raised (once)."""
+    scores of the first scored epoch are all negative and a warning is raised (once): ``target_mismatch`` when the
+    loss trains on other targets than GWA reads (its gradient points elsewhere), ``opposed_start`` when they are the
+    loss's own."""
     module = Fixed()
     x = torch.randn(64, 6)
     with torch.no_grad():
         logits = module.head(module.body(x))
     y = getattr(logits, pick)(-1)
+    module = _TrainsOn(getattr(logits, loss_pick)(-1))
     gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False)
     logger = CSVLogger(str(tmp_path), name="csv")
     trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=logger, callbacks=[gwa], enable_progress_bar=False,
@@ -166,11 +186,12 @@ def test_nearly_all_negative_scores_warn_once(tmp_path, pick: str, warns: bool) 
     trainer.fit(module, DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16))
     path = os.path.join(logger.log_dir, "alerts.jsonl")
     alerts = read_alerts(path) if os.path.exists(path) else []
-    mismatch = [a for a in alerts if a.kind == "target_mismatch"]
-    assert [h["negative"] / h["count"] for h in gwa.history] == ([1.0, 1.0] if warns else [0.0, 0.0])
-    assert len(mismatch) == int(warns)
-    if warns:
-        assert mismatch[0].severity == "warning" and mismatch[0].value == 1.0
+    said = [a for a in alerts if a.kind in ("target_mismatch", "opposed_start")]
+    assert [h["negative"] / h["count"] for h in gwa.history] == ([1.0, 1.0] if pick == "argmin" else [0.0, 0.0])
+    assert [a.kind for a in said] == ([kind] if kind else [])
+    if kind:
+        assert said[0].severity == "warning" and said[0].value == 1.0
+    assert gwa._targets_verified == (pick == loss_pick)
 
 
 class _SequenceClassifier(pl.LightningModule):

@@ -971,6 +971,18 @@ class DivergenceGuard(Monitor):
         found = None if verdict is None else verdict[0]
         if found == "transient":
             return []
+        if found == "forgotten":
+            _, now, before = verdict
+            self.condition(
+                step, "data_shift", True, "warning",
+                f"The loss rose from about {level:.4g} to {now:.4g} since step {start}, but the newest snapshot from "
+                f"before the rise finds the current batch about as hard ({before:.4g}) and the last normal batches are "
+                "still as easy as when they were trained on: only older weights handled this stretch of data better "
+                "(data ordered by difficulty, a task learned earlier), the weights did not break. No action taken.",
+                value=now, threshold=before, clear_message="The loss has settled at its new level.",
+            )
+            self._new_normal([now, before])
+            return []
         if found == "data":
             if self._loss_watch.run < self.patience and not climb:
                 return []  # one hard batch (a surge the last good weights find as hard): nothing to say
@@ -1131,7 +1143,8 @@ class DivergenceGuard(Monitor):
 
     def _attribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, start: int, level: float,
                    climb: bool = False) -> Optional[tuple[str, float, float]]:
-        """``("weights" | "data" | "transient", loss now, lowest loss of the snapshots asked)`` on the current batch, or
+        """``("weights" | "data" | "forgotten" | "transient", loss now, lowest loss of the snapshots asked)`` on the current
+        batch, or
         ``None`` when it cannot be told (no snapshot before ``start``, manual optimization, no batch).
 
         The batch is evaluated with every kept snapshot from before ``start``. It is the data only when each of
@@ -1157,8 +1170,26 @@ class DivergenceGuard(Monitor):
         if not math.isfinite(now):
             return "weights", now, before
         # the data explains the rise if every older state sees at least half of it on the same batch
-        data = all(b is not None and math.isfinite(b) and (b - level) >= 0.5 * (now - level) for b in befores)
-        return ("data" if data else "weights"), now, before
+        hard = [b is not None and math.isfinite(b) and (b - level) >= 0.5 * (now - level) for b in befores]
+        if all(hard):
+            return "data", now, before
+        if hard[0] and self._references_intact(trainer, pl_module, start, now - level):
+            # the newest snapshot finds the batch as hard as the present weights do (going back to it would not help),
+            # only older ones find it easier, and the batches trained on last are still as easy as they were: a
+            # stretch of data the run handled better at an earlier stage (epochs ordered by difficulty), not weights
+            # that broke. Weights that broke lose on the batches before the rise too
+            return "forgotten", now, befores[0]
+        return "weights", now, before
+
+    def _references_intact(self, trainer: pl.Trainer, pl_module: pl.LightningModule, start: int, rise: float) -> bool:
+        """Whether the last normal batches from before ``start``, evaluated again, lost less than half of ``rise`` since
+        they were trained on (every rank calls this at the same point)."""
+        refs = self._references(start)
+        if not refs or not math.isfinite(rise):
+            return False
+        now = self._mean_loss(trainer, pl_module, [b for b, _ in refs])
+        then = sum(t for _, t in refs) / len(refs)
+        return now is not None and math.isfinite(now) and now - then < 0.5 * rise
 
     @staticmethod
     def _under_snapshots(pl_module: pl.LightningModule, snaps: list[TrainingSnapshot],

@@ -33,6 +33,8 @@ from lightning_monitor.functional.gwa import (
     GWAMoments,
     SampleMeans,
     alignment_from_parts,
+    head_gradient_agreement,
+    head_gradient_fit,
     softmax_gradient_evidence,
 )
 
@@ -60,6 +62,14 @@ _WARMUP_FACTOR = 2.0
 #: a pick at which at least this share of the samples' gradients oppose the weights is uncertain (contested): the score
 #: is then a small difference between two nearly equal groups pulling either way
 _CONTESTED = 0.4
+#: due steps on which the head's output gradient is looked for before the reading of the loss is left unchecked
+_CHECK_TRIES = 3
+#: a measured logit scale this close to 1, or a per-class bias this close to a constant, is none
+_TRANSFORM_TOLERANCE = 1e-3
+#: share of the judged rows whose gradient may differ from the closed form's before the scores are said to be inexact
+_OFF_FRACTION = 0.1
+#: share of the rows whose gradient is most negative at the target above which the targets are the loss's
+_HIT_FRACTION = 0.95
 #: Hugging Face causal LMs named otherwise than ``*ForCausalLM`` whose loss shifts the labels
 _CAUSAL_LM_NAMES = ("GPT2LMHeadModel", "OpenAIGPTLMHeadModel", "CTRLLMHeadModel")
 
@@ -279,9 +289,21 @@ class GradientWeightAlignmentMonitor(Monitor):
     ``c tanh(logits / c)``: its head is scored through the cap (the softmax of the capped logits, the gradient
     damped by the cap's slope per class), exact against autograd.
 
+    **The loss's own reading, checked on its gradient.** Once per fit, on the first scored step, the head's output
+    gradient from the backward is compared with the one the scores assume (per row: ``p - y``, pointing to the
+    target). A model whose loss shifts the labels itself without saying so (BLIP's text decoder) has its targets
+    shifted (``targets_shifted``, info; only when ``shift_targets`` is ``None``); a loss that sees a scaled or
+    biased copy of the head's outputs (Cohere's ``logit_scale``, Granite's ``logits_scaling``, the
+    ``final_logits_bias`` of BART, Marian, Pegasus; a temperature of your own) is scored through the transform
+    measured from the gradient (``logit_transform``, info); what neither explains (label smoothing, a z-loss,
+    distillation's soft targets: pass soft targets via ``target_fn`` where the loss uses them) is said in one
+    ``inexact_scores`` warning with the share of rows off. The transform is measured once per fit: one learned
+    during training (a trained temperature) is not followed. One host sync, once.
+
     **Target mismatch.** When at least 90% of the scores of the first scored epoch are negative, a
     warning alert (``target_mismatch``) says that the targets most likely do not match the logits
-    (unshifted causal-LM labels, the wrong head).
+    (unshifted causal-LM labels, the wrong head); when the check above found the targets to be the loss's, the
+    warning is ``opposed_start`` instead: the head starts out predicting against them (a random-init head).
 
     A model without a classifier head (no ``nn.Linear`` with >= 2 outputs, ``head`` not given), or
     trained by several optimizers without an explicit ``head`` (a GAN's last layer is no classifier of
@@ -350,6 +372,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._head_watch: Optional[_HeadWatch] = None
         self._shift = bool(shift_targets)
         self._softcap: Optional[float] = None  # the model caps the head's logits (see _logit_softcap)
+        self._reset_gradient_check()
         self._pending: Optional[tuple[Tensor, Optional[Tensor]]] = None  # the batch's targets and indices
         self._checked = False  # the targets were checked once (one host sync)
         self._refusal: Optional[str] = None
@@ -491,6 +514,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._head_candidates = candidates or None
         self._shift = self._causal_lm_shift(pl_module) if self.shift_targets is None else self.shift_targets
         self._softcap = self._logit_softcap(pl_module)
+        self._reset_gradient_check()
         self._checked = False
         # idle_when_nothing_to_watch: why this rank's first scored batch did not fit the head (targets missing, of
         # another kind or shape), settled across the ranks at the end of that batch (see _settle_targets)
@@ -858,6 +882,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         assert self._head is not None
         if step != trainer.global_step:
             return False
+        if self._check_state == "pending":
+            self._check_state, self._check_step = "armed", step
         if self._head_watch is None:
             self.keep(self._head.register_forward_hook(self._on_head_forward))
 
@@ -883,6 +909,8 @@ class GradientWeightAlignmentMonitor(Monitor):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self._head_watch is not None and self.idle_reason is None:  # the step that chooses the head is through
             self._resolve_head(trainer, pl_module)
+        if self._check_state == "armed" and self._check_step == trainer.global_step and self.idle_reason is None:
+            self._check_gradient(trainer)
         # the hook stays for a head that runs only after a first optimizer step (manual optimization); a batch
         # whose head never runs is released by on_train_batch_end
         if self._pending is None:
@@ -893,14 +921,16 @@ class GradientWeightAlignmentMonitor(Monitor):
         targets = self.target_fn(batch)
         if not isinstance(targets, Tensor):
             raise TypeError(f"`target_fn` must return a Tensor of targets, got {type(targets).__name__}.")
+        raw = targets
         if self._shift and not targets.is_floating_point() and targets.dim() >= 2 and (
-            self.shift_targets or (self.target_fn is default_target_fn and isinstance(batch, Mapping)
-                                   and "labels" in batch)
+            self.shift_targets or self._shift_measured or (
+                self.target_fn is default_target_fn and isinstance(batch, Mapping) and "labels" in batch)
         ):
             # a causal LM's logits at position t predict the label at t + 1 (its loss shifts the labels);
             # the last position predicts nothing
-            fill = -100 if self.ignore_index is None else self.ignore_index
-            targets = F.pad(targets[..., 1:], (0, 1), value=fill)
+            targets = self._shifted(targets)
+        if self._check_state == "armed" and self._check_capture is None:
+            self._check_raw = (raw, targets is not raw)  # the labels, and whether they were shifted
         # a sequence classifier that pools its per-token logits afterwards (a decoder-only model's `score` head: the
         # logits of the last real token are the sequence's): where that token is, from the attention mask
         mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
@@ -959,8 +989,138 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._flush()
         self._stash.append(_Kept(z_norm, wz, out, targets, w_norm, indices))
         self._stashed += 2 * out.numel()
-        if self._stashed >= _FLUSH_ELEMENTS:
+        raw, self._check_raw = self._check_raw, None
+        if raw is not None and output.requires_grad and self._check_capture is None:
+            self._capture_gradient(output, out, targets, raw)
+        # until the check, kept (it may find they were read the wrong way), within reason
+        if self._stashed >= _FLUSH_ELEMENTS * (1 if self._check_state == "done" else 8):
             self._flush()
+
+    def _shifted(self, targets: Tensor) -> Tensor:
+        """A causal LM's labels as its loss reads them: the logits at ``t`` predict the label at ``t + 1``."""
+        fill = -100 if self.ignore_index is None else self.ignore_index
+        return F.pad(targets[..., 1:], (0, 1), value=fill)
+
+    # ------------------------------------------------------------------ the loss's reading, from its gradient
+    def _reset_gradient_check(self) -> None:
+        """Before a fit: the reading of the loss (shift, transform of the logits) is checked again."""
+        self._check_state = "pending"  # -> "armed" on a due step -> "done" (or "pending" again: nothing captured)
+        self._check_step: Optional[int] = None
+        self._check_tries = 0
+        #: the scored batch's targets as ``target_fn`` gave them, and whether GWA shifted them
+        self._check_raw: Optional[tuple[Tensor, bool]] = None
+        self._check_capture: Optional[tuple[Tensor, Tensor, Tensor, tuple[Tensor, bool]]] = None
+        self._shift_measured = False
+        self._logit_scale: Optional[float] = None
+        self._logit_bias: Optional[Tensor] = None
+        self._targets_verified = False  # the targets are the loss's (most rows' gradients point at them)
+
+    def _capture_gradient(self, output: Tensor, logits: Tensor, targets: Tensor, raw: tuple[Tensor, bool]) -> None:
+        """Keep the gradient of the head's output (this micro-batch's) for :meth:`_check_gradient`."""
+        def hook(grad: Tensor) -> None:
+            if self._check_capture is None:
+                self._check_capture = (grad.detach(), logits, targets, raw)
+        output.register_hook(hook)
+
+    def _check_gradient(self, trainer: pl.Trainer) -> None:
+        """Compare the head's output gradient of this step with the one the scores assume (see the class docstring):
+        measure the shift and the transform of the logits the loss reads, and say what neither explains. Every rank
+        takes part (the counts and the fit are reduced), so every rank scores alike."""
+        capture, self._check_capture = self._check_capture, None
+        step = trainer.global_step
+        c = self._head.out_features
+        dev = next(self._head.parameters()).device
+        # [judged, off, targeted, hit] for the targets scored, [targeted, hit] for the other reading, the fit
+        counts = torch.zeros(8, dtype=torch.float64, device=dev)
+        bias = torch.zeros(c, dtype=torch.float64, device=dev)
+        mine = other = None  # this rank's gradient, logits and the two readings of its labels
+        if capture is not None and capture[1].shape[-1] == c:
+            grad, logits, targets, (raw, shifted) = capture
+            other = None
+            if self.shift_targets is None and not raw.is_floating_point() and raw.dim() >= 2:
+                try:
+                    other = self._conform_targets(raw if shifted else self._shifted(raw), logits)
+                except ValueError:  # that reading fits no row of these logits
+                    other = None
+            counts[:4] = head_gradient_agreement(grad, logits, targets, ignore_index=self.ignore_index,
+                                                 softcap=self._softcap)
+            if other is not None:
+                counts[4:6] = head_gradient_agreement(grad, logits, other, ignore_index=self.ignore_index,
+                                                      softcap=self._softcap)[2:]
+            if not targets.is_floating_point():
+                fit = head_gradient_fit(grad, logits, softcap=self._softcap)
+                if fit.rows and math.isfinite(fit.scale) and math.isfinite(fit.residual):
+                    counts[6], counts[7] = fit.rows * fit.scale, fit.rows
+                    if fit.bias is not None:
+                        bias = fit.bias.to(dev) * fit.rows
+            mine = (grad, logits, targets, other, shifted)
+        if trainer.world_size > 1:
+            counts = trainer.strategy.reduce(counts, reduce_op="sum")
+            bias = trainer.strategy.reduce(bias, reduce_op="sum")
+        judged, off, targeted, hit, targeted_other, hit_other, scale_sum, fitted = counts.tolist()  # one sync, once
+        if targeted + judged == 0 and fitted == 0:  # no gradient reached the head on any rank: the next due step
+            self._check_tries += 1
+            self._check_state = "pending" if self._check_tries < _CHECK_TRIES else "done"
+            return
+        self._check_state = "done"
+        changed = flipped = False
+        if targeted_other > 0 and hit < 0.5 * targeted and hit_other >= _HIT_FRACTION * targeted_other:
+            # every rank read its labels the same way (the same rule on the same kind of batch)
+            now_shifted = not (mine[4] if mine is not None else self._shift)
+            self._shift, self._shift_measured, changed = now_shifted, True, True
+            flipped = True
+            hit, targeted = hit_other, targeted_other
+            self.alert(
+                step, "targets_shifted", "info",
+                f"The gradient of `{self._head_name}`'s output points at the labels "
+                f"{'shifted by one position' if now_shifted else 'as given'} in {hit_other:.0f} of "
+                f"{targeted_other:.0f} rows: the model's loss reads them so, and GWA scores them so from now on "
+                "(`shift_targets=` decides).",
+            )
+        self._targets_verified = targeted > 0 and hit >= _HIT_FRACTION * targeted
+        eps = torch.finfo(mine[0].dtype).eps if mine is not None and mine[0].is_floating_point() else 0.0
+        if fitted > 0:
+            scale, b = scale_sum / fitted, bias / fitted
+            spread = float(b.max() - b.min())
+            has_bias = spread > max(_TRANSFORM_TOLERANCE, 16 * eps)
+            has_scale = scale > 0 and abs(scale - 1.0) > max(_TRANSFORM_TOLERANCE, 2 * eps)
+            scored = None if mine is None else (mine[3] if flipped else mine[2])
+            if (has_bias or has_scale) and self._transform_explains(
+                    mine, scored, scale if has_scale else None, b if has_bias else None):
+                self._logit_scale = scale if has_scale else None
+                self._logit_bias = b.to(torch.float32) if has_bias else None
+                changed = True
+                said = " plus ".join(
+                    [f"{scale:.4g} times the head's outputs" if has_scale else "the head's outputs"]
+                    + ([f"a per-class bias (spread {spread:.3g})"] if has_bias else []))
+                self.alert(
+                    step, "logit_transform", "info",
+                    f"The loss's softmax reads {said}, measured from the gradient of `{self._head_name}`'s output "
+                    "(a model's logit scale, temperature or final logits bias): GWA's probabilities are taken of that.",
+                    value=scale,
+                )
+        if changed:  # what was kept was read the other way: dropped
+            self._stash, self._stashed = [], 0
+        elif judged > 0 and off > _OFF_FRACTION * judged:
+            self.alert(
+                step, "inexact_scores", "warning",
+                f"In {off:.0f} of {judged:.0f} rows the gradient of `{self._head_name}`'s output differs from the "
+                "softmax cross-entropy's on the targets GWA reads (p - y): the loss is another one (label smoothing, "
+                "a z-loss or other term on the logits, distillation's soft targets, a focal loss ...), so the scores "
+                "are approximate. Soft targets of the loss's own (`target_fn` returning probabilities) make them exact "
+                "for label smoothing and distillation.",
+                value=off / judged, threshold=_OFF_FRACTION,
+            )
+
+    def _transform_explains(self, mine: Optional[tuple[Any, ...]], targets: Optional[Tensor],
+                            scale: Optional[float], bias: Optional[Tensor]) -> bool:
+        """Whether scoring through the measured transform agrees with this rank's gradient (a rank without one
+        agrees: the counts of the others decided; every rank decides alike when they agree)."""
+        if mine is None or targets is None:
+            return True
+        judged, off = head_gradient_agreement(mine[0], mine[1], targets, ignore_index=self.ignore_index,
+                                              softcap=self._softcap, logit_scale=scale, logit_bias=bias)[:2].tolist()
+        return judged == 0 or off <= _OFF_FRACTION * judged
 
     def _pooled_targets(self, targets: Tensor, length: int) -> Tensor:
         """One label per sequence for logits of every token (``[B, T, C]``): the label goes to the sequence's last
@@ -1056,7 +1216,7 @@ class GradientWeightAlignmentMonitor(Monitor):
                 w_norm = w_norm.repeat_interleave(torch.tensor(rows, device=w_norm.device), output_size=sum(rows))
         scores = alignment_from_parts(
             None, wz, logits, targets, w_norm, ignore_index=self.ignore_index, feature_norm=z_norm,
-            softcap=self._softcap,
+            softcap=self._softcap, logit_scale=self._logit_scale, logit_bias=self._logit_bias,
         ).double()
         self._moments.update(scores)
         finite = torch.isfinite(scores)
@@ -1230,7 +1390,17 @@ class GradientWeightAlignmentMonitor(Monitor):
             metrics[self.key("negative")] = negative
             metrics[self.key("negative_fraction")] = negative / count
             first_scored = not any(h.get("count", 0) >= _MIN_SAMPLES for h in self.history)
-            if first_scored and negative >= _MISMATCH_FRACTION * count:
+            if first_scored and negative >= _MISMATCH_FRACTION * count and self._targets_verified:
+                # the targets are the loss's (the gradients point at them): the head starts out against them
+                self.alert(
+                    step, "opposed_start", "warning",
+                    f"{negative / count:.1%} of the {count} GWA scores of the first scored epoch ({epoch}) are "
+                    "negative, with the targets the loss's own (its gradient points at them): the head starts out "
+                    "predicting against them (a random-init or re-initialised head far from its targets). The scores "
+                    "mean little until it fits them.",
+                    value=negative / count, threshold=_MISMATCH_FRACTION,
+                )
+            elif first_scored and negative >= _MISMATCH_FRACTION * count:
                 self.alert(
                     step, "target_mismatch", "warning",
                     f"{negative / count:.1%} of the {count} GWA scores of the first scored epoch ({epoch}) are "

@@ -45,6 +45,8 @@ __all__ = [
     "gwa_aggregate",
     "gwa_scores",
     "gwa_statistics",
+    "head_gradient_fit",
+    "head_gradient_agreement",
     "merge_moments",
     "softmax_gradient_evidence",
 ]
@@ -84,6 +86,8 @@ def gwa_scores(
     ignore_index: Optional[int] = -100,
     eps: float = 1e-12,
     softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
+    logit_bias: Optional[Tensor] = None,
 ) -> Tensor:
     """Per-sample gradient-weight alignment ``gamma_i = cos(-grad_W loss_i, W)``, closed form.
 
@@ -99,6 +103,9 @@ def gwa_scores(
         eps: floor of the norms (zero features or a soft target met exactly score 0).
         softcap: ``c`` when the loss sees ``c tanh(logits / c)`` rather than the logits (logit
             soft-capping); ``logits`` stay the head's outputs.
+        logit_scale, logit_bias: the loss sees ``logit_scale * logits + logit_bias`` (``[C]``) rather than
+            the logits (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``, BART's and Marian's
+            ``final_logits_bias``); before ``softcap`` when both are given. ``logit_scale`` must be > 0.
 
     Returns:
         scores of the leading shape in ``[-1, 1]`` (float32, float64 for float64 inputs); NaN for
@@ -122,6 +129,11 @@ def gwa_scores(
     num_classes = logits.shape[-1]
     if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"`softcap` must be a positive number, got {softcap!r}.")
+    if logit_scale is not None and not (isinstance(logit_scale, (int, float)) and math.isfinite(logit_scale)
+                                        and logit_scale > 0):
+        raise ValueError(f"`logit_scale` must be a positive number, got {logit_scale!r}.")
+    if logit_bias is not None and tuple(logit_bias.shape) != (num_classes,):
+        raise ValueError(f"`logit_bias` must be a vector of the {num_classes} classes, got {tuple(logit_bias.shape)}.")
     if num_classes < 2:
         raise ValueError(
             "GWA needs a softmax head with at least 2 outputs; a single-logit (sigmoid) head has no "
@@ -143,7 +155,7 @@ def gwa_scores(
         z = features.detach().to(dtype)
         w = weight.detach().to(dtype)
         return alignment_from_parts(z, z @ w.T, logits, targets, w.norm(), ignore_index=ignore_index, eps=eps,
-                                    softcap=softcap)
+                                    softcap=softcap, logit_scale=logit_scale, logit_bias=logit_bias)
 
 
 def alignment_from_parts(
@@ -157,6 +169,8 @@ def alignment_from_parts(
     eps: float = 1e-12,
     feature_norm: Optional[Tensor] = None,
     softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
+    logit_bias: Optional[Tensor] = None,
 ) -> Tensor:
     """:func:`gwa_scores` from ``wz = W z`` (``logits - bias`` for an ``nn.Linear`` head) and
     ``||W||_F`` (a scalar, or one per row when rows come from different steps); no shape checks.
@@ -168,7 +182,11 @@ def alignment_from_parts(
 
     ``softcap``: the loss sees ``c tanh(logits / c)`` (logit soft-capping, Gemma 2's ``final_logit_softcapping``),
     so the head's per-sample gradient is ``((p - y) * (1 - tanh^2(logits / c))) z^T``, ``p`` the softmax of the
-    capped logits: scored so (``logits`` is then the head's output, before the cap)."""
+    capped logits: scored so (``logits`` is then the head's output, before the cap).
+
+    ``logit_scale``, ``logit_bias``: the loss sees ``logit_scale * logits + logit_bias`` (before the cap): the head's
+    per-sample gradient is ``logit_scale (p - y) z^T`` with ``p`` that transform's softmax, and a positive scale
+    does not change its direction."""
     dtype = torch.promote_types(logits.dtype, torch.float32)
     if feature_norm is None:
         if features is None:
@@ -178,6 +196,10 @@ def alignment_from_parts(
         z_norm = feature_norm.detach().to(dtype)
     wz = wz.detach().to(dtype)
     logits = logits.detach().to(dtype)
+    if logit_scale is not None:
+        logits = logits * logit_scale
+    if logit_bias is not None:
+        logits = logits + logit_bias.detach().to(device=logits.device, dtype=dtype)
     slope: Optional[Tensor] = None
     if softcap is not None:
         squashed = torch.tanh(logits / softcap)
@@ -450,3 +472,173 @@ class SampleMeans:
         mean = torch.where(counts > 0, sums / counts.clamp_min(1.0), torch.full_like(sums, math.inf))
         low, index = mean.topk(min(k, mean.numel()), largest=False)
         return low, index, counts[index]
+
+
+class HeadGradientFit(NamedTuple):
+    """What :func:`head_gradient_fit` read from a head's output gradient: the loss sees ``scale * logits + bias``."""
+
+    rows: int  # rows fitted (0: nothing to fit; the rest is then meaningless)
+    scale: float  # NaN when the logits do not vary enough to tell
+    bias: Optional[Tensor]  # ``[C]`` float64, centred (0 where no entry was fitted); None: the fit needs none
+    residual: float  # RMS of the fit's residual, in log units
+
+
+def _masked_mean(v: Tensor, w: Tensor, dim: int) -> Tensor:
+    return (v * w).sum(dim, keepdim=True) / w.sum(dim, keepdim=True).clamp_min(1.0)
+
+
+def head_gradient_fit(
+    grad: Tensor,
+    logits: Tensor,
+    targets: Optional[Tensor] = None,
+    *,
+    softcap: Optional[float] = None,
+    max_rows: int = 256,
+    bias_if_over: float = 1e-3,
+) -> HeadGradientFit:
+    r"""Which affine transform of a head's outputs its loss took the softmax cross-entropy of, read from the
+    gradient of those outputs (one training step's; one host sync).
+
+    A softmax cross-entropy on ``l = a o + b`` (``o`` the head's outputs, ``a > 0``, ``b`` a per-class bias) with a
+    hard target ``y`` gives the output gradient row ``g_i = a s_i (p_i - e_y)``, ``p_i = softmax(l_i)``, so on every
+    other class ``log g_ij = a o_ij + b_j + c_i`` exactly (``c_i`` the row's constant). The scale ``a`` is the slope of
+    that relation within the rows; a per-class bias is fitted only when the rows alone leave a residual over
+    ``bias_if_over`` (at least 4 machine epsilons of the gradient's dtype). On up to ``max_rows`` rows with a gradient; each row's target class (``targets``, else the
+    row's most negative entry) and the entries that underflowed are left out. ``softcap``: the loss sees ``c tanh(o /
+    c)`` rather than ``o`` (Gemma 2): the gradient is read through the cap.
+
+    A small ``residual`` (a few machine epsilons of the gradient's dtype) says the loss is such a cross-entropy; a
+    large one, that it is not (label smoothing, a z-loss, distillation's soft targets, a focal loss ...).
+
+    Example::
+
+        >>> o = torch.randn(6, 5, requires_grad=True)
+        >>> torch.nn.functional.cross_entropy(0.25 * o, torch.tensor([0, 1, 2, 3, 4, 0])).backward()
+        >>> fit = head_gradient_fit(o.grad, o.detach())
+        >>> round(fit.scale, 4), fit.bias is None
+        (0.25, True)
+    """
+    c = logits.shape[-1]
+    if grad.is_floating_point():  # the logs carry the gradient's rounding
+        bias_if_over = max(bias_if_over, 4 * torch.finfo(grad.dtype).eps)
+    g = grad.detach().reshape(-1, c).double()
+    o = logits.detach().reshape(-1, c).double()
+    if softcap is not None:
+        squashed = torch.tanh(o / softcap)
+        o, g = softcap * squashed, g / (1.0 - squashed * squashed).clamp_min(1e-300)
+    ok = torch.isfinite(g).all(-1) & torch.isfinite(o).all(-1) & (g.abs().sum(-1) > 0)
+    t = None
+    if targets is not None and not targets.is_floating_point():
+        t = targets.detach().reshape(-1).long().to(g.device)
+        ok &= (t >= 0) & (t < c)
+    rows = ok.nonzero().squeeze(1)[:max_rows]  # one host sync
+    if rows.numel() == 0:
+        return HeadGradientFit(0, math.nan, None, math.nan)
+    g, o = g[rows], o[rows]
+    col = t[rows] if t is not None else g.argmin(-1)
+    # entries below the gradient dtype's normal range (underflowed probabilities) carry no log
+    floor = torch.finfo(grad.dtype).tiny if grad.is_floating_point() else 0.0
+    w = (g > floor * 16).double().scatter_(1, col.unsqueeze(1), 0.0)
+    w = w * (w.sum(1, keepdim=True) >= 2)  # a row needs two entries to show a slope
+    y = torch.where(w > 0, g.clamp_min(1e-300).log(), torch.zeros_like(g))
+    x = o * w
+
+    def slope(xd: Tensor, yd: Tensor) -> float:
+        den = (xd * xd * w).sum()
+        return float((xd * yd * w).sum() / den) if float(den) > 0 else math.nan
+
+    # rows alone: demean within rows
+    xr, yr = x - _masked_mean(x, w, 1), y - _masked_mean(y, w, 1)
+    a = slope(xr, yr)
+    n = float(w.sum())
+    if not math.isfinite(a) or n == 0:
+        return HeadGradientFit(int(rows.numel()), math.nan, None, math.nan)
+    res = (yr - a * xr) * w
+    residual = math.sqrt(float((res * res).sum()) / n)
+    if residual <= bias_if_over:
+        return HeadGradientFit(int(rows.numel()), a, None, residual)
+    # rows and classes: demean both ways (alternating; the mask is nearly complete, so a few passes settle)
+    xd, yd = x.clone(), y.clone()
+    for _ in range(12):
+        xd = (xd - _masked_mean(xd, w, 1)) * w
+        xd = (xd - _masked_mean(xd, w, 0)) * w
+        yd = (yd - _masked_mean(yd, w, 1)) * w
+        yd = (yd - _masked_mean(yd, w, 0)) * w
+    a2 = slope(xd, yd)
+    if not math.isfinite(a2):
+        return HeadGradientFit(int(rows.numel()), a, None, residual)
+    e = (y - a2 * o) * w
+    b = torch.zeros(1, c, dtype=torch.float64, device=g.device)
+    r = torch.zeros(e.shape[0], 1, dtype=torch.float64, device=g.device)
+    for _ in range(12):
+        r = _masked_mean(e - b, w, 1)
+        b = _masked_mean(e - r, w, 0)
+    res2 = (e - b - r) * w
+    residual2 = math.sqrt(float((res2 * res2).sum()) / n)
+    if not residual2 < residual:
+        return HeadGradientFit(int(rows.numel()), a, None, residual)
+    seen = w.sum(0) > 0
+    b = b.squeeze(0)
+    b = torch.where(seen, b - b[seen].mean(), torch.zeros_like(b))
+    return HeadGradientFit(int(rows.numel()), a2, b, residual2)
+
+
+def head_gradient_agreement(
+    grad: Tensor,
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    ignore_index: Optional[int] = -100,
+    softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
+    logit_bias: Optional[Tensor] = None,
+    tolerance: Optional[float] = None,
+) -> Tensor:
+    r"""How well the gradient ``grad`` of a head's outputs ``logits`` agrees with the one GWA's closed form assumes
+    for ``targets`` (a softmax cross-entropy on ``logit_scale * logits + logit_bias``, capped by ``softcap``), per row:
+    ``[judged, off, targeted, hit]`` (float64, on the device, no host sync), with
+
+    * ``judged``: rows with a gradient and a valid target whose gradient is not mostly the rounding of a confident
+      probability (``1 - p_y`` at least 32 machine epsilons of the gradient's dtype);
+    * ``off``: those whose gradient's direction differs from the closed form's (cosine below ``1 - tolerance``;
+      default ``max(1e-3, eps / 2)``);
+    * ``targeted``: integer-target rows with a gradient and a valid target; ``hit``: those whose gradient is most
+      negative at the target (a softmax cross-entropy's is negative only there): the targets are the loss's.
+
+    Soft targets are judged on their direction only (``targeted = hit = 0``)."""
+    c = logits.shape[-1]
+    g = grad.detach().reshape(-1, c).double()
+    o = logits.detach().reshape(-1, c).double()
+    eps = torch.finfo(grad.dtype).eps if grad.is_floating_point() else 0.0
+    tol = max(1e-3, eps / 2) if tolerance is None else tolerance
+    if logit_scale is not None:
+        o = o * logit_scale
+    if logit_bias is not None:
+        o = o + logit_bias.to(device=o.device, dtype=o.dtype)
+    slope = None
+    if softcap is not None:
+        squashed = torch.tanh(o / softcap)
+        o, slope = softcap * squashed, 1.0 - squashed * squashed
+    p = torch.softmax(o, -1)
+    has = torch.isfinite(g).all(-1) & torch.isfinite(o).all(-1) & (g.abs().sum(-1) > 0)
+    zero = torch.zeros((), dtype=torch.float64, device=g.device)
+    if targets.is_floating_point():
+        r = p - targets.detach().reshape(-1, c).to(p)
+        judged = has
+        targeted = hit = zero
+    else:
+        t = targets.detach().reshape(-1).long().to(g.device)
+        valid = (t >= 0) & (t < c)
+        if ignore_index is not None:
+            valid &= t != ignore_index
+        ts = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
+        r = p - torch.zeros_like(p).scatter_(1, ts, 1.0)
+        targeted_rows = has & valid
+        judged = targeted_rows & (1.0 - p.gather(1, ts).squeeze(1) >= 32 * eps)
+        targeted = targeted_rows.double().sum()
+        hit = (targeted_rows & (g.argmin(-1) == t)).double().sum()
+    if slope is not None:
+        r = r * slope
+    cos = (r * g).sum(-1) / (r.norm(dim=-1) * g.norm(dim=-1)).clamp_min(1e-300)
+    off = judged & (cos < 1.0 - tol)
+    return torch.stack([judged.double().sum(), off.double().sum(), targeted, hit])

@@ -1,0 +1,245 @@
+"""GWA reads the loss off the head's gradient: a loss that shifts the labels itself, a loss on scaled or biased logits
+(Cohere's ``logit_scale``, Granite's ``logits_scaling``, BART's ``final_logits_bias``), and one that is no plain
+cross-entropy (label smoothing). Against scores computed here from the head output's real gradient: the cosine of
+``-g_i z_i^T`` with ``W`` is the paper's gamma of the loss the model trains on, whatever that loss does to the logits."""
+
+from __future__ import annotations
+
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_monitor import GradientWeightAlignmentMonitor, read_alerts
+from lightning_monitor.functional.gwa import gwa_scores, head_gradient_agreement, head_gradient_fit
+
+V, T, D = 11, 6, 16
+
+
+# ------------------------------------------------------------------ the functions
+def _per_row_gradient(logits: torch.Tensor, loss_fn) -> torch.Tensor:
+    o = logits.clone().requires_grad_()
+    loss_fn(o).backward()
+    return o.grad
+
+
+@pytest.mark.parametrize("scale, with_bias", [(1.0, False), (0.0625, False), (1 / 8, False), (1.0, True), (3.0, True)])
+def test_the_fit_reads_the_scale_and_bias_the_loss_applied(scale: float, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    o = torch.randn(40, V, generator=g) * 3
+    b = torch.randn(V, generator=g) * 2 if with_bias else torch.zeros(V)
+    y = torch.randint(0, V, (40,), generator=g)
+    grad = _per_row_gradient(o, lambda o: F.cross_entropy(scale * o + b, y))
+    fit = head_gradient_fit(grad, o)
+    assert fit.rows == 40 and fit.scale == pytest.approx(scale, rel=1e-5) and fit.residual < 1e-4
+    if with_bias:
+        assert fit.bias is not None and torch.allclose(fit.bias, (b - b.mean()).double(), atol=1e-4)
+    else:
+        assert fit.bias is None
+    # scored through what was measured, the closed form agrees with the gradient on every row
+    judged, off, targeted, hit = head_gradient_agreement(grad, o, y, logit_scale=fit.scale, logit_bias=fit.bias).tolist()
+    assert judged > 30 and off == 0 and targeted == hit == 40
+
+
+def test_label_smoothing_is_no_such_transform() -> None:
+    g = torch.Generator().manual_seed(1)
+    o, y = torch.randn(64, V, generator=g) * 3, torch.randint(0, V, (64,), generator=g)
+    grad = _per_row_gradient(o, lambda o: F.cross_entropy(o, y, label_smoothing=0.2))
+    assert head_gradient_fit(grad, o).residual > 0.05
+    judged, off, _, _ = head_gradient_agreement(grad, o, y).tolist()
+    assert off > 0.1 * judged
+    # the loss's soft targets make the closed form exact
+    soft = F.one_hot(y, V).double() * 0.8 + 0.2 / V
+    judged, off, _, _ = head_gradient_agreement(grad, o, soft).tolist()
+    assert judged == 64 and off == 0
+
+
+def test_gwa_scores_through_a_transform_against_autograd() -> None:
+    g = torch.Generator().manual_seed(2)
+    z, w = torch.randn(12, D, generator=g), torch.randn(V, D, generator=g)
+    y, b = torch.randint(0, V, (12,), generator=g), torch.randn(V, generator=g)
+    ours = gwa_scores(z, z @ w.T, y, w, logit_scale=0.25, logit_bias=b)
+    for i in range(12):  # each sample's own gradient of W, by autograd
+        wi = w.clone().requires_grad_()
+        F.cross_entropy(0.25 * (z[i:i + 1] @ wi.T) + b, y[i:i + 1]).backward()
+        ref = F.cosine_similarity(-wi.grad.flatten(), w.flatten(), dim=0)
+        assert float(ours[i]) == pytest.approx(float(ref), abs=1e-5)
+    with pytest.raises(ValueError, match="logit_scale"):
+        gwa_scores(z, z @ w.T, y, w, logit_scale=-1.0)
+    with pytest.raises(ValueError, match="logit_bias"):
+        gwa_scores(z, z @ w.T, y, w, logit_bias=torch.zeros(3))
+
+
+# ------------------------------------------------------------------ the monitor, in a fit
+class Tokens(Dataset):
+    def __init__(self, n: int = 32) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, V, (n, T), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class TinyLM(pl.LightningModule):
+    """A token model whose own loss reads its head's outputs its own way (``kind``); lr 0: the weights stay."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        self.emb = torch.nn.Embedding(V, D)
+        self.body = torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.Tanh())
+        self.head = torch.nn.Linear(D, V)
+        with torch.no_grad():
+            self.head.weight.mul_(8.0)  # logits of a trained model's size, where the transform matters
+        self.register_buffer("final_bias", torch.randn(V) * 2)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        flat = lambda t: t.reshape(-1, V)  # noqa: E731
+        if self.kind == "shifts":  # a decoder whose loss shifts the labels itself (BLIP's text decoder)
+            return F.cross_entropy(flat(logits[:, :-1]), labels[:, 1:].reshape(-1))
+        if self.kind == "scaled":  # Cohere's logit_scale
+            return F.cross_entropy(flat(logits * 0.0625), labels.reshape(-1))
+        if self.kind == "biased":  # BART's final_logits_bias, and a temperature
+            return F.cross_entropy(flat(logits / 2.0 + self.final_bias), labels.reshape(-1))
+        if self.kind == "smoothed":
+            return F.cross_entropy(flat(logits), labels.reshape(-1), label_smoothing=0.3)
+        return F.cross_entropy(flat(logits), labels.reshape(-1))
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(self.head(self.body(self.emb(batch["input_ids"]))), batch["labels"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def exact_scores(module: TinyLM, data: Tokens) -> torch.Tensor:
+    """gamma of every row the loss trains on, from the head output's real gradient: cos(-g_i z_i^T, W)."""
+    seen = {}
+
+    def hook(m, args, out):
+        seen.update(z=args[0].detach(), wz=(out - m.bias).detach())
+        out.register_hook(lambda g: seen.update(g=g.detach()))
+
+    h = module.head.register_forward_hook(hook)
+    module.training_step({"input_ids": data.ids, "labels": data.ids}, 0).backward()
+    h.remove()
+    g, z, wz, w = seen["g"], seen["z"], seen["wz"], module.head.weight.detach()
+    keep = g.abs().sum(-1) > 0
+    g, z, wz = g[keep].double(), z[keep].double(), wz[keep].double()
+    return -(g * wz).sum(-1) / (g.norm(dim=-1) * z.norm(dim=-1) * w.double().norm())
+
+
+def fit(tmp_path, kind: str):
+    module, data = TinyLM(kind), Tokens()
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False)
+    logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=logger, callbacks=[gwa], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(module, DataLoader(data, batch_size=8))
+    path = os.path.join(logger.log_dir, "alerts.jsonl")
+    return module, data, gwa, (read_alerts(path) if os.path.exists(path) else [])
+
+
+@pytest.mark.parametrize("kind, said", [("plain", set()), ("shifts", {"targets_shifted"}),
+                                        ("scaled", {"logit_transform"}), ("biased", {"logit_transform"})])
+def test_the_scores_are_the_loss_s_own(tmp_path, kind: str, said: set) -> None:
+    module, data, gwa, alerts = fit(tmp_path, kind)
+    ref = exact_scores(module, data)
+    rec = gwa.history[1]  # the first epoch lost the batches read before the check
+    assert rec["count"] == ref.numel()
+    assert rec["mean"] == pytest.approx(float(ref.mean()), rel=1e-4, abs=1e-7)
+    assert rec["negative"] == float((ref < 0).sum())
+    kinds = {a.kind for a in alerts}
+    assert kinds & {"targets_shifted", "logit_transform", "inexact_scores", "target_mismatch"} == said
+    assert gwa._shift is (kind == "shifts")
+    assert (gwa._logit_scale is not None) is (kind in ("scaled", "biased"))
+    assert (gwa._logit_bias is not None) is (kind == "biased")
+    assert gwa._targets_verified
+    if kind == "scaled":
+        assert gwa._logit_scale == pytest.approx(0.0625, rel=1e-4)
+
+
+def test_a_loss_the_closed_form_does_not_explain_is_said(tmp_path) -> None:
+    _, _, gwa, alerts = fit(tmp_path, "smoothed")
+    inexact = [a for a in alerts if a.kind == "inexact_scores"]
+    assert len(inexact) == 1 and inexact[0].severity == "warning" and inexact[0].value > 0.1
+    assert gwa._logit_scale is None and gwa._logit_bias is None and not gwa._shift
+
+
+def test_shift_targets_given_is_kept(tmp_path) -> None:
+    module, data = TinyLM("shifts"), Tokens()
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False, shift_targets=False)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, callbacks=[gwa], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(module, DataLoader(data, batch_size=8))
+    assert not gwa._shift and not gwa._targets_verified
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _cohere():
+    return transformers.CohereForCausalLM(transformers.CohereConfig(
+        vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=T, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+def _blip_text():
+    from transformers.models.blip.modeling_blip_text import BlipTextLMHeadModel
+    return BlipTextLMHeadModel(transformers.BlipTextConfig(
+        vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=T, encoder_hidden_size=16, pad_token_id=0, bos_token_id=1, sep_token_id=2,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, label_smoothing=0.0))
+
+
+class HFLM(pl.LightningModule):
+    def __init__(self, make) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = make()
+        with torch.no_grad():
+            self.model.get_output_embeddings().weight.mul_(8.0)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize("make, kind", [(_cohere, "logit_transform"), (_blip_text, "targets_shifted")],
+                         ids=["Cohere (logit_scale)", "BLIP text decoder (own shift)"])
+def test_hugging_face_models_that_read_their_logits_their_own_way(tmp_path, make, kind) -> None:
+    module, data = HFLM(make), Tokens()
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False)
+    logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=logger, callbacks=[gwa], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(module, DataLoader(data, batch_size=8))
+    head = module.model.get_output_embeddings()
+    seen = {}
+
+    def hook(m, args, out):
+        seen.update(z=args[0].detach(), wz=out.detach() if m.bias is None else (out - m.bias).detach())
+        out.register_hook(lambda g: seen.update(g=g.detach()))
+
+    h = head.register_forward_hook(hook)
+    module.model(input_ids=data.ids, labels=data.ids).loss.backward()
+    h.remove()
+    g, z, wz = seen["g"].double(), seen["z"].double(), seen["wz"].double()
+    keep = g.abs().sum(-1) > 0
+    ref = -(g * wz).sum(-1)[keep] / (g.norm(dim=-1) * z.norm(dim=-1))[keep] / head.weight.detach().double().norm()
+    ref = torch.nan_to_num(ref, nan=0.0)  # a row of zero features (W z = 0): GWA scores it 0
+    rec = gwa.history[1]
+    assert rec["count"] == ref.numel()
+    assert rec["mean"] == pytest.approx(float(ref.mean()), rel=1e-4, abs=1e-7)
+    alerts = read_alerts(os.path.join(logger.log_dir, "alerts.jsonl"))
+    assert kind in {a.kind for a in alerts}
