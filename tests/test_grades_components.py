@@ -103,3 +103,15 @@ def test_bare_lora_parameters_are_selected_by_their_own_names() -> None:
     assert list(find_components(model, exclude=["layers.1.q_proj"], trainable_only=True)) == names[:2]
     with pytest.raises(ValueError, match="matches no module"):
         find_components(model, include=["*lora_C"])
+
+
+def test_a_classifier_head_of_several_layers_is_not_a_component() -> None:
+    # MobileNetV3's and MaxViT's heads are `classifier = Sequential(Linear, Hardswish, Dropout, Linear)`: two Linears of
+    # one kind, numbered like a stack of blocks, were both components (the classifier GWA scores could be frozen)
+    features = nn.Sequential(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()), nn.Sequential(nn.Conv2d(4, 4, 3), nn.ReLU()))
+    model = nn.ModuleDict({"features": features, "pool": nn.AdaptiveAvgPool2d(1),
+                           "classifier": nn.Sequential(nn.Linear(4, 8), nn.Hardswish(), nn.Dropout(), nn.Linear(8, 3))})
+    assert sorted(find_components(model)) == ["features.0.0", "features.1.0"]
+    # a model that is one Sequential of layers (wrapped or not) keeps each of them
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    assert sorted(find_components(nn.ModuleDict({"net": mlp}))) == ["net.0", "net.2", "net.4"]

@@ -120,39 +120,41 @@ class TinyLM(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def exact_scores(module: TinyLM, data: Tokens) -> torch.Tensor:
-    """gamma of every row the loss trains on, from the head output's real gradient: cos(-g_i z_i^T, W)."""
+def exact_scores(head: torch.nn.Linear, backward) -> torch.Tensor:
+    """gamma of every row the loss trains on, from the head output's real gradient in ``backward()``: cos(-g_i z_i^T, W)
+    (0 for a row of zero features, as GWA scores it)."""
     seen = {}
 
     def hook(m, args, out):
-        seen.update(z=args[0].detach(), wz=(out - m.bias).detach())
+        seen.update(z=args[0].detach(), wz=(out if m.bias is None else out - m.bias).detach())
         out.register_hook(lambda g: seen.update(g=g.detach()))
 
-    h = module.head.register_forward_hook(hook)
-    module.training_step({"input_ids": data.ids, "labels": data.ids}, 0).backward()
+    h = head.register_forward_hook(hook)
+    backward()
     h.remove()
-    g, z, wz, w = seen["g"], seen["z"], seen["wz"], module.head.weight.detach()
+    g, z, wz = seen["g"].double(), seen["z"].double(), seen["wz"].double()
     keep = g.abs().sum(-1) > 0
-    g, z, wz = g[keep].double(), z[keep].double(), wz[keep].double()
-    return -(g * wz).sum(-1) / (g.norm(dim=-1) * z.norm(dim=-1) * w.double().norm())
+    g, z, wz = g[keep], z[keep], wz[keep]
+    ref = -(g * wz).sum(-1) / (g.norm(dim=-1) * z.norm(dim=-1) * head.weight.detach().double().norm())
+    return torch.nan_to_num(ref, nan=0.0)
 
 
-def fit(tmp_path, kind: str):
-    module, data = TinyLM(kind), Tokens()
+def fit(tmp_path, module: pl.LightningModule):
     gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False)
     logger = CSVLogger(str(tmp_path), name="csv")
     trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=logger, callbacks=[gwa], enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False)
-    trainer.fit(module, DataLoader(data, batch_size=8))
+    trainer.fit(module, DataLoader(Tokens(), batch_size=8))
     path = os.path.join(logger.log_dir, "alerts.jsonl")
-    return module, data, gwa, (read_alerts(path) if os.path.exists(path) else [])
+    return gwa, (read_alerts(path) if os.path.exists(path) else [])
 
 
 @pytest.mark.parametrize("kind, said", [("plain", set()), ("shifts", {"targets_shifted"}),
                                         ("scaled", {"logit_transform"}), ("biased", {"logit_transform"})])
 def test_the_scores_are_the_loss_s_own(tmp_path, kind: str, said: set) -> None:
-    module, data, gwa, alerts = fit(tmp_path, kind)
-    ref = exact_scores(module, data)
+    module, ids = TinyLM(kind), Tokens().ids
+    gwa, alerts = fit(tmp_path, module)
+    ref = exact_scores(module.head, lambda: module.training_step({"input_ids": ids, "labels": ids}, 0).backward())
     rec = gwa.history[1]  # the first epoch lost the batches read before the check
     assert rec["count"] == ref.numel()
     assert rec["mean"] == pytest.approx(float(ref.mean()), rel=1e-4, abs=1e-7)
@@ -168,7 +170,7 @@ def test_the_scores_are_the_loss_s_own(tmp_path, kind: str, said: set) -> None:
 
 
 def test_a_loss_the_closed_form_does_not_explain_is_said(tmp_path) -> None:
-    _, _, gwa, alerts = fit(tmp_path, "smoothed")
+    gwa, alerts = fit(tmp_path, TinyLM("smoothed"))
     inexact = [a for a in alerts if a.kind == "inexact_scores"]
     assert len(inexact) == 1 and inexact[0].severity == "warning" and inexact[0].value > 0.1
     assert gwa._logit_scale is None and gwa._logit_bias is None and not gwa._shift
@@ -218,28 +220,11 @@ class HFLM(pl.LightningModule):
 @pytest.mark.parametrize("make, kind", [(_cohere, "logit_transform"), (_blip_text, "targets_shifted")],
                          ids=["Cohere (logit_scale)", "BLIP text decoder (own shift)"])
 def test_hugging_face_models_that_read_their_logits_their_own_way(tmp_path, make, kind) -> None:
-    module, data = HFLM(make), Tokens()
-    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False)
-    logger = CSVLogger(str(tmp_path), name="csv")
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=logger, callbacks=[gwa], enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False)
-    trainer.fit(module, DataLoader(data, batch_size=8))
-    head = module.model.get_output_embeddings()
-    seen = {}
-
-    def hook(m, args, out):
-        seen.update(z=args[0].detach(), wz=out.detach() if m.bias is None else (out - m.bias).detach())
-        out.register_hook(lambda g: seen.update(g=g.detach()))
-
-    h = head.register_forward_hook(hook)
-    module.model(input_ids=data.ids, labels=data.ids).loss.backward()
-    h.remove()
-    g, z, wz = seen["g"].double(), seen["z"].double(), seen["wz"].double()
-    keep = g.abs().sum(-1) > 0
-    ref = -(g * wz).sum(-1)[keep] / (g.norm(dim=-1) * z.norm(dim=-1))[keep] / head.weight.detach().double().norm()
-    ref = torch.nan_to_num(ref, nan=0.0)  # a row of zero features (W z = 0): GWA scores it 0
+    module, ids = HFLM(make), Tokens().ids
+    gwa, alerts = fit(tmp_path, module)
+    ref = exact_scores(module.model.get_output_embeddings(),
+                       lambda: module.model(input_ids=ids, labels=ids).loss.backward())
     rec = gwa.history[1]
     assert rec["count"] == ref.numel()
     assert rec["mean"] == pytest.approx(float(ref.mean()), rel=1e-4, abs=1e-7)
-    alerts = read_alerts(os.path.join(logger.log_dir, "alerts.jsonl"))
     assert kind in {a.kind for a in alerts}

@@ -131,10 +131,15 @@ def test_step_monitors_sync_only_on_due_steps(tmp_path, tiny_gpt):
 
 
 def test_gwa_scores_every_step_without_syncing_until_epoch_end(tmp_path, tiny_gpt):
-    """GWA accumulates on the device every step; values cross to the host only when the epoch ends."""
+    """GWA accumulates on the device every step; values cross to the host only when the epoch ends, and once in the
+    fit, on the first scored step after the head is chosen, when the head's gradient is checked against the scores'
+    reading of the loss."""
     from lightning_monitor import GradientWeightAlignmentMonitor
 
     module, loader = tiny_gpt(n_samples=8 * 12)  # 12 steps per epoch
-    counts = run_counting([GradientWeightAlignmentMonitor(log_histograms=False)], module, loader, 36, tmp_path)
+    gwa = GradientWeightAlignmentMonitor(log_histograms=False)
+    counts = run_counting([gwa], module, loader, 36, tmp_path)
     assert counts, "the epoch-end report should transfer values"
-    assert all(step % 12 == 0 for step in counts), sorted(counts)  # global_step after each epoch: 12, 24, 36
+    # global_step after each epoch: 12, 24, 36; the check of the loss's reading ran at step 1 (the head chosen at 0)
+    assert gwa._check_state == "done" and gwa._check_step == 1
+    assert {step for step in counts if step % 12} == {1}, sorted(counts)

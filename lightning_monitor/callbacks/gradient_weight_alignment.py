@@ -1049,7 +1049,10 @@ class GradientWeightAlignmentMonitor(Monitor):
                                                       softcap=self._softcap)[2:]
             if not targets.is_floating_point():
                 fit = head_gradient_fit(grad, logits, softcap=self._softcap)
-                if fit.rows and math.isfinite(fit.scale) and math.isfinite(fit.residual):
+                # only a fit the gradient follows exactly (to its rounding): an approximate one (logits averaged
+                # with another head's, a distilled model's) is no transform of this head's outputs
+                exact = fit.residual <= max(_TRANSFORM_TOLERANCE, 8 * torch.finfo(grad.dtype).eps)
+                if fit.rows and math.isfinite(fit.scale) and exact:
                     counts[6], counts[7] = fit.rows * fit.scale, fit.rows
                     if fit.bias is not None:
                         bias = fit.bias.to(dev) * fit.rows
@@ -1106,7 +1109,8 @@ class GradientWeightAlignmentMonitor(Monitor):
                 step, "inexact_scores", "warning",
                 f"In {off:.0f} of {judged:.0f} rows the gradient of `{self._head_name}`'s output differs from the "
                 "softmax cross-entropy's on the targets GWA reads (p - y): the loss is another one (label smoothing, "
-                "a z-loss or other term on the logits, distillation's soft targets, a focal loss ...), so the scores "
+                "a z-loss or other term on the logits, distillation's soft targets, a focal loss, logits averaged with "
+                "another head's as in a distilled model ...), so the scores "
                 "are approximate. Soft targets of the loss's own (`target_fn` returning probabilities) make them exact "
                 "for label smoothing and distillation.",
                 value=off / judged, threshold=_OFF_FRACTION,

@@ -118,7 +118,8 @@ def _module_component(name: str, module: nn.Module) -> Optional[Component]:
     return Component(name, weight, _own_params(module))
 
 
-def _auto_match(name: str, module: nn.Module, component: Component, parent: Optional[nn.Module] = None) -> bool:
+def _auto_match(name: str, module: nn.Module, component: Component, parent: Optional[nn.Module] = None,
+                head: Optional[str] = None) -> bool:
     segments = name.split(".")
     if any(s in LORA_NAMES for s in segments):
         return component.weight.dim() >= 2
@@ -129,8 +130,11 @@ def _auto_match(name: str, module: nn.Module, component: Component, parent: Opti
     if not isinstance(module, _matrix_types()) or not _BLOCK_INDEX.search(name):
         return False
     if segments[-1].isdigit() and not _BLOCK_INDEX.search(".".join(segments[:-1])) and parent is not None:
-        # numbered only as a child of a Sequential with no other layer of its kind: an output head's
-        # `classifier = Sequential(Flatten(), Linear(...))` (HF ResNet's `classifier.1`) is no repeated block
+        # numbered only as a child of a Sequential: the output head's (`head`, the Sequential holding the model's last
+        # matrix layer: MobileNetV3's `classifier = Sequential(Linear, Hardswish, Dropout, Linear)`) is no repeated
+        # block, nor one with no other layer of its kind (HF ResNet's `classifier = Sequential(Flatten(), Linear)`)
+        if head is not None and ".".join(segments[:-1]) == head:
+            return False
         return sum(type(child) is type(module) for child in parent.children()) > 1
     return True
 
@@ -189,6 +193,16 @@ def find_components(
                 )
     found: dict[str, Component] = {}
     modules = {"": model, **dict(named)}
+    # the output head's Sequential: the parent of the last matrix layer registered, when that layer is numbered only as
+    # its child and other matrix layers lie outside it (a plain MLP's layers, all in one Sequential, stay components)
+    last = next((n for n, m in reversed(named) if isinstance(m, _matrix_types())), None)
+    head = None
+    if last is not None:
+        *above, tail = last.split(".")
+        if above and tail.isdigit() and not _BLOCK_INDEX.search(".".join(above)):
+            head = ".".join(above)
+            if not any(isinstance(m, _matrix_types()) and not n.startswith(head + ".") for n, m in named):
+                head = None  # the whole model is that Sequential (an MLP): its layers are the blocks
     for name, module in named:
         if any(fnmatchcase(name, p) for p in exc):
             continue
@@ -202,7 +216,7 @@ def find_components(
                     )
                 if comp is not None:
                     found[name] = comp
-        elif comp is not None and _auto_match(name, module, comp, modules.get(name.rpartition(".")[0])):
+        elif comp is not None and _auto_match(name, module, comp, modules.get(name.rpartition(".")[0]), head):
             found[name] = comp
         for full, p in bare[name]:
             if not any(fnmatchcase(full, e) for e in exc) and (not inc or any(fnmatchcase(full, i) for i in inc)):
