@@ -1030,8 +1030,9 @@ class GradientWeightAlignmentMonitor(Monitor):
         step = trainer.global_step
         c = self._head.out_features
         dev = next(self._head.parameters()).device
-        # [judged, off, targeted, hit] for the targets scored, [targeted, hit] for the other reading, the fit
-        counts = torch.zeros(8, dtype=torch.float64, device=dev)
+        # [judged, off, targeted, hit] for the targets scored, [targeted, hit] for the other reading, the fit (scale
+        # and epsilon of the gradient's dtype, times the rows fitted; the rows fitted)
+        counts = torch.zeros(9, dtype=torch.float64, device=dev)
         bias = torch.zeros(c, dtype=torch.float64, device=dev)
         mine = other = None  # this rank's gradient, logits and the two readings of its labels
         if capture is not None and capture[1].shape[-1] == c:
@@ -1054,13 +1055,14 @@ class GradientWeightAlignmentMonitor(Monitor):
                 exact = fit.residual <= max(_TRANSFORM_TOLERANCE, 8 * torch.finfo(grad.dtype).eps)
                 if fit.rows and math.isfinite(fit.scale) and exact:
                     counts[6], counts[7] = fit.rows * fit.scale, fit.rows
+                    counts[8] = fit.rows * torch.finfo(grad.dtype).eps
                     if fit.bias is not None:
                         bias = fit.bias.to(dev) * fit.rows
             mine = (grad, logits, targets, other, shifted)
         if trainer.world_size > 1:
             counts = trainer.strategy.reduce(counts, reduce_op="sum")
             bias = trainer.strategy.reduce(bias, reduce_op="sum")
-        judged, off, targeted, hit, targeted_other, hit_other, scale_sum, fitted = counts.tolist()  # one sync, once
+        judged, off, targeted, hit, targeted_other, hit_other, scale_sum, fitted, eps_sum = counts.tolist()  # once
         if targeted + judged == 0 and fitted == 0:  # no gradient reached the head on any rank: the next due step
             self._check_tries += 1
             self._check_state = "pending" if self._check_tries < _CHECK_TRIES else "done"
@@ -1081,15 +1083,14 @@ class GradientWeightAlignmentMonitor(Monitor):
                 "(`shift_targets=` decides).",
             )
         self._targets_verified = targeted > 0 and hit >= _HIT_FRACTION * targeted
-        eps = torch.finfo(mine[0].dtype).eps if mine is not None and mine[0].is_floating_point() else 0.0
         if fitted > 0:
-            scale, b = scale_sum / fitted, bias / fitted
+            scale, b, eps = scale_sum / fitted, bias / fitted, eps_sum / fitted
             spread = float(b.max() - b.min())
             has_bias = spread > max(_TRANSFORM_TOLERANCE, 16 * eps)
             has_scale = scale > 0 and abs(scale - 1.0) > max(_TRANSFORM_TOLERANCE, 2 * eps)
             scored = None if mine is None else (mine[3] if flipped else mine[2])
             if (has_bias or has_scale) and self._transform_explains(
-                    mine, scored, scale if has_scale else None, b if has_bias else None):
+                    trainer, mine, scored, scale if has_scale else None, b if has_bias else None):
                 self._logit_scale = scale if has_scale else None
                 self._logit_bias = b.to(torch.float32) if has_bias else None
                 changed = True
@@ -1116,15 +1117,19 @@ class GradientWeightAlignmentMonitor(Monitor):
                 value=off / judged, threshold=_OFF_FRACTION,
             )
 
-    def _transform_explains(self, mine: Optional[tuple[Any, ...]], targets: Optional[Tensor],
+    def _transform_explains(self, trainer: pl.Trainer, mine: Optional[tuple[Any, ...]], targets: Optional[Tensor],
                             scale: Optional[float], bias: Optional[Tensor]) -> bool:
-        """Whether scoring through the measured transform agrees with this rank's gradient (a rank without one
-        agrees: the counts of the others decided; every rank decides alike when they agree)."""
-        if mine is None or targets is None:
-            return True
-        judged, off = head_gradient_agreement(mine[0], mine[1], targets, ignore_index=self.ignore_index,
-                                              softcap=self._softcap, logit_scale=scale, logit_bias=bias)[:2].tolist()
-        return judged == 0 or off <= _OFF_FRACTION * judged
+        """Whether scoring through the measured transform agrees with the gradients (the rows judged on every rank,
+        reduced: every rank decides alike)."""
+        dev = next(self._head.parameters()).device
+        counts = torch.zeros(2, dtype=torch.float64, device=dev)
+        if mine is not None and targets is not None:
+            counts = head_gradient_agreement(mine[0], mine[1], targets, ignore_index=self.ignore_index,
+                                             softcap=self._softcap, logit_scale=scale, logit_bias=bias)[:2].to(dev)
+        if trainer.world_size > 1:
+            counts = trainer.strategy.reduce(counts, reduce_op="sum")
+        judged, off = counts.tolist()
+        return judged > 0 and off <= _OFF_FRACTION * judged
 
     def _pooled_targets(self, targets: Tensor, length: int) -> Tensor:
         """One label per sequence for logits of every token (``[B, T, C]``): the label goes to the sequence's last
