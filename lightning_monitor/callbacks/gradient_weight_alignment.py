@@ -1037,7 +1037,6 @@ class GradientWeightAlignmentMonitor(Monitor):
         mine = other = None  # this rank's gradient, logits and the two readings of its labels
         if capture is not None and capture[1].shape[-1] == c:
             grad, logits, targets, (raw, shifted) = capture
-            other = None
             if self.shift_targets is None and not raw.is_floating_point() and raw.dim() >= 2:
                 try:
                     other = self._conform_targets(raw if shifted else self._shifted(raw), logits)
@@ -1068,12 +1067,11 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._check_state = "pending" if self._check_tries < _CHECK_TRIES else "done"
             return
         self._check_state = "done"
-        changed = flipped = False
+        changed = False
         if targeted_other > 0 and hit < 0.5 * targeted and hit_other >= _HIT_FRACTION * targeted_other:
             # every rank read its labels the same way (the same rule on the same kind of batch)
             now_shifted = not (mine[4] if mine is not None else self._shift)
             self._shift, self._shift_measured, changed = now_shifted, True, True
-            flipped = True
             hit, targeted = hit_other, targeted_other
             self.alert(
                 step, "targets_shifted", "info",
@@ -1088,7 +1086,7 @@ class GradientWeightAlignmentMonitor(Monitor):
             spread = float(b.max() - b.min())
             has_bias = spread > max(_TRANSFORM_TOLERANCE, 16 * eps)
             has_scale = scale > 0 and abs(scale - 1.0) > max(_TRANSFORM_TOLERANCE, 2 * eps)
-            scored = None if mine is None else (mine[3] if flipped else mine[2])
+            scored = None if mine is None else (mine[3] if self._shift_measured else mine[2])
             if (has_bias or has_scale) and self._transform_explains(
                     trainer, mine, scored, scale if has_scale else None, b if has_bias else None):
                 self._logit_scale = scale if has_scale else None
