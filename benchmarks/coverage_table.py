@@ -405,12 +405,13 @@ def render(runs: list[ZooRun]) -> str:
         "* Position embeddings indexed by positions broadcast over the batch (GPT-2's `wpe`, BERT's and ViT's "
         "position embeddings) have no per-example gradient to separate; the probe finds that by running the "
         "model on a 2-example slice of the batch and seeing which input dimensions follow the batch size.",
-        "* `nn.MultiheadAttention` and `nn.LSTM` use their parameters without calling submodules: no "
-        "per-example rule.",
+        "* `nn.MultiheadAttention`'s self-attention is covered (its packed input projection and its `out_proj`, "
+        "through its own forward with `F.linear` intercepted); its cross-attention input projection, and `nn.LSTM`, "
+        "have no per-example rule.",
         "* Spectral alignment watches `nn.Linear`, Hugging Face `Conv1D` (its weight transposed) and ungrouped "
         "`nn.Conv2d` (its weight as `[C_out, C_in*kh*kw]` against input patches), not the output head.",
         "* GradES components are the weight matrices inside numbered blocks (transformer projections, a "
-        "ResNet's stage convolutions).",
+        "ResNet's stage convolutions) and `nn.MultiheadAttention`'s two projections wherever it is.",
         "",
     ]
     return "\n".join(lines)

@@ -225,15 +225,14 @@ def test_module_used_twice_exact(seq: bool) -> None:
     assert set(probe.covered) == {n for n, _ in model.named_parameters()}
 
 
-def test_multihead_attention_listed_uncovered() -> None:
+def test_multihead_attention_covered() -> None:
+    """Its packed input projection and its out_proj (test_per_example_attention.py has the other cases)."""
     torch.manual_seed(0)
     model = WithMHA()
     x, y = torch.randn(4, 5, 5), torch.randint(0, 3, (4, 5))
     probe = check(model, ce_seq, x, y)
-    mha = {f"mha.{n}" for n, _ in model.mha.named_parameters()}
-    assert set(probe.uncovered) == mha
-    assert set(probe.covered) == {"inp.weight", "inp.bias", "out.weight", "out.bias"}
-    assert all(name in probe.reasons for name in mha)
+    assert probe.uncovered == []
+    assert set(probe.covered) == {n for n, _ in model.named_parameters()}
 
 
 def test_batch_size_one() -> None:

@@ -2,7 +2,8 @@
 
 Wen et al., "GradES: Significantly Faster Training in Transformers with Gradient-Based Early
 Stopping", arXiv 2509.01842. Each weight matrix of a transformer block (attention q/k/v/o, MLP
-gate/up/down, or LoRA adapters) is a *component*; once its statistic falls under a threshold after a
+gate/up/down, ``nn.MultiheadAttention``'s packed input projection and its ``out_proj``, or LoRA adapters)
+is a *component*; once its statistic falls under a threshold after a
 grace period, the component is frozen for good.
 
 Two statistics, both element-wise means so that they do not grow with the size of the matrix:
@@ -112,6 +113,12 @@ def _own_params(module: nn.Module) -> tuple[nn.Parameter, ...]:
 
 
 def _module_component(name: str, module: nn.Module) -> Optional[Component]:
+    if isinstance(module, nn.MultiheadAttention):
+        # the packed q/k/v input projection (its out_proj is a Linear of its own); separate q/k/v_proj_weight matrices
+        # (kdim or vdim other than embed_dim) are selected with `include` on a module of their own, so are none here
+        weight = module.in_proj_weight
+        return None if weight is None else Component(name, weight, tuple(
+            p for p in (weight, module.in_proj_bias) if p is not None))
     weight = getattr(module, "weight", None)
     if not isinstance(weight, nn.Parameter) or not any(weight is p for p in _own_params(module)):
         return None
@@ -124,6 +131,10 @@ def _auto_match(name: str, module: nn.Module, component: Component, parent: Opti
     if any(s in LORA_NAMES for s in segments):
         return component.weight.dim() >= 2
     if segments[-1] in _ALL_PROJECTIONS:
+        return component.weight.dim() >= 2
+    if isinstance(module, nn.MultiheadAttention) or isinstance(parent, nn.MultiheadAttention):
+        # torch's attention (nn.TransformerEncoderLayer, torchvision's ViT): its input and output projections, in a
+        # numbered block or not, as q/k/v_proj and o_proj are by name
         return component.weight.dim() >= 2
     # a weight matrix inside a repeated block (a child of a ModuleList or Sequential: a numeric name
     # segment): nn.Linear, Hugging Face Conv1D, a convolution (ResNet stages: `layer1.0.conv1`)
@@ -155,7 +166,8 @@ def find_components(
 
     Without ``include``, components are found by name: projections of every naming scheme in
     :data:`PROJECTION_NAMES` (HF ``q_proj`` ... ``down_proj``; GPT-2 ``c_attn``/``c_proj``/``c_fc``, also
-    its ``Conv1D``), LoRA adapters (modules or 2-D parameters named ``lora_A``/``lora_B``), and any
+    its ``Conv1D``), LoRA adapters (modules or 2-D parameters named ``lora_A``/``lora_B``),
+    ``nn.MultiheadAttention``'s packed input projection (named as the attention module) and its ``out_proj``, and any
     ``nn.Linear``, Hugging Face ``Conv1D`` or convolution inside a repeated block (a name with a numeric
     segment such as ``blocks.3`` or ResNet's ``layer1.0.conv1``). Embeddings, norms and an output head or
     stem outside the blocks are not components. The statistics are element-wise means, so a
@@ -233,7 +245,7 @@ def no_component_reason(model: nn.Module, include: Patterns = None) -> str:
     names = [n for n, _ in model.named_modules() if n]
     how = "`include` patterns" if _patterns(include, "include") else (
         "the naming schemes (q_proj/k_proj/v_proj/o_proj, gate_proj/up_proj/down_proj, c_attn/c_proj/c_fc, "
-        "lora_A/lora_B, nn.Linear, Conv1D or convolutions inside numbered blocks)"
+        "lora_A/lora_B, nn.MultiheadAttention, nn.Linear, Conv1D or convolutions inside numbered blocks)"
     )
     return (
         f"no trainable component of {type(model).__name__} matches {how}. Pass `include=[...]` glob patterns "

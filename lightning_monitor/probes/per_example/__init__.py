@@ -9,7 +9,8 @@ into the squared norm of each example's gradient for each of the module's parame
 Layout (one file per module type, as opacus' grad samplers; a dispatch table as BackPACK's):
 
 * :mod:`.registry`: :class:`Handler`, the table :data:`HANDLERS` and the decorator :func:`register`;
-* :mod:`.linear` (``nn.Linear``, with the fused path; Hugging Face ``Conv1D``), :mod:`.embedding`
+* :mod:`.linear` (``nn.Linear``, with the fused path; Hugging Face ``Conv1D``), :mod:`.attention`
+  (``nn.MultiheadAttention``'s packed input projection, and its ``out_proj`` called), :mod:`.embedding`
   (``nn.Embedding``), :mod:`.norm` (``nn.LayerNorm``, ``nn.RMSNorm``, Hugging Face Llama-style RMSNorm,
   ``nn.GroupNorm``; ``nn.BatchNorm*`` refused with its reason), :mod:`.conv` (``nn.Conv2d``,
   ``nn.Conv1d``): the handlers;
@@ -19,7 +20,7 @@ Layout (one file per module type, as opacus' grad samplers; a dispatch table as 
 
 Covering a new module type is a new file with a ``@register(MyModule)`` :class:`Handler` subclass,
 imported before the probe is built (a type of an optional library by name: :func:`register_by_name`).
-Parameters that no handler covers (``nn.MultiheadAttention``, ``nn.BatchNorm*``, custom modules, an
+Parameters that no handler covers (``nn.MultiheadAttention``'s cross-attention input projection, ``nn.BatchNorm*``, custom modules, an
 Embedding with ``scale_grad_by_freq``), and those of modules whose input has no separable batch
 dimension (positions broadcast over the batch, found by the probe, see :class:`PerExampleGradNorms`),
 are listed in :attr:`PerExampleGradNorms.uncovered` with the reason in
@@ -52,7 +53,7 @@ CPU_CHUNK_BYTES = 1 << 20
 GRAM_OVER_FUSED = 8
 
 # the handler files register themselves on import
-from lightning_monitor.probes.per_example import conv, embedding, linear, norm  # noqa: F401
+from lightning_monitor.probes.per_example import attention, conv, embedding, linear, norm  # noqa: F401
 from lightning_monitor.probes.per_example.kernels import (
     linear_sq_norms,
     per_example_linear,

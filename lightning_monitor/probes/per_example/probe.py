@@ -30,7 +30,8 @@ from lightning_monitor.probes.per_example.strategy import (
 
 __all__ = ["PerExampleGradNorms"]
 
-#: Container types whose submodules' parameters are used without calling those submodules.
+#: Container types whose submodules' parameters are used without calling those submodules (unless the probe patches the
+#: container's forward, which then calls them: nn.MultiheadAttention's handler does).
 _OPAQUE: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 #: the attributes every nn.Module keeps for itself (parameters, buffers, submodules, hooks, mode)
 _MODULE_OWN = frozenset(vars(nn.Module()))
@@ -464,12 +465,18 @@ class PerExampleGradNorms:
             handler = handler_for(mod)
             own = [(ln, p) for ln, p in mod.named_parameters(recurse=False) if p.requires_grad]
             if not own:
+                if (isinstance(mod, _OPAQUE) and handler is not None and handler.unsupported(mod) is None
+                        and (include is None or include(mname, mod))):
+                    # its own parameters frozen (GradES): its forward is still patched, to call its trainable layers
+                    self._modules[mname] = (mod, handler, [])
                 continue
             if include is not None and not include(mname, mod):
                 for _, p in own:
                     fallback.setdefault(id(p), "left out by the probe's `include`")
                 continue
-            container = next((pre for pre in opaque_prefixes if mname.startswith(pre)), None)
+            # a container whose forward the probe patches calls its layers (nn.MultiheadAttention's handler)
+            container = next((pre for pre in opaque_prefixes if mname.startswith(pre) and pre[:-1] not in self._modules),
+                             None)
             if container is not None:
                 outer = type(self.module.get_submodule(container[:-1])).__name__
                 for _, p in own:
@@ -571,7 +578,7 @@ class PerExampleGradNorms:
         hooked: list[str] = []
         for mname, (mod, handler, params) in self._modules.items():
             todo = [(ln, pid) for ln, pid in params if pid in covered]
-            if not todo:
+            if not todo and (params or not isinstance(mod, _OPAQUE)):
                 continue
             hooked.append(mname)
             uses = _Uses(self, mname, mod, handler, todo)

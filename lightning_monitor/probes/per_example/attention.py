@@ -1,0 +1,152 @@
+"""``nn.MultiheadAttention``: its packed input projection ``in_proj_weight`` / ``in_proj_bias`` is a Linear
+from ``E`` to ``3E`` applied inside ``F.multi_head_attention_forward``, and its ``out_proj`` is a Linear whose
+weight the function uses without calling the module. Neither has a module output to hook.
+
+While the probe is armed, the module's ``forward`` is its own class's ``forward`` run with
+``torch.nn.functional.linear`` intercepted for the duration of the call: the call that applies
+``in_proj_weight`` to the query is recorded as one Linear-form use (input ``[L, N, E]``, output ``[L, N, 3E]``,
+its gradient hooked), and the call that applies ``out_proj.weight`` is made by calling ``out_proj`` itself, so
+the Linear handler covers it. Every operation is the one the module would run, in the same order: the outputs
+and gradients are bit for bit those of the plain forward.
+
+Covered: self-attention (``query is key is value``, the packed weight: ``nn.TransformerEncoderLayer``,
+torchvision's ViT, the self-attention of ``nn.TransformerDecoderLayer``). Cross-attention (the packed weight
+split between the query and the memory) leaves ``in_proj_*`` uncovered with that reason (``out_proj`` stays
+covered); separate ``q/k/v_proj_weight`` (``kdim`` / ``vdim`` other than ``embed_dim``) and ``bias_k`` /
+``bias_v`` have no per-example rule here.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_monitor.probes.per_example.linear import LinearHandler
+from lightning_monitor.probes.per_example.registry import Handler, register
+
+__all__ = ["MultiheadAttentionHandler", "intercepts_linear"]
+
+_PLAIN_LINEAR = torch._C._nn.linear
+_LOCK = threading.RLock()
+_CROSS = ("cross-attention: the packed input projection is split between the query and the memory (two uses of "
+          "different rows of one weight), which has no per-example rule here")
+
+
+def intercepts_linear() -> bool:
+    """Whether ``F.multi_head_attention_forward`` applies its projections through ``torch.nn.functional.linear``
+    looked up at call time (what the handler intercepts). Checked once, on a tiny module."""
+    global _INTERCEPTS
+    if _INTERCEPTS is None:
+        seen: list[Tensor] = []
+        m = nn.MultiheadAttention(4, 1)
+        x = torch.zeros(2, 1, 4, requires_grad=True)
+
+        def spy(inp: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+            seen.append(weight)
+            return _PLAIN_LINEAR(inp, weight, bias)
+
+        with _LOCK:
+            before, F.linear = F.linear, spy
+            try:
+                m(x, x, x, need_weights=False)
+            finally:
+                F.linear = before
+        _INTERCEPTS = any(w is m.in_proj_weight for w in seen) and any(w is m.out_proj.weight for w in seen)
+    return _INTERCEPTS
+
+
+_INTERCEPTS: Optional[bool] = None
+
+
+@register(nn.MultiheadAttention)
+class MultiheadAttentionHandler(Handler):
+    """The packed input projection of ``nn.MultiheadAttention`` as a Linear ``E -> 3E`` (see the module
+    docstring); ``out_proj`` is covered by the Linear handler, called by the patched forward."""
+
+    _linear = LinearHandler()
+
+    def unsupported(self, m: nn.Module) -> Optional[str]:
+        if not getattr(m, "_qkv_same_embed_dim", False) or getattr(m, "in_proj_weight", None) is None:
+            return ("separate q/k/v projection weights (kdim or vdim other than embed_dim) have no per-example "
+                    "rule here")
+        if not intercepts_linear():
+            return "this torch's multi_head_attention_forward does not apply its projections through F.linear"
+        return None
+
+    def param_names(self, m: nn.Module) -> tuple[str, ...]:
+        return ("in_proj_weight", "in_proj_bias")
+
+    def capture(self, m: nn.Module, x: Tensor) -> Any:
+        return x if x.dim() >= 2 else None
+
+    @staticmethod
+    def _as_linear(m: nn.Module) -> Any:
+        """A stand-in with the attributes the Linear handler reads, for the packed projection."""
+        w = m.in_proj_weight
+        return _Projection(w, m.in_proj_bias, w.shape[1], w.shape[0])
+
+    @staticmethod
+    def _rename(out: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {"in_proj_" + k: v for k, v in out.items()}
+
+    def sq_norms(self, m: nn.Module, x: Tensor, g: Tensor, rule: Any) -> dict[str, Tensor]:
+        return self._rename(self._linear.sq_norms(self._as_linear(m), x, g, rule))
+
+    def grads(self, m: nn.Module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
+        return self._rename(self._linear.grads(self._as_linear(m), x, g))
+
+    def project(self, m: nn.Module, x: Tensor, g: Tensor, uv: dict[str, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+        local = {k[len("in_proj_"):]: v for k, v in uv.items()}
+        return self._rename(self._linear.project(self._as_linear(m), x, g, local))
+
+    def patch_forward(self, m: nn.Module, uses: Any, rule: Any) -> Optional[Callable[..., Any]]:
+        forward = type(m).forward
+        out_proj = m.out_proj
+        state: dict[str, Any] = {"in_out_proj": False, "shape": (0, 0)}
+
+        def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+            if weight is out_proj.weight and not state["in_out_proj"]:
+                # the function flattens the attention's output to [L * N, E] (L-major) before out_proj: out_proj is
+                # called on its [L, N, E] view (the same product), so that the batch has a dimension of its own
+                length, batch = state["shape"]
+                state["in_out_proj"] = True  # out_proj's own forward calls F.linear too: plain there
+                try:
+                    if x.dim() == 2 and x.shape[0] == length * batch:
+                        return out_proj(x.view(length, batch, x.shape[1])).view(length * batch, -1)
+                    return out_proj(x)  # its hooks see this use
+                finally:
+                    state["in_out_proj"] = False
+            if weight is not m.in_proj_weight or not uses.params:  # cross-attention's slices, or frozen
+                return _PLAIN_LINEAR(x, weight, bias)
+            mode = uses.note(x)
+            out = _PLAIN_LINEAR(x, weight, bias)
+            if mode == "record":
+                uses.record(x, out, rule)
+            return out
+
+        def patched(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not (query is key and key is value) and torch.is_grad_enabled() and uses.params:
+                uses.probe._refused.setdefault(uses.name, _CROSS)
+            if query.dim() == 3:
+                state["shape"] = tuple(query.shape[1::-1]) if m.batch_first else tuple(query.shape[:2])
+            else:  # unbatched [L, E]
+                state["shape"] = (query.shape[0], 1)
+            with _LOCK:
+                before, F.linear = F.linear, linear
+                try:
+                    return forward(m, query, key, value, *args, **kwargs)
+                finally:
+                    F.linear = before
+
+        return patched
+
+
+class _Projection:
+    """The packed input projection seen as a Linear (``weight``, ``bias``, ``in_features``, ``out_features``)."""
+
+    def __init__(self, weight: Tensor, bias: Optional[Tensor], in_features: int, out_features: int) -> None:
+        self.weight, self.bias, self.in_features, self.out_features = weight, bias, in_features, out_features
