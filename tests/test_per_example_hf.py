@@ -70,13 +70,56 @@ def test_llama_rmsnorm_exact() -> None:
     assert probe.uncovered == []
 
 
-def test_rmsnorm_with_other_code_is_not_covered() -> None:
-    """An HF RMSNorm computing otherwise (Gemma: ``(1 + w)``) is left to no handler, not guessed."""
-    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+@pytest.mark.parametrize("path", [
+    "transformers.models.gemma.modeling_gemma.GemmaRMSNorm",
+    "transformers.models.gemma3.modeling_gemma3.Gemma3RMSNorm",
+    "transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm",
+])
+def test_gemma_and_olmo2_rmsnorms_exact(path: str) -> None:
+    """Gemma's ``(xhat * (1 + w))`` and OLMo2's ``(w * xhat)``, both with ``xhat`` in fp32, against torch.func."""
+    import importlib
 
+    module, name = path.rsplit(".", 1)
+    norm_cls = getattr(importlib.import_module(module), name)
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(5, 8)
+            self.norm = norm_cls(8, eps=1e-6)
+            self.out = nn.Linear(8, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.out(self.norm(self.inp(x)))
+
+    torch.manual_seed(0)
+    model = M()
+    with torch.no_grad():
+        model.norm.weight.uniform_(-0.5, 1.5)
+    probe = check(model, ce_seq, torch.randn(4, 6, 5), torch.randint(0, 3, (4, 6)))
+    assert probe.uncovered == []
+    assert "norm.weight" in probe.covered
+
+
+def test_rmsnorm_with_other_code_is_not_covered() -> None:
+    """A class registered by name whose code is not its family's (here one named as Gemma3's, computing
+    ``w * xhat`` the Llama way with another epsilon) is left to no handler, not guessed."""
     from lightning_monitor import PerExampleGradNorms
 
-    model = nn.Sequential(nn.Linear(4, 8), GemmaRMSNorm(8))
+    class Gemma3RMSNorm(nn.Module):
+        def __init__(self, dim: int) -> None:
+            super().__init__()
+            self.eps = 1e-6
+            self.weight = nn.Parameter(torch.ones(dim))
+
+        def _norm(self, x: Tensor) -> Tensor:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.weight * self._norm(x.float()).type_as(x)
+
+    Gemma3RMSNorm.__module__ = "transformers.models.gemma3.modeling_gemma3"
+    model = nn.Sequential(nn.Linear(4, 8), Gemma3RMSNorm(8))
     probe = PerExampleGradNorms(model)
     assert probe.uncovered == ["1.weight"]
 
@@ -132,17 +175,16 @@ def test_hf_causal_lm_exact(make) -> None:
 def test_subclasses_with_a_forward_of_their_own_are_left_out_not_fatal() -> None:
     """Subclasses of ``nn.Embedding`` with a forward of their own: OPT's learned positions take the attention mask
     and index with positions computed inside; Gemma's scaled embedding multiplies the rows by sqrt(d). Neither may
-    crash the backward (OPT's did: the mask was used as indices) nor be counted wrong: each is left out with its
+    crash the backward (OPT's did: the mask was used as indices) nor be counted wrong: OPT's is left out with its
     reason, and every parameter covered is exact against torch.func. OPT's MLPs see the batch folded with the
-    positions (``(B * T, d)``) and are left out too; Gemma's RMSNorm (``1 + w``) has no handler."""
+    positions (``(B * T, d)``) and are left out too. Gemma's scaled embedding and RMSNorm (``1 + w``) have handlers of
+    their own: covered, exact."""
     probes = {}
     for make, left_out in (
         (_tiny_opt, {"model.model.decoder.embed_positions.weight",
                      *(f"model.model.decoder.layers.{i}.{m}.{p}" for i in (0, 1) for m in ("fc1", "fc2", "final_layer_norm")
                        for p in ("weight", "bias"))}),
-        (_tiny_gemma, {"model.model.embed_tokens.weight", "model.model.norm.weight",
-                       *(f"model.model.layers.{i}.{m}.weight" for i in (0, 1)
-                         for m in ("input_layernorm", "post_attention_layernorm"))}),
+        (_tiny_gemma, set()),
     ):
         torch.manual_seed(0)
         model = Logits(make())
@@ -150,8 +192,31 @@ def test_subclasses_with_a_forward_of_their_own_are_left_out_not_fatal() -> None
         x, y = torch.randint(0, 37, (8, 8)), torch.randint(0, 37, (8, 8))
         probes[make] = probe = check(model, ce_seq, x, y)
         assert set(probe.uncovered) == left_out, make.__name__
-    opt, gemma = probes[_tiny_opt].reasons, probes[_tiny_gemma].reasons
+    opt = probes[_tiny_opt].reasons
     assert "its handler does not take its input" in opt["model.model.decoder.embed_positions.weight"]
     assert "folded" in opt["model.model.decoder.layers.0.fc1.weight"]
-    # Gemma ties the scaled embedding to its output head: the head's use is hooked, the embedding's is not
-    assert "contributions the hooks did not see" in gemma["model.model.embed_tokens.weight"]
+    # Gemma ties its scaled embedding (`embedding(x) * embed_scale`, a handler of its own) to its output head: both
+    # uses are hooked, every parameter exact
+    assert "model.model.embed_tokens.weight" in probes[_tiny_gemma].covered
+
+
+def _tiny_bart() -> nn.Module:
+    cfg = transformers.BartConfig(vocab_size=37, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                  decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                                  max_position_embeddings=16, scale_embedding=True, dropout=0.0)
+    return transformers.BartForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("make", [_tiny_gemma, _tiny_bart])
+def test_scaled_word_embeddings_exact(make) -> None:
+    """Gemma's ``embedding(x) * embed_scale`` (a buffer) and BART's (a float, sqrt(d) with ``scale_embedding``):
+    covered by the scaled handler, exact against torch.func, tied to the output head or not."""
+    torch.manual_seed(0)
+    model = Logits(make())
+    model.model.config._attn_implementation = "eager"
+    emb = model.model.get_input_embeddings()
+    scale = emb.embed_scale
+    assert float(scale) != 1.0
+    probe = check(model, ce_seq, torch.randint(0, 37, (8, 8)), torch.randint(0, 37, (8, 8)))
+    name = next(n for n, p in model.named_parameters() if p is emb.weight)
+    assert name in probe.covered

@@ -1,5 +1,9 @@
 """``nn.Embedding``: the rows an example touches, ``sum_{t: x_t = v} d_t`` summed per (example, distinct
-token), squared; ``padding_idx`` rows get no gradient. ``scale_grad_by_freq`` is not covered."""
+token), squared; ``padding_idx`` rows get no gradient. ``scale_grad_by_freq`` is not covered.
+
+Hugging Face's scaled word embeddings (Gemma 1-3's ``embedding(x) * embed_scale`` with the scale a buffer cast to
+the weight's dtype; BART's, mBART's, M2M-100's ... with the scale a float), checked on the bytecode of their
+``forward`` and registered by name: the same rows, with the output gradient times the scale."""
 
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_monitor.probes.per_example.registry import Handler, register
+from lightning_monitor.probes.per_example.norm import _same_code
+from lightning_monitor.probes.per_example.registry import Handler, register, register_by_name
 
 
 def _rows(m: nn.Module, idx: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -72,3 +77,58 @@ class EmbeddingHandler(Handler):
             keep = ids != m.padding_idx
             ids, d = ids[keep], d[keep]
         return {"weight": (u[:, ids] * (d @ v.T).T).sum(1)}
+
+
+_GEMMA_SCALED = ("transformers.models.gemma3.modeling_gemma3", "Gemma3TextScaledWordEmbedding")
+_BART_SCALED = ("transformers.models.bart.modeling_bart", "BartScaledWordEmbedding")
+_HF = "transformers.models."
+
+
+class _ScaledEmbeddingHandler(EmbeddingHandler):
+    """``nn.Embedding.forward(x) * embed_scale``: the gradient reaching the table is the output's times the scale."""
+
+    def unsupported(self, m: nn.Module) -> Optional[str]:
+        scale = getattr(m, "embed_scale", None)
+        if not isinstance(scale, (int, float, Tensor)) or isinstance(scale, bool) or (
+                isinstance(scale, Tensor) and scale.numel() != 1):
+            return "no scalar embed_scale"
+        return super().unsupported(m)
+
+    @staticmethod
+    def _scaled(m: nn.Module, g: Tensor) -> Tensor:
+        scale = m.embed_scale
+        if isinstance(scale, Tensor):  # on the device: no host sync
+            return g.float() * scale.to(m.weight.dtype).float()
+        return g.float() * float(scale)
+
+    def sq_norms(self, m: nn.Module, idx: Tensor, g: Tensor, rule: Any) -> dict[str, Tensor]:
+        return super().sq_norms(m, idx, self._scaled(m, g), rule)
+
+    def grads(self, m: nn.Module, idx: Tensor, g: Tensor) -> dict[str, Tensor]:
+        return super().grads(m, idx, self._scaled(m, g))
+
+    def project(self, m: nn.Module, idx: Tensor, g: Tensor, uv: dict[str, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+        return super().project(m, idx, self._scaled(m, g), uv)
+
+
+register_by_name(*(_HF + n for n in (
+    "gemma.modeling_gemma.GemmaTextScaledWordEmbedding",
+    "gemma2.modeling_gemma2.Gemma2TextScaledWordEmbedding",
+    "gemma3.modeling_gemma3.Gemma3TextScaledWordEmbedding",
+    "gemma3n.modeling_gemma3n.Gemma3nTextScaledWordEmbedding",
+    "vaultgemma.modeling_vaultgemma.VaultGemmaTextScaledWordEmbedding",
+    "minicpm3.modeling_minicpm3.MiniCPM3ScaledWordEmbedding",
+)), when=lambda cls: _same_code(cls, _GEMMA_SCALED))(_ScaledEmbeddingHandler)
+register_by_name(*(_HF + n for n in (
+    "bart.modeling_bart.BartScaledWordEmbedding",
+    "mbart.modeling_mbart.MBartScaledWordEmbedding",
+    "plbart.modeling_plbart.PLBartScaledWordEmbedding",
+    "m2m_100.modeling_m2m_100.M2M100ScaledWordEmbedding",
+    "blenderbot.modeling_blenderbot.BlenderbotScaledWordEmbedding",
+    "bigbird_pegasus.modeling_bigbird_pegasus.BigBirdPegasusScaledWordEmbedding",
+    "biogpt.modeling_biogpt.BioGptScaledWordEmbedding",
+    "xglm.modeling_xglm.XGLMScaledWordEmbedding",
+    "trocr.modeling_trocr.TrOCRScaledWordEmbedding",
+    "pegasus_x.modeling_pegasus_x.PegasusXScaledWordEmbedding",
+    "nllb_moe.modeling_nllb_moe.NllbMoeScaledWordEmbedding",
+)), when=lambda cls: _same_code(cls, _BART_SCALED))(_ScaledEmbeddingHandler)

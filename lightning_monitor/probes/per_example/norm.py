@@ -6,6 +6,10 @@ normalised input, recomputed in fp32 as the layer computes it), squared.
 * the RMSNorm of Hugging Face Llama and of the models whose ``forward`` is the same code (Mistral,
   Qwen2/3, Phi-3 ...: checked on the bytecode, registered by name so that ``transformers`` is never
   imported here): ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``, normalised in fp32;
+* the RMSNorm of Hugging Face Gemma (Gemma 1-3, Qwen3-Next ...: the same ``forward`` and ``_norm`` code):
+  ``(xhat * (1 + weight)).type_as(x)`` with ``xhat`` and the product in fp32, and of OLMo2 (OLMo 2/3, GPT-OSS
+  ...): ``(weight * xhat).to(x.dtype)`` with ``xhat`` in fp32; in both the weight's gradient is
+  ``sum_t d_t * xhat_t`` with ``xhat`` in fp32;
 * ``nn.GroupNorm``: per channel, over the spatial positions (``xhat`` normalised per group).
 
 ``nn.BatchNorm*`` is not covered: its batch statistics couple the examples of a batch, so an example's
@@ -94,15 +98,22 @@ class NormHandler(Handler):
 register(nn.LayerNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))(NormHandler)
 
 
-def _computes_as_llama(cls: type) -> bool:
-    """Whether ``cls.forward`` is the same code as Hugging Face's ``LlamaRMSNorm.forward`` (the model
-    file defining ``cls`` is loaded; Llama's is imported from the same library if it is not)."""
+def _same_code(cls: type, reference: tuple[str, str], methods: tuple[str, ...] = ("forward",)) -> bool:
+    """Whether each of ``methods`` of ``cls`` is the same code as that of the Hugging Face class ``reference``
+    (module, name): the model file defining ``cls`` is loaded; the reference is imported from the same library if
+    it is not."""
     try:
-        ref = getattr(importlib.import_module(_LLAMA_RMSNORM[0]), _LLAMA_RMSNORM[1]).forward.__code__
-        code = cls.forward.__code__  # type: ignore[attr-defined]
+        ref_cls = getattr(importlib.import_module(reference[0]), reference[1])
+        pairs = [(getattr(cls, m).__code__, getattr(ref_cls, m).__code__) for m in methods]
     except (ImportError, AttributeError):
         return False
-    return code.co_code == ref.co_code and code.co_names == ref.co_names and code.co_consts == ref.co_consts
+    return all(code.co_code == ref.co_code and code.co_names == ref.co_names and code.co_consts == ref.co_consts
+               for code, ref in pairs)
+
+
+def _computes_as_llama(cls: type) -> bool:
+    """Whether ``cls.forward`` is the same code as Hugging Face's ``LlamaRMSNorm.forward``."""
+    return _same_code(cls, _LLAMA_RMSNORM)
 
 
 @register_by_name(*HF_RMSNORMS, when=_computes_as_llama)
@@ -125,6 +136,57 @@ class HFRMSNormHandler(NormHandler):
         xf = x.float()
         xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
         return xhat.to(x.dtype).float()
+
+
+_GEMMA_RMSNORM = ("transformers.models.gemma.modeling_gemma", "GemmaRMSNorm")
+#: Hugging Face RMSNorm classes whose ``forward`` and ``_norm`` are checked to be Gemma's.
+HF_GEMMA_RMSNORMS = (
+    "transformers.models.gemma.modeling_gemma.GemmaRMSNorm",
+    "transformers.models.gemma2.modeling_gemma2.Gemma2RMSNorm",
+    "transformers.models.gemma3.modeling_gemma3.Gemma3RMSNorm",
+    "transformers.models.recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaRMSNorm",
+    "transformers.models.t5gemma.modeling_t5gemma.T5GemmaRMSNorm",
+    "transformers.models.vaultgemma.modeling_vaultgemma.VaultGemmaRMSNorm",
+    "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextRMSNorm",
+)
+_OLMO2_RMSNORM = ("transformers.models.olmo2.modeling_olmo2", "Olmo2RMSNorm")
+#: Hugging Face RMSNorm classes whose ``forward`` is checked to be OLMo2's.
+HF_OLMO2_RMSNORMS = (
+    "transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm",
+    "transformers.models.olmo3.modeling_olmo3.Olmo3RMSNorm",
+    "transformers.models.flex_olmo.modeling_flex_olmo.FlexOlmoRMSNorm",
+    "transformers.models.gpt_oss.modeling_gpt_oss.GptOssRMSNorm",
+)
+
+
+class _Fp32RMSNormHandler(HFRMSNormHandler):
+    """An RMSNorm whose weight multiplies the fp32 normalised input (``xhat`` not rounded to the input's dtype
+    first); ``eps_attribute`` names its epsilon."""
+
+    eps_attribute = "variance_epsilon"
+
+    def unsupported(self, m: nn.Module) -> Optional[str]:
+        w = getattr(m, "weight", None)
+        if not isinstance(w, nn.Parameter) or w.dim() != 1 or not hasattr(m, self.eps_attribute):
+            return f"not the RMSNorm layout of its family (a 1-D weight and {self.eps_attribute})"
+        return None
+
+    def normalized(self, m: nn.Module, x: Tensor) -> Tensor:
+        xf = x.float()
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + getattr(m, self.eps_attribute))
+
+
+@register_by_name(*HF_GEMMA_RMSNORMS, when=lambda cls: _same_code(cls, _GEMMA_RMSNORM, ("forward", "_norm")))
+class HFGemmaRMSNormHandler(_Fp32RMSNormHandler):
+    """``(xhat * (1 + weight)).type_as(x)``, ``xhat = x * rsqrt(mean(x^2, -1) + eps)`` and the product in fp32:
+    the weight's gradient is ``sum_t d_t * xhat_t`` (the offset 1 does not enter it)."""
+
+    eps_attribute = "eps"
+
+
+@register_by_name(*HF_OLMO2_RMSNORMS, when=lambda cls: _same_code(cls, _OLMO2_RMSNORM))
+class HFOlmo2RMSNormHandler(_Fp32RMSNormHandler):
+    """``(weight * xhat).to(x.dtype)``, ``xhat = x * rsqrt(mean(x^2, -1) + variance_epsilon)`` in fp32."""
 
 
 @register(nn.GroupNorm)
