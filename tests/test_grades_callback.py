@@ -203,6 +203,32 @@ def test_stops_when_all_components_are_frozen(tmp_path: Path) -> None:
     assert _csv_rows(logger)[6]["grades/frozen_fraction"] == 1.0
 
 
+class UnusedBranchGPT(GPTModule):
+    """Each block holds a `global_proj` its forward never calls (Longformer's global-attention projections without a
+    global token): a component that never gets a gradient."""
+
+    def __init__(self) -> None:
+        pl.seed_everything(0)
+        super().__init__(GPTConfig(n_layer=2, n_head=2, d_model=32, block_size=32), lr=3e-3)
+        for block in self.model.blocks:
+            block.global_proj = nn.Linear(32, 32)
+
+
+def test_components_that_never_get_a_gradient_do_not_hold_the_stop_back(tmp_path: Path) -> None:
+    cb = GradientEarlyStopping(tau=1e6, every_n_steps=2, grace_steps=4)
+    logger = CSVLogger(tmp_path)
+    trainer = _trainer(tmp_path, [cb], max_steps=40, logger=logger)
+    module = UnusedBranchGPT()
+    trainer.fit(module, _loader())
+    unused = {f"model.blocks.{i}.global_proj" for i in (0, 1)}
+    assert unused <= set(cb.components) and len(cb.components) == N_COMPONENTS + 2
+    assert set(cb.frozen) == set(cb.components) - unused  # the unused never freeze ...
+    assert cb.stopped_at == 6 and trainer.global_step == 7  # ... and the run stops when the others have
+    alerts = read_alerts(os.path.join(logger.log_dir, "alerts.jsonl"))
+    said = [a for a in alerts if a.kind == "unused_components"]
+    assert len(said) == 1 and said[0].severity == "info" and all(n in said[0].message for n in unused)
+
+
 def test_grace_fraction_of_the_planned_steps(tmp_path: Path) -> None:
     cb = GradientEarlyStopping(tau=1e6, every_n_steps=2, grace_fraction=0.25)
     trainer = _trainer(tmp_path, [cb], max_steps=20)

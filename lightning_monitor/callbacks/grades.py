@@ -252,6 +252,7 @@ class GradientEarlyStopping(Monitor):
         self.held: dict[str, int] = {}
         self.grace_end: Optional[int] = None
         self.stopped_at: Optional[int] = None
+        self._said_unused = False
         self._ref_sum: Optional[Tensor] = None
         self._ref_cnt: Optional[Tensor] = None
         self._smoothed: Optional[Tensor] = None
@@ -673,7 +674,8 @@ class GradientEarlyStopping(Monitor):
         mask = freeze_mask(smoothed, reference, self.tau) if decide else torch.zeros_like(finite)
         if judgeable is not None:
             mask = mask & judgeable
-        values: dict[str, Any] = {"\x00stat": full, "\x00mask": mask.float(), "\x00decide": float(decide)}
+        values: dict[str, Any] = {"\x00stat": full, "\x00mask": mask.float(), "\x00decide": float(decide),
+                                  "\x00seen": torch.isfinite(smoothed).float()}
         if reference is None:
             values["\x00judged"] = smoothed  # absolute threshold: the smoothed statistic is what is judged
         else:
@@ -724,8 +726,22 @@ class GradientEarlyStopping(Monitor):
             )
         if newly:
             self._cut_prefix(trainer, step)
+        # components no check has seen a gradient of (a branch the forward never takes: Longformer's global-attention
+        # projections without a global token): they cannot converge, so they do not hold the stop back (said once)
+        seen_h = vectors.get("\x00seen")
+        unused = [n for n in active if seen_h is not None and seen_h[position[n]] < 0.5]
+        if values["\x00decide"] and unused and not self._said_unused:
+            self._said_unused = True
+            self.alert(
+                step, "unused_components", "info",
+                f"{len(unused)} of {len(self._names)} components have had no gradient at any check so far (their "
+                f"modules never took part in the loss): {', '.join(unused[:8])}{' ...' if len(unused) > 8 else ''}. "
+                "They are not counted for the stop until they get one.",
+                value=float(len(unused)),
+            )
         if values["\x00decide"] and self.stop:  # the same on every rank: no collective skipped on one rank only
-            done = (len(self.frozen) + len(self.held)) / len(self._names) if self._names else 0.0  # held: converged
+            counted = len(self._names) - len(unused)
+            done = (len(self.frozen) + len(self.held)) / counted if counted > 0 else 0.0  # held: converged
             stopped = self.request_stop(
                 trainer, step, done >= self.max_frozen_ratio, "stop",
                 f"{len(self.frozen)}/{len(self._names)} components frozen (>= max_frozen_ratio="
