@@ -115,3 +115,72 @@ def test_a_classifier_head_of_several_layers_is_not_a_component() -> None:
     # a model that is one Sequential of layers (wrapped or not) keeps each of them
     mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
     assert sorted(find_components(nn.ModuleDict({"net": mlp}))) == ["net.0", "net.2", "net.4"]
+
+
+def _tiny_moe(kind: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=37, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                  max_position_embeddings=16, intermediate_size=32, num_experts_per_tok=2)
+    if kind == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, **common))
+    return transformers.GptOssForCausalLM(transformers.GptOssConfig(num_local_experts=4, head_dim=8, **common))
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+def test_fused_expert_tensors_are_components_frozen_with_their_bias(kind: str) -> None:
+    """A mixture of experts' fused ``[E, out, in]`` expert tensors: one component each (over all experts), with the
+    bias of the same name when there is one (GPT-OSS); the router is none."""
+    model = _tiny_moe(kind)
+    comps = find_components(model)
+    experts = {n for n in comps if ".experts." in n}
+    assert experts == {f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")}
+    for name in experts:
+        module, _, pname = name.rpartition(".")
+        holder = model.get_submodule(module)
+        assert comps[name].weight is getattr(holder, pname) and comps[name].weight.dim() == 3
+        bias = getattr(holder, pname + "_bias", None)
+        assert comps[name].params == ((comps[name].weight,) if bias is None else (comps[name].weight, bias))
+    assert not any("router" in n or n.endswith("mlp.gate") for n in comps)
+
+
+def test_frozen_expert_tensors_stay_frozen_in_fit(tmp_path) -> None:
+    """GradES freezes the fused expert tensors of a tiny Mixtral in ``Trainer.fit``: the run goes on, and their
+    values no longer move."""
+    import lightning.pytorch as pl
+
+    from lightning_monitor import GradientEarlyStopping
+
+    class LM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _tiny_moe("mixtral")
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    torch.manual_seed(0)
+    lm = LM()
+    names = [f"model.model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")]
+    grades = GradientEarlyStopping(include=names, tau=1e6, grace_steps=2, every_n_steps=1, stop=False)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 37, (64, 8)))
+    trainer = pl.Trainer(max_steps=8, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[grades],
+                         default_root_dir=str(tmp_path))
+    params = dict(lm.named_parameters())
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    class Values(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen[trainer.global_step] = {n: params[n].detach().clone() for n in names}
+
+    trainer.callbacks.append(Values())
+    trainer.fit(lm, torch.utils.data.DataLoader(data, batch_size=8))
+    assert set(grades.frozen) == set(names) and trainer.global_step == 8
+    frozen_at = grades.frozen[names[0]]
+    assert frozen_at < 7 and all(not params[n].requires_grad for n in names)
+    assert not torch.equal(seen[0][names[0]], seen[frozen_at][names[0]])  # they trained before ...
+    for n in names:  # ... and not after (the freezing step's own update included)
+        assert torch.equal(seen[frozen_at + 1][n], params[n].detach())

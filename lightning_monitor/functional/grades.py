@@ -51,6 +51,7 @@ __all__ = [
     "Component",
     "PROJECTION_NAMES",
     "LORA_NAMES",
+    "EXPERT_NAMES",
     "find_components",
     "no_component_reason",
     "mean_abs",
@@ -71,6 +72,10 @@ PROJECTION_NAMES: dict[str, tuple[str, ...]] = {
 }
 #: Module or parameter names of LoRA adapter matrices (PEFT: ``<proj>.lora_A.<adapter>``).
 LORA_NAMES: tuple[str, ...] = ("lora_A", "lora_B")
+#: Parameter names of a mixture of experts' fused expert matrices (Hugging Face Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS:
+#: ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``mlp.experts.down_proj`` ``[E, H, I]``), each one component over all
+#: its experts, frozen with its bias (``<name>_bias``) when it has one.
+EXPERT_NAMES: tuple[str, ...] = ("gate_up_proj", "down_proj", "up_proj", "gate_proj", "w1", "w2", "w3")
 
 _ALL_PROJECTIONS = frozenset(n for names in PROJECTION_NAMES.values() for n in names)
 _BLOCK_INDEX = re.compile(r"(^|\.)\d+(\.|$)")
@@ -110,6 +115,13 @@ def _preview(names: Sequence[str], limit: int = 20) -> str:
 
 def _own_params(module: nn.Module) -> tuple[nn.Parameter, ...]:
     return tuple(p for _, p in module.named_parameters(recurse=False))
+
+
+def _bare_components(name: str, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(qualified name, parameter)`` of ``module``'s own parameters that are components: LoRA adapters (2-D and up)
+    and fused expert matrices (3-D, ``[experts, out, in]`` or ``[experts, in, out]``)."""
+    return [(f"{name}.{pname}", p) for pname, p in module.named_parameters(recurse=False)
+            if (pname in LORA_NAMES and p.dim() >= 2) or (pname in EXPERT_NAMES and p.dim() == 3)]
 
 
 def _module_component(name: str, module: nn.Module) -> Optional[Component]:
@@ -167,7 +179,8 @@ def find_components(
     Without ``include``, components are found by name: projections of every naming scheme in
     :data:`PROJECTION_NAMES` (HF ``q_proj`` ... ``down_proj``; GPT-2 ``c_attn``/``c_proj``/``c_fc``, also
     its ``Conv1D``), LoRA adapters (modules or 2-D parameters named ``lora_A``/``lora_B``),
-    ``nn.MultiheadAttention``'s packed input projection (named as the attention module) and its ``out_proj``, and any
+    ``nn.MultiheadAttention``'s packed input projection (named as the attention module) and its ``out_proj``, a
+    mixture of experts' fused 3-D expert matrices (:data:`EXPERT_NAMES`, one component each over all experts), and any
     ``nn.Linear``, Hugging Face ``Conv1D`` or convolution inside a repeated block (a name with a numeric
     segment such as ``blocks.3`` or ResNet's ``layer1.0.conv1``). Embeddings, norms and an output head or
     stem outside the blocks are not components. The statistics are element-wise means, so a
@@ -191,10 +204,10 @@ def find_components(
     exc = _patterns(exclude, "exclude")
     named = [(n, m) for n, m in model.named_modules() if n]
     names = [n for n, _ in named]
-    # LoRA adapters held as bare parameters (`<module>.lora_A`): components of their own, named like parameters, which
-    # `include` / `exclude` select by that name too (the names the monitor reports)
-    bare = {name: [(f"{name}.{pname}", p) for pname, p in module.named_parameters(recurse=False)
-                   if pname in LORA_NAMES and p.dim() >= 2] for name, module in named}
+    # LoRA adapters and a mixture of experts' fused expert matrices held as bare parameters (`<module>.lora_A`,
+    # `<module>.experts.down_proj`): components of their own, named like parameters, which `include` / `exclude`
+    # select by that name too (the names the monitor reports)
+    bare = {name: _bare_components(name, module) for name, module in named}
     selectable = names + [full for params in bare.values() for full, _ in params]
     for argument, pats in (("include", inc), ("exclude", exc)):
         for pat in pats:
@@ -232,7 +245,8 @@ def find_components(
             found[name] = comp
         for full, p in bare[name]:
             if not any(fnmatchcase(full, e) for e in exc) and (not inc or any(fnmatchcase(full, i) for i in inc)):
-                found[full] = Component(full, p, (p,))
+                bias = getattr(module, full.rpartition(".")[2] + "_bias", None)
+                found[full] = Component(full, p, (p,) if not isinstance(bias, nn.Parameter) else (p, bias))
     if trainable_only:
         found = {n: c for n, c in found.items() if c.weight.requires_grad}
     if not found and not allow_empty:
@@ -245,7 +259,7 @@ def no_component_reason(model: nn.Module, include: Patterns = None) -> str:
     names = [n for n, _ in model.named_modules() if n]
     how = "`include` patterns" if _patterns(include, "include") else (
         "the naming schemes (q_proj/k_proj/v_proj/o_proj, gate_proj/up_proj/down_proj, c_attn/c_proj/c_fc, "
-        "lora_A/lora_B, nn.MultiheadAttention, nn.Linear, Conv1D or convolutions inside numbered blocks)"
+        "lora_A/lora_B, nn.MultiheadAttention, fused expert tensors, nn.Linear, Conv1D or convolutions inside numbered blocks)"
     )
     return (
         f"no trainable component of {type(model).__name__} matches {how}. Pass `include=[...]` glob patterns "
