@@ -408,8 +408,10 @@ def render(runs: list[ZooRun]) -> str:
         "* `nn.MultiheadAttention`'s self-attention is covered (its packed input projection and its `out_proj`, "
         "through its own forward with `F.linear` intercepted); its cross-attention input projection, and `nn.LSTM`, "
         "have no per-example rule.",
-        "* Spectral alignment watches `nn.Linear`, Hugging Face `Conv1D` (its weight transposed) and ungrouped "
-        "`nn.Conv2d` (its weight as `[C_out, C_in*kh*kw]` against input patches), not the output head.",
+        "* Spectral alignment watches `nn.Linear`, Hugging Face `Conv1D` (its weight transposed), ungrouped "
+        "`nn.Conv2d` (its weight as `[C_out, C_in*kh*kw]` against input patches) and `nn.MultiheadAttention` (its "
+        "packed input projection against the query, its `out_proj` against the attention's output), not the output "
+        "head.",
         "* GradES components are the weight matrices inside numbered blocks (transformer projections, a "
         "ResNet's stage convolutions) and `nn.MultiheadAttention`'s two projections wherever it is.",
         "",

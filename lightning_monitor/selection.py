@@ -104,7 +104,10 @@ def linear_types() -> tuple[type[nn.Module], ...]:
 def weight_matrix(module: nn.Module) -> Tensor:
     """The ``[out, in]`` matrix ``W`` with which ``module`` maps an input row ``x`` to ``W x`` (plus bias):
     an ``nn.Linear``'s weight; a Hugging Face ``Conv1D``'s weight transposed (a view, no copy); a
-    convolution's weight as ``[out, in * kernel]`` (its input rows are then the unfolded patches)."""
+    convolution's weight as ``[out, in * kernel]`` (its input rows are then the unfolded patches); an
+    ``nn.MultiheadAttention``'s packed input projection ``in_proj_weight`` ``[3E, E]``."""
+    if isinstance(module, nn.MultiheadAttention):  # its packed q/k/v input projection, applied to the query
+        return module.in_proj_weight
     weight = module.weight
     conv1d = hf_conv1d_type()
     if conv1d is not None and isinstance(module, conv1d):

@@ -14,11 +14,14 @@ Layers: ``nn.Linear`` (``W`` its weight, the rows its input's last dimension); H
 (GPT-2's projections, ``y = x @ W + b``: ``W`` is its weight transposed); ``nn.Conv2d`` with
 ``groups=1`` (``W`` its weight as the ``[C_out, C_in * kh * kw]`` matrix, the rows its input patches,
 exactly what the convolution multiplies: ``y_l = W p_l + b`` for the patch ``p_l`` at output position
-``l``; a few random examples are unfolded per check, only as many as hold ``max_rows`` patches). Grouped
-and depthwise convolutions are left out: their weight is block diagonal, one ``[C_out/g, C_in/g * k]``
-matrix per group, with no single top singular direction over the layer's input. So is the ``out_proj``
-of an ``nn.MultiheadAttention``, whose weight is used without calling it; any other selected layer that
-does not run in a check's forward is named once in a ``layers_not_called`` warning alert.
+``l``; a few random examples are unfolded per check, only as many as hold ``max_rows`` patches);
+``nn.MultiheadAttention`` (``W`` its packed q/k/v input projection ``in_proj_weight``, the rows its query: the
+input of all three in self-attention, of the query's third in cross-attention) and its ``out_proj``, whose weight
+the attention uses without calling it: on due steps the attention's calls are routed through ``out_proj`` (the same
+product), so that its input is seen. Grouped and depthwise convolutions are left out: their weight is block
+diagonal, one ``[C_out/g, C_in/g * k]`` matrix per group, with no single top singular direction over the layer's
+input. A selected layer that does not run in a check's forward is named once in a ``layers_not_called`` warning
+alert.
 
 Rules (model level; every threshold is relative to the run's own history):
 
@@ -63,6 +66,7 @@ from lightning_monitor.functional.spectral import (
     top_singular_subspaces,
 )
 from lightning_monitor.probes.inputs import InputCapture
+from lightning_monitor.probes.per_example.attention import route_out_proj
 from lightning_monitor.selection import as_patterns, linear_types, select_modules, weight_matrix
 
 __all__ = ["SpectralAlignmentMonitor", "find_output_head"]
@@ -290,6 +294,8 @@ class SpectralAlignmentMonitor(Monitor):
     def _watchable(module: nn.Module) -> bool:
         if isinstance(module, nn.Conv2d):
             return module.groups == 1
+        if isinstance(module, nn.MultiheadAttention):
+            return module._qkv_same_embed_dim and module.in_proj_weight is not None
         return isinstance(module, linear_types())
 
     def select_layers(self, model: nn.Module) -> dict[str, nn.Module]:
@@ -305,12 +311,9 @@ class SpectralAlignmentMonitor(Monitor):
                 "Conv1D or an ungrouped nn.Conv2d), and spectral alignment is defined for layers that multiply "
                 "their input by a weight matrix. Remove the monitor, or use it on a model with such layers."
             )
-        types = linear_types() + (nn.Conv2d,)
+        types = linear_types() + (nn.Conv2d, nn.MultiheadAttention)
         selected = select_modules(model, self.include, self.exclude, types, owner="SpectralAlignmentMonitor")
-        # nn.MultiheadAttention multiplies by its out_proj's weight without calling out_proj: no input to see
-        opaque = [n + "." for n, m in model.named_modules() if n and isinstance(m, nn.MultiheadAttention)]
-        selected = {n: m for n, m in selected.items()
-                    if self._watchable(m) and not any(n.startswith(p) for p in opaque)}
+        selected = {n: m for n, m in selected.items() if self._watchable(m)}
         head = find_output_head(model) if self.head == AUTO else self.head
         if head is not None and head not in self.include:
             if self.head != AUTO and head not in dict(model.named_modules()):
@@ -334,6 +337,10 @@ class SpectralAlignmentMonitor(Monitor):
         check_tensor_parallel(trainer, "SpectralAlignmentMonitor", "it aligns each layer's input rows")
         self.layers, self._capture = {}, None
         self.layers = self.select_layers(pl_module)
+        # nn.MultiheadAttention multiplies by its out_proj's weight without calling out_proj: on due steps its calls
+        # are routed through out_proj (route_out_proj), so that out_proj's input is seen
+        self._routes = {n: m for n, m in pl_module.named_modules()
+                        if n and isinstance(m, nn.MultiheadAttention) and n + ".out_proj" in self.layers}
         self._watched: list[str] = list(self.layers)  # the layers of the due step (those that train)
         self._capture = InputCapture(self.layers, max_rows=self.max_rows, seed=self.seed)
         if self._sampler_state:
@@ -343,6 +350,11 @@ class SpectralAlignmentMonitor(Monitor):
         super().release()
         if self._capture is not None:
             self._capture.release()
+        self._unroute()
+
+    def _unroute(self) -> None:
+        for handle in self.__dict__.pop("_route_handles", []):
+            handle.remove()
 
     def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[bool]:
         assert self._capture is not None
@@ -360,9 +372,15 @@ class SpectralAlignmentMonitor(Monitor):
         if not self._watched:
             return False
         self._capture.arm(self._watched)
+        self._unroute()
+        watched = set(self._watched)
+        self._route_handles = [h for name, mha in getattr(self, "_routes", {}).items()
+                               if name + ".out_proj" in watched for h in route_out_proj(mha)]
 
     @staticmethod
     def _trains(layer: nn.Module) -> bool:
+        if isinstance(layer, nn.MultiheadAttention):
+            return layer.in_proj_weight.requires_grad
         if parametrize.is_parametrized(layer, "weight"):  # from its parameters: the parametrization is not run
             return any(p.requires_grad for p in layer.parametrizations.weight.parameters())
         weight = getattr(layer, "weight", None)
@@ -424,6 +442,7 @@ class SpectralAlignmentMonitor(Monitor):
     def compute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[dict[str, Tensor]]:
         assert self._capture is not None
         rows = self._capture.take()
+        self._unroute()
         silent = [n for n in self._watched if n not in rows and n not in self._not_called]
         if silent:  # said once per layer: a layer whose forward does not run has no input to align
             self._not_called.update(silent)

@@ -24,11 +24,12 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_monitor.probes.per_example.linear import LinearHandler
 from lightning_monitor.probes.per_example.registry import Handler, register
 
-__all__ = ["MultiheadAttentionHandler", "intercepts_linear"]
+__all__ = ["MultiheadAttentionHandler", "intercepts_linear", "route_out_proj"]
 
 _PLAIN_LINEAR = torch._C._nn.linear
 _LOCK = threading.RLock()
@@ -150,3 +151,34 @@ class _Projection:
 
     def __init__(self, weight: Tensor, bias: Optional[Tensor], in_features: int, out_features: int) -> None:
         self.weight, self.bias, self.in_features, self.out_features = weight, bias, in_features, out_features
+
+
+def route_out_proj(mha: nn.MultiheadAttention) -> list[RemovableHandle]:
+    """Hooks on ``mha`` that make each of its calls apply ``out_proj`` by calling the module (its own ``F.linear``,
+    the same product), so that hooks on ``out_proj`` see its input: ``torch.nn.functional.linear`` is intercepted
+    from the forward pre-hook to the forward hook (which runs even when the forward raises). Remove the returned
+    handles to stop; nothing is installed otherwise."""
+    state: dict[str, Any] = {"inside": False, "before": []}
+
+    def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
+        _LOCK.acquire()
+        before = F.linear
+        state["before"].append(before)
+
+        def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+            if weight is mha.out_proj.weight and not state["inside"]:
+                state["inside"] = True
+                try:
+                    return mha.out_proj(x)
+                finally:
+                    state["inside"] = False
+            return before(x, weight, bias)
+
+        F.linear = linear
+
+    def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if state["before"]:
+            F.linear = state["before"].pop()
+            _LOCK.release()
+
+    return [mha.register_forward_pre_hook(pre), mha.register_forward_hook(post, always_call=True)]
