@@ -160,6 +160,8 @@ def route_out_proj(mha: nn.MultiheadAttention) -> list[RemovableHandle]:
     handles to stop; nothing is installed otherwise."""
     state: dict[str, Any] = {"inside": False, "before": []}
 
+    # eager under torch.compile, as the probe's and the input capture's hooks
+    @torch.compiler.disable
     def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
         _LOCK.acquire()
         before = F.linear
@@ -176,6 +178,7 @@ def route_out_proj(mha: nn.MultiheadAttention) -> list[RemovableHandle]:
 
         F.linear = linear
 
+    @torch.compiler.disable
     def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if state["before"]:
             F.linear = state["before"].pop()
