@@ -142,7 +142,7 @@ def test_batch_size_run_leaves_no_trace() -> None:
         assert torch.equal(a, b)
     for a, b in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
-    assert sorted(probe.uncovered) == ["1.bias", "1.weight"]
+    assert sorted(probe.uncovered) == ["0.bias", "0.weight", "1.bias", "1.weight"]  # 0 feeds the BatchNorm
     assert "batch statistics" in probe.reasons["1.weight"]
 
 

@@ -78,9 +78,11 @@ def test_batchnorm_uncovered_with_its_reason() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3))
     probe = probe_run(model, F.cross_entropy, torch.randn(6, 4), torch.randint(0, 3, (6,)))
-    assert set(probe.per_parameter()) == {"0.weight", "0.bias", "3.weight", "3.bias"}
-    assert sorted(probe.uncovered) == ["1.bias", "1.weight"]
+    # the Linear before it feeds it: the batch's statistics couple the examples there too (test_per_example_batchnorm)
+    assert set(probe.per_parameter()) == {"3.weight", "3.bias"}
+    assert sorted(probe.uncovered) == ["0.bias", "0.weight", "1.bias", "1.weight"]
     assert "batch statistics couple the examples" in probe.reasons["1.weight"]
+    assert "feeds '1', a BatchNorm" in probe.reasons["0.weight"]
 
 
 class Bf16RMS(nn.Module):

@@ -527,6 +527,11 @@ class PerExampleGradNorms:
         self._entries: Optional[tuple[tuple[str, ...], list[nn.Module]]] = None  # modules holding hooked ones
         self._entry: Optional[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = None
         self._calls: list[tuple[str, tuple[int, ...]]] = []  # hooked calls of the running entry
+        # parameters upstream of a BatchNorm that normalised with its batch's statistics -> that BatchNorm's name: the
+        # statistics couple the examples, so their per-example gradients are not separable (found on the autograd
+        # graph from the BatchNorm's input, once per BatchNorm)
+        self._coupled: dict[int, str] = {}
+        self._coupling_walked: set[int] = set()
         self._reset_state()
 
     # -------------------------------------------------------------- bookkeeping
@@ -605,6 +610,9 @@ class PerExampleGradNorms:
         if self.verify:
             for pid in self._covered_ids:
                 self._handles.append(self._params[pid].register_hook(self._make_leaf_hook(pid)))
+        for mod in self.module.modules():
+            if isinstance(mod, nn.modules.batchnorm._BatchNorm) and id(mod) not in self._coupling_walked:
+                self._handles.append(mod.register_forward_pre_hook(self._coupling_hook))
         self._depth, self._entry, self._calls = 0, None, []
         self._active = True
 
@@ -642,6 +650,39 @@ class PerExampleGradNorms:
             return "record" if torch.is_grad_enabled() else "skip"
         self._calls.append((uses.name, tuple(x.shape)))
         return "record" if torch.is_grad_enabled() else "skip"
+
+    @torch.compiler.disable
+    def _coupling_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """A BatchNorm about to normalise with its batch's statistics (training mode, or no running statistics): every
+        parameter its input depends on is coupled across the examples (walked once per BatchNorm)."""
+        if self._dry is not None or _in_backward() or not torch.is_grad_enabled() or id(module) in self._coupling_walked:
+            return
+        if module.training is False and module.track_running_stats:  # type: ignore[union-attr]
+            return  # eval mode with running statistics: each example is normalised on its own
+        x = args[0] if args and isinstance(args[0], Tensor) else None
+        if x is None or x.grad_fn is None:
+            return
+        self._coupling_walked.add(id(module))
+        name = next((n for n, m in self.module.named_modules() if m is module), type(module).__name__)
+        seen: set[Any] = set()
+        stack = [x.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            var = getattr(node, "variable", None)
+            if isinstance(var, Tensor):
+                self._coupled.setdefault(id(var), name)
+            stack.extend(nxt for nxt, _ in node.next_functions)
+        for pid in self._covered_ids:
+            pname = self._names[pid]
+            if pid in self._coupled and pname not in self._not_reached:
+                self._not_reached.append(pname)
+                self.reasons[pname] = (
+                    f"it feeds {self._coupled[pid]!r}, a BatchNorm normalising with its batch's statistics: they couple "
+                    "the examples, so an example's gradient here is not that of its own loss (the per-example "
+                    "contributions are not separable); `method='accumulation'` measures such a model")
 
     @torch.compiler.disable
     def _entry_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -1,0 +1,66 @@
+"""Parameters upstream of a BatchNorm that normalises with its batch's statistics: the statistics couple the
+examples, so an example's gradient there is not that of its own loss. The probe leaves them out with the reason
+(found on the autograd graph); what lies downstream stays covered and exact against each example's own loss; a
+BatchNorm in eval mode (running statistics) couples nothing."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from test_per_example import check
+from torch import nn
+
+from lightning_monitor import PerExampleGradNorms
+
+B = 8
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv1d(1, 8, 5, padding=2), nn.BatchNorm1d(8), nn.ReLU(), nn.AdaptiveAvgPool1d(1),
+                         nn.Flatten(), nn.Linear(8, 3))
+
+
+def _own_loss_grads(net: nn.Module, x: torch.Tensor, y: torch.Tensor, name: str) -> torch.Tensor:
+    """Each example's squared gradient norm of its own loss (times B: the mean's scale), in the batch's forward."""
+    p = dict(net.named_parameters())[name]
+    per = F.cross_entropy(net(x), y, reduction="none") * 1.0
+    return torch.stack([torch.autograd.grad(per[i], p, retain_graph=True)[0].pow(2).sum() for i in range(x.shape[0])])
+
+
+def test_parameters_upstream_of_a_training_batchnorm_are_left_out_with_the_reason() -> None:
+    net = _net()
+    x, y = torch.randn(B, 1, 64), torch.randint(0, 3, (B,))
+    probe = PerExampleGradNorms(net)
+    with probe:
+        F.cross_entropy(net(x), y).backward()
+    per = probe.per_parameter()
+    assert set(probe.uncovered) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    assert "'1'" in probe.reasons["0.bias"] and "BatchNorm" in probe.reasons["0.bias"]
+    # the conv bias: exactly zero in each example's own loss (the batch mean removes it), so nothing to separate
+    assert float(_own_loss_grads(net, x, y, "0.bias").max()) < 1e-12
+    # downstream of it, the head: covered, and each example's own loss's gradient
+    assert set(per) == {"5.weight", "5.bias"}
+    for name in per:
+        torch.testing.assert_close(per[name], _own_loss_grads(net, x, y, name), rtol=1e-4, atol=1e-9)
+
+
+def test_a_batchnorm_in_eval_mode_couples_nothing() -> None:
+    net = _net()
+    net[1].eval()  # running statistics: each example normalised on its own
+    probe = check(net, F.cross_entropy, torch.randn(B, 1, 64), torch.randint(0, 3, (B,)))
+    assert set(probe.uncovered) == {"1.weight", "1.bias"}  # BatchNorm's own affine parameters: by rule
+    assert {"0.weight", "0.bias", "5.weight"} <= set(probe.covered)
+
+
+def test_the_coupling_is_found_once_and_kept_across_steps() -> None:
+    net = _net()
+    probe = PerExampleGradNorms(net)
+    for step in range(2):
+        with probe:
+            assert len(net[1]._forward_pre_hooks) == (1 if step == 0 else 0)  # no hook once walked
+            F.cross_entropy(net(torch.randn(B, 1, 64)), torch.randint(0, 3, (B,))).backward()
+        assert {"0.weight", "0.bias"} <= set(probe.uncovered)
+        probe.reset()
+        net.zero_grad()
+    assert probe._coupling_walked == {id(net[1])}  # walked at the first step only
