@@ -228,3 +228,51 @@ def test_hugging_face_models_that_read_their_logits_their_own_way(tmp_path, make
     assert rec["count"] == ref.numel()
     assert rec["mean"] == pytest.approx(float(ref.mean()), rel=1e-4, abs=1e-7)
     assert kind in {a.kind for a in alerts}
+
+
+class _Tagged(torch.utils.data.Dataset):
+    """``(input_ids, attention_mask, tags)`` tuples: the default ``target_fn`` takes ``batch[1]``, the mask."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, V, (64, T), generator=g)
+        self.mask = torch.ones(64, T, dtype=torch.long)
+        self.tags = (self.ids * 3 + 1) % V
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int):
+        return self.ids[i], self.mask[i], self.tags[i]
+
+
+class _Tagger(TinyLM):
+    def training_step(self, batch, batch_idx):
+        ids, mask, tags = batch
+        return F.cross_entropy(self.head(self.body(self.emb(ids))).reshape(-1, V), tags.reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_targets_the_loss_does_not_train_leave_gwa_idle(tmp_path, given: bool) -> None:
+    """The default ``target_fn`` reads the attention mask of an ``(ids, mask, tags)`` batch: the head's gradient points
+    at other classes in most rows, so GWA publishes nothing (one ``nothing_to_watch`` warning) instead of scores of
+    targets the run does not train; with ``target_fn`` naming the tags it scores them."""
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False,
+                                         **({"target_fn": lambda b: b[2]} if given else {}))
+    logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=logger, callbacks=[gwa], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(_Tagger("plain"), DataLoader(_Tagged(), batch_size=8))
+    path = os.path.join(logger.log_dir, "alerts.jsonl")
+    alerts = read_alerts(path) if os.path.exists(path) else []
+    idle = [a for a in alerts if a.kind == "nothing_to_watch"]
+    if given:
+        assert not idle and gwa.idle_reason is None and gwa._targets_verified
+        assert sum(h.get("count", 0) for h in gwa.history) > 0
+    else:
+        assert len(idle) == 1 and "another class than the targets GWA reads" in idle[0].message
+        assert gwa.idle_reason is not None and gwa.history == [] and gwa.best_epoch is None
+        assert not any(k.startswith("gwa/") for k in trainer.callback_metrics)

@@ -70,6 +70,8 @@ _TRANSFORM_TOLERANCE = 1e-3
 _OFF_FRACTION = 0.1
 #: share of the rows whose gradient is most negative at the target above which the targets are the loss's
 _HIT_FRACTION = 0.95
+#: below this share of rows whose gradient points at the target read, the loss trains other targets: GWA goes idle
+_TRAINED_FRACTION = 0.5
 #: Hugging Face causal LMs named otherwise than ``*ForCausalLM`` whose loss shifts the labels
 _CAUSAL_LM_NAMES = ("GPT2LMHeadModel", "OpenAIGPTLMHeadModel", "CTRLLMHeadModel")
 
@@ -297,8 +299,12 @@ class GradientWeightAlignmentMonitor(Monitor):
     ``final_logits_bias`` of BART, Marian, Pegasus; a temperature of your own) is scored through the transform
     measured from the gradient (``logit_transform``, info); what neither explains (label smoothing, a z-loss,
     distillation's soft targets: pass soft targets via ``target_fn`` where the loss uses them) is said in one
-    ``inexact_scores`` warning with the share of rows off. The transform is measured once per fit: one learned
-    during training (a trained temperature) is not followed. One host sync, once.
+    ``inexact_scores`` warning with the share of rows off. When in fewer than half of the rows the gradient points at
+    the targets read, the loss trains other targets (a tuple batch whose ``batch[1]`` is an attention mask,
+    sequence-first logits against batch-first labels, labels the loss shifts while ``shift_targets=False``) or
+    ``head`` is not the layer that makes the logits (a tied head applied as ``x @ embedding.weight.T``): GWA then
+    publishes no score and stays idle, said in one ``nothing_to_watch`` warning with what to pass. The transform is
+    measured once per fit: one learned during training (a trained temperature) is not followed. One host sync, once.
 
     **Target mismatch.** When at least 90% of the scores of the first scored epoch are negative, a
     warning alert (``target_mismatch``) says that the targets most likely do not match the logits
@@ -1081,6 +1087,21 @@ class GradientWeightAlignmentMonitor(Monitor):
                 "(`shift_targets=` decides).",
             )
         self._targets_verified = targeted > 0 and hit >= _HIT_FRACTION * targeted
+        if targeted > 0 and hit < _TRAINED_FRACTION * targeted:
+            # the loss trains other targets than those read (a tuple batch whose batch[1] is an attention mask,
+            # sequence-first logits paired with batch-first labels), or `head` is not the layer whose outputs the loss
+            # reads: the scores would be of nothing the run trains, so none is published (the same on every rank)
+            self._stash, self._stashed = [], 0
+            self.nothing_to_watch(
+                trainer,
+                f"in {targeted - hit:.0f} of {targeted:.0f} rows the gradient of `{self._head_name}`'s output points "
+                "at another class than the targets GWA reads: the loss trains other targets (check `target_fn`: the "
+                "default takes batch[1] of a tuple, e.g. an attention mask; sequence-first logits need targets in "
+                "the same layout), or `head` is not the layer whose outputs the loss reads (a head applied as "
+                "`x @ embedding.weight.T` is no module: pass `head=` naming the layer that makes the logits).",
+                training=True,
+            )
+            return
         if fitted > 0:
             scale, b, eps = scale_sum / fitted, bias / fitted, eps_sum / fitted
             spread = float(b.max() - b.min())
