@@ -264,6 +264,8 @@ def test_a_model_without_a_softmax_classifier_trains_with_the_preset(tmp_path, c
     assert hm.spectral.idle_reason is None and hm.noise_scale.idle_reason is None and hm.guard.idle_reason is None
     idle = [a for a in hm.guard.hub.history if a.kind == "nothing_to_watch"]
     assert [a.monitor for a in idle] == ["gwa"] and idle[0].severity == "warning"
+    # one warning for one fact: not also `no_softmax_head` for the head it then never scores
+    assert [a.kind for a in hm.guard.hub.history if a.monitor == "gwa" and a.severity != "info"] == ["nothing_to_watch"]
     tags = tb_event_accumulator(trainer.logger.log_dir).Tags()["scalars"]
     assert "sa/sign_diversity_mean" in tags and "gns/b_simple" in tags
     assert not [t for t in tags if t.startswith("gwa/")]

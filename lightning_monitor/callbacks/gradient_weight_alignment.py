@@ -409,6 +409,7 @@ class GradientWeightAlignmentMonitor(Monitor):
     def _reset_run_state(self) -> None:
         super()._reset_run_state()
         self.history: list[dict[str, Any]] = []
+        self._pending_no_softmax: Optional[tuple[int, str]] = None  # said once the first batch's targets fit
         self._load_selection_state({})
         #: why the best epoch may be a poor pick (see :meth:`_uncertainty`), or None
         self.pick_uncertain: Optional[str] = None
@@ -822,15 +823,19 @@ class GradientWeightAlignmentMonitor(Monitor):
             # every loss that depends on the logits through a softmax gives gradient rows summing to 0 (a softmax does not
             # change when a constant is added to its logits): none of the candidates' does (one whose rows are all too
             # confident to tell is not blamed)
-            self.alert(
-                step, "no_softmax_head", "warning",
+            message = (
                 f"No nn.Linear's output gradient in the watched training step is a softmax's (rows summing to 0): "
                 f"`{chosen}` is scored as the classifier head, but GWA's scores assume a softmax cross-entropy on its "
                 "logits. A one-logit sigmoid head, a BCE loss, or a classifier that is not an nn.Linear (a tied "
                 "`F.linear`, a 1x1 convolution) has none; the layer scored is then a hidden one and its scores mean "
                 "nothing. Pass `head=` if it is the classifier (extra terms on its logits, such as a z-loss, break "
-                "the zero sums).",
-            )
+                "the zero sums).")
+            if self._may_refuse():
+                # the first scored batch's targets decide first: a regression or multi-label run goes idle with one
+                # warning (nothing_to_watch), not this one too
+                self._pending_no_softmax = (step, message)
+            else:
+                self.alert(step, "no_softmax_head", "warning", message)
         elif group is tiers[0][0] and len(group) > 1:
             self.alert(
                 step, "several_heads", "warning",
@@ -1314,11 +1319,14 @@ class GradientWeightAlignmentMonitor(Monitor):
         refused = self._refusal is not None
         if trainer.world_size > 1:
             refused = self.decide(trainer, refused)
+        pending, self._pending_no_softmax = self._pending_no_softmax, None
         if refused:
             self._stash, self._stashed, self._pending = [], 0, None
             why = self._refusal or "another rank's targets did not fit it"
             self.nothing_to_watch(trainer, f"the batches' targets do not fit a softmax classifier on `{self._head_name}` "
                                            f"({why}). Pass `target_fn=` and `head=` if this model has one.")
+        elif pending is not None:
+            self.alert(pending[0], "no_softmax_head", "warning", pending[1])
         self._refusal = None
 
     def _release_all(self) -> None:
