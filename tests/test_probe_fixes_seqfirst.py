@@ -203,3 +203,26 @@ def test_fit_batch_dims_declared_on_the_monitor_exact(tmp_path) -> None:
 def test_monitor_batch_dims_validated(bad: Any) -> None:
     with pytest.raises(ValueError, match="batch_dims"):
         GradientNoiseScaleMonitor(batch_dims=bad)
+
+
+class SeqFirstFixedLength(SeqFirstClassifier):
+    """A sequence-first classifier with learned positions of a fixed length ``[T, 1, 8]``: slicing its input's dimension
+    0 (the time steps) makes the model fail, so the probe's first try on a slice raises."""
+
+    def __init__(self, t: int) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(t, 1, 8) * 0.1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x) + self.pos))).mean(0))
+
+
+def test_fit_with_a_sequence_first_model_that_fails_on_a_slice_of_its_time_steps_exact(tmp_path) -> None:
+    """The slice of dimension 0 raises (the positions no longer add up); with the batch's size known the probe tries
+    the other dimension of that size and finds the batch there. Every layer was left out (coverage 0) before."""
+    torch.manual_seed(0)
+    mon, oracle, trainer = fit(SeqFirstFixedLength(5), 5, tmp_path)
+    assert mon._probe.uncovered == ["net.pos"]  # a bare parameter of the model: no handler, by rule
+    assert {"net.inp.weight", "net.mid.weight", "net.out.weight"} <= set(mon._probe.covered)
+    assert 0.0 < float(trainer.callback_metrics["gns/coverage"]) < 1.0
+    assert len(oracle.rows) == 4 and oracle.worst() < 1e-3

@@ -376,7 +376,8 @@ class PerExampleGradNorms:
     parameters go to :attr:`uncovered` with the reason. The result is kept per module and input shape,
     so the extra small forward runs once per new shape. A model that fails on the slice (one that
     requires a fixed batch size) leaves the modules of that call uncovered, with the reason;
-    ``batch_dims`` declares them instead. When the entry's own input is sequence-first, dimension 0 of its
+    ``batch_dims`` declares them instead. With the batch's size known (below), the other dimensions of that size
+    are tried first (a sequence-first model with fixed-length positions fails on a slice of its time steps). When the entry's own input is sequence-first, dimension 0 of its
     first tensor argument is not the batch. With the batch's size known (:attr:`entry_batch_size`, set by
     the noise-scale monitor from each micro-batch): if dimension 0 has another size, or the call's output
     stays as it is on the slice, the run is repeated slicing each other dimension of that argument of the
@@ -731,7 +732,9 @@ class PerExampleGradNorms:
         # Unknown, dimension 0 is the batch: a batch-first model whose output does not follow its batch (a
         # per-position loss averaged over the batch, a pooled vector) looks like a sequence-first one by shapes alone
         known = self.entry_batch_size
-        if known is not None and error is None and (batch != known or (out == output and any(output))):
+        # a model that failed on the slice of dimension 0 may hold the batch elsewhere (a sequence-first model with a
+        # fixed-length parameter fails when its sequence is sliced): the other dimensions are tried as well
+        if known is not None and (error is not None or batch != known or (out == output and any(output))):
             for k in [k for k in range(1, first.dim()) if first.shape[k] == known]:
                 tried = self._dry_run(entry, known, 1 if known == 2 else 2, k)
                 if tried[1] is None and tried[2] != output:
