@@ -333,3 +333,36 @@ def test_activation_checkpointing_of_fused_convolutions_exact(reentrant: bool) -
     assert probe.uncovered == []
     for name, value in probe.per_parameter().items():
         torch.testing.assert_close(value.double(), ref[name], rtol=1e-4, atol=1e-10)
+
+
+def test_a_dataclass_batch_passed_whole_is_sliced_through_its_fields() -> None:
+    """``model(batch)`` with a dataclass holding the tensors: its batch size and the slice for the batch-size run are
+    found through its fields (it was 'no tensor argument': every parameter left out)."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        note: str = "kept"
+
+    class OnBatch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+
+        def forward(self, batch: Batch) -> torch.Tensor:
+            assert batch.note == "kept"
+            return self.b(torch.tanh(self.a(batch.x)))
+
+    torch.manual_seed(0)
+    model = OnBatch()
+    x, y = torch.randn(5, 7, 4), torch.randint(0, 3, (5, 7))
+    with PerExampleGradNorms(model) as probe:
+        F.cross_entropy(model(Batch(x)).reshape(-1, 3), y.reshape(-1)).backward()
+    per = probe.per_parameter()
+    assert probe.uncovered == [] and set(per) == {n for n, _ in model.named_parameters()}
+    for name, p in model.named_parameters():  # each example's own loss, one at a time
+        ref = torch.stack([torch.autograd.grad(F.cross_entropy(model(Batch(x[i:i + 1])).reshape(-1, 3),
+                                                               y[i:i + 1].reshape(-1)) * (7 / 35) * 5, p)[0].pow(2).sum()
+                           for i in range(5)])
+        torch.testing.assert_close(per[name], ref, rtol=1e-4, atol=1e-8)

@@ -4,6 +4,7 @@ collects what their hooks compute, sums the uses of shared parameters and verifi
 from __future__ import annotations
 
 import copy
+import dataclasses
 import fnmatch
 import random
 import functools
@@ -71,10 +72,20 @@ def _in_backward() -> bool:
     return current is not None and current() != -1
 
 
+def _fields(value: Any) -> Optional[dict[str, Any]]:
+    """A dataclass instance's fields by name (a batch class passed whole), else ``None``."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    return None
+
+
 def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[Tensor]:
-    """The first tensor of at least one dimension among a call's arguments (one level into lists, tuples and dicts):
-    its dimension 0 is the batch size by Lightning's convention (``extract_batch_size``)."""
+    """The first tensor of at least one dimension among a call's arguments (one level into lists, tuples, dicts and
+    dataclasses): its dimension 0 is the batch size by Lightning's convention (``extract_batch_size``)."""
     for value in (*args, *kwargs.values()):
+        fields = _fields(value)
+        if fields is not None:
+            value = fields
         items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
         for item in items:
             if isinstance(item, Tensor) and item.dim() >= 1:
@@ -85,7 +96,7 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[Ten
 def _resize_batch(value: Any, batch: int, size: int, dim: int = 0) -> Any:
     """``value`` with every tensor whose dimension ``dim`` is ``batch`` cut (or repeated) to ``size`` examples along
     it (else, for ``dim > 0``, along dimension 0 if that is ``batch``: a batch-first mask beside a sequence-first
-    input), through lists, tuples and dicts."""
+    input), through lists, tuples, dicts and dataclasses."""
     if isinstance(value, Tensor):
         at = dim if value.dim() > dim and value.shape[dim] == batch else 0
         if value.dim() >= 1 and value.shape[at] == batch:
@@ -97,6 +108,10 @@ def _resize_batch(value: Any, batch: int, size: int, dim: int = 0) -> Any:
         return type(value)({k: _resize_batch(v, batch, size, dim) for k, v in value.items()})
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
         return type(value)(*(_resize_batch(v, batch, size, dim) for v in value))
+    fields = _fields(value)
+    if fields is not None:  # a dataclass batch: a copy with its tensor fields resized (init=False fields kept)
+        return dataclasses.replace(value, **{k: _resize_batch(v, batch, size, dim) for k, v in fields.items()
+                                             if any(f.name == k and f.init for f in dataclasses.fields(value))})
     if isinstance(value, (list, tuple)):
         return type(value)(_resize_batch(v, batch, size, dim) for v in value)
     return value
