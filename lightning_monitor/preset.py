@@ -81,8 +81,9 @@ class HealthMonitor(Callback):
       once per epoch on the distribution of the epoch's per-sample scores; scoring the batches of every
       10th step estimates that distribution's mean and kurtosis from a tenth of the samples (at the
       example GPT's 1024 scored tokens a step, the scores of all steps cost 6% of the run, a tenth of
-      them 0.6%). An epoch of fewer than about 40 optimizer steps gets few scored batches (fewer than 4
-      samples: no score for that epoch, with a warning): pass ``gwa={"every_n_steps": 1}`` there.
+      them 0.6%). With ``min_epoch_samples=256`` the cadence is lowered at the first scored step when an
+      epoch would give fewer than 256 scored samples (a small dataset: down to every step), said in one
+      ``cadence`` info alert: the kurtosis of a few dozen scores is noise.
 
     The guard keeps its cadence: it judges every step's loss and gradient norm.
 
@@ -115,7 +116,7 @@ class HealthMonitor(Callback):
     DEFAULTS: ClassVar[dict[str, dict[str, Any]]] = {
         "spectral": {},
         "noise_scale": {"every_n_steps": 50},
-        "gwa": {"every_n_steps": 10},
+        "gwa": {"every_n_steps": 10, "min_epoch_samples": 256},
         "guard": {},
         "grades": {},
     }

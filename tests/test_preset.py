@@ -6,6 +6,7 @@ trains, and per-layer statistics are folded into histograms by default."""
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -456,3 +457,24 @@ def test_fused_norms_of_mixed_dtypes_match_the_oracle() -> None:
     for a, b in zip(got, want):
         assert float(a) == pytest.approx(float(b), rel=1e-6)
     assert foreach_norm(ts[:1], 2.0, dtype=torch.float32)[0].dtype == torch.float32  # only wide tensors
+
+
+def test_gwa_scores_enough_samples_an_epoch_on_a_small_dataset(tmp_path) -> None:
+    """96 samples, 6 steps an epoch: at the preset's every 10th step an epoch scored 0 or 16 samples (warnings that it
+    skipped epochs, and kurtosis judged on 16 scores). ``min_epoch_samples=256`` lowers the cadence to every step at
+    the first scored step (one ``cadence`` info alert): every epoch is scored whole. Its state key stays the
+    configured one."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 8, generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :3].argmax(1)), batch_size=16)
+    hm = lm.HealthMonitor(**FAST)
+    key = hm.gwa.state_key
+    trainer = _trainer(tmp_path, [hm], max_steps=24)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_Net(3, torch.nn.functional.cross_entropy), loader)
+    assert hm.gwa.every_n_steps == 1 and hm.gwa.state_key == key
+    said = [a for a in hm.guard.hub.history if a.kind == "cadence"]
+    assert len(said) == 1 and said[0].severity == "info" and said[0].step == 1  # after the first step
+    assert [h["count"] for h in hm.gwa.history][1:] == [96, 96, 96]  # the first epoch lost the step before the change
+    assert not [w for w in caught if "GWA skipped" in str(w.message)]

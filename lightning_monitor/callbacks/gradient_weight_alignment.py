@@ -279,6 +279,12 @@ class GradientWeightAlignmentMonitor(Monitor):
             ``histogram``.
         every_n_steps: score the batches of every this many optimizer steps (1: all samples, the
             paper's setting; larger values estimate the epoch's score from a subsample).
+        min_epoch_samples: when set, ``every_n_steps`` is lowered, once per fit after the first scored step, so
+            that an epoch scores at least about this many samples (its steps times the samples of a step, all
+            ranks together, over ``every_n_steps``; never below 1): the epoch's kurtosis, which GWA divides by,
+            is too noisy to mean anything on a few dozen samples (its standard error is about ``sqrt(24 / n)``).
+            Said in one ``cadence`` info alert. ``None`` (default): ``every_n_steps`` as given. The preset
+            passes 256.
         warmup_steps: score nothing before this optimizer step.
         shift_targets: targets ``[B, T]`` are the labels of a causal LM, which its loss shifts (the
             logits at position ``t`` predict the label at ``t + 1``): score against ``labels[:, 1:]``, the
@@ -343,8 +349,12 @@ class GradientWeightAlignmentMonitor(Monitor):
         warmup_steps: int = 0,
         shift_targets: Optional[bool] = None,
         run_suspects: bool = True,
+        min_epoch_samples: Optional[int] = None,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
+        self._configured_every = self.every_n_steps
+        self.min_epoch_samples = None if min_epoch_samples is None else check_int("min_epoch_samples",
+                                                                                  min_epoch_samples, 1)
         if shift_targets is not None and not isinstance(shift_targets, bool):
             raise TypeError(f"`shift_targets` must be True, False or None (detect), got {shift_targets!r}.")
         if head is not None and (not isinstance(head, str) or not head):
@@ -396,18 +406,21 @@ class GradientWeightAlignmentMonitor(Monitor):
         return self.log_histograms
 
     # ------------------------------------------------------------------ identity / state
-    def _state_key(self) -> str:
+    def _state_key(self) -> str:  # the cadence as configured (min_epoch_samples may lower it during a fit)
         return self._generate_state_key(
-            head=self.head, every_n_steps=self.every_n_steps, warmup_steps=self.warmup_steps, stop=self.stop
+            head=self.head, every_n_steps=self._configured_every, warmup_steps=self.warmup_steps, stop=self.stop
         )
 
     @property
     def _legacy_state_key(self) -> str:  # type: ignore[override]
         # the key of checkpoints written before warmup_steps was part of it (Lightning's fallback key)
-        return self._generate_state_key(head=self.head, every_n_steps=self.every_n_steps, stop=self.stop)
+        return self._generate_state_key(head=self.head, every_n_steps=self._configured_every, stop=self.stop)
 
     def _reset_run_state(self) -> None:
         super()._reset_run_state()
+        if "_configured_every" in self.__dict__:  # a new run scores at the configured cadence until it is set again
+            self.every_n_steps = self._configured_every
+        self._scored_rows: Optional[int] = None  # the samples of the fit's first scored micro-batch (min_epoch_samples)
         self.history: list[dict[str, Any]] = []
         self._pending_no_softmax: Optional[tuple[int, str]] = None  # said once the first batch's targets fit
         self._load_selection_state({})
@@ -1000,6 +1013,8 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._flush()
         self._stash.append(_Kept(z_norm, wz, out, targets, w_norm, indices))
         self._stashed += 2 * out.numel()
+        if self._scored_rows is None and self.min_epoch_samples is not None:
+            self._scored_rows = out.numel() // max(out.shape[-1], 1)
         raw, self._check_raw = self._check_raw, None
         if raw is not None and output.requires_grad and self._check_capture is None:
             self._capture_gradient(output, out, targets, raw)
@@ -1347,6 +1362,8 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._settle_targets(trainer)
             if self.idle_reason is not None:
                 return
+        if self._scored_rows is not None and self._scored_rows > 0 and self.every_n_steps == self._configured_every:
+            self._set_cadence(trainer)
         if self._pending is not None:  # the head did not run in this batch's forward
             self.release()
             self._pending = None
@@ -1357,6 +1374,29 @@ class GradientWeightAlignmentMonitor(Monitor):
         # the hook's batch_idx is the loop's batch count in this epoch minus one (also after a mid-epoch resume)
         if trainer.is_last_batch or batch_idx + 1 >= trainer.num_training_batches:
             self._finish_epoch(trainer, complete=True)
+
+    def _set_cadence(self, trainer: pl.Trainer) -> None:
+        """``min_epoch_samples``: lower ``every_n_steps`` (once per fit) so that an epoch scores about that many
+        samples, from the first scored micro-batch's samples, the gradient accumulation and the ranks (each rank
+        decides alike from its own first batch: the samplers give every rank batches of one size)."""
+        rows, self._scored_rows = self._scored_rows, -1  # decided once
+        batches = trainer.num_training_batches
+        if not isinstance(batches, int) or batches <= 0 or rows is None or self.min_epoch_samples is None:
+            return  # an epoch of unknown length: the cadence as given
+        accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
+        steps = max(batches // accumulate, 1)
+        per_epoch = steps * rows * accumulate * max(trainer.world_size, 1)
+        every = max(1, min(self.every_n_steps, per_epoch // self.min_epoch_samples))
+        if every >= self.every_n_steps:
+            return
+        was, self.every_n_steps = self.every_n_steps, every
+        self.alert(
+            trainer.global_step, "cadence", "info",
+            f"An epoch holds about {per_epoch} samples ({steps} steps): scoring every {was} steps would give about "
+            f"{per_epoch // was} an epoch, too few for the kurtosis GWA divides by (min_epoch_samples="
+            f"{self.min_epoch_samples}); scoring every {every} step{'s' if every > 1 else ''} from here.",
+            value=float(every),
+        )
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.idle_reason is not None:
