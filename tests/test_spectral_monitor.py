@@ -527,3 +527,39 @@ def test_every_layer_frozen_is_said_once_and_cleared_when_one_trains_again(tmp_p
     rows = list(csv.DictReader(open(os.path.join(tr.logger.log_dir, "metrics.csv"))))
     measured = sorted({int(r["step"]) for r in rows if r.get("sa/sign_diversity_mean", "") != ""})
     assert measured == [0, 4, 16]
+
+
+class _ReluRegression(pl.LightningModule):
+    """A healthy regression MLP: its second Linear takes ReLU outputs, inputs of one sign."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                                        torch.nn.ReLU())
+        self.head = torch.nn.Linear(64, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.head(self.body(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_a_layer_fed_non_negative_inputs_never_counts_for_a_collapse(tmp_path):
+    """Its sign diversity falls to 0 by nature as v_1 turns toward the mean of its (non-negative) inputs; on a healthy
+    regression, with its early baseline taken while v_1 was still random, that read as a collapse of half the layers
+    (a warning at step 600, 4 seeds of 4). The inputs' sign is read at each check."""
+    pl.seed_everything(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(320, 16, generator=g)
+    y = torch.stack([x[:, :4].sum(1), (x[:, 4:8] ** 2).sum(1) * 0.3], 1)
+    mon = SpectralAlignmentMonitor(every_n_steps=50)
+    tr = trainer(tmp_path, [mon], max_steps=700, logger=CSVLogger(str(tmp_path), name="csv"))
+    tr.fit(_ReluRegression(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16,
+                                                          shuffle=True))
+    assert set(mon.layers) == {"body.0", "body.2"}
+    assert mon._one_sign == {"body.2"}
+    assert float(tr.callback_metrics["sa/body.2/sign_diversity"]) <= 0.1  # collapsed by nature ...
+    assert not [a for a in mon._hub.history if a.kind == "collapse"]  # ... and not taken for a collapse
+    assert not [k for k in tr.callback_metrics if "one_sign" in k]  # the flag is not logged

@@ -27,8 +27,9 @@ Rules (model level; every threshold is relative to the run's own history):
 
 * **collapse.** A layer's baseline is the median of its ``D`` over the last ``baseline_window``
   checks outside a collapse; the first ``baseline_checks`` checks (after ``warmup_steps``) only build
-  it. A layer is *eligible* when its baseline is at least ``min_baseline``: layers whose inputs share
-  a sign by nature (after GELU/ReLU) sit at ``D ~ 0`` in healthy training and never count. The
+  it. A layer is *eligible* when its baseline is at least ``min_baseline`` and its inputs at the check are not
+  all ``>= 0``: layers whose inputs share a sign by nature (after GELU/ReLU) sit at ``D ~ 0`` in healthy
+  training and never count (a ReLU-fed layer's early baseline, with ``v_1`` still random, can be high). The
   condition holds at a check when ``collapsed_fraction`` (the share of eligible layers with
   ``D <= collapse_threshold``) is at least ``warn_fraction``, or when ``diversity_ratio`` (the eligible
   layers' mean ``D`` over the mean of their baselines) is at most ``1 - max_drop``. Held for
@@ -70,6 +71,9 @@ from lightning_monitor.probes.per_example.attention import route_out_proj
 from lightning_monitor.selection import as_patterns, linear_types, select_modules, weight_matrix
 
 __all__ = ["SpectralAlignmentMonitor", "find_output_head"]
+
+#: prefix of the per-layer flag "inputs all >= 0 at this check", carried from compute to judge (never logged)
+_ONE_SIGN = "\x00one_sign/"
 
 AUTO = "auto"
 
@@ -277,6 +281,7 @@ class SpectralAlignmentMonitor(Monitor):
 
     def _reset_run_state(self) -> None:
         super()._reset_run_state()
+        self._one_sign: set[str] = set()  # layers whose inputs at the last check were all >= 0
         # persistent state (state_dict)
         self._vectors: dict[str, Tensor] = {}
         self._history: dict[str, list[float]] = {}
@@ -437,6 +442,9 @@ class SpectralAlignmentMonitor(Monitor):
             self._vectors[n] = basis
             alignments[n], metrics[self.key("sign_diversity", n)], metrics[self.key("mean_abs", n)] = per_layer[n]
             metrics[self.key("sigma", n)] = sigma
+            # inputs of one sign (after a ReLU): their diversity falls to 0 by nature as v_1 turns to their mean, so
+            # the layer never counts for a collapse (read on the host with the other values; not logged)
+            metrics[_ONE_SIGN + n] = (rows[n].min() >= 0).float()
         return metrics, alignments
 
     def compute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[dict[str, Tensor]]:
@@ -463,6 +471,12 @@ class SpectralAlignmentMonitor(Monitor):
         return metrics
 
     def judge(self, trainer: pl.Trainer, step: int, values: dict[str, float]) -> dict[str, float]:
+        for key in [k for k in values if k.startswith(_ONE_SIGN)]:
+            name = key[len(_ONE_SIGN):]
+            if values.pop(key) > 0.5:
+                self._one_sign.add(name)
+            else:
+                self._one_sign.discard(name)
         names = list(self._alignments)
         diversity = {n: values[self.key("sign_diversity", n)] for n in names}
         sigma = {n: values[self.key("sigma", n)] for n in names}
@@ -489,7 +503,7 @@ class SpectralAlignmentMonitor(Monitor):
         now, base = 0.0, 0.0
         for name, d in diversity.items():
             b = self.baseline(name)
-            if b is None or b < self.min_baseline:
+            if b is None or b < self.min_baseline or name in self._one_sign:
                 continue
             eligible.append(name)
             if not d > self.collapse_threshold:  # NaN counts as collapsed
