@@ -34,6 +34,8 @@ _REFERENCES = 4
 #: consecutive steps above ``blowup`` times the initial loss that make an explosion before the loss has a
 #: history (the first steps of a run are erratic: a spike that settles within a few steps is not a divergence)
 _EARLY_PATIENCE = 10
+#: after a new normal, the initial level is taken again as the median of this many losses (if lower than the first)
+_REANCHOR_STEPS = 10
 #: factor over its lowest value at which a creeping smoothed loss is judged like an explosion (a slow climb)
 _CLIMB = 1.5
 #: steps after a rollback within which a creep is judged as a climb (see _creep)
@@ -749,6 +751,12 @@ class DivergenceGuard(Monitor):
         if loss is not None and math.isfinite(loss) and self._levels and not self._signed_loss(step, loss):
             if len(self._initial) < 3:
                 self._initial.append(loss)
+            elif self._reanchor is not None:
+                floor, seen = self._reanchor
+                seen.append(loss)
+                if len(seen) >= _REANCHOR_STEPS:
+                    self._initial = [max(floor, min(self._anchor(), median(seen)))] * 3
+                    self._reanchor = None
             anchor = self._anchor()
             ready = self._loss_watch.ready
             level = self._loss_watch.level() if ready else anchor
@@ -1230,7 +1238,12 @@ class DivergenceGuard(Monitor):
         average restarts, and a rise under way ends there (snapshots are taken again at once)."""
         self._loss_watch.reseed(values)
         if values:
-            self._initial = [max(self._anchor(), values[0])] * 3
+            # at once the first of them (a new loss's scale); after _REANCHOR_STEPS losses, their median, if lower: the
+            # first value of a shift is its peak (a jump to 40% flipped labels: 4.4 against a settled 1.5 and an
+            # uninformed 2.3), which held every later threshold up (a collapse to chance then went unseen)
+            floor = self._anchor()
+            self._initial = [max(floor, values[0])] * 3
+            self._reanchor = (floor, [])
         self._ema, self._ema_weight, self._ema_min = 0.0, 0.0, math.inf
         self._creep_high, self._creep_start, self._climb_judged = False, None, False
 
@@ -1741,6 +1754,7 @@ class DivergenceGuard(Monitor):
         return {
             "loss": self._loss_watch.state_dict(),
             "initial": list(self._initial),
+            "reanchor": None if self._reanchor is None else [self._reanchor[0], list(self._reanchor[1])],
             "creep": {"ema": self._ema, "weight": self._ema_weight, "min": self._ema_min, "warned_at": self._creep_warned_at},
             "lr_at_min": self._lr_at_min,
             "wd_at_min": _copy_rows(self._wd_at_min),
@@ -1751,6 +1765,9 @@ class DivergenceGuard(Monitor):
     def _load_detector_state(self, state: dict[str, Any]) -> None:
         self._loss_watch.load_state_dict(state.get("loss", {}))
         self._initial = [float(x) for x in state.get("initial", [])]
+        reanchor = state.get("reanchor")
+        self._reanchor: Optional[tuple[float, list[float]]] = (
+            None if reanchor is None else (float(reanchor[0]), [float(x) for x in reanchor[1]]))
         creep = state.get("creep", {})
         self._ema, self._ema_weight = creep.get("ema", 0.0), creep.get("weight", 0.0)
         self._ema_min = creep.get("min", math.inf)
