@@ -40,6 +40,9 @@ _REANCHOR_STEPS = 10
 _CLIMB = 1.5
 #: steps after a rollback within which a creep is judged as a climb (see _creep)
 _AFTER_ROLLBACK = 200
+#: a creep episode whose smoothed loss has risen by at most _PLATEAU_RISE over _PLATEAU_STEPS steps has settled
+_PLATEAU_STEPS = 100
+_PLATEAU_RISE = 0.05
 #: factor by which a learning rate must have come back up from its low to make a warm restart (``lr_restart``)
 _RESTART = 1.5
 
@@ -869,9 +872,22 @@ class DivergenceGuard(Monitor):
             if raised is not None and raised.kind == "loss_creep":
                 self._creep_warned_at = self._ema_min
         if not active:
-            self._creep_start, self._climb_judged = None, False
+            self._creep_start, self._climb_judged, self._plateau = None, False, None
             return False
         self._creep_start = step if self._creep_start is None else self._creep_start
+        # a rise that has stopped: the smoothed loss no higher than _PLATEAU_STEPS steps ago (by _PLATEAU_RISE) is a
+        # level the run settled at (a KL weight annealed to 1, an objective ramped by design), not a slow divergence:
+        # the new minimum, the warning cleared. Held above the halfway mark it refused every snapshot for the rest of
+        # the run (a rollback then lost 200 healthy steps)
+        if self._plateau is None or step - self._plateau[0] >= _PLATEAU_STEPS:
+            if self._plateau is not None and ema <= (1.0 + _PLATEAU_RISE) * self._plateau[1]:
+                self._plateau = None
+                self._ema_min, self._creep_start, self._climb_judged, self._creep_high = ema, None, False, False
+                self.condition(step, "loss_creep", False, "warning", "",
+                               clear_message=f"The smoothed loss has settled at a new level ({ema:.4g}): the new "
+                                             "normal from here.")
+                return False
+            self._plateau = (step, ema)
         climb = (ema >= _CLIMB * self._ema_min and ema - self._ema_min >= 0.25 * anchor
                  and self._loss_watch.level() >= 0.5 * (self._ema_min + ema))
         # soon after a rollback, a creep is judged at once: the rollback found the weights diverging, and a run that
@@ -1245,7 +1261,7 @@ class DivergenceGuard(Monitor):
             self._initial = [max(floor, values[0])] * 3
             self._reanchor = (floor, [])
         self._ema, self._ema_weight, self._ema_min = 0.0, 0.0, math.inf
-        self._creep_high, self._creep_start, self._climb_judged = False, None, False
+        self._creep_high, self._creep_start, self._climb_judged, self._plateau = False, None, False, None
 
     @staticmethod
     def _rank_mean(trainer: pl.Trainer, pl_module: pl.LightningModule, value: Optional[float]) -> Optional[float]:
@@ -1776,6 +1792,7 @@ class DivergenceGuard(Monitor):
         # rollback restores it ended with it: judged on, it rolled the restored weights back again at the next step)
         self._creep_high = False
         self._creep_start, self._climb_judged = None, False
+        self._plateau: Optional[tuple[int, float]] = None  # (step, smoothed loss) of the creep episode's last look
         self._lr_at_min = state.get("lr_at_min")
         self._wd_at_min: Optional[list[list[Optional[float]]]] = _copy_rows(state.get("wd_at_min"))
 
