@@ -41,6 +41,19 @@ def tb_texts(logdir: str) -> dict[str, list[tuple[int, str]]]:
     return out
 
 
+def digits_subset(n: int = 1200) -> tuple[Any, Any]:
+    """scikit-learn's digits as float inputs in [0, 1] and labels, ``n`` of them in a fixed random order (the guard's
+    digits runs)."""
+    import torch
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(123))[:n]
+    return x[perm], y[perm]
+
+
 @pytest.fixture
 def tiny_gpt():
     """Factory of a tiny example GPT LightningModule and its loader (fast on CPU)."""

@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import digits_subset
+
 from lightning_monitor import DivergenceGuard
 
 sklearn_datasets = pytest.importorskip("sklearn.datasets")
@@ -19,11 +21,7 @@ STEPS, JUMP, RAMP = 600, 300, (400, 450)
 
 
 def _stream() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    d = sklearn_datasets.load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(d.target, dtype=torch.long)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(123))[:1200]
-    x, y = x[perm], y[perm]
+    x, y = digits_subset()
     g = torch.Generator().manual_seed(52)
     out = []
     for s in range(STEPS + 50):

@@ -14,19 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import digits_subset
+
 from lightning_monitor import DivergenceGuard
 
 sklearn_datasets = pytest.importorskip("sklearn.datasets")
 
 STEPS = 200
-
-
-def _digits():
-    d = sklearn_datasets.load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(d.target, dtype=torch.long)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(123))[:1200]
-    return x[perm], y[perm]
 
 
 class Net(pl.LightningModule):
@@ -52,7 +46,7 @@ class Net(pl.LightningModule):
 def run(seed: int, max_lr: float):
     torch.set_num_threads(1)
     pl.seed_everything(seed, verbose=False)
-    x, y = _digits()
+    x, y = digits_subset()
     module = Net(max_lr)
     guard = DivergenceGuard()
     trainer = pl.Trainer(accelerator="cpu", max_steps=STEPS, max_epochs=-1, logger=False, enable_checkpointing=False,

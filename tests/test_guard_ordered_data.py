@@ -12,18 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
+from conftest import digits_subset
+
 from lightning_monitor import DivergenceGuard
 from lightning_monitor.alerts import AlertHub
 
 sklearn_datasets = pytest.importorskip("sklearn.datasets")
-
-
-def _digits():
-    d = sklearn_datasets.load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(d.target, dtype=torch.long)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(123))[:1200]
-    return x[perm], y[perm]
 
 
 class ByDifficulty(Sampler):
@@ -66,7 +60,7 @@ class Net(pl.LightningModule):
 def run(seed: int, hard_first: bool, steps: int, jump_at: int = -1):
     torch.set_num_threads(1)
     pl.seed_everything(seed, verbose=False)
-    x, y = _digits()
+    x, y = digits_subset()
     module = Net(jump_at)
     loader = DataLoader(TensorDataset(x, y), batch_size=32, sampler=ByDifficulty(module, x, y, hard_first))
     guard = DivergenceGuard()

@@ -49,34 +49,15 @@ def test_conv1d_used_twice_exact() -> None:
     assert probe.uncovered == []
 
 
-def test_llama_rmsnorm_exact() -> None:
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    class M(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inp = nn.Linear(5, 8)
-            self.norm = LlamaRMSNorm(8, eps=1e-6)
-            self.out = nn.Linear(8, 3)
-
-        def forward(self, x: Tensor) -> Tensor:
-            return self.out(self.norm(self.inp(x)))
-
-    torch.manual_seed(0)
-    model = M()
-    with torch.no_grad():
-        model.norm.weight.uniform_(0.5, 1.5)
-    probe = check(model, ce_seq, torch.randn(4, 6, 5), torch.randint(0, 3, (4, 6)))
-    assert probe.uncovered == []
-
-
 @pytest.mark.parametrize("path", [
+    "transformers.models.llama.modeling_llama.LlamaRMSNorm",
     "transformers.models.gemma.modeling_gemma.GemmaRMSNorm",
     "transformers.models.gemma3.modeling_gemma3.Gemma3RMSNorm",
     "transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm",
 ])
-def test_gemma_and_olmo2_rmsnorms_exact(path: str) -> None:
-    """Gemma's ``(xhat * (1 + w))`` and OLMo2's ``(w * xhat)``, both with ``xhat`` in fp32, against torch.func."""
+def test_hf_rmsnorms_exact(path: str) -> None:
+    """Llama's ``w * xhat.to(dtype)``, Gemma's ``(xhat * (1 + w))`` and OLMo2's ``(w * xhat)``, both with ``xhat`` in
+    fp32, against torch.func."""
     import importlib
 
     module, name = path.rsplit(".", 1)
