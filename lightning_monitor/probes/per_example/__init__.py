@@ -20,8 +20,9 @@ Layout (one file per module type, as opacus' grad samplers; a dispatch table as 
 
 Covering a new module type is a new file with a ``@register(MyModule)`` :class:`Handler` subclass,
 imported before the probe is built (a type of an optional library by name: :func:`register_by_name`).
-Parameters that no handler covers (``nn.MultiheadAttention``'s cross-attention input projection, ``nn.BatchNorm*``, custom modules, an
-Embedding with ``scale_grad_by_freq``), and those of modules whose input has no separable batch
+Parameters that no handler covers (``nn.MultiheadAttention``'s cross-attention input projection, ``nn.BatchNorm*``
+and what feeds it in training mode, custom modules, an Embedding with ``scale_grad_by_freq``), and those of
+modules whose input has no separable batch
 dimension (positions broadcast over the batch, found by the probe, see :class:`PerExampleGradNorms`),
 are listed in :attr:`PerExampleGradNorms.uncovered` with the reason in
 :attr:`PerExampleGradNorms.reasons`, never silently mixed in. A parameter used more than once in one

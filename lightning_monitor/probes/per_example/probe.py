@@ -392,9 +392,9 @@ class PerExampleGradNorms:
     so the extra small forward runs once per new shape. A model that fails on the slice (one that
     requires a fixed batch size) leaves the modules of that call uncovered, with the reason;
     ``batch_dims`` declares them instead. With the batch's size known (below), the other dimensions of that size
-    are tried first (a sequence-first model with fixed-length positions fails on a slice of its time steps). When the entry's own input is sequence-first, dimension 0 of its
-    first tensor argument is not the batch. With the batch's size known (:attr:`entry_batch_size`, set by
-    the noise-scale monitor from each micro-batch): if dimension 0 has another size, or the call's output
+    are tried first (a sequence-first model with fixed-length positions fails on a slice of its time steps). When
+    the entry's own input is sequence-first, dimension 0 of its first tensor argument is not the batch. With the
+    batch's size known (:attr:`entry_batch_size`, set by the noise-scale monitor from each micro-batch): if dimension 0 has another size, or the call's output
     stays as it is on the slice, the run is repeated slicing each other dimension of that argument of the
     batch's size, and the one the output follows is the batch; if none is and dimension 0 has another size,
     the call's modules are left out with that reason. An output sequence-first too, with ``T == B``, cannot
@@ -671,7 +671,8 @@ class PerExampleGradNorms:
     def _coupling_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """A BatchNorm about to normalise with its batch's statistics (training mode, or no running statistics): every
         parameter its input depends on is coupled across the examples (walked once per BatchNorm)."""
-        if self._dry is not None or _in_backward() or not torch.is_grad_enabled() or id(module) in self._coupling_walked:
+        if (self._dry is not None or _in_backward() or not torch.is_grad_enabled()
+                or id(module) in self._coupling_walked):
             return
         if module.training is False and module.track_running_stats:  # type: ignore[union-attr]
             return  # eval mode with running statistics: each example is normalised on its own
