@@ -69,6 +69,17 @@ FAMILIES = {
         vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
         conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4,
         num_conv_pos_embedding_groups=2, num_labels=3, classifier_proj_size=8, layerdrop=0.0)), _audio),
+    # Gemma's RMSNorm (1 + w) and scaled embedding, OLMo2's RMSNorm (w * xhat in fp32), GPT-OSS's fused experts with
+    # biases: handlers / components of their own
+    "Gemma3": (lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, num_hidden_layers=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=T, **H)),
+        _tokens),
+    "OLMo2": (lambda: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(
+        vocab_size=VOCAB, num_hidden_layers=2, num_key_value_heads=1, max_position_embeddings=T, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, **H)), _tokens),
+    "GPT-OSS": (lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        vocab_size=VOCAB, num_hidden_layers=2, num_key_value_heads=1, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=T, **H)), _tokens),
     # SpecAugment writes into the feature projection's output in place (no dropout after it here): the per-example
     # probe's fused Linear returned a view, which autograd forbids writing into (the fit failed at the second check)
     "HuBERT (SpecAugment)": (lambda: transformers.HubertForSequenceClassification(transformers.HubertConfig(
@@ -163,3 +174,20 @@ def test_families_without_a_softmax_head_for_their_labels(tmp_path, family: str)
     for name, prefix in (("SpectralAlignment", "sa/"), ("GradientNoiseScale", "gns/")):
         assert run.monitors[name].idle_reason is None and any(k.startswith(prefix) for k in run.scalars), name
     assert not run.monitors["DivergenceGuard"].rollbacks and run.monitors["DivergenceGuard"].stopped_step is None
+
+
+@pytest.mark.parametrize("family", ["Gemma3", "OLMo2"])
+def test_gemma_and_olmo2_are_covered_whole(tmp_path, family: str) -> None:
+    """Their norms (and Gemma's scaled, tied embedding) have handlers: every parameter's per-example norm is computed
+    (a tiny Gemma3 left 14 of 28 parameters out, 0.566 of the gradient's squared norm covered; OLMo2 9 of 25)."""
+    make, item = FAMILIES[family]
+    run = fit_zoo_model(ZooEntry(family, make, _hf_loss, item, hf=True), str(tmp_path))
+    assert [v for _, v in run.scalars["gns/coverage"]] == [1.0, 1.0]
+    assert uncovered_modules(run.monitors["GradientNoiseScale"]) == {}
+
+
+def test_gpt_oss_fused_experts_are_grades_components(tmp_path) -> None:
+    make, item = FAMILIES["GPT-OSS"]
+    run = fit_zoo_model(ZooEntry("GPT-OSS", make, _hf_loss, item, hf=True), str(tmp_path))
+    names = run.monitors["GradientEarlyStopping"]._names
+    assert {f"model.model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")} <= set(names)
