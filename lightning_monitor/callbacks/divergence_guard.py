@@ -1168,8 +1168,7 @@ class DivergenceGuard(Monitor):
     def _attribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, start: int, level: float,
                    climb: bool = False) -> Optional[tuple[str, float, float]]:
         """``("weights" | "data" | "forgotten" | "transient", loss now, lowest loss of the snapshots asked)`` on the current
-        batch, or
-        ``None`` when it cannot be told (no snapshot before ``start``, manual optimization, no batch).
+        batch, or ``None`` when it cannot be told (no snapshot before ``start``, manual optimization, no batch).
 
         The batch is evaluated with every kept snapshot from before ``start``. It is the data only when each of
         them finds it about as hard: a batch that is hard by itself is hard for older weights too, while weights

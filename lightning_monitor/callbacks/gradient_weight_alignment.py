@@ -1370,7 +1370,7 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._settle_targets(trainer)
             if self.idle_reason is not None:
                 return
-        if self._scored_rows is not None and self._scored_rows > 0 and self.every_n_steps == self._configured_every:
+        if self._scored_rows is not None and self._scored_rows > 0:  # the fit's first scored step (-1 once decided)
             self._set_cadence(trainer)
         if self._pending is not None:  # the head did not run in this batch's forward
             self.release()

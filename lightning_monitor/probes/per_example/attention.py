@@ -106,22 +106,9 @@ class MultiheadAttentionHandler(Handler):
 
     def patch_forward(self, m: nn.Module, uses: Any, rule: Any) -> Optional[Callable[..., Any]]:
         forward = type(m).forward
-        out_proj = m.out_proj
-        state: dict[str, Any] = {"in_out_proj": False, "shape": (0, 0)}
 
-        def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-            if weight is out_proj.weight and not state["in_out_proj"]:
-                # the function flattens the attention's output to [L * N, E] (L-major) before out_proj: out_proj is
-                # called on its [L, N, E] view (the same product), so that the batch has a dimension of its own
-                length, batch = state["shape"]
-                state["in_out_proj"] = True  # out_proj's own forward calls F.linear too: plain there
-                try:
-                    if x.dim() == 2 and x.shape[0] == length * batch:
-                        return out_proj(x.view(length, batch, x.shape[1])).view(length * batch, -1)
-                    return out_proj(x)  # its hooks see this use
-                finally:
-                    state["in_out_proj"] = False
-            if weight is not m.in_proj_weight or not uses.params:  # cross-attention's slices, or frozen
+        def in_proj(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+            if not uses.params:  # frozen: only out_proj is routed
                 return _PLAIN_LINEAR(x, weight, bias)
             mode = uses.note(x)
             out = _PLAIN_LINEAR(x, weight, bias)
@@ -132,12 +119,9 @@ class MultiheadAttentionHandler(Handler):
         def patched(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Any:
             if not (query is key and key is value) and torch.is_grad_enabled() and uses.params:
                 uses.probe._refused.setdefault(uses.name, _CROSS)
-            if query.dim() == 3:
-                state["shape"] = tuple(query.shape[1::-1]) if m.batch_first else tuple(query.shape[:2])
-            else:  # unbatched [L, E]
-                state["shape"] = (query.shape[0], 1)
             with _LOCK:
-                before, F.linear = F.linear, linear
+                before = F.linear
+                F.linear = _interceptor(m, before, _call_shape(m, query), in_proj)
                 try:
                     return forward(m, query, key, value, *args, **kwargs)
                 finally:
@@ -153,35 +137,59 @@ class _Projection:
         self.weight, self.bias, self.in_features, self.out_features = weight, bias, in_features, out_features
 
 
+def _call_shape(mha: nn.MultiheadAttention, query: Tensor) -> tuple[int, int]:
+    """``(L, N)`` of a call of ``mha`` on ``query`` (``N = 1`` unbatched)."""
+    if query.dim() == 3:
+        return tuple(query.shape[1::-1]) if mha.batch_first else tuple(query.shape[:2])  # type: ignore[return-value]
+    return query.shape[0], 1
+
+
+def _interceptor(mha: nn.MultiheadAttention, before: Callable[..., Tensor], shape: Optional[tuple[int, int]] = None,
+                 in_proj: Optional[Callable[[Tensor, Tensor, Optional[Tensor]], Tensor]] = None) -> Callable[..., Tensor]:
+    """``torch.nn.functional.linear`` for one call of ``mha``: the product with ``out_proj.weight`` is made by calling
+    ``out_proj`` itself (its hooks see the use), with ``shape`` ``(L, N)`` on the ``[L, N, E]`` view of the
+    ``[L * N, E]`` (L-major) input the attention flattens it to, so that the batch has a dimension of its own; the
+    packed projection goes to ``in_proj`` when given; anything else to ``before``. Inside ``out_proj``'s own forward
+    the product is the plain one."""
+    inside = [False]
+
+    def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        if weight is mha.out_proj.weight:
+            if inside[0]:
+                return _PLAIN_LINEAR(x, weight, bias)
+            inside[0] = True
+            try:
+                if shape is not None and x.dim() == 2 and x.shape[0] == shape[0] * shape[1]:
+                    length, batch = shape
+                    return mha.out_proj(x.view(length, batch, x.shape[1])).view(length * batch, -1)
+                return mha.out_proj(x)
+            finally:
+                inside[0] = False
+        if in_proj is not None and weight is mha.in_proj_weight:  # cross-attention's slices are other tensors
+            return in_proj(x, weight, bias)
+        return before(x, weight, bias)
+
+    return linear
+
+
 def route_out_proj(mha: nn.MultiheadAttention) -> list[RemovableHandle]:
-    """Hooks on ``mha`` that make each of its calls apply ``out_proj`` by calling the module (its own ``F.linear``,
+    """Hooks on ``mha`` that make each of its calls apply ``out_proj`` by calling the module (see :func:`_interceptor`:
     the same product), so that hooks on ``out_proj`` see its input: ``torch.nn.functional.linear`` is intercepted
     from the forward pre-hook to the forward hook (which runs even when the forward raises). Remove the returned
     handles to stop; nothing is installed otherwise."""
-    state: dict[str, Any] = {"inside": False, "before": []}
+    saved: list[Callable[..., Tensor]] = []
 
     # eager under torch.compile, as the probe's and the input capture's hooks
     @torch.compiler.disable
     def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
         _LOCK.acquire()
-        before = F.linear
-        state["before"].append(before)
-
-        def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-            if weight is mha.out_proj.weight and not state["inside"]:
-                state["inside"] = True
-                try:
-                    return mha.out_proj(x)
-                finally:
-                    state["inside"] = False
-            return before(x, weight, bias)
-
-        F.linear = linear
+        saved.append(F.linear)
+        F.linear = _interceptor(mha, saved[-1])
 
     @torch.compiler.disable
     def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if state["before"]:
-            F.linear = state["before"].pop()
+        if saved:
+            F.linear = saved.pop()
             _LOCK.release()
 
     return [mha.register_forward_pre_hook(pre), mha.register_forward_hook(post, always_call=True)]
