@@ -60,3 +60,50 @@ def test_conv1d_exact(kind: str) -> None:
     x = torch.randn(5, conv.in_channels, 9)
     probe = check(model, F.mse_loss, x, torch.randn(5, conv.out_channels))
     assert probe.uncovered == []
+
+
+CONVNDS = {
+    "conv3d": (lambda: nn.Conv3d(2, 3, 3), (5, 2, 5, 6, 4)),
+    "conv3d_stride_groups": (lambda: nn.Conv3d(4, 6, (3, 2, 2), stride=2, padding=1, groups=2), (5, 4, 6, 6, 5)),
+    "conv3d_same_reflect": (lambda: nn.Conv3d(2, 3, 3, padding="same", padding_mode="reflect"), (4, 2, 5, 5, 5)),
+    "transposed1d": (lambda: nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, output_padding=1), (5, 3, 7)),
+    "transposed2d": (lambda: nn.ConvTranspose2d(3, 4, 3, stride=2), (5, 3, 5, 4)),
+    "transposed2d_groups_dilation": (lambda: nn.ConvTranspose2d(4, 6, 2, groups=2, dilation=2, bias=False), (5, 4, 5, 4)),
+    "transposed3d": (lambda: nn.ConvTranspose3d(2, 3, 2, stride=2), (4, 2, 3, 3, 2)),
+}
+
+
+@pytest.mark.parametrize("kind", list(CONVNDS))
+@pytest.mark.parametrize("cap", [None, 0])
+def test_conv3d_and_transposed_exact(kind: str, cap) -> None:
+    """Conv3d and ConvTranspose1d/2d/3d against torch.func, in one chunk and one example at a time (cap 0)."""
+    torch.manual_seed(0)
+    make, shape = CONVNDS[kind]
+    conv = make()
+    pool = {3: nn.AdaptiveAvgPool1d, 4: nn.AdaptiveAvgPool2d, 5: nn.AdaptiveAvgPool3d}[len(shape)](1)
+    model = nn.Sequential(conv, nn.Tanh(), pool, nn.Flatten())
+    kw = {} if cap is None else {"max_fused_bytes": cap}
+    probe = check(model, F.mse_loss, torch.randn(*shape), torch.randn(shape[0], conv.out_channels), **kw)
+    assert probe.uncovered == []
+
+
+class _UpDown(nn.Module):
+    """A decoder step as U-Nets write it: a transposed convolution given the skip's size, used twice (shared)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Conv2d(3, 4, 3, stride=2, padding=1)
+        self.up = nn.ConvTranspose2d(4, 4, 3, stride=2, padding=1)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.down(x))
+        u = torch.tanh(self.up(h, output_size=x.shape[-2:]))  # output padding from the size asked for
+        u = u + torch.tanh(self.up(h, output_size=[x.shape[-2] - 1, x.shape[-1] - 1])).mean((2, 3), keepdim=True)
+        return self.head(u.mean((2, 3)))
+
+
+def test_transposed_output_size_and_shared_use_exact() -> None:
+    torch.manual_seed(0)
+    probe = check(_UpDown(), F.cross_entropy, torch.randn(5, 3, 8, 8), torch.randint(0, 2, (5,)))
+    assert probe.uncovered == []

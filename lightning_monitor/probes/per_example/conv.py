@@ -3,7 +3,11 @@ padding modes): the per-example weight gradients by one weight-gradient convolut
 folded into the groups (:func:`per_example_conv_grads`, no unfolding), or the Gram form of the Linear
 form on unfolded patches, by the rule of :class:`~.strategy.LinearRule`; bias ``||sum_l d_l||^2``. A
 plain zero-padded convolution takes the fused path: its backward returns the sum of the per-example
-gradients as the weight gradient (:class:`_FusedConv`)."""
+gradients as the weight gradient (:class:`_FusedConv`).
+
+``nn.Conv3d`` and the transposed convolutions (``nn.ConvTranspose1d/2d/3d``) take the same
+weight-gradient convolution over the folded batch (transposed for the latter), a chunk of examples at a
+time when their gradients would exceed the probe's memory cap (:class:`ConvNdHandler`)."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from torch import Tensor, nn
 from lightning_monitor._compat import has_forward_pre_hooks
 from lightning_monitor.probes.per_example.kernels import forward_under_autocast, linear_sq_norms, project_matrix
 from lightning_monitor.probes.per_example.registry import Handler, register
-from lightning_monitor.probes.per_example.strategy import LinearRule
+from lightning_monitor.probes.per_example.strategy import LinearRule, examples_at_once
 
 
 def _padded(m: nn.Module, x: Tensor) -> tuple[Tensor, list[int]]:
@@ -52,16 +56,25 @@ def unfold_input(m: nn.Module, x: Tensor) -> Tensor:
 def per_example_conv_grads(m: nn.Module, x: Tensor, g: Tensor) -> Tensor:
     """``[B, *weight.shape]``: each example's weight gradient, in fp32, by one weight-gradient convolution
     over the batch folded into the groups (``B * groups``): the kernel autograd uses for the layer's own
-    weight gradient, without unfolding the input."""
+    weight gradient, without unfolding the input. A transposed convolution (``nn.ConvTranspose*d``) takes
+    the transposed kernel, with the output padding read off the shapes (a forward given ``output_size``)."""
     b, grp = x.shape[0], m.groups
     w = m.weight
-    x, padding = _padded(m, x.float())
     nd = len(m.kernel_size)
+    transposed = isinstance(m, nn.modules.conv._ConvTransposeNd)
+    if transposed:  # zero padding only (torch refuses other modes for a transposed convolution)
+        padding = list(m.padding)
+        out_pad = [o - ((i - 1) * s - 2 * p + d * (k - 1) + 1) for o, i, s, p, d, k in
+                   zip(g.shape[2:], x.shape[2:], m.stride, m.padding, m.dilation, m.kernel_size)]
+        x = x.float()
+    else:
+        x, padding = _padded(m, x.float())
+        out_pad = [0] * nd
     # only the shape of the weight matters to the weight gradient: an uninitialised tensor, no copy of B weights
     shape_only = torch.empty((b * w.shape[0], *w.shape[1:]), dtype=torch.float32, device=w.device)
     gw = torch.ops.aten.convolution_backward(
         g.float().reshape(1, b * g.shape[1], *g.shape[2:]), x.reshape(1, b * x.shape[1], *x.shape[2:]), shape_only,
-        None, list(m.stride), padding, list(m.dilation), False, [0] * nd, b * grp, [False, True, False],
+        None, list(m.stride), padding, list(m.dilation), transposed, out_pad, b * grp, [False, True, False],
     )[1]
     return gw.reshape(b, *w.shape)
 
@@ -168,6 +181,52 @@ class Conv2dHandler(Handler):
             return out
 
         return fused_forward
+
+
+@register(nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+class ConvNdHandler(Handler):
+    """``nn.Conv3d`` and the transposed convolutions: each example's weight gradient by
+    :func:`per_example_conv_grads` (no unfolded form: ``F.unfold`` is 2-D only, and a transposed convolution's
+    patches are its output's), a chunk of examples at a time within the probe's memory cap (``max_fused_bytes``;
+    on CPU also within a core's cache, as the fused Linear); bias ``||sum_l d_l||^2``."""
+
+    def param_names(self, m: nn.Module) -> tuple[str, ...]:
+        return ("weight", "bias")
+
+    def capture(self, m: nn.Module, x: Tensor) -> Any:
+        return x if x.dim() == len(m.kernel_size) + 2 else None  # an unbatched input: skipped
+
+    def batch_dims(self, m: nn.Module, x: Tensor) -> int:
+        return 1
+
+    def sq_norms(self, m: nn.Module, x: Tensor, g: Tensor, rule: LinearRule) -> dict[str, Tensor]:
+        b = x.shape[0]
+        per = 4 * m.weight.numel()
+        n = examples_at_once(x.device.type, b, per)
+        if rule.max_bytes is not None:
+            n = max(1, min(n, rule.max_bytes // per))
+        parts = [per_example_conv_grads(m, x[i:i + n], g[i:i + n]).flatten(1).pow(2).sum(1) for i in range(0, b, n)]
+        out = {"weight": parts[0] if len(parts) == 1 else torch.cat(parts)}
+        if m.bias is not None:
+            out["bias"] = g.float().flatten(2).sum(2).pow(2).sum(1)
+        return out
+
+    def grads(self, m: nn.Module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
+        out = {"weight": per_example_conv_grads(m, x, g)}
+        if m.bias is not None:
+            out["bias"] = g.float().flatten(2).sum(2)
+        return out
+
+    def project(self, m: nn.Module, x: Tensor, g: Tensor, uv: dict[str, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+        """From the use's summed gradient (the per-example gradients' sum, a chunk of examples at a time)."""
+        out = {}
+        if "weight" in uv:
+            n = examples_at_once(x.device.type, x.shape[0], 4 * m.weight.numel())
+            total = sum(per_example_conv_grads(m, x[i:i + n], g[i:i + n]).sum(0) for i in range(0, x.shape[0], n))
+            out["weight"] = project_matrix(total, *uv["weight"])
+        if "bias" in uv:
+            out["bias"] = project_matrix(g.float().transpose(0, 1).flatten(1).sum(1), *uv["bias"])
+        return out
 
 
 def _sink(done: Callable[..., None]) -> Callable[..., None]:
