@@ -184,3 +184,62 @@ def test_frozen_expert_tensors_stay_frozen_in_fit(tmp_path) -> None:
     assert not torch.equal(seen[0][names[0]], seen[frozen_at][names[0]])  # they trained before ...
     for n in names:  # ... and not after (the freezing step's own update included)
         assert torch.equal(seen[frozen_at + 1][n], params[n].detach())
+
+
+def test_towers_are_components_not_an_output_head() -> None:
+    """The container of the last matrix layer is an output head only when nothing else in the model is a container of
+    its kind holding such layers: a dual encoder's second tower and an autoencoder's decoder are judged too (with only
+    the first tower judged, the run stopped while the other was still learning)."""
+
+    class Tower(nn.Module):
+        def __init__(self, i: int) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(i, 8), nn.Linear(8, 4)])
+
+    dual = nn.ModuleDict({"img": Tower(6), "txt": Tower(5)})
+    assert sorted(find_components(dual)) == ["img.layers.0", "img.layers.1", "txt.layers.0", "txt.layers.1"]
+    ae = nn.ModuleDict({"encoder": nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2)),
+                        "decoder": nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 8))})
+    assert sorted(find_components(ae)) == ["decoder.0", "decoder.2", "encoder.0", "encoder.2"]
+    encdec = nn.ModuleDict({"encoder": nn.ModuleList([nn.Linear(4, 4) for _ in range(2)]),
+                            "decoder": nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])})
+    assert sorted(find_components(encdec)) == ["decoder.0", "decoder.1", "encoder.0", "encoder.1"]
+
+
+def test_dual_encoder_fit_judges_both_towers(tmp_path) -> None:
+    """In a fit, GradES stops a CLIP-style run only once both towers' layers are frozen."""
+    import lightning.pytorch as pl
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_monitor import GradientEarlyStopping
+
+    class Clip(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.img = nn.ModuleDict({"layers": nn.ModuleList([nn.Linear(6, 16), nn.Linear(16, 8)])})
+            self.txt = nn.ModuleDict({"layers": nn.ModuleList([nn.Linear(5, 16), nn.Linear(16, 8)])})
+
+        def tower(self, t: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return F.normalize(t["layers"][1](torch.relu(t["layers"][0](x))), dim=-1)
+
+        def training_step(self, batch, _):
+            a, b = batch
+            logits = 10 * self.tower(self.img, a) @ self.tower(self.txt, b).T
+            return F.cross_entropy(logits, torch.arange(a.shape[0]))
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+    torch.manual_seed(0)
+    z = torch.randn(256, 4)
+    data = TensorDataset(torch.cat([z, z[:, :2] ** 2], 1), torch.cat([z, z[:, :1].sin()], 1))
+    grades = GradientEarlyStopping(grace_steps=10, tau=0.9)
+    trainer = pl.Trainer(max_steps=200, accelerator="cpu", logger=False, callbacks=[grades], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer.fit(Clip(), DataLoader(data, batch_size=16, shuffle=True, drop_last=True))
+    assert sorted(grades.components) == ["img.layers.0", "img.layers.1", "txt.layers.0", "txt.layers.1"]
+    assert grades.stopped_at is not None
+    # the stop came with every layer of both towers converged (the last one held trainable: nothing else is left)
+    assert sorted([*grades.frozen, *grades.held]) == sorted(grades.components)
+    assert any(n.startswith("txt.") for n in grades.frozen) and any(n.startswith("img.") for n in grades.frozen)

@@ -162,6 +162,16 @@ def _auto_match(name: str, module: nn.Module, component: Component, parent: Opti
     return True
 
 
+def _has_twin(named: list[tuple[str, nn.Module]], head: str, layer: type) -> bool:
+    """Whether a module outside the container ``head`` (and not above it) is a container of its type holding a layer
+    of type ``layer`` as a direct child: the image tower of a CLIP-style model beside its text tower, an autoencoder's
+    encoder beside its decoder. An output head has no twin (MobileNetV3's ``classifier`` beside ``features``, a
+    Sequential of blocks)."""
+    kind = type(dict(named)[head])
+    return any(type(m) is kind and n != head and not n.startswith(head + ".") and not head.startswith(n + ".")
+               and any(type(c) is layer for c in m.children()) for n, m in named)
+
+
 def _matrix_types() -> tuple[type[nn.Module], ...]:
     return linear_types() + (nn.modules.conv._ConvNd,)
 
@@ -228,6 +238,8 @@ def find_components(
             head = ".".join(above)
             if not any(isinstance(m, _matrix_types()) and not n.startswith(head + ".") for n, m in named):
                 head = None  # the whole model is that Sequential (an MLP): its layers are the blocks
+            elif _has_twin(named, head, type(modules[last])):
+                head = None  # one of two towers (a dual encoder's, an autoencoder's decoder): no output head
     for name, module in named:
         if any(fnmatchcase(name, p) for p in exc):
             continue
