@@ -557,7 +557,25 @@ def test_bimodal_scores_alert_and_no_score(tmp_path) -> None:
     alerts = [json.loads(line) for line in open(os.path.join(logger.log_dir, "alerts.jsonl"))]
     assert [a["kind"] for a in alerts] == ["bimodal"]  # a condition: one alert while it lasts
     assert alerts[0]["value"] == pytest.approx(-2.0, abs=1e-6) and alerts[0]["threshold"] == -1.2
+    assert alerts[0]["severity"] == "warning" and "noisy labels" in alerts[0]["message"]  # half the samples oppose
     assert ("bimodal", None) in gwa.active_conditions()
+
+
+def test_bimodal_scores_with_no_sample_opposing_are_no_warning(tmp_path) -> None:
+    """Two groups that both align with the weights (scores 0.5 and 0.67, none negative: a model that fits one group of
+    samples more closely than the other) are bimodal too; said as info, not as noisy labels (a clean run that had fit
+    its data drew a warning saying that 0.0% of the samples oppose the weights, usually noisy labels)."""
+    x = torch.tensor([[1.0, 0.0], [1.0, -0.5]]).repeat(20, 1)
+    loader = DataLoader(TensorDataset(x, torch.zeros(40, dtype=torch.long)), batch_size=10)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(tmp_path, logger, [gwa], max_epochs=1).fit(FrozenTwoClass(), loader)
+    assert gwa.history[0]["negative"] == 0 and gwa.history[0]["kurtosis"] == pytest.approx(-2.0, abs=1e-6)
+    alerts = [json.loads(line) for line in open(os.path.join(logger.log_dir, "alerts.jsonl"))]
+    assert [(a["kind"], a["severity"]) for a in alerts] == [("bimodal", "info")]
+    assert "0.0% of the samples oppose" in alerts[0]["message"] and "not noisy labels" in alerts[0]["message"]
 
 
 

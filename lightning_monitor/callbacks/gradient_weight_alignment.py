@@ -46,6 +46,9 @@ _TARGET_KEYS = ("y", "target", "targets", "label", "labels")
 _HIST_BINS = 100
 _FLUSH_ELEMENTS = 1 << 20  # kept logit + W z elements before scoring (4 MiB in fp32)
 _MIN_SAMPLES = 4
+#: bimodal scores are taken for samples the model resists (noisy labels: a warning) when at least this share opposes
+#: the weights; below it, the two groups are samples fit closely and less closely (said as info)
+_BIMODAL_OPPOSED = 0.05
 #: share of negative scores in the first scored epoch above which the targets likely do not match
 _MISMATCH_FRACTION = 0.9
 #: a best score above this many times the scores of both neighbouring epochs is an uncertain pick (a spike)
@@ -1494,13 +1497,21 @@ class GradientWeightAlignmentMonitor(Monitor):
                     "`shift_targets`; the score is not meaningful until then.",
                     value=negative / count, threshold=_MISMATCH_FRACTION,
                 )
+            opposed = negative / count if count else 0.0
+            # two groups with one of them opposing the weights: samples the model resists (noisy labels); with (nearly)
+            # none opposing, the groups are samples it fits well and samples it fits less well (a clean run that has
+            # fit most of its data): said, but no warning
+            resisted = opposed >= _BIMODAL_OPPOSED
+            why = ("usually noisy labels that the model still resists while it fits the others" if resisted else
+                   "no group resists the model: the two groups are samples it fits closely and samples it fits less "
+                   "well (a model that has fit most of its data), not noisy labels")
             self.condition(
-                step, "bimodal", math.isfinite(kurtosis) and kurtosis + GWA_OFFSET <= 0, "warning",
+                step, "bimodal", math.isfinite(kurtosis) and kurtosis + GWA_OFFSET <= 0,
+                "warning" if resisted else "info",
                 f"GWA undefined at epoch {epoch}: the alignment scores are bimodal (excess kurtosis "
                 f"{kurtosis:.3f} <= -{GWA_OFFSET}), so mean/(kurtosis + {GWA_OFFSET}) has no meaning; no "
-                f"score logged. {negative / count:.1%} of the samples oppose the weights: usually noisy labels that "
-                "the model still resists while it fits the others. Such an epoch (with a positive mean) ranks above "
-                "every defined score in the selection, the most bimodal first.",
+                f"score logged. {opposed:.1%} of the samples oppose the weights: {why}. Such an epoch (with a "
+                "positive mean) ranks above every defined score in the selection, the most bimodal first.",
                 value=kurtosis, threshold=-GWA_OFFSET, clear_message=f"GWA scores unimodal again at epoch {epoch}.",
             )
             if math.isfinite(score):
