@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_monitor import GradientNoiseScaleMonitor, read_alerts
-from conftest import fit_ddp_spawn  # noqa: E402
+from conftest import fit_ddp_spawn, tb_scalars  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
@@ -300,3 +300,57 @@ def test_b_simple_undefined_for_many_checks_is_said_once_and_cleared():
     assert said == [(0, False), (1, False), (2, False), (3, False), (4, True), (5, True), (6, False)]
     assert "stays <= 0 (-0.5)" in next(m for s, k, a, m in raised if k == "b_simple_undefined" and a)
     assert logged == [False] * 6 + [True]
+
+
+class _ClippedClassifier(pl.LightningModule):
+    """One model, trained either with automatic optimization and ``gradient_clip_val``, or with manual optimization and
+    ``self.clip_gradients`` before ``opt.step()``: the same updates."""
+
+    def __init__(self, manual: bool, clip: float) -> None:
+        super().__init__()
+        self.automatic_optimization = not manual
+        self.clip = clip
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+        opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_manual_optimization_clipping_reads_the_unclipped_gradient(tmp_path) -> None:
+    """Under manual optimization Lightning calls ``on_before_optimizer_step`` inside ``opt.step()``, after the user's
+    ``clip_gradients``; the per-example norms come from the backward, unclipped. The batch gradient is read after the
+    backward instead, so the estimates equal those of the same training under automatic optimization (whose hook runs
+    before Lightning clips). Before, |G|^2 came out negative at every check (clipped batch gradient against unclipped
+    per-example norms)."""
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 16, generator=g)
+    y = (x @ torch.randn(16, 5, generator=g)).argmax(1)
+    logged = {}
+    for manual in (False, True):
+        torch.manual_seed(0)
+        model = _ClippedClassifier(manual, clip=0.05)
+        logger = TensorBoardLogger(str(tmp_path), name=f"manual={manual}")
+        trainer = pl.Trainer(max_steps=16, accelerator="cpu", logger=logger, enable_progress_bar=False,
+                             enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1,
+                             gradient_clip_val=None if manual else 0.05,
+                             callbacks=[GradientNoiseScaleMonitor(every_n_steps=5, method="per_example")])
+        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=32))
+        logged[manual] = tb_scalars(logger.log_dir)
+    for key in ("gns/g2", "gns/trace_sigma"):
+        auto, manual = logged[False][key], logged[True][key]
+        assert [s for s, _ in auto] == [s for s, _ in manual] == [0, 5, 10, 15]
+        assert [v for _, v in manual] == pytest.approx([v for _, v in auto], rel=1e-5)
+    assert all(v > 0 for _, v in logged[True]["gns/g2"])

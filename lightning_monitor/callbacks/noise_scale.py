@@ -496,12 +496,30 @@ class GradientNoiseScaleMonitor(Monitor):
             for name, p in self._params.items():
                 self.keep(p.register_hook(self._make_leaf_hook(name)))
 
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Manual optimization, on a due step: the batch gradient's squared norms as the backward left them. The user
+        may clip (``self.clip_gradients``) between ``manual_backward`` and ``opt.step()``, inside which
+        ``on_before_optimizer_step`` reads ``.grad``: the small-batch norms come from the backward, unclipped, so the
+        big-batch ones must be too (under automatic optimization the hook runs before Lightning clips). Read again
+        after each backward of the step: the last holds the whole accumulated gradient."""
+        if pl_module.automatic_optimization or self.idle_reason is not None or self._armed_step != trainer.global_step:
+            return
+        names = [n for n, p in self._params.items() if p.grad is not None]
+        if not names:
+            return
+        (vec,) = self._sq_norms_global(trainer, [[self._params[n].grad.detach() for n in names]])
+        scale = self._loss_scale(trainer)
+        if scale is not None:  # not unscaled yet at this hook
+            vec = vec / scale.to(vec.device).pow(2)
+        self._unclipped = dict(zip(names, vec.unbind(0)))
+
     def release(self) -> None:
         super().release()
         if self._probe is not None:
             self._probe.detach()
             self._probe.reset()
         self._small = {}
+        self._unclipped: Optional[dict[str, Tensor]] = None
 
     def _make_leaf_hook(self, name: str) -> Any:
         def hook(grad: Tensor) -> None:
@@ -625,9 +643,17 @@ class GradientNoiseScaleMonitor(Monitor):
             names = [names[i] for i in keep]
             grads = [grads[i] for i in keep]
         self._measured = measured = set(names)
-        rest = [p.grad.detach() for n, p in self._params.items() if n not in measured and p.grad is not None]
-        # .grad is unscaled at this hook
-        big_vec, rest_vec = self._sq_norms_global(trainer, [[g.detach() for g in grads], rest])
+        unclipped = self.__dict__.get("_unclipped")
+        if unclipped is not None and all(n in unclipped for n in names):
+            # manual optimization: read after the backward, before any clipping by the user (on_after_backward)
+            others = [n for n, p in self._params.items() if n not in measured and p.grad is not None and n in unclipped]
+            big_vec = torch.stack([unclipped[n] for n in names])
+            rest = [unclipped[n] for n in others]
+            rest_vec = torch.stack(rest) if rest else torch.zeros(0, device=big_vec.device)
+        else:
+            rest = [p.grad.detach() for n, p in self._params.items() if n not in measured and p.grad is not None]
+            # .grad is unscaled at this hook
+            big_vec, rest_vec = self._sq_norms_global(trainer, [[g.detach() for g in grads], rest])
         if micro != accumulate:  # a short window: .grad holds micro / accumulate times the big-batch mean gradient
             big_vec, rest_vec = (v * (float(accumulate) / micro) ** 2 for v in (big_vec, rest_vec))
         small_vec = torch.stack([small[n] for n in names]).to(big_vec.device)
