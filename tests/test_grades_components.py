@@ -243,3 +243,38 @@ def test_dual_encoder_fit_judges_both_towers(tmp_path) -> None:
     # the stop came with every layer of both towers converged (the last one held trainable: nothing else is left)
     assert sorted([*grades.frozen, *grades.held]) == sorted(grades.components)
     assert any(n.startswith("txt.") for n in grades.frozen) and any(n.startswith("img.") for n in grades.frozen)
+
+
+@pytest.mark.parametrize("kind", ["orthogonal", "weight_norm", "custom"])
+def test_parametrized_layers_are_components_frozen_through_their_originals(kind: str) -> None:
+    """``torch.nn.utils.parametrize`` gives each module a class of its own and computes ``weight`` from trainable
+    originals: the blocks are still components (they were none: the preset's GradES went idle), judged on the largest
+    original's gradient, and freezing one freezes every original and the bias."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    from lightning_monitor.functional.grades import freeze_parameters
+
+    class Symmetric(nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return w.triu() + w.triu(1).transpose(-1, -2)
+
+    blocks = nn.ModuleList([nn.Linear(6, 6) for _ in range(3)])
+    for block in blocks:
+        if kind == "orthogonal":
+            parametrizations.orthogonal(block)
+        elif kind == "weight_norm":
+            parametrizations.weight_norm(block)
+        else:
+            parametrize.register_parametrization(block, "weight", Symmetric())
+    model = nn.ModuleDict({"blocks": blocks, "head": nn.Linear(6, 2)})
+    comps = find_components(model)
+    assert sorted(comps) == ["blocks.0", "blocks.1", "blocks.2"]
+    originals = list(blocks[1].parametrizations.weight.parameters())
+    comp = comps["blocks.1"]
+    assert comp.weight is max(originals, key=lambda p: p.numel())
+    assert {id(p) for p in comp.params} == {id(p) for p in originals} | {id(blocks[1].bias)}
+    torch.nn.functional.mse_loss(model["head"](torch.tanh(blocks[1](torch.randn(4, 6)))), torch.zeros(4, 2)).backward()
+    assert comp.weight.grad is not None  # the statistic's gradient
+    freeze_parameters(comp.params)
+    assert not any(p.requires_grad for p in originals) and not blocks[1].bias.requires_grad
+    assert blocks[0].bias.requires_grad

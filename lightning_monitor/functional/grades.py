@@ -131,10 +131,33 @@ def _module_component(name: str, module: nn.Module) -> Optional[Component]:
         weight = module.in_proj_weight
         return None if weight is None else Component(name, weight, tuple(
             p for p in (weight, module.in_proj_bias) if p is not None))
+    parametrized = _parametrized_weight(module)
+    if parametrized is not None:
+        return Component(name, parametrized[0], parametrized[1] + _own_params(module))
     weight = getattr(module, "weight", None)
     if not isinstance(weight, nn.Parameter) or not any(weight is p for p in _own_params(module)):
         return None
     return Component(name, weight, _own_params(module))
+
+
+def _parametrized_weight(module: nn.Module) -> Optional[tuple[nn.Parameter, tuple[nn.Parameter, ...]]]:
+    """A weight under ``torch.nn.utils.parametrize`` (``orthogonal``, ``weight_norm``, a custom parametrization): the
+    tensors it is computed from are the trainable ones, ``(largest, all of them)`` (``weight_norm``'s direction ``v``
+    beside its magnitude ``g``), or ``None`` for a module without one."""
+    container = getattr(module, "parametrizations", None)
+    holder = getattr(container, "weight", None) if isinstance(container, nn.ModuleDict) else None
+    if holder is None:
+        return None
+    originals = tuple(p for p in holder.parameters(recurse=False))
+    if not originals:
+        return None
+    return max(originals, key=lambda p: p.numel()), originals
+
+
+def _kind(module: nn.Module) -> type:
+    """The module's class, or the class ``torch.nn.utils.parametrize`` derived from it (one new class per module)."""
+    kind = type(module)
+    return kind.__bases__[0] if getattr(module, "parametrizations", None) is not None and kind.__bases__ else kind
 
 
 def _auto_match(name: str, module: nn.Module, component: Component, parent: Optional[nn.Module] = None,
@@ -158,7 +181,7 @@ def _auto_match(name: str, module: nn.Module, component: Component, parent: Opti
         # block, nor one with no other layer of its kind (HF ResNet's `classifier = Sequential(Flatten(), Linear)`)
         if head is not None and ".".join(segments[:-1]) == head:
             return False
-        return sum(type(child) is type(module) for child in parent.children()) > 1
+        return sum(_kind(child) is _kind(module) for child in parent.children()) > 1
     return True
 
 
@@ -169,7 +192,7 @@ def _has_twin(named: list[tuple[str, nn.Module]], head: str, layer: type) -> boo
     Sequential of blocks)."""
     kind = type(dict(named)[head])
     return any(type(m) is kind and n != head and not n.startswith(head + ".") and not head.startswith(n + ".")
-               and any(type(c) is layer for c in m.children()) for n, m in named)
+               and any(_kind(c) is layer for c in m.children()) for n, m in named)
 
 
 def _matrix_types() -> tuple[type[nn.Module], ...]:
@@ -238,7 +261,7 @@ def find_components(
             head = ".".join(above)
             if not any(isinstance(m, _matrix_types()) and not n.startswith(head + ".") for n, m in named):
                 head = None  # the whole model is that Sequential (an MLP): its layers are the blocks
-            elif _has_twin(named, head, type(modules[last])):
+            elif _has_twin(named, head, _kind(modules[last])):
                 head = None  # one of two towers (a dual encoder's, an autoencoder's decoder): no output head
     for name, module in named:
         if any(fnmatchcase(name, p) for p in exc):
