@@ -896,3 +896,46 @@ def test_two_qualifying_heads_are_named(tmp_path) -> None:
     said = [a for a in gwa.hub.history if a.kind == "several_heads"]
     assert len(said) == 1 and "`fc`, `aux`" in said[0].message and gwa._head_name == "aux"
     assert not [a for a in gwa.hub.history if a.kind == "no_softmax_head"]
+
+
+class TwoHeads(LightningModule):
+    """A main head and an auxiliary one on the same trunk, both softmax cross-entropies, the auxiliary called last;
+    batches are ``(x, y_main, y_aux)``, so the default ``target_fn`` (``batch[1]``) reads the main head's targets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.head_a = nn.Linear(16, 4)
+        self.head_b = nn.Linear(16, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, ya, yb = batch
+        h = self.trunk(x)
+        return F.cross_entropy(self.head_a(h), ya) + 0.3 * F.cross_entropy(self.head_b(h), yb)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+
+def test_targets_of_another_qualified_head_switch_the_head(tmp_path) -> None:
+    """Both heads qualify (softmax gradients, returned); the one called last is scored first, its gradient points at
+    other classes than the targets read, so the other qualified head is scored instead (said once, info) and checked
+    at the next due step. It went idle before, blaming `target_fn`."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 8)
+    ya, yb = (x @ torch.randn(8, 4)).argmax(1), (x @ torch.randn(8, 4)).argmax(1)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, every_n_steps=1)
+    gwa.idle_when_nothing_to_watch = True  # as the preset sets it: a mismatch would leave it idle
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(tmp_path, logger, [gwa], max_epochs=2).fit(TwoHeads(), DataLoader(TensorDataset(x, ya, yb), batch_size=16))
+    assert gwa.idle_reason is None and gwa._head_name == "head_a"
+    alerts = [json.loads(line) for line in open(os.path.join(logger.log_dir, "alerts.jsonl"))]
+    kinds = [a["kind"] for a in alerts]
+    assert "head_changed" in kinds and "nothing_to_watch" not in kinds
+    assert "`head_a`" in alerts[kinds.index("head_changed")]["message"]
+    assert gwa._targets_verified  # head_a's gradient points at the targets read
+    # the two steps scored for head_b (the one choosing the head, the one checking it) are dropped; then every sample
+    assert [r["count"] for r in gwa.history] == [256 - 32, 256]
+    assert len(tb_scalars(logger.log_dir)["gwa/mean"]) == 2

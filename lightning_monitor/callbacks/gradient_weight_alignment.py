@@ -543,6 +543,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         candidates = self._candidates(pl_module) if self.head is None else []
         # one candidate too: its output gradient tells whether it is a softmax classifier at all (see _resolve_head)
         self._head_candidates = candidates or None
+        self._other_heads: list[tuple[str, nn.Linear]] = []  # qualified too: tried if the targets fit another head
         self._shift = self._causal_lm_shift(pl_module) if self.shift_targets is None else self.shift_targets
         self._softcap = self._logit_softcap(pl_module)
         self._reset_gradient_check()
@@ -840,7 +841,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         chosen = max(group, key=lambda n: order[n])
         module = dict(self._head_candidates)[chosen]
         call = watch.calls.get(chosen)
-        self._head_candidates = None
+        self._head_candidates_all, self._head_candidates = self._head_candidates, None
         step = trainer.global_step
         had_gradient = any(r[3] > 0 for n, r in zip(names, rows) if n in called)
         if had_gradient and not softmax & set(called) and chosen not in unsure:
@@ -861,6 +862,9 @@ class GradientWeightAlignmentMonitor(Monitor):
             else:
                 self.alert(step, "no_softmax_head", "warning", message)
         elif group is tiers[0][0] and len(group) > 1:
+            # if the targets GWA reads turn out to be another's (an auxiliary head called last), the others are tried
+            others = sorted((n for n in group if n != chosen), key=lambda n: -order[n])
+            self._other_heads = [(n, dict(self._head_candidates_all)[n]) for n in others]
             self.alert(
                 step, "several_heads", "warning",
                 f"{len(group)} nn.Linear layers qualify as the classifier head (softmax gradients, returned by the "
@@ -1118,6 +1122,25 @@ class GradientWeightAlignmentMonitor(Monitor):
                 "(`shift_targets=` decides).",
             )
         self._targets_verified = targeted > 0 and hit >= _HIT_FRACTION * targeted
+        if targeted > 0 and hit < _TRAINED_FRACTION * targeted and self._other_heads:
+            # another layer qualified as the head too (softmax gradients, returned by the model): the targets read may
+            # be its own (a main head called before an auxiliary one). It is scored instead, checked at the next due
+            # step; what was kept was read for this one
+            name, module = self._other_heads.pop(0)
+            self.alert(
+                step, "head_changed", "info",
+                f"In {targeted - hit:.0f} of {targeted:.0f} rows the gradient of `{self._head_name}`'s output points at "
+                f"another class than the targets GWA reads: they are not its targets. `{name}`, which qualified as the "
+                "head too, is scored instead (its gradient is checked against the targets at the next due step). Pass "
+                "`head=` to choose.",
+            )
+            self._stash, self._stashed = [], 0
+            self._head_name, self._head = name, module
+            if self.shift_targets is None:
+                self._shift = self._causal_lm_shift(trainer.lightning_module)
+            self._softcap = self._logit_softcap(trainer.lightning_module)
+            self._reset_gradient_check()
+            return
         if targeted > 0 and hit < _TRAINED_FRACTION * targeted:
             # the loss trains other targets than those read (a tuple batch whose batch[1] is an attention mask,
             # sequence-first logits paired with batch-first labels), or `head` is not the layer whose outputs the loss
