@@ -939,3 +939,43 @@ def test_targets_of_another_qualified_head_switch_the_head(tmp_path) -> None:
     # the two steps scored for head_b (the one choosing the head, the one checking it) are dropped; then every sample
     assert [r["count"] for r in gwa.history] == [256 - 32, 256]
     assert len(tb_scalars(logger.log_dir)["gwa/mean"]) == 2
+
+
+class BufferHead(LightningModule):
+    """A classifier whose last nn.Linear keeps its weight and bias as buffers (a frozen mixing of the logits, out of
+    the optimizer): the head module has no parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        self.fixed = nn.Linear(4, 4)
+        w, b = self.fixed.weight.detach().clone(), self.fixed.bias.detach().clone()
+        del self.fixed.weight, self.fixed.bias
+        self.fixed.register_buffer("weight", w)
+        self.fixed.register_buffer("bias", b)
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.fixed(self.body(batch[0])), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_a_head_without_parameters_does_not_end_the_epochs(tmp_path) -> None:
+    """The head's device was read as ``next(head.parameters())``: its StopIteration, raised inside a hook, was taken
+    by Lightning's loop for the end of the data, so no optimizer step ever completed and every epoch ended after one
+    batch (a fit with ``max_steps`` only never ended)."""
+    from lightning_monitor import HealthMonitor
+
+    torch.manual_seed(0)
+    x = torch.randn(128, 8)
+    y = (x @ torch.randn(8, 4)).argmax(1)
+    monitor = HealthMonitor(spectral=False, noise_scale=False, guard=False)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    trainer = _trainer(tmp_path, logger, [monitor], max_epochs=3, max_steps=20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(BufferHead(), DataLoader(TensorDataset(x, y), batch_size=16))
+    assert trainer.global_step == 20
+    assert monitor.gwa._head_name == "fixed" and monitor.gwa.idle_reason is None
+    assert monitor.gwa.history and monitor.gwa.history[0]["count"] > 0

@@ -792,7 +792,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         watch.remove()
         assert self._head_candidates is not None
         names = [n for n, _ in self._head_candidates]
-        device = next(self._head.parameters()).device if self._head is not None else pl_module.device
+        device = self._head.weight.device if self._head is not None else pl_module.device
         # |row sums|, |grad| and rounding allowed of the judged rows, |grad| of every row, called
         stats = torch.zeros(len(names), 5, dtype=torch.float64, device=device)
         for i, n in enumerate(names):
@@ -1070,7 +1070,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         capture, self._check_capture = self._check_capture, None
         step = trainer.global_step
         c = self._head.out_features
-        dev = next(self._head.parameters()).device
+        dev = self._head.weight.device
         # [judged, off, targeted, hit] for the targets scored, [targeted, hit] for the other reading, the fit (scale
         # and epsilon of the gradient's dtype, times the rows fitted; the rows fitted)
         counts = torch.zeros(9, dtype=torch.float64, device=dev)
@@ -1194,7 +1194,7 @@ class GradientWeightAlignmentMonitor(Monitor):
                             scale: Optional[float], bias: Optional[Tensor]) -> bool:
         """Whether scoring through the measured transform agrees with the gradients (the rows judged on every rank,
         reduced: every rank decides alike)."""
-        dev = next(self._head.parameters()).device
+        dev = self._head.weight.device
         counts = torch.zeros(2, dtype=torch.float64, device=dev)
         if mine is not None and targets is not None:
             counts = head_gradient_agreement(mine[0], mine[1], targets, ignore_index=self.ignore_index,
