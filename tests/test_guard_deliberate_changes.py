@@ -318,3 +318,67 @@ def test_rebase_outside_a_fit_says_when_to_call_it(tmp_path):
     trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, default_root_dir=str(tmp_path))
     with pytest.raises(RuntimeError, match="during a fit"):
         DivergenceGuard().rebase(trainer)
+
+
+class _TargetQ(pl.LightningModule):
+    """A DQN-style run on digits: a frozen target network (a deep copy, ``requires_grad=False``) hard-synced to the
+    online network every 50 steps; the regression target is the reward plus the target network's value of a next
+    state. Each sync changes the loss function. ``ramp_from``: the learning rate grows x1.05 a step from there (a real
+    divergence)."""
+
+    def __init__(self, ramp_from: int | None = None) -> None:
+        super().__init__()
+        import copy
+
+        self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 4))
+        self.target = copy.deepcopy(self.net)
+        for p in self.target.parameters():
+            p.requires_grad_(False)
+        self.ramp_from, self.synced = ramp_from, -1
+        x, y = _digits()
+        self.register_buffer("x", x, persistent=False)
+        self.register_buffer("y", y, persistent=False)
+        self.register_buffer("nxt", torch.stack([torch.randperm(len(x), generator=torch.Generator().manual_seed(7 + a))
+                                                 for a in range(4)]), persistent=False)
+
+    def training_step(self, batch, batch_idx):
+        step = self.global_step
+        if step and step % 50 == 0 and self.synced != step:  # once per sync step (a replay of the batch does not sync)
+            self.synced = step
+            self.target.load_state_dict(self.net.state_dict())
+        idx = torch.randint(0, len(self.x), (32,), generator=torch.Generator().manual_seed(batch_idx))
+        a = torch.randint(0, 4, (32,), generator=torch.Generator().manual_seed(10_000 + batch_idx))
+        reward = (self.y[idx] % 4 == a).float()
+        with torch.no_grad():
+            target = reward + 0.9 * self.target(self.x[self.nxt[a, idx]]).max(1).values
+        return F.mse_loss(self.net(self.x[idx]).gather(1, a[:, None]).squeeze(1), target)
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=1e-3)
+        if self.ramp_from is None:
+            return opt
+        ramp = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if s < self.ramp_from else 1.05 ** (s - self.ramp_from))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": ramp, "interval": "step"}}
+
+
+def _fit_target_q(tmp_path, ramp_from: int | None) -> DivergenceGuard:
+    pl.seed_everything(0, verbose=False)
+    guard = DivergenceGuard()
+    trainer = pl.Trainer(max_steps=300, accelerator="cpu", logger=False, callbacks=[guard], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+    trainer.fit(_TargetQ(ramp_from), DataLoader(list(range(300)), batch_size=None))
+    return guard
+
+
+def test_a_target_network_synced_by_the_user_is_no_divergence(tmp_path):
+    """Frozen parameters that user code changes (the target network) stay as they are now when older weights are asked
+    about a surge: the older online weights are judged under today's target, so a sync is a change of the loss
+    function, not a divergence. Before, each sync after the first was rolled back (the older weights, under their own
+    older target, found the batches easy) until the run was stopped at step 300."""
+    guard = _fit_target_q(tmp_path, None)
+    assert guard.rollbacks == [] and guard.stopped_step is None
+
+
+def test_a_divergence_under_a_target_network_is_still_rolled_back(tmp_path):
+    guard = _fit_target_q(tmp_path, ramp_from=120)
+    assert guard.rollbacks and guard.rollbacks[0]["step"] >= 120

@@ -1225,8 +1225,13 @@ class DivergenceGuard(Monitor):
         replay. The weights that are exactly zero now stay zero (weights pruned in place since, by a callback that
         zeroes the smallest ones: the older weights are asked under today's pruning, as under today's masks when
         the pruning keeps them as buffers; a weight that plain gradient training leaves exactly zero is rare, and
-        one held at zero by a projection is zero in the snapshot too). Read on the rare path of a judgement only."""
+        one held at zero by a projection is zero in the snapshot too). Frozen parameters stay the present ones too, as
+        the buffers: no update of this run's moved them, user code did (a DQN's target network synced to the online
+        one, a teacher updated as a moving average), and they are part of what the loss computes: older trainable
+        weights under an older target found the batches easy, and every sync was rolled back as a divergence. Read on
+        the rare path of a judgement only."""
         params = {name for name, _ in pl_module.named_parameters(remove_duplicate=False)}
+        trainable = {name for name, p in pl_module.named_parameters(remove_duplicate=False) if p.requires_grad}
         saved = {k: v.detach().clone() for k, v in pl_module.state_dict().items() if k in params}
         zeros = {k: z for k, v in saved.items() if v.is_floating_point() for z in [v == 0] if bool(z.any())}
         out: list[Optional[float]] = []
@@ -1235,7 +1240,7 @@ class DivergenceGuard(Monitor):
                 with torch.no_grad():
                     current = pl_module.state_dict()
                     for _, now, value in held_values(snap.state()["module"], current):
-                        if now in params:
+                        if now in trainable:
                             current[now].copy_(value)
                             if now in zeros:
                                 current[now].masked_fill_(zeros[now], 0.0)
