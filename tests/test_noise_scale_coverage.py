@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tb_scalars
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
@@ -255,3 +255,49 @@ def test_an_estimate_that_turns_partial_later_is_said_once(tmp_path):
         trainer.fit(_GrowingShare(), DataLoader(TensorDataset(x, y), batch_size=16))
     partial = [a for a in gns.hub.history if a.kind == "partial_coverage"]
     assert [a.step for a in partial] == [5] and partial[0].value < 0.9
+
+
+def test_a_coverage_just_below_the_threshold_never_reads_as_equal_to_it(tmp_path) -> None:
+    """The coverage in the partial_coverage message is rounded down, with a digit more when needed: 0.8998 read
+    ``gns/coverage = 0.900 ... below min_coverage=0.9``."""
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from lightning_monitor import GradientNoiseScaleMonitor, read_alerts
+
+    class Net(pl.LightningModule):
+        def __init__(self, c: float) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.fc, self.head = nn.Linear(16, 32), nn.Linear(32, 5)
+            self.extra = nn.Parameter(torch.zeros(5))  # held by the module itself: no per-example rule
+            self.c = c
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.head(torch.relu(self.fc(x))) + self.c * self.extra, y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 16, generator=g), torch.randint(0, 5, (16,), generator=g)
+
+    def coverage(c: float) -> float:
+        m = Net(c)
+        m.training_step((x, y), 0).backward()
+        total = sum(p.grad.pow(2).sum() for p in m.parameters())
+        return float(1 - m.extra.grad.pow(2).sum() / total)
+
+    lo, hi = 0.0, 10.0  # the coverage falls as c grows: c with a coverage of 0.8998
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if coverage(mid) > 0.8998 else (lo, mid)
+    logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=logger, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False,
+                         callbacks=[GradientNoiseScaleMonitor(every_n_steps=1, min_coverage=0.9)])
+    trainer.fit(Net((lo + hi) / 2), DataLoader(TensorDataset(x, y), batch_size=16))
+    (alert,) = [a for a in read_alerts(os.path.join(logger.log_dir, "alerts.jsonl")) if a.kind == "partial_coverage"]
+    assert alert.value == pytest.approx(0.8998, abs=1e-4)
+    assert "gns/coverage = 0.8998)" in alert.message or "gns/coverage = 0.8997)" in alert.message

@@ -743,9 +743,15 @@ class GradientNoiseScaleMonitor(Monitor):
                 why.setdefault(layer, reasons.get(n, "no handler for its module type"))
         shown = "; ".join(f"{m} ({', '.join(ps)}): {why[m]}" for m, ps in list(by_module.items())[:12])
         more = f"; ... ({len(by_module) - 12} more modules)" if len(by_module) > 12 else ""
+        # rounded down, at least one digit past the threshold's: a share below it never reads as equal to it (0.8998
+        # printed 0.900 beside min_coverage=0.9)
+        digits = 3
+        while digits < 8 and math.floor(coverage * 10 ** digits) / 10 ** digits >= self.min_coverage > coverage:
+            digits += 1
+        shown_cov = f"{math.floor(coverage * 10 ** digits) / 10 ** digits:.{digits}f}"
         message = (
             f"Per-example gradient norms leave out {len(left)} trainable parameter(s) of {len(by_module)} module(s), "
-            f"{1.0 - coverage:.1%} of the gradient's squared norm (gns/coverage = {coverage:.3f}); B_simple is that "
+            f"{1.0 - coverage:.1%} of the gradient's squared norm (gns/coverage = {shown_cov}); B_simple is that "
             "of the covered parameters."
         )
         if partial:
