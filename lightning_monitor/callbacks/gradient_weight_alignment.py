@@ -1560,8 +1560,11 @@ class GradientWeightAlignmentMonitor(Monitor):
                 if self._uncertain_said:  # uncertain for a reason not given yet: said again (once per reason)
                     self._conditions.pop(("uncertain_pick", None), None)
                 self._uncertain_said.append(found[0])
+            # during the run, info: the pick is re-checked every epoch, and an early pick of a few epochs' scores is
+            # often uncertain for a while (raised on most short healthy runs, on and off); a warning when the fit
+            # ends with it (on_train_end)
             self.condition(
-                step, "uncertain_pick", self.pick_uncertain is not None, "warning",
+                step, "uncertain_pick", self.pick_uncertain is not None, "info",
                 f"GWA's best epoch so far ({self.best_epoch}) is uncertain: {self.pick_uncertain}. Check it against "
                 "a validation metric before keeping its checkpoint.",
                 value=self.best_score, clear_message=f"GWA's best epoch ({self.best_epoch}) no longer looks uncertain.",
@@ -1587,6 +1590,17 @@ class GradientWeightAlignmentMonitor(Monitor):
                 value=self.best_score,
             ):
                 self.stopped_epoch = epoch
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The fit ends with an uncertain pick: said as a warning, once (its reason was said as info when found)."""
+        if self.idle_reason is None and self.best_epoch is not None and self.pick_uncertain is not None:
+            self.condition(
+                trainer.global_step, "uncertain_pick", True, "warning",
+                f"GWA's best epoch ({self.best_epoch}) at the end of training is uncertain: {self.pick_uncertain}. "
+                "Check it against a validation metric before keeping its checkpoint.",
+                value=self.best_score,
+            )
+        super().on_train_end(trainer, pl_module)
 
     def _best_text(self) -> str:
         """The best epoch's score in words: its GWA, or the kurtosis of its bimodal scores."""
