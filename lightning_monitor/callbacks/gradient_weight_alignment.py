@@ -7,6 +7,7 @@ Classification Tasks", NeurIPS 2025. The math lives in :mod:`lightning_monitor.f
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 import os
 import warnings
@@ -77,6 +78,15 @@ _HIT_FRACTION = 0.95
 _TRAINED_FRACTION = 0.5
 #: Hugging Face causal LMs named otherwise than ``*ForCausalLM`` whose loss shifts the labels
 _CAUSAL_LM_NAMES = ("GPT2LMHeadModel", "OpenAIGPTLMHeadModel", "CTRLLMHeadModel")
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    """A module's device, from its first parameter or buffer: not ``next(module.parameters())``, whose StopIteration
+    (a head holding its weight as a buffer) Lightning's loop takes for the end of the data when raised in a hook, nor
+    ``module.weight``, which a parametrization (``spectral_norm``) computes, advancing its power iteration."""
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        return t.device
+    return torch.device("cpu")
 
 
 def _share(record: Optional[dict[str, Any]]) -> Optional[float]:
@@ -792,7 +802,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         watch.remove()
         assert self._head_candidates is not None
         names = [n for n, _ in self._head_candidates]
-        device = self._head.weight.device if self._head is not None else pl_module.device
+        device = _device_of(self._head) if self._head is not None else pl_module.device
         # |row sums|, |grad| and rounding allowed of the judged rows, |grad| of every row, called
         stats = torch.zeros(len(names), 5, dtype=torch.float64, device=device)
         for i, n in enumerate(names):
@@ -1070,7 +1080,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         capture, self._check_capture = self._check_capture, None
         step = trainer.global_step
         c = self._head.out_features
-        dev = self._head.weight.device
+        dev = _device_of(self._head)
         # [judged, off, targeted, hit] for the targets scored, [targeted, hit] for the other reading, the fit (scale
         # and epsilon of the gradient's dtype, times the rows fitted; the rows fitted)
         counts = torch.zeros(9, dtype=torch.float64, device=dev)
@@ -1194,7 +1204,7 @@ class GradientWeightAlignmentMonitor(Monitor):
                             scale: Optional[float], bias: Optional[Tensor]) -> bool:
         """Whether scoring through the measured transform agrees with the gradients (the rows judged on every rank,
         reduced: every rank decides alike)."""
-        dev = self._head.weight.device
+        dev = _device_of(self._head)
         counts = torch.zeros(2, dtype=torch.float64, device=dev)
         if mine is not None and targets is not None:
             counts = head_gradient_agreement(mine[0], mine[1], targets, ignore_index=self.ignore_index,
