@@ -406,8 +406,9 @@ def render(runs: list[ZooRun]) -> str:
         "position embeddings) have no per-example gradient to separate; the probe finds that by running the "
         "model on a 2-example slice of the batch and seeing which input dimensions follow the batch size.",
         "* `nn.MultiheadAttention`'s self-attention is covered (its packed input projection and its `out_proj`, "
-        "through its own forward with `F.linear` intercepted); its cross-attention input projection, and `nn.LSTM`, "
-        "have no per-example rule.",
+        "through its own forward with `F.linear` intercepted); its cross-attention input projection has no "
+        "per-example rule. `nn.LSTM`, `nn.GRU` and `nn.RNN` are covered from a float32 replay of the recurrence in "
+        "the backward (not with `proj_size`, dropout between layers in training, or a `PackedSequence` input).",
         "* Spectral alignment watches `nn.Linear`, Hugging Face `Conv1D` (its weight transposed), ungrouped "
         "`nn.Conv2d` (its weight as `[C_out, C_in*kh*kw]` against input patches) and `nn.MultiheadAttention` (its "
         "packed input projection against the query, its `out_proj` against the attention's output), not the output "

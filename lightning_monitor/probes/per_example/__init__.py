@@ -54,7 +54,7 @@ CPU_CHUNK_BYTES = 1 << 20
 GRAM_OVER_FUSED = 8
 
 # the handler files register themselves on import
-from lightning_monitor.probes.per_example import attention, conv, embedding, linear, norm  # noqa: F401
+from lightning_monitor.probes.per_example import attention, conv, embedding, linear, norm, recurrent  # noqa: F401
 from lightning_monitor.probes.per_example.kernels import (
     linear_sq_norms,
     per_example_linear,
