@@ -196,3 +196,25 @@ def test_an_lstm_classifier_is_wholly_covered_in_a_fit(tmp_path) -> None:
     assert [v for _, v in scalars["gns/coverage"]] == [1.0] * 4
     assert len(scalars["gns/b_simple"]) >= 1
     assert os.path.isdir(logger.log_dir)
+
+
+def test_a_replay_that_fails_leaves_the_layer_out_and_the_step_intact(monkeypatch) -> None:
+    """The replay runs inside the probe's guard: an error there (weights it cannot read, as FSDP2's resharded ones)
+    leaves the recurrent layer out with the error as the reason; the backward completes with the plain gradients."""
+    import lightning_monitor.probes.per_example.recurrent as recurrent
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot read the weights")
+
+    monkeypatch.setattr(recurrent, "_replay", broken)
+    torch.manual_seed(0)
+    model = _Net(nn.GRU(5, 6, batch_first=True))
+    x, y = torch.randn(4, 6, 5), torch.randint(0, 3, (4,))
+    F.cross_entropy(model(x), y).backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    probe = _probe(model, x, y)
+    per = probe.per_parameter()
+    assert "head.weight" in per and not any(n.startswith("rnn.") for n in per)
+    assert "cannot read the weights" in probe.reasons["rnn.weight_hh_l0"]
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, plain[n]), n

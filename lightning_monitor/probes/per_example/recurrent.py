@@ -196,23 +196,30 @@ class RecurrentHandler(Handler):
                 g_out = grads[0]
                 if g_out is not None and not first:
                     g_out = g_out.transpose(0, 1)
-                pieces = _replay(m, x_saved, hx_saved, (g_out, *grads[1:]))
                 batch_grad = g_out if g_out is not None else x_saved.new_zeros(x_saved.shape[0], 1)
+                kept: list[dict[str, tuple[Tensor, Tensor]]] = []
+
+                def pieces() -> dict[str, tuple[Tensor, Tensor]]:
+                    # run when the probe asks, inside its guard: a replay that fails (weights it cannot read) leaves
+                    # the module out with the error as the reason, and never fails the training step
+                    if not kept:
+                        kept.append(_replay(m, x_saved, hx_saved, (g_out, *grads[1:])))
+                    return kept[0]
 
                 def sq() -> dict[str, Tensor]:
                     out = {}
-                    for name, (a, d) in pieces.items():
+                    for name, (a, d) in pieces().items():
                         out[name] = d.sum(1).pow(2).sum(1) if name.startswith("bias") else linear_sq_norms(a, d)
                     return out
 
                 def per_example() -> dict[str, Tensor]:
                     return {name: d.sum(1) if name.startswith("bias") else torch.bmm(d.transpose(1, 2), a)
-                            for name, (a, d) in pieces.items()}
+                            for name, (a, d) in pieces().items()}
 
                 def proj(uv: dict[str, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
                     out = {}
                     for name, (u, v) in uv.items():
-                        a, d = pieces[name]
+                        a, d = pieces()[name]
                         total = d.sum((0, 1)) if name.startswith("bias") else torch.einsum("btg,bti->gi", d, a)
                         out[name] = project_matrix(total, u, v)
                     return out
