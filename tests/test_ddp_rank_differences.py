@@ -381,3 +381,60 @@ def test_guard_ddp_pruning_a_rebase_and_a_divergence_are_judged_alike_on_every_r
     assert "rebased" in r0["kinds"] and r0["kinds"] == r1["kinds"]
     assert r0["rollbacks"] == r1["rollbacks"] and r0["rollbacks"] and all(to >= 40 for _, to in r0["rollbacks"])
     assert torch.equal(torch.tensor(r0["weights"]), torch.tensor(r1["weights"]))
+
+
+class _AuxOnOneRank(pl.LightningModule):
+    """A main head and an auxiliary one, the auxiliary called last and on rank 1 only; batches ``(x, y_main, y_aux)``
+    (``aux_classes`` < 4: the auxiliary head's classes cannot hold the main targets)."""
+
+    def __init__(self, out: str, aux_classes: int = 4, aux_everywhere: bool = False) -> None:
+        super().__init__()
+        self.out, self.aux_everywhere = out, aux_everywhere
+        self.body = torch.nn.Linear(8, 32)
+        self.head_main, self.head_aux = torch.nn.Linear(32, 4), torch.nn.Linear(32, aux_classes)
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(512, 8, generator=g)
+        self.ym = (self.x @ torch.randn(8, 4, generator=g)).argmax(-1)
+        self.ya = (self.x @ torch.randn(8, aux_classes, generator=g)).argmax(-1)
+
+    def training_step(self, batch, batch_idx):
+        x, ym, ya = batch
+        h = torch.tanh(self.body(x))
+        loss = torch.nn.functional.cross_entropy(self.head_main(h), ym)
+        if self.aux_everywhere or self.global_rank == 1:
+            loss = loss + 0.5 * torch.nn.functional.cross_entropy(self.head_aux(h), ya)
+        else:
+            loss = loss + 0 * self.head_aux.weight.sum()
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.x, self.ym, self.ya), batch_size=16)
+
+    def on_train_end(self) -> None:
+        gwa = next(c for c in self.trainer.callbacks if isinstance(c, lm.GradientWeightAlignmentMonitor))
+        with open(os.path.join(self.out, f"rank{self.global_rank}.json"), "w") as fh:
+            json.dump({"head": gwa._head_name, "idle": gwa.idle_reason, "step": self.trainer.global_step,
+                       "kinds": [a.kind for a in gwa.hub.history if a.monitor == "gwa"]}, fh)
+
+
+@pytest.mark.parametrize("case", ["aux_on_rank_1", "aux_everywhere", "aux_of_fewer_classes"])
+def test_gwa_takes_the_same_head_on_every_rank_ddp(tmp_path, case) -> None:
+    """The head is chosen from what every rank saw: the call order, whether the model returned it and the largest
+    class target, gathered once. An auxiliary head called last on rank 1 only made rank 1 score it and rank 0 the main
+    head; under DDP no output counts as returned, so the head called last was scored and GWA went idle instead of
+    trying the other; an auxiliary head of fewer classes than the targets failed the fit."""
+    module = _AuxOnOneRank(str(tmp_path), aux_classes=3 if case == "aux_of_fewer_classes" else 4,
+                           aux_everywhere=case != "aux_on_rank_1")
+    gwa = lm.GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn_find_unused_parameters_true", max_steps=24,
+                         callbacks=[gwa], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=str(tmp_path))
+    fit_ddp_spawn(trainer, module)
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["step"] == r1["step"] == 24
+    assert r0["head"] == r1["head"] == "head_main"
+    assert r0["idle"] is None and r1["idle"] is None
+    assert r0["kinds"] == r1["kinds"]

@@ -979,3 +979,22 @@ def test_a_head_without_parameters_does_not_end_the_epochs(tmp_path) -> None:
     assert trainer.global_step == 20
     assert monitor.gwa._head_name == "fixed" and monitor.gwa.idle_reason is None
     assert monitor.gwa.history and monitor.gwa.history[0]["count"] > 0
+
+
+def test_an_auxiliary_head_of_fewer_classes_than_the_targets_is_not_taken(tmp_path) -> None:
+    """The auxiliary head (3 classes, called last) cannot hold the main targets (4 classes): the main head is taken
+    at once. Before, the auxiliary one was chosen and its target check failed the fit."""
+
+    class Aux3(TwoHeads):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head_b = nn.Linear(16, 3)
+
+    torch.manual_seed(0)
+    x = torch.randn(128, 8)
+    ya, yb = (x @ torch.randn(8, 4)).argmax(1), (x @ torch.randn(8, 3)).argmax(1)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(tmp_path, False, [gwa], max_epochs=1).fit(Aux3(), DataLoader(TensorDataset(x, ya, yb), batch_size=16))
+    assert gwa._head_name == "head_a" and gwa.idle_reason is None and gwa.history[0]["count"] > 0

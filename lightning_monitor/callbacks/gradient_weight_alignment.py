@@ -823,10 +823,33 @@ class GradientWeightAlignmentMonitor(Monitor):
             for i in ids & by_output.keys():
                 outermost[by_output[i]] = min(outermost.get(by_output[i], level), level)
 
-        def returned(n: str) -> bool:
+        def returned_here(n: str) -> bool:
             # returned by the outermost call holding it (its own call, when the training step calls it directly)
             above = [lv for (h, _), lv in zip(watch.returned, holder_levels) if h == "" or n.startswith(h + ".")]
             return not above or outermost.get(n) == min(above)
+
+        # what each rank saw of the calls (a head may run on some ranks only: an auxiliary task in some batches), made
+        # the same on every rank (the largest over the ranks): each candidate's place in the call order and whether
+        # the model returned its output, and the largest class target of the batch, so that every rank takes the
+        # same head (one all-gather, once per fit)
+        seen = torch.full((2 * len(names) + 1,), -1.0, dtype=torch.float64, device=device)
+        for i, n in enumerate(names):
+            if n in watch.calls:
+                seen[i] = float(watch.calls[n][3])
+                seen[len(names) + i] = float(returned_here(n))
+        targets = self._pending[0] if self._pending is not None else None
+        if targets is not None and not targets.is_floating_point() and targets.numel():
+            kept = targets[targets != self.ignore_index] if self.ignore_index is not None else targets
+            if kept.numel():
+                seen[-1] = float(kept.max())
+        if trainer.world_size > 1:
+            seen = trainer.strategy.all_gather(seen).reshape(-1, seen.numel()).max(0).values
+        seen_h = seen.tolist()
+        at = {n: i for i, n in enumerate(names)}
+        largest_target = seen_h[-1]
+
+        def returned(n: str) -> bool:
+            return seen_h[len(names) + at[n]] > 0
 
         # a softmax's output gradient rows sum to 0 up to the rounding of the gradient's dtype: each element is rounded
         # once, so the rows' |sums| stay under eps / 2 of the |gradient| (bf16: a real head measured 2.2e-3; a 1e-3
@@ -836,7 +859,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         softmax = {n for n, r in zip(names, rows)
                    if r[1] > 0 and r[0] <= max(ZERO_SUM_TOLERANCE, 2.0 * watch.eps.get(n, 0.0)) * r[1] + r[2]}
         unsure = {n for n, r in zip(names, rows) if r[1] == 0 < r[3]}
-        order = {n: watch.calls[n][3] if n in watch.calls else -1 for n in called}
+        order = {n: seen_h[at[n]] for n in called}
         default = self._head_name
         tiers = [
             ([n for n in called if n in softmax and returned(n)], "its output's gradient is a softmax's and the model returns it"),
@@ -847,7 +870,11 @@ class GradientWeightAlignmentMonitor(Monitor):
             ([default] if default in called else [], ""),
             (called, f"the last one called (`{default}`, the last registered, did not run)"),
         ]
-        group, why = next((group, why) for group, why in tiers if group)
+        tier, (group, why) = next((i, t) for i, t in enumerate(tiers) if t[0])
+        # a layer with fewer outputs than the batch's class targets need is not their head (an auxiliary classifier of
+        # fewer classes), when another one of the tier can take them
+        fitting = [n for n in group if dict(self._head_candidates)[n].out_features > largest_target]
+        group = fitting or group
         chosen = max(group, key=lambda n: order[n])
         module = dict(self._head_candidates)[chosen]
         call = watch.calls.get(chosen)
@@ -871,14 +898,16 @@ class GradientWeightAlignmentMonitor(Monitor):
                 self._pending_no_softmax = (step, message)
             else:
                 self.alert(step, "no_softmax_head", "warning", message)
-        elif group is tiers[0][0] and len(group) > 1:
+        elif len(group) > 1 and all(n in softmax for n in group):
             # if the targets GWA reads turn out to be another's (an auxiliary head called last), the others are tried
+            # (also where no output counts as returned: under DDP the training step runs inside the module's call)
             others = sorted((n for n in group if n != chosen), key=lambda n: -order[n])
             self._other_heads = [(n, dict(self._head_candidates_all)[n]) for n in others]
             self.alert(
                 step, "several_heads", "warning",
-                f"{len(group)} nn.Linear layers qualify as the classifier head (softmax gradients, returned by the "
-                f"model): {', '.join(f'`{n}`' for n in group)}; `{chosen}`, called last, is scored. Pass `head=` to "
+                f"{len(group)} nn.Linear layers qualify as the classifier head (softmax gradients"
+                f"{', returned by the model' if tier == 0 else ''}): {', '.join(f'`{n}`' for n in group)}; `{chosen}`, "
+                "called last, is scored (another is tried if the targets turn out not to be its). Pass `head=` to "
                 "score another.",
             )
         if chosen != default:
