@@ -893,7 +893,12 @@ class DivergenceGuard(Monitor):
         # soon after a rollback, a creep is judged at once: the rollback found the weights diverging, and a run that
         # creeps up again from the restored state is still training too hot (after a warm-up to a rate far too high,
         # the rate of the best loss can be too high too, and the run wandered above its best for the rest of it)
-        after = not climb and bool(self.rollbacks and step - self.rollbacks[-1]["step"] <= _AFTER_ROLLBACK)
+        # Not after a rollback over bad data (a non-finite batch, a corrupt one: the rate was kept): that found the data
+        # at fault, not the rate, and a creep after it is judged as any other (an objective rising by design after a
+        # NaN batch was rolled back was taken for "the rate still too high")
+        last = self.rollbacks[-1] if self.rollbacks else None
+        after = (not climb and last is not None and last.get("diverged", True)
+                 and step - last["step"] <= _AFTER_ROLLBACK)
         climb = climb or after
         if climb and not self._climb_judged:
             self._climb_after_rollback = after
@@ -1681,7 +1686,8 @@ class DivergenceGuard(Monitor):
         self._snapshots = [s for s in self._snapshots if s.step <= snap.step]
         record = {"step": step, "to_step": snap.step, "skipped": len(batches), "batches": batches,
                   "lr_factor": factor, "lr_scale": self._lr_scale, "lr_ceiling": self._lr_ceiling,
-                  "loss_before": self._loss_watch.level() if self._loss_watch.history else None, "reasons": reasons}
+                  "loss_before": self._loss_watch.level() if self._loss_watch.history else None, "reasons": reasons,
+                  "diverged": bool(diverged and not bad_batch)}
         self.rollbacks.append(record)
         lr = f"; learning rates now {self._lr_scale:.3g}x their schedule" if self._lr_scale != 1.0 else ""
         if rose:
