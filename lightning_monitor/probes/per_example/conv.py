@@ -184,49 +184,45 @@ class Conv2dHandler(Handler):
 
 
 @register(nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-class ConvNdHandler(Handler):
+class ConvNdHandler(Conv2dHandler):
     """``nn.Conv3d`` and the transposed convolutions: each example's weight gradient by
     :func:`per_example_conv_grads` (no unfolded form: ``F.unfold`` is 2-D only, and a transposed convolution's
     patches are its output's), a chunk of examples at a time within the probe's memory cap (``max_fused_bytes``;
-    on CPU also within a core's cache, as the fused Linear); bias ``||sum_l d_l||^2``."""
-
-    def param_names(self, m: nn.Module) -> tuple[str, ...]:
-        return ("weight", "bias")
+    on CPU also within a core's cache, as the fused Linear); bias ``||sum_l d_l||^2``. No fused forward."""
 
     def capture(self, m: nn.Module, x: Tensor) -> Any:
         return x if x.dim() == len(m.kernel_size) + 2 else None  # an unbatched input: skipped
 
-    def batch_dims(self, m: nn.Module, x: Tensor) -> int:
-        return 1
+    @staticmethod
+    def _chunk(m: nn.Module, x: Tensor, rule: Optional[LinearRule] = None) -> int:
+        per = 4 * m.weight.numel()
+        n = examples_at_once(x.device.type, x.shape[0], per)
+        if rule is not None and rule.max_bytes is not None:
+            n = max(1, min(n, rule.max_bytes // per))
+        return n
 
     def sq_norms(self, m: nn.Module, x: Tensor, g: Tensor, rule: LinearRule) -> dict[str, Tensor]:
-        b = x.shape[0]
-        per = 4 * m.weight.numel()
-        n = examples_at_once(x.device.type, b, per)
-        if rule.max_bytes is not None:
-            n = max(1, min(n, rule.max_bytes // per))
-        parts = [per_example_conv_grads(m, x[i:i + n], g[i:i + n]).flatten(1).pow(2).sum(1) for i in range(0, b, n)]
+        n = self._chunk(m, x, rule)
+        parts = [per_example_conv_grads(m, x[i:i + n], g[i:i + n]).flatten(1).pow(2).sum(1)
+                 for i in range(0, x.shape[0], n)]
         out = {"weight": parts[0] if len(parts) == 1 else torch.cat(parts)}
         if m.bias is not None:
             out["bias"] = g.float().flatten(2).sum(2).pow(2).sum(1)
-        return out
-
-    def grads(self, m: nn.Module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
-        out = {"weight": per_example_conv_grads(m, x, g)}
-        if m.bias is not None:
-            out["bias"] = g.float().flatten(2).sum(2)
         return out
 
     def project(self, m: nn.Module, x: Tensor, g: Tensor, uv: dict[str, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
         """From the use's summed gradient (the per-example gradients' sum, a chunk of examples at a time)."""
         out = {}
         if "weight" in uv:
-            n = examples_at_once(x.device.type, x.shape[0], 4 * m.weight.numel())
+            n = self._chunk(m, x)
             total = sum(per_example_conv_grads(m, x[i:i + n], g[i:i + n]).sum(0) for i in range(0, x.shape[0], n))
             out["weight"] = project_matrix(total, *uv["weight"])
         if "bias" in uv:
             out["bias"] = project_matrix(g.float().transpose(0, 1).flatten(1).sum(1), *uv["bias"])
         return out
+
+    def patch_forward(self, m: nn.Module, uses: Any, rule: LinearRule) -> Optional[Callable[[Tensor], Tensor]]:
+        return None
 
 
 def _sink(done: Callable[..., None]) -> Callable[..., None]:
