@@ -438,3 +438,58 @@ def test_gwa_takes_the_same_head_on_every_rank_ddp(tmp_path, case) -> None:
     assert r0["head"] == r1["head"] == "head_main"
     assert r0["idle"] is None and r1["idle"] is None
     assert r0["kinds"] == r1["kinds"]
+
+
+class _ManualOrNot(pl.LightningModule):
+    """The same classifier and data under automatic or manual optimization (``manual_backward`` inside the
+    ``training_step`` that DDP runs within the module's call)."""
+
+    def __init__(self, out: str, manual: bool) -> None:
+        super().__init__()
+        self.out = out
+        self.automatic_optimization = not manual
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(512, 8, generator=g)
+        self.y = (self.x @ torch.randn(8, 4, generator=g)).argmax(-1)
+
+    def training_step(self, batch, batch_idx):
+        (i,) = batch
+        loss = torch.nn.functional.cross_entropy(self.net(self.x[i]), self.y[i])
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.arange(512)), batch_size=16)
+
+    def on_train_end(self) -> None:
+        mon = next(c for c in self.trainer.callbacks if isinstance(c, lm.GradientNoiseScaleMonitor))
+        name = f"{'manual' if not self.automatic_optimization else 'auto'}-rank{self.global_rank}.json"
+        with open(os.path.join(self.out, name), "w") as fh:
+            json.dump({"count": mon.ema.count, "g2": float(mon.ema.g2.value), "tr": float(mon.ema.trace_sigma.value),
+                       "covered": len(mon._probe.covered) if mon._probe is not None else 0}, fh)
+
+
+def test_per_example_noise_scale_under_manual_optimization_ddp(tmp_path) -> None:
+    """Under DDP the entry call is the LightningModule's, running `training_step`; with manual optimization its
+    backward comes before that call ends, so the batch dimensions were not found yet and every parameter was left out
+    (coverage 0, no estimate). They are now found on the call nested in it that is over (the network's): the estimates
+    equal those of the same training under automatic optimization."""
+    for manual in (False, True):
+        mon = lm.GradientNoiseScaleMonitor(method="per_example", every_n_steps=2)
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=8, callbacks=[mon],
+                             logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=False, default_root_dir=str(tmp_path))
+        fit_ddp_spawn(trainer, _ManualOrNot(str(tmp_path), manual))
+    auto, manual = (json.load(open(tmp_path / f"{kind}-rank0.json")) for kind in ("auto", "manual"))
+    assert manual["count"] == auto["count"] == 4
+    assert manual["g2"] == pytest.approx(auto["g2"], rel=1e-5) and manual["tr"] == pytest.approx(auto["tr"], rel=1e-5)
+    assert manual["covered"] == auto["covered"] == 4

@@ -707,7 +707,7 @@ class PerExampleGradNorms:
             return
         self._depth += 1
         if self._depth == 1:
-            self._entry, self._calls = (module, args, kwargs), []
+            self._entry, self._calls, self._nested = (module, args, kwargs), [], []
             # Lightning's DDP / FSDP wrappers call the LightningModule with its `forward` patched, for this
             # one call, to run `training_step` (the patch restores `forward` as it starts): keep the forward
             # this call used, so that the dry run on a slice runs the same code
@@ -718,6 +718,12 @@ class PerExampleGradNorms:
         if self._dry is not None or _in_backward() or self._depth == 0:
             return
         self._depth -= 1
+        if self._depth > 0 and self._entry is not None and sys.exc_info()[0] is None:
+            # a call nested in the running entry is over: kept, in case a backward comes before the entry ends (under
+            # DDP with manual optimization the entry is the LightningModule's call running `training_step`, whose
+            # `manual_backward` runs inside it): its batch dimensions are then found on it (see _batch_dim)
+            self._nested.append((module, args, kwargs, _shapes(output)))
+            return
         if self._depth > 0 or self._entry is None:
             return
         entry, calls, self._entry, self._calls = self._entry, self._calls, None, []
@@ -790,6 +796,28 @@ class PerExampleGradNorms:
                 f"calls on inputs of shape {shape} disagree on the batch dimension"
             )
 
+    def _resolve_inside_entry(self, name: str, shape: tuple[int, ...]) -> Union[int, str, None]:
+        """A backward inside the running entry call reached a use whose batch dimension is not known yet: found on the
+        latest call nested in the entry that is over and called the module with that shape (its hooked calls: those
+        the entry recorded while it ran), as :meth:`_entry_post` finds it on the entry."""
+        modules = dict(self.module.named_modules())
+        for module, args, kwargs, output in reversed(self.__dict__.get("_nested", [])):
+            prefix = next((n for n, m in modules.items() if m is module), None)
+            if prefix is None:
+                continue
+            inside = [c for c in self._calls if prefix == "" or c[0] == prefix or c[0].startswith(prefix + ".")]
+            if (name, shape) not in inside:
+                continue
+            todo = sorted({c for c in inside if c not in self._bdims and self._declared(c[0]) is None})
+            if todo:
+                root_forward, self._entry_forward = self.__dict__.get("_entry_forward"), None  # the call's own forward
+                try:
+                    self._resolve_batch_dims((module, args, kwargs), inside, todo, output)
+                finally:
+                    self._entry_forward = root_forward
+            return self._bdims.get((name, shape))
+        return None
+
     def _dry_run(self, entry: tuple[nn.Module, tuple[Any, ...], dict[str, Any]], batch: int, small: int,
                  dim: int) -> tuple[list[tuple[str, tuple[int, ...]]], Optional[BaseException], list[tuple[int, ...]]]:
         """Run the entry call without gradients on ``small`` examples of its batch (``batch`` along dimension ``dim``
@@ -852,6 +880,8 @@ class PerExampleGradNorms:
                 return "declared without a batch dimension (`batch_dims`)"
         else:
             found = self._bdims.get((use.uses.name, use.shape))
+            if found is None and self._depth > 0:
+                found = self._resolve_inside_entry(use.uses.name, use.shape)
             if found is None:
                 return "its batch dimension is unknown: the module ran outside a forward call of the model"
             if isinstance(found, str):
