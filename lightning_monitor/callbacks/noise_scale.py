@@ -502,7 +502,9 @@ class GradientNoiseScaleMonitor(Monitor):
         ``on_before_optimizer_step`` reads ``.grad``: the small-batch norms come from the backward, unclipped, so the
         big-batch ones must be too (under automatic optimization the hook runs before Lightning clips). Read again
         after each backward of the step: the last holds the whole accumulated gradient."""
-        if pl_module.automatic_optimization or self.idle_reason is not None or self._armed_step != trainer.global_step:
+        if self._armed_step is None or pl_module.automatic_optimization or self.idle_reason is not None:
+            return  # not due (the common step: nothing read), or automatic optimization
+        if self._armed_step != trainer.global_step:
             return
         names = [n for n, p in self._params.items() if p.grad is not None]
         if not names:
