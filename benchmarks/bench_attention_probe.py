@@ -20,6 +20,7 @@ import argparse
 import os
 import statistics
 import time
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -58,15 +59,23 @@ def main() -> None:
         "probe, attention left out": PerExampleGradNorms(
             model, loss_reduction="mean", include=lambda name, m: not name.endswith(("self_attn", "out_proj"))),
     }
-    for p in probes.values():  # the first use resolves the batch dimension and verifies: not timed
-        step(model, x, mask, p)
+    interleave(lambda p: step(model, x, mask, p), probes, model, args.reps)
+
+
+def interleave(run: Callable[[Optional[PerExampleGradNorms]], float], probes: dict[str, PerExampleGradNorms],
+               model: nn.Module, reps: int, title: str = "") -> None:
+    """Time ``run(None)`` (a plain pass) and ``run(probe)`` for each probe, interleaved over ``reps`` repetitions after
+    one untimed use of each probe (it resolves the batch dimension and verifies), and print the medians, their ratios
+    to the plain pass and the parameters each probe covers."""
+    for p in probes.values():
+        run(p)
     times: dict[str, list[float]] = {"plain": [], **{k: [] for k in probes}}
-    for _ in range(args.reps):
-        times["plain"].append(step(model, x, mask, None))
+    for _ in range(reps):
+        times["plain"].append(run(None))
         for name, p in probes.items():
-            times[name].append(step(model, x, mask, p))
+            times[name].append(run(p))
     base = statistics.median(times["plain"])
-    print(f"torch {torch.__version__}, 1 thread, {args.reps} interleaved repetitions, load {os.getloadavg()[0]:.1f}")
+    print(f"{title}torch {torch.__version__}, 1 thread, {reps} interleaved repetitions, load {os.getloadavg()[0]:.1f}")
     print()
     print("| pass | median ms | vs plain | parameters covered |")
     print("|---|---|---|---|")
@@ -74,7 +83,6 @@ def main() -> None:
         med = statistics.median(ts)
         cov = "-" if name == "plain" else f"{len(probes[name].covered)} of {len(list(model.parameters()))}"
         print(f"| {name} | {med * 1e3:.1f} | {med / base:.3f} | {cov} |")
-
 
 if __name__ == "__main__":
     main()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
+import sys
 import time
 
 import torch
@@ -25,6 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_monitor import PerExampleGradNorms
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention_probe import interleave  # noqa: E402
 
 
 class Net(nn.Module):
@@ -66,24 +69,7 @@ def main() -> None:
         "probe, recurrent layer left out": PerExampleGradNorms(
             model, loss_reduction="mean", include=lambda name, m: not name.startswith("rnn")),
     }
-    for p in probes.values():  # the first use resolves the batch dimension and verifies: not timed
-        step(model, x, y, p)
-    times: dict[str, list[float]] = {"plain": [], **{k: [] for k in probes}}
-    for _ in range(args.reps):
-        times["plain"].append(step(model, x, y, None))
-        for name, p in probes.items():
-            times[name].append(step(model, x, y, p))
-    base = statistics.median(times["plain"])
-    print(f"{args.kind}, torch {torch.__version__}, 1 thread, {args.reps} interleaved repetitions, "
-          f"load {os.getloadavg()[0]:.1f}")
-    print()
-    print("| pass | median ms | vs plain | parameters covered |")
-    print("|---|---|---|---|")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        cov = "-" if name == "plain" else f"{len(probes[name].covered)} of {len(list(model.parameters()))}"
-        print(f"| {name} | {med * 1e3:.1f} | {med / base:.3f} | {cov} |")
-
+    interleave(lambda p: step(model, x, y, p), probes, model, args.reps, title=f"{args.kind}, ")
 
 if __name__ == "__main__":
     main()

@@ -778,6 +778,16 @@ class GradientWeightAlignmentMonitor(Monitor):
             watch.handles.append(module.register_forward_hook(watch.call_hook(name)))
         self._head_watch = watch
 
+    def _adopt_head(self, name: str, module: nn.Linear, pl_module: pl.LightningModule) -> bool:
+        """Score ``module`` as the head from now on, with its own reading of the targets (a causal LM's shift, unless
+        ``shift_targets`` is given) and its logits' softcap; whether the shift changed."""
+        self._head_name, self._head = name, module
+        shifted = self.shift_targets is None and self._causal_lm_shift(pl_module) != self._shift
+        if shifted:
+            self._shift = not self._shift
+        self._softcap = self._logit_softcap(pl_module)
+        return shifted
+
     def _resolve_head(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Choose the head among the candidates from the training step just watched (after its backward). GWA scores a
         softmax cross-entropy head, whose logits' gradient has rows that sum to 0 (softmax minus a distribution), and
@@ -873,12 +883,13 @@ class GradientWeightAlignmentMonitor(Monitor):
         tier, (group, why) = next((i, t) for i, t in enumerate(tiers) if t[0])
         # a layer with fewer outputs than the batch's class targets need is not their head (an auxiliary classifier of
         # fewer classes), when another one of the tier can take them
-        fitting = [n for n in group if dict(self._head_candidates)[n].out_features > largest_target]
+        candidates = dict(self._head_candidates)
+        fitting = [n for n in group if candidates[n].out_features > largest_target]
         group = fitting or group
         chosen = max(group, key=lambda n: order[n])
-        module = dict(self._head_candidates)[chosen]
+        module = candidates[chosen]
         call = watch.calls.get(chosen)
-        self._head_candidates_all, self._head_candidates = self._head_candidates, None
+        self._head_candidates = None
         step = trainer.global_step
         had_gradient = any(r[3] > 0 for n, r in zip(names, rows) if n in called)
         if had_gradient and not softmax & set(called) and chosen not in unsure:
@@ -902,7 +913,7 @@ class GradientWeightAlignmentMonitor(Monitor):
             # if the targets GWA reads turn out to be another's (an auxiliary head called last), the others are tried
             # (also where no output counts as returned: under DDP the training step runs inside the module's call)
             others = sorted((n for n in group if n != chosen), key=lambda n: -order[n])
-            self._other_heads = [(n, dict(self._head_candidates_all)[n]) for n in others]
+            self._other_heads = [(n, candidates[n]) for n in others]
             self.alert(
                 step, "several_heads", "warning",
                 f"{len(group)} nn.Linear layers qualify as the classifier head (softmax gradients"
@@ -911,11 +922,8 @@ class GradientWeightAlignmentMonitor(Monitor):
                 "score another.",
             )
         if chosen != default:
-            self._head_name, self._head = chosen, module
-            if self.shift_targets is None and self._causal_lm_shift(pl_module) != self._shift:
-                self._shift = not self._shift
+            if self._adopt_head(chosen, module, pl_module):
                 self._pending = None  # this batch's targets were read for the other head: not scored
-            self._softcap = self._logit_softcap(pl_module)
             rank_zero_info(f"GradientWeightAlignmentMonitor: classifier head `{chosen}` ({module}): {why}; "
                            f"not `{default}`, the last nn.Linear with >= 2 outputs registered.")
         else:
@@ -1174,10 +1182,7 @@ class GradientWeightAlignmentMonitor(Monitor):
                 "`head=` to choose.",
             )
             self._stash, self._stashed = [], 0
-            self._head_name, self._head = name, module
-            if self.shift_targets is None:
-                self._shift = self._causal_lm_shift(trainer.lightning_module)
-            self._softcap = self._logit_softcap(trainer.lightning_module)
+            self._adopt_head(name, module, trainer.lightning_module)
             self._reset_gradient_check()
             return
         if targeted > 0 and hit < _TRAINED_FRACTION * targeted:

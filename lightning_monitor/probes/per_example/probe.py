@@ -722,7 +722,7 @@ class PerExampleGradNorms:
             # a call nested in the running entry is over: kept, in case a backward comes before the entry ends (under
             # DDP with manual optimization the entry is the LightningModule's call running `training_step`, whose
             # `manual_backward` runs inside it): its batch dimensions are then found on it (see _batch_dim)
-            self._nested.append((module, args, kwargs, _shapes(output)))
+            self._nested.append((module, args, kwargs, output))  # nothing read now: the common backward needs none
             return
         if self._depth > 0 or self._entry is None:
             return
@@ -812,7 +812,7 @@ class PerExampleGradNorms:
             if todo:
                 root_forward, self._entry_forward = self.__dict__.get("_entry_forward"), None  # the call's own forward
                 try:
-                    self._resolve_batch_dims((module, args, kwargs), inside, todo, output)
+                    self._resolve_batch_dims((module, args, kwargs), inside, todo, _shapes(output))
                 finally:
                     self._entry_forward = root_forward
             return self._bdims.get((name, shape))

@@ -5,8 +5,8 @@ gate pre-activations to itself. Neither has a module output per step to hook.
 While the probe is armed, the module's own ``forward`` runs as ever (its outputs are bit for bit the plain
 forward's) and its outputs pass through an identity whose backward receives the gradients of all of them (the
 output sequence, ``h_n`` and, for an LSTM, ``c_n``). There the recurrence is run again, in float32, on the same
-input and initial state, with a zero tensor added to each layer's input projection and to each step's hidden
-projection; the gradients of the outputs, sent back through it, give each step's gate gradients ``D``. Each
+input and initial state; the gradients of the outputs, sent back through it to each layer's input projection and to
+each step's hidden projection (``torch.autograd.grad`` with respect to them), give each step's gate gradients ``D``. Each
 example's gradient of ``weight_ih`` is then ``D_i^T A_i`` with ``A_i`` the layer's input sequence, and of
 ``weight_hh`` with ``A_i`` the previous hidden states (the rules of the Linear handler); the biases' are
 ``sum_t d_it``.
@@ -32,10 +32,6 @@ __all__ = ["RecurrentHandler"]
 _PACKED = "a PackedSequence input (sequences of several lengths packed together) has no per-example rule here"
 _DROPOUT = ("dropout between its layers in training mode: the masks are drawn inside the fused kernel and cannot be "
             "drawn again for the per-example gradients")
-
-
-def _gates(m: nn.Module) -> int:
-    return {"LSTM": 4, "GRU": 3}.get(m.mode, 1)
 
 
 def _step(m: nn.Module, gi: Tensor, gh: Tensor, h: Tensor, c: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
@@ -69,9 +65,9 @@ def _replay(m: nn.Module, x: Tensor, hx: Any, grads: tuple[Optional[Tensor], ...
         h0, c0 = (hx if m.mode == "LSTM" else (hx, None))
         h0 = h0.detach().float()
         c0 = c0.detach().float() if c0 is not None else None
-    leaves: list[Tensor] = []
-    record: dict[str, tuple[Tensor, list[Tensor], list[Tensor]]] = {}
-    inputs: dict[str, tuple[Tensor, list[Tensor]]] = {}
+    wrt: list[Tensor] = []  # the projections whose gradients are the gate gradients
+    # per layer and direction: its input sequence, the input projection, each step's hidden projection and state
+    record: dict[str, tuple[Tensor, Tensor, list[Tensor], list[Tensor]]] = {}
     finals_h, finals_c = [], []
     with torch.enable_grad():
         layer_in = x.detach().float()
@@ -86,15 +82,14 @@ def _replay(m: nn.Module, x: Tensor, hx: Any, grads: tuple[Optional[Tensor], ...
                           if b_ih is not None else layer_in @ w_ih.T)
                 if not gi_all.requires_grad:  # layer 0: its input is no function of the weights; made a leaf
                     gi_all.requires_grad_(True)
-                zi = gi_all
-                leaves.append(zi)
+                wrt.append(gi_all)
                 k = layer * dirs + d
                 h = h0[k] if h0 is not None else x.new_zeros(b, hidden, dtype=torch.float32)
                 c = (c0[k] if c0 is not None else x.new_zeros(b, hidden, dtype=torch.float32)) if m.mode == "LSTM" else None
                 order = range(t - 1, -1, -1) if d else range(t)
                 hs: list[Optional[Tensor]] = [None] * t
                 prev: list[Optional[Tensor]] = [None] * t
-                zhs: list[Optional[Tensor]] = [None] * t
+                ghs: list[Optional[Tensor]] = [None] * t
                 bias_hh = b_hh.detach().float() if b_hh is not None else None
                 steps = gi_all.unbind(1)  # one backward node for all steps (a slice each would zero-fill the whole)
                 for s in order:
@@ -102,28 +97,26 @@ def _replay(m: nn.Module, x: Tensor, hx: Any, grads: tuple[Optional[Tensor], ...
                     gh = torch.addmm(bias_hh, h, w_hh.T) if bias_hh is not None else h @ w_hh.T
                     if not gh.requires_grad:  # the first step of a fixed initial state
                         gh.requires_grad_(True)
-                    zhs[s] = gh
+                    ghs[s] = gh
                     h, c = _step(m, steps[s], gh, h, c)
                     hs[s] = h
-                leaves.extend(zhs)  # type: ignore[arg-type]
+                wrt.extend(ghs)  # type: ignore[arg-type]
                 finals_h.append(h)
                 if c is not None:
                     finals_c.append(c)
-                record[sfx] = (zi, zhs, prev)  # type: ignore[assignment]
-                inputs[sfx] = (layer_in, prev)  # type: ignore[assignment]
+                record[sfx] = (layer_in, gi_all, ghs, prev)  # type: ignore[assignment]
                 outs.append(torch.stack(hs, 1))  # type: ignore[arg-type]
             layer_in = torch.cat(outs, -1) if dirs > 1 else outs[0]
         outputs: list[Tensor] = [layer_in, torch.stack(finals_h)]
         if m.mode == "LSTM":
             outputs.append(torch.stack(finals_c))
         pairs = [(o, g.float()) for o, g in zip(outputs, grads) if g is not None]
-        found = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
-    by_leaf = {id(leaf): (g if g is not None else torch.zeros_like(leaf)) for leaf, g in zip(leaves, found)}
+        found = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+    grad_of = {id(t): (g if g is not None else torch.zeros_like(t)) for t, g in zip(wrt, found)}
     out: dict[str, tuple[Tensor, Tensor]] = {}
-    for sfx, (zi, zhs, prev) in record.items():
-        a_in, _ = inputs[sfx]
-        d_in = by_leaf[id(zi)]
-        d_hh = torch.stack([by_leaf[id(z)] for z in zhs], 1)
+    for sfx, (a_in, gi_all, ghs, prev) in record.items():
+        d_in = grad_of[id(gi_all)]
+        d_hh = torch.stack([grad_of[id(gh)] for gh in ghs], 1)
         a_hh = torch.stack([p.detach() for p in prev], 1)
         out["weight_ih" + sfx] = (a_in.detach(), d_in)
         out["weight_hh" + sfx] = (a_hh, d_hh)
