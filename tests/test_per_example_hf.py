@@ -153,29 +153,24 @@ def test_hf_causal_lm_exact(make) -> None:
         assert "no batch dimension" in probe.reasons["model.transformer.wpe.weight"]
 
 
-def test_subclasses_with_a_forward_of_their_own_are_left_out_not_fatal() -> None:
+def test_subclasses_with_a_forward_of_their_own_covered_and_exact() -> None:
     """Subclasses of ``nn.Embedding`` with a forward of their own: OPT's learned positions take the attention mask
-    and index with positions computed inside; Gemma's scaled embedding multiplies the rows by sqrt(d). Neither may
-    crash the backward (OPT's did: the mask was used as indices) nor be counted wrong: OPT's is left out with its
-    reason, and every parameter covered is exact against torch.func. OPT's MLPs see the batch folded with the
-    positions (``(B * T, d)``) and are left out too. Gemma's scaled embedding and RMSNorm (``1 + w``) have handlers of
-    their own: covered, exact."""
+    and look up positions computed inside; Gemma's scaled embedding multiplies the rows by sqrt(d). Neither may
+    crash the backward (OPT's did: the mask was used as indices) nor be counted wrong. OPT's lookup is intercepted
+    (the indices it really looks up, per example from the mask) and its MLPs see the batch folded with the positions
+    (``(B * T, d)``, example-major): every parameter covered, exact against torch.func. Gemma's scaled embedding and
+    RMSNorm (``1 + w``) have handlers of their own: covered, exact."""
     probes = {}
-    for make, left_out in (
-        (_tiny_opt, {"model.model.decoder.embed_positions.weight",
-                     *(f"model.model.decoder.layers.{i}.{m}.{p}" for i in (0, 1) for m in ("fc1", "fc2", "final_layer_norm")
-                       for p in ("weight", "bias"))}),
-        (_tiny_gemma, set()),
-    ):
+    for make in (_tiny_opt, _tiny_gemma):
         torch.manual_seed(0)
         model = Logits(make())
         model.model.config._attn_implementation = "eager"
         x, y = torch.randint(0, 37, (8, 8)), torch.randint(0, 37, (8, 8))
         probes[make] = probe = check(model, ce_seq, x, y)
-        assert set(probe.uncovered) == left_out, make.__name__
-    opt = probes[_tiny_opt].reasons
-    assert "its handler does not take its input" in opt["model.model.decoder.embed_positions.weight"]
-    assert "folded" in opt["model.model.decoder.layers.0.fc1.weight"]
+        assert probe.uncovered == [], make.__name__
+    assert {"model.model.decoder.embed_positions.weight",
+            *(f"model.model.decoder.layers.{i}.{m}.{p}" for i in (0, 1) for m in ("fc1", "fc2", "final_layer_norm")
+              for p in ("weight", "bias"))} <= set(probes[_tiny_opt].covered)
     # Gemma ties its scaled embedding (`embedding(x) * embed_scale`, a handler of its own) to its output head: both
     # uses are hooked, every parameter exact
     assert "model.model.embed_tokens.weight" in probes[_tiny_gemma].covered
@@ -201,3 +196,27 @@ def test_scaled_word_embeddings_exact(make) -> None:
     probe = check(model, ce_seq, torch.randint(0, 37, (8, 8)), torch.randint(0, 37, (8, 8)))
     name = next(n for n, p in model.named_parameters() if p is emb.weight)
     assert name in probe.covered
+
+
+def _tiny_biogpt() -> nn.Module:
+    cfg = transformers.BioGptConfig(vocab_size=37, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                    intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0)
+    return transformers.BioGptForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("make, positions", [(_tiny_bart, "model.model.decoder.embed_positions.weight"),
+                                             (_tiny_biogpt, "model.biogpt.embed_positions.weight")],
+                         ids=["bart", "biogpt"])
+def test_learned_positions_looked_up_inside_their_forward(make, positions: str) -> None:
+    """BART's and BioGPT's learned positions (``nn.Embedding`` subclasses taking the token ids or the mask): the
+    lookup inside their forward is the use read, on the positions it really looks up, the same for every example
+    here: no batch dimension, left out with that reason (before, the token ids were taken for the indices and only
+    the verification caught it); every other parameter exact against torch.func."""
+    torch.manual_seed(0)
+    model = Logits(make())
+    model.model.config._attn_implementation = "eager"
+    x, y = torch.randint(2, 37, (6, 8)), torch.randint(0, 37, (6, 8))
+    probe = check(model, ce_seq, x, y)
+    assert probe.uncovered == [positions]
+    assert "no batch dimension" in probe.reasons[positions]

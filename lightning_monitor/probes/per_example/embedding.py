@@ -7,9 +7,11 @@ the weight's dtype; BART's, mBART's, M2M-100's ... with the scale a float), chec
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_monitor.probes.per_example.norm import _same_code
@@ -57,6 +59,41 @@ class EmbeddingHandler(Handler):
 
     def batch_dims(self, m: nn.Module, idx: Tensor) -> int:
         return idx.dim()
+
+    def patch_forward(self, m: nn.Module, uses: Any, rule: Any) -> Optional[Callable[..., Any]]:
+        """A subclass with a forward of its own (OPT's and BART's learned positions take the attention mask or the
+        token ids and compute the positions they look up inside): its forward runs with
+        ``torch.nn.functional.embedding`` intercepted, and each lookup in this module's table is a use, on the
+        indices it really looks up. A forward that reads the table otherwise (a slice of its rows) records no use:
+        the probe's verification finds the parameter's gradient unaccounted for and leaves it out. The plain
+        ``nn.Embedding`` takes a forward hook."""
+        if type(m).forward is nn.Embedding.forward:
+            return None
+        own = m.forward
+
+        def patched(*args: Any, **kwargs: Any) -> Any:
+            before, looked = F.embedding, []
+
+            def lookup(idx: Any, weight: Any, *rest: Any, **options: Any) -> Tensor:
+                out = before(idx, weight, *rest, **options)
+                if weight is m.weight and isinstance(idx, Tensor):
+                    looked.append(True)
+                    if uses.note(idx) == "record":
+                        uses.record(idx, out, rule)
+                return out
+
+            F.embedding = lookup
+            try:
+                out = own(*args, **kwargs)
+            finally:
+                F.embedding = before
+            if not looked and torch.is_grad_enabled():
+                uses.probe._refused.setdefault(uses.name, (
+                    f"its forward ({type(m).__name__}) reads its table without a lookup (a slice of its rows, say), "
+                    "which has no per-example rule here"))
+            return out
+
+        return patched
 
     def sq_norms(self, m: nn.Module, idx: Tensor, g: Tensor, rule: Any) -> dict[str, Tensor]:
         rows, example, _ = _rows(m, idx, g)
@@ -109,6 +146,9 @@ class _ScaledEmbeddingHandler(EmbeddingHandler):
 
     def project(self, m: nn.Module, idx: Tensor, g: Tensor, uv: dict[str, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
         return super().project(m, idx, self._scaled(m, g), uv)
+
+    def patch_forward(self, m: nn.Module, uses: Any, rule: Any) -> Optional[Callable[..., Any]]:
+        return None  # the module's output (the lookup times the scale) is hooked
 
 
 register_by_name(*(_HF + n for n in (

@@ -93,27 +93,29 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[Ten
     return None
 
 
-def _resize_batch(value: Any, batch: int, size: int, dim: int = 0) -> Any:
+def _resize_batch(value: Any, batch: int, size: int, dim: int = 0, order: Optional[list[int]] = None) -> Any:
     """``value`` with every tensor whose dimension ``dim`` is ``batch`` cut (or repeated) to ``size`` examples along
     it (else, for ``dim > 0``, along dimension 0 if that is ``batch``: a batch-first mask beside a sequence-first
-    input), through lists, tuples, dicts and dataclasses."""
+    input), through lists, tuples, dicts and dataclasses; with ``order``, the examples of those indices instead."""
     if isinstance(value, Tensor):
         at = dim if value.dim() > dim and value.shape[dim] == batch else 0
         if value.dim() >= 1 and value.shape[at] == batch:
+            if order is not None:
+                return value.index_select(at, torch.tensor(order, device=value.device))
             if size <= batch:
                 return value.narrow(at, 0, size)
             return value.repeat_interleave(-(-size // batch), dim=at).narrow(at, 0, size)
         return value
     if isinstance(value, dict):
-        return type(value)({k: _resize_batch(v, batch, size, dim) for k, v in value.items()})
+        return type(value)({k: _resize_batch(v, batch, size, dim, order) for k, v in value.items()})
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_resize_batch(v, batch, size, dim) for v in value))
+        return type(value)(*(_resize_batch(v, batch, size, dim, order) for v in value))
     fields = _fields(value)
     if fields is not None:  # a dataclass batch: a copy with its tensor fields resized (init=False fields kept)
-        return dataclasses.replace(value, **{k: _resize_batch(v, batch, size, dim) for k, v in fields.items()
+        return dataclasses.replace(value, **{k: _resize_batch(v, batch, size, dim, order) for k, v in fields.items()
                                              if any(f.name == k and f.init for f in dataclasses.fields(value))})
     if isinstance(value, (list, tuple)):
-        return type(value)(_resize_batch(v, batch, size, dim) for v in value)
+        return type(value)(_resize_batch(v, batch, size, dim, order) for v in value)
     return value
 
 
@@ -141,7 +143,37 @@ def _scaling_dim(shape: tuple[int, ...], small_shape: tuple[int, ...], batch: in
     i = diff[0]
     if shape[i] == batch and small_shape[i] == small:
         return i
+    per = shape[i] // batch
+    if per > 1 and shape[i] == batch * per and small_shape[i] == small * per:
+        return _Folded(i, per)
     return f"the batch is folded into dimension {i} of its input {shape} together with other positions"
+
+
+class _Folded(NamedTuple):
+    """An input whose dimension ``dim`` holds the batch folded with ``per`` other positions (``[B * T, d]``, a model
+    that flattens its tokens before a layer), found example-major: example ``i`` owns ``[i * per, (i + 1) * per)``."""
+
+    dim: int
+    per: int
+
+
+def _example_major(first: Tensor, second: Tensor, fold: _Folded, batch: int) -> bool:
+    """Whether two inputs of a module on the same examples, the second's order rolled by one (example ``j`` of the
+    second is example ``j + 1`` of the first), hold the batch example-major along ``fold.dim`` and not position-major
+    (``[T * B, d]``, each position's examples together); exact for integer inputs, to rounding for floating ones."""
+    if first.shape != second.shape or batch < 2:
+        return first.shape == second.shape
+
+    def same(a: Tensor, b: Tensor) -> bool:
+        if not a.is_floating_point():
+            return bool(torch.equal(a, b))
+        a, b = a.double(), b.double()
+        return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-6 * float(a.abs().max()) + 1e-30))
+
+    a, b = first.movedim(fold.dim, 0), second.movedim(fold.dim, 0)
+    by_example = same(b.unflatten(0, (batch, fold.per)), a.unflatten(0, (batch, fold.per)).roll(-1, 0))
+    by_position = same(b.unflatten(0, (fold.per, batch)), a.unflatten(0, (fold.per, batch)).roll(-1, 1))
+    return by_example and not by_position
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:
@@ -386,9 +418,11 @@ class PerExampleGradNorms:
     (Lightning's DDP and FSDP wrappers run ``training_step`` that way), its ``self.log`` silenced, and reads
     which input dimension followed the batch size. That dimension is the
     batch (moved to the front for the handler); an input that does not change has no batch dimension
-    (positions broadcast over the batch), one where the batch is folded with other positions
-    (``[B * T, d]``) or where several dimensions change cannot be split per example: such a module's
-    parameters go to :attr:`uncovered` with the reason. The result is kept per module and input shape,
+    (positions broadcast over the batch), one where several dimensions change cannot be split per example: such a
+    module's parameters go to :attr:`uncovered` with the reason. One where the batch is folded with other positions
+    (``[B * T, d]``) is split per example if its rows are example-major, which two more runs of the call on the whole
+    batch show (eval mode, the second with the examples reordered: the rows must move with them); else it is left
+    out with the reason. The result is kept per module and input shape,
     so the extra small forward runs once per new shape. A model that fails on the slice (one that
     requires a fixed batch size) leaves the modules of that call uncovered, with the reason;
     ``batch_dims`` declares them instead. With the batch's size known (below), the other dimensions of that size
@@ -536,7 +570,8 @@ class PerExampleGradNorms:
         self._not_reached: list[str] = []
         self._static_uncovered = [trainable[pid] for pid in trainable if pid not in self._covered_ids]
         # (module name, input shape) -> the input dimension holding the batch, or why there is none
-        self._bdims: dict[tuple[str, tuple[int, ...]], Union[int, str]] = {}
+        self._bdims: dict[tuple[str, tuple[int, ...]], Union[int, _Folded, str]] = {}
+        self._dry_inputs: Optional[dict[str, list[Tensor]]] = None  # inputs the layout check of a folded batch keeps
         self._said_lost: set[str] = set()  # large attributes the batch-size run wrote in place (said once)
         self._dry: Optional[list[tuple[str, tuple[int, ...]]]] = None  # calls seen by the batch-size run
         self._depth = 0  # nesting of entry calls now running
@@ -655,6 +690,9 @@ class PerExampleGradNorms:
         """See :meth:`_Uses.note`."""
         if self._dry is not None:
             self._dry.append((uses.name, tuple(x.shape)))
+            kept = self._dry_inputs
+            if kept is not None and uses.name in kept:
+                kept[uses.name].append(x.detach().clone())
             return "dry"
         if _in_backward():
             # activation checkpointing: without reentrance it recomputes uses already recorded in the
@@ -745,6 +783,7 @@ class PerExampleGradNorms:
             return
         batch = int(first.shape[0])
         small = 1 if batch == 2 else 2
+        slice_dim = 0
         dry, error, out = self._dry_run(entry, batch, small, 0)
         # With the batch's size known (``entry_batch_size``, which the noise-scale monitor sets from each micro-batch):
         # dimension 0 of the first argument is not the batch if its size is another, or if the call's output stays
@@ -760,7 +799,7 @@ class PerExampleGradNorms:
             for k in [k for k in range(1, first.dim()) if first.shape[k] == known]:
                 tried = self._dry_run(entry, known, 1 if known == 2 else 2, k)
                 if tried[1] is None and tried[2] != output:
-                    batch, small, (dry, error, out) = known, 1 if known == 2 else 2, tried
+                    batch, small, slice_dim, (dry, error, out) = known, 1 if known == 2 else 2, k, tried
                     break
             else:
                 if batch != known:
@@ -795,6 +834,34 @@ class PerExampleGradNorms:
             self._bdims[(name, shape)] = found.pop() if len(found) == 1 else (
                 f"calls on inputs of shape {shape} disagree on the batch dimension"
             )
+        folds = {key: self._bdims[key] for key in todo if isinstance(self._bdims.get(key), _Folded)}
+        if folds:
+            self._check_folds(entry, batch, slice_dim, folds)
+
+    def _check_folds(self, entry: tuple[nn.Module, tuple[Any, ...], dict[str, Any]], batch: int, dim: int,
+                     folds: dict[tuple[str, tuple[int, ...]], Any]) -> None:
+        """Keep a folded batch dimension only where the batch is folded example-major: the entry call is run twice
+        more without gradients on the whole batch, in eval mode (no dropout), the second time with its examples in
+        another order, and the rows of each folded input must move with their examples (a position-major fold, or
+        rows not split evenly among the examples, as a mixture-of-experts' routed tokens, are left out)."""
+        names = {name for name, _ in folds}
+        runs = []
+        for order in (list(range(batch)), list(range(1, batch)) + [0]):
+            inputs: dict[str, list[Tensor]] = {name: [] for name in names}
+            _, error, _ = self._dry_run(entry, batch, batch, dim, order=order, inputs=inputs)
+            if error is not None:
+                break
+            runs.append(inputs)
+        for (name, shape), fold in folds.items():
+            first = [x for x in runs[0].get(name, []) if tuple(x.shape) == shape] if len(runs) == 2 else []
+            second = [x for x in runs[1].get(name, []) if tuple(x.shape) == shape] if len(runs) == 2 else []
+            if not first or len(first) != len(second) or not all(
+                    _example_major(a, b, fold, batch) for a, b in zip(first, second)):
+                self._bdims[(name, shape)] = (
+                    f"the batch is folded into dimension {fold.dim} of its input {shape} together with other "
+                    "positions, and its rows could not be shown to follow their examples in order (reordering the "
+                    "examples in eval mode did not reorder them the same way); declare it with `batch_dims` if it is "
+                    "batch-first")
 
     def _resolve_inside_entry(self, name: str, shape: tuple[int, ...]) -> Union[int, str, None]:
         """A backward inside the running entry call reached a use whose batch dimension is not known yet: found on the
@@ -819,10 +886,12 @@ class PerExampleGradNorms:
         return None
 
     def _dry_run(self, entry: tuple[nn.Module, tuple[Any, ...], dict[str, Any]], batch: int, small: int,
-                 dim: int) -> tuple[list[tuple[str, tuple[int, ...]]], Optional[BaseException], list[tuple[int, ...]]]:
+                 dim: int, order: Optional[list[int]] = None, inputs: Optional[dict[str, list[Tensor]]] = None,
+                 ) -> tuple[list[tuple[str, tuple[int, ...]]], Optional[BaseException], list[tuple[int, ...]]]:
         """Run the entry call without gradients on ``small`` examples of its batch (``batch`` along dimension ``dim``
         of its tensors), leaving no trace; returns the hooked calls it made, its error (if it failed) and the shapes
-        of its output."""
+        of its output. With ``order``: on the examples of those indices, every module in eval mode, and the inputs of
+        the hooked modules named in ``inputs`` copied into it."""
         module, args, kwargs = entry
         attributes = _attributes(module)
         dry: list[tuple[str, tuple[int, ...]]] = []
@@ -838,7 +907,11 @@ class PerExampleGradNorms:
         now = module.__dict__.get("forward", missing)
         swap = used is not None and now is not used
         states = _host_random_states()
+        modes = [(m, m.training) for m in module.modules()] if order is not None else []
         try:
+            for m, _ in modes:
+                m.training = False
+            self._dry_inputs = inputs
             if swap:
                 module.forward = used  # type: ignore[method-assign]
             if isinstance(module, pl.LightningModule):
@@ -847,12 +920,14 @@ class PerExampleGradNorms:
                 module.log = module.log_dict = _no_log  # type: ignore[method-assign]
             with torch.no_grad(), torch.random.fork_rng(devices=devices), warnings.catch_warnings(), dry_run():
                 warnings.simplefilter("ignore")  # the model's warnings belong to its real calls
-                out = _shapes(functional_call(module, buffers, _resize_batch(args, batch, small, dim),
-                                              _resize_batch(kwargs, batch, small, dim), strict=False))
+                out = _shapes(functional_call(module, buffers, _resize_batch(args, batch, small, dim, order),
+                                              _resize_batch(kwargs, batch, small, dim, order), strict=False))
         except Exception as err:  # the model may require its batch size: the modules stay unresolved
             error = err
         finally:
-            self._dry = None
+            self._dry, self._dry_inputs = None, None
+            for m, mode in modes:
+                m.training = mode
             if swap:
                 if now is missing:
                     module.__dict__.pop("forward", None)
@@ -871,8 +946,9 @@ class PerExampleGradNorms:
                     )
         return dry, error, out
 
-    def _batch_dim(self, use: _Use) -> Union[int, str]:
-        """The input dimension holding the batch for this use, or why it is not known."""
+    def _batch_dim(self, use: _Use) -> Union[int, _Folded, str]:
+        """The input dimension holding the batch for this use (folded with other positions: :class:`_Folded`), or why
+        it is not known."""
         declared = self._declared(use.uses.name)
         if declared is not None:
             dim = declared[0]
@@ -885,6 +961,15 @@ class PerExampleGradNorms:
             if found is None:
                 return "its batch dimension is unknown: the module ran outside a forward call of the model"
             if isinstance(found, str):
+                return found
+            if isinstance(found, _Folded):
+                ctx = use.ctx
+                if not isinstance(ctx, Tensor) or ctx.shape[found.dim] % found.per:
+                    return f"the batch is folded into dimension {found.dim} of its input {use.shape}, which its handler cannot unfold"
+                unfolded = ctx.movedim(found.dim, 0).unflatten(0, (-1, found.per))
+                if use.uses.handler.batch_dims(use.uses.module, unfolded) < 2:
+                    return (f"the batch is folded into dimension {found.dim} of its input {use.shape} together with other "
+                            f"positions, and a {type(use.uses.module).__name__} takes one batch dimension")
                 return found
             dim = found
         limit = use.uses.handler.batch_dims(use.uses.module, use.ctx) if isinstance(use.ctx, Tensor) else 1
@@ -906,7 +991,10 @@ class PerExampleGradNorms:
         if self.verify:
             for _, pid in use.uses.params:
                 self._rounding[pid] = max(self._rounding.get(pid, 0.0), _eps(grad.dtype))
-        if dim != 0:
+        if isinstance(dim, _Folded):  # [.., B * per, ..] -> [B, per, ..]
+            ctx = ctx.movedim(dim.dim, 0).unflatten(0, (-1, dim.per))
+            g, results = g.movedim(dim.dim, 0).unflatten(0, (-1, dim.per)), None
+        elif dim != 0:
             ctx, g, results = ctx.movedim(dim, 0), g.movedim(dim, 0), None
         if results is None:
             m, handler, rule = use.uses.module, use.uses.handler, use.rule

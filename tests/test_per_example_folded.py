@@ -1,0 +1,112 @@
+"""Layers that see the batch folded with the positions (``[B * T, d]``: a model that flattens its tokens before its
+MLP, as Hugging Face OPT does): covered when the rows are example-major, exact against torch.func and against the
+gradients of each example's own loss from the same forward (dropout on); left out, with the reason, when the rows are
+position-major or do not follow their examples (tokens sorted across the batch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_per_example import ce_seq, check, probe_run
+from torch import Tensor, nn
+
+V, D = 11, 8
+
+
+class Folded(nn.Module):
+    """Tokens -> embedding -> rows flattened ``layout``-wise -> LayerNorm -> MLP -> logits ``[B, T, V]``."""
+
+    def __init__(self, layout: str = "example", p: float = 0.0) -> None:
+        super().__init__()
+        self.layout = layout
+        self.emb = nn.Embedding(V, D)
+        self.norm = nn.LayerNorm(D)
+        self.fc1, self.fc2 = nn.Linear(D, 16), nn.Linear(16, D)
+        self.drop = nn.Dropout(p)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        h = self.emb(idx)
+        b, t, d = h.shape
+        if self.layout == "example":
+            rows = h.reshape(b * t, d)
+        elif self.layout == "position":
+            rows = h.transpose(0, 1).reshape(t * b, d)
+        else:  # sorted across the batch by a score of each token: rows no longer follow their examples
+            flat = h.reshape(b * t, d)
+            order = flat.detach().sum(1).argsort()
+            rows = flat[order]
+        out = self.fc2(self.drop(F.gelu(self.fc1(self.norm(rows)))))
+        if self.layout == "example":
+            out = out.reshape(b, t, d)
+        elif self.layout == "position":
+            out = out.reshape(t, b, d).transpose(0, 1)
+        else:
+            out = torch.empty_like(out).index_copy(0, order, out).reshape(b, t, d)
+        return self.head(h + out)
+
+
+FOLDED = {f"{m}.{p}" for m in ("norm", "fc1", "fc2") for p in ("weight", "bias")}
+
+
+@pytest.mark.parametrize("batch", [2, 3, 8])
+def test_example_major_fold_covered_and_exact(batch: int) -> None:
+    torch.manual_seed(0)
+    model = Folded("example")
+    x, y = torch.randint(0, V, (batch, 5)), torch.randint(0, V, (batch, 5))
+    probe = check(model, ce_seq, x, y)
+    assert probe.uncovered == []
+    assert FOLDED <= set(probe.covered)
+
+
+def test_example_major_fold_exact_with_dropout_in_training() -> None:
+    """The layout is checked in eval mode (dropout would make the two reordered runs differ); the norms are those of
+    the training forward's own masks: each example's loss differentiated on its own from the same forward."""
+    torch.manual_seed(0)
+    model = Folded("example", p=0.3).train()
+    x, y = torch.randint(0, V, (6, 5)), torch.randint(0, V, (6, 5))
+    torch.manual_seed(1)
+    probe = probe_run(model, ce_seq, x, y)
+    assert probe.uncovered == []
+    torch.manual_seed(1)  # the same dropout masks
+    losses = F.cross_entropy(model(x).reshape(-1, V), y.reshape(-1), reduction="none").reshape(6, 5).mean(1)
+    params = dict(model.named_parameters())
+    per = probe.per_parameter()
+    for i in range(6):
+        grads = torch.autograd.grad(losses[i], list(params.values()), retain_graph=True, allow_unused=True)
+        for (name, _), g in zip(params.items(), grads):
+            want = 0.0 if g is None else float(g.double().pow(2).sum())
+            assert float(per[name][i]) == pytest.approx(want, rel=1e-4, abs=1e-10), (name, i)
+
+
+@pytest.mark.parametrize("layout", ["position", "sorted"])
+def test_rows_that_do_not_follow_their_examples_are_left_out(layout: str) -> None:
+    torch.manual_seed(0)
+    model = Folded(layout)
+    x, y = torch.randint(0, V, (4, 5)), torch.randint(0, V, (4, 5))
+    probe = check(model, ce_seq, x, y)  # what is covered is exact
+    assert set(probe.uncovered) == FOLDED
+    assert all("could not be shown to follow their examples" in probe.reasons[n] for n in FOLDED)
+
+
+def test_a_handler_of_one_batch_dimension_is_not_unfolded() -> None:
+    """A convolution over ``[B * T, C, L]`` (frames folded with the batch) keeps its reason: its handler takes one
+    batch dimension, so the fold is not unfolded into it."""
+
+    class Frames(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv1d(2, 3, 3)
+            self.head = nn.Linear(3, V)
+
+        def forward(self, x: Tensor) -> Tensor:  # x: [B, T, 2, L]
+            b, t = x.shape[:2]
+            z = self.conv(x.reshape(b * t, *x.shape[2:])).mean(-1)
+            return self.head(z.reshape(b, t, -1))
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 5, 2, 7), torch.randint(0, V, (4, 5))
+    probe = check(Frames(), ce_seq, x, y)
+    assert set(probe.uncovered) == {"conv.weight", "conv.bias"}
+    assert "takes one batch dimension" in probe.reasons["conv.weight"]
