@@ -685,6 +685,16 @@ class GradientNoiseScaleMonitor(Monitor):
         if not self.ema.update(host["\x00g2"], host["\x00tr"]):
             log.debug("GradientNoiseScaleMonitor: non-finite gradient norms at step %d, skipped.", step)
             return {}
+        if self.ema.restarted:
+            tr = host["\x00tr"]
+            self.alert(
+                step, "averages_restarted", "info",
+                f"The noise scale's averages start again at step {step}: tr(Sigma) = {tr:.3g} is more "
+                f"than {self.ema.restart_factor:g} times away from its average over the checks before, whose gradients "
+                "were of another scale (the first steps from random init, a spike); averaged in, they would have "
+                f"fixed B_simple at their own ratio. Batch-size advice waits for {self.min_checks} checks again.",
+                value=float(tr),
+            )
         b_big = host["\x00batch"]
         coverage = host.get("\x00coverage", 1.0)
         partial = not coverage >= self.min_coverage

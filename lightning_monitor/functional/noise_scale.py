@@ -110,15 +110,36 @@ class NoiseScaleEMA:
     7.1429
 
     Steps whose estimates are not finite are ignored (:meth:`update` returns ``False``).
+
+    **A change of scale restarts both averages.** A sample of ``tr(Sigma)`` more than ``restart_factor`` times its
+    average, or less than its ``1 / restart_factor``, comes from gradients of another scale (the first steps from
+    random init, where some examples' gradients are 1e4-1e8 times the later ones; a spike): averaged in, it would fix
+    the ratio at its own for as long as its weight dominates (at ``beta=0.9``, about 100 checks for a factor of 1e5).
+    The averages start again from that sample (:attr:`restarted` says so, until the next update).
+
+    >>> ema = NoiseScaleEMA(beta=0.9)
+    >>> _ = ema.update(g2=5e4, trace_sigma=7e7), ema.update(g2=0.5, trace_sigma=2.0)
+    >>> ema.restarted, round(ema.b_simple, 4)
+    (True, 4.0)
     """
 
-    def __init__(self, beta: float = 0.9) -> None:
+    def __init__(self, beta: float = 0.9, restart_factor: float = 100.0) -> None:
+        if not restart_factor > 1.0:
+            raise ValueError(f"`restart_factor` must be > 1, got {restart_factor!r}.")
         self.g2 = BiasCorrectedEMA(beta)
         self.trace_sigma = BiasCorrectedEMA(beta)
+        self.restart_factor = restart_factor
+        #: whether the last update restarted the averages (a change of scale)
+        self.restarted = False
 
     def update(self, g2: float, trace_sigma: float) -> bool:
         if not (math.isfinite(g2) and math.isfinite(trace_sigma)):
             return False
+        mean = self.trace_sigma.value
+        self.restarted = bool(self.count and mean is not None and mean > 0 and trace_sigma > 0
+                              and not 1.0 / self.restart_factor <= trace_sigma / mean <= self.restart_factor)
+        if self.restarted:
+            self.g2, self.trace_sigma = BiasCorrectedEMA(self.g2.beta), BiasCorrectedEMA(self.trace_sigma.beta)
         self.g2.update(g2)
         self.trace_sigma.update(trace_sigma)
         return True
