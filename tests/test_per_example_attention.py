@@ -115,6 +115,24 @@ class Decoder(nn.Module):
         return self.out(self.layer(h, h.flip(1)))
 
 
+@pytest.mark.parametrize("fastpath", [True, False])
+def test_encoder_layer_in_eval_mode_exact(fastpath: bool) -> None:
+    """A model trained in eval mode (dropout off, a common fine-tuning setting): the probe's batch-size run, without
+    gradients, must not take the fused fast path of ``nn.TransformerEncoderLayer`` (it calls no hooked projection;
+    the attention was left out as "runs a different number of times on a smaller batch"). Exact, and the user's
+    fast-path setting is left as it was."""
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(fastpath)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), nn.Linear(8, 3)).eval()
+        probe = check(model, ce_seq, torch.randn(4, 5, 8), torch.randint(0, 3, (4, 5)))
+        assert probe.uncovered == []
+        assert torch.backends.mha.get_fastpath_enabled() is fastpath
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+
+
 def test_cross_attention_input_projection_is_left_out_with_the_reason() -> None:
     torch.manual_seed(0)
     model = Decoder()

@@ -908,6 +908,10 @@ class PerExampleGradNorms:
         swap = used is not None and now is not used
         states = _host_random_states()
         modes = [(m, m.training) for m in module.modules()] if order is not None else []
+        # without gradients, in eval mode, nn.MultiheadAttention and nn.TransformerEncoderLayer take a fused fast path
+        # that calls none of their hooked projections: the run would miss the calls the real forward makes
+        fastpath = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
         try:
             for m, _ in modes:
                 m.training = False
@@ -926,6 +930,7 @@ class PerExampleGradNorms:
             error = err
         finally:
             self._dry, self._dry_inputs = None, None
+            torch.backends.mha.set_fastpath_enabled(fastpath)
             for m, mode in modes:
                 m.training = mode
             if swap:
