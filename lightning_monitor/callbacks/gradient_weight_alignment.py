@@ -30,6 +30,7 @@ from lightning_monitor.callbacks.base import Monitor, NothingToWatch, reading_we
 from lightning_monitor.probes import in_dry_run
 from lightning_monitor.functional.gwa import (
     GWA_OFFSET,
+    PROPORTIONAL_TOLERANCE,
     ZERO_SUM_TOLERANCE,
     GWAMoments,
     SampleMeans,
@@ -37,6 +38,7 @@ from lightning_monitor.functional.gwa import (
     head_gradient_agreement,
     head_gradient_fit,
     softmax_gradient_evidence,
+    softmax_proportionality,
 )
 
 __all__ = ["GradientWeightAlignmentMonitor", "default_target_fn"]
@@ -159,6 +161,9 @@ class _HeadWatch:
         self.grads: dict[str, Tensor] = {}
         #: per candidate, the machine epsilon of its output gradient's dtype (the rounding the zero sums carry)
         self.eps: dict[str, float] = {}
+        #: per candidate, on its device: how far its gradient's positive entries follow its softmax
+        #: (``softmax_proportionality``): a head trained on class indices, not a layer behind LayerNorms
+        self.proportional: dict[str, Tensor] = {}
 
     def call_hook(self, name: str) -> Callable[..., None]:
         @torch.compiler.disable
@@ -179,6 +184,7 @@ class _HeadWatch:
                         squashed = torch.tanh(logits.float() / cap)
                         z, grad = cap * squashed, grad.float() / (1.0 - squashed * squashed).clamp_min(1e-12)
                     self.grads[name] = softmax_gradient_evidence(grad, z, self.eps.get(name, 0.0))
+                    self.proportional[name] = softmax_proportionality(grad, z)
 
                 output.register_hook(grad_hook)
         return hook
@@ -813,13 +819,16 @@ class GradientWeightAlignmentMonitor(Monitor):
         assert self._head_candidates is not None
         names = [n for n, _ in self._head_candidates]
         device = _device_of(self._head) if self._head is not None else pl_module.device
-        # |row sums|, |grad| and rounding allowed of the judged rows, |grad| of every row, called
-        stats = torch.zeros(len(names), 5, dtype=torch.float64, device=device)
+        # |row sums|, |grad| and rounding allowed of the judged rows, |grad| of every row, called, positive entries'
+        # distance from the softmax's and their mass
+        stats = torch.zeros(len(names), 7, dtype=torch.float64, device=device)
         for i, n in enumerate(names):
             if n in watch.calls:
                 stats[i, 4] = 1.0
             if n in watch.grads:
                 stats[i, :4] = watch.grads[n].to(device=device, dtype=torch.float64)
+            if n in watch.proportional:
+                stats[i, 5:] = watch.proportional[n].to(device=device, dtype=torch.float64)
         if trainer.world_size > 1:
             stats = trainer.strategy.reduce(stats, reduce_op="sum")
         rows = stats.tolist()  # once per fit
@@ -869,6 +878,11 @@ class GradientWeightAlignmentMonitor(Monitor):
         softmax = {n for n, r in zip(names, rows)
                    if r[1] > 0 and r[0] <= max(ZERO_SUM_TOLERANCE, 2.0 * watch.eps.get(n, 0.0)) * r[1] + r[2]}
         unsure = {n for n, r in zip(names, rows) if r[1] == 0 < r[3]}
+        # of those, the ones whose positive entries are the softmax's times the row's weight: a head on class indices.
+        # A Linear whose output reaches the loss only through LayerNorms (a transformer's residual branch) has rows
+        # summing to 0 too, and was taken for a second head (several_heads on healthy Perceiver runs)
+        by_index = {n for n, r in zip(names, rows)
+                    if n in softmax and r[6] > 0 and r[5] <= max(PROPORTIONAL_TOLERANCE, 8.0 * watch.eps.get(n, 0.0)) * r[6]}
         order = {n: seen_h[at[n]] for n in called}
         default = self._head_name
         tiers = [
@@ -881,6 +895,9 @@ class GradientWeightAlignmentMonitor(Monitor):
             (called, f"the last one called (`{default}`, the last registered, did not run)"),
         ]
         tier, (group, why) = next((i, t) for i, t in enumerate(tiers) if t[0])
+        if len(group) > 1 and any(n in by_index for n in group):
+            # several qualify: those trained on class indices are the heads, not layers behind LayerNorms
+            group = [n for n in group if n in by_index]
         # a layer with fewer outputs than the batch's class targets need is not their head (an auxiliary classifier of
         # fewer classes), when another one of the tier can take them
         candidates = dict(self._head_candidates)

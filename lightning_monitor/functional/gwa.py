@@ -49,6 +49,7 @@ __all__ = [
     "head_gradient_agreement",
     "merge_moments",
     "softmax_gradient_evidence",
+    "softmax_proportionality",
 ]
 
 #: Offset added to the excess kurtosis: minus the excess kurtosis of U[-1, 1] (-6/5).
@@ -242,6 +243,9 @@ def alignment_from_parts(
 
 #: a softmax gradient's rows sum to 0 within this share of their size (or 2 eps of the gradient's dtype, if larger)
 ZERO_SUM_TOLERANCE = 1e-3
+#: a cross-entropy on class indices: its gradient's positive entries within this share of the softmax's times the row's
+#: weight (``softmax_proportionality``; or 8 machine epsilons of the gradient's dtype, if more)
+PROPORTIONAL_TOLERANCE = 1e-2
 #: the rounding of a softmax gradient row's sum from its probabilities, in units of ``eps s``
 PROBABILITY_ROUNDING = 2.0
 
@@ -289,6 +293,35 @@ def softmax_gradient_evidence(grad: Tensor, logits: Tensor, eps: float) -> Tenso
         torch.where(judged, allowance.double(), zero).sum(),
         l1.double().sum(),
     ])
+
+
+def softmax_proportionality(grad: Tensor, logits: Tensor) -> Tensor:
+    r"""How far the positive entries of each gradient row follow the softmax of its logits: ``[D, P]`` (float64, on
+    the device, no host sync), ``P`` the rows' positive mass ``sum_{g_ij > 0} g_ij`` and ``D = sum_i sum_{g_ij > 0}
+    |g_ij - s_i p_ij|`` with ``s_i = sum_+ g_ij / sum_+ p_ij``.
+
+    A cross-entropy on class indices has ``g_ij = s_i p_ij`` off the target (``D`` is rounding); other rows whose sums
+    are 0 do not: the gradient reaching a hidden layer through LayerNorms (every path to the loss of a pre- or post-LN
+    transformer's residual branch passes one, and a LayerNorm's input gradient sums to 0 over its features). Soft
+    targets (label smoothing, distillation) are not proportional either: this tells class-index heads apart from
+    hidden layers, not every head from them.
+
+    Example::
+
+        >>> z = torch.tensor([[2.0, 0.0, -1.0], [0.5, 0.1, 0.0]], requires_grad=True)
+        >>> torch.nn.functional.cross_entropy(z, torch.tensor([0, 2])).backward()
+        >>> d, p = softmax_proportionality(z.grad, z.detach()).tolist()
+        >>> d <= 1e-6 * p
+        True
+    """
+    g = grad.detach().float()
+    pos = g > 0
+    prob = torch.softmax(logits.detach().float(), -1)
+    g_pos = torch.where(pos, g, torch.zeros_like(g))
+    p_pos = torch.where(pos, prob, torch.zeros_like(prob))
+    scale = g_pos.sum(-1, keepdim=True) / p_pos.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    dev = torch.where(pos, (g - scale * prob).abs(), torch.zeros_like(g)).sum(-1)
+    return torch.stack([dev.double().sum(), g_pos.double().sum()])
 
 
 def _batch_moments(scores: Tensor) -> Tensor:
