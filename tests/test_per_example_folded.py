@@ -5,11 +5,19 @@ position-major or do not follow their examples (tokens sorted across the batch).
 
 from __future__ import annotations
 
+import json
+import math
+import os
+
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from test_per_example import ce_seq, check, probe_run
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_monitor import GradientNoiseScaleMonitor
 
 V, D = 11, 8
 
@@ -110,3 +118,48 @@ def test_a_handler_of_one_batch_dimension_is_not_unfolded() -> None:
     probe = check(Frames(), ce_seq, x, y)
     assert set(probe.uncovered) == {"conv.weight", "conv.bias"}
     assert "takes one batch dimension" in probe.reasons["conv.weight"]
+
+
+class _FoldedLM(pl.LightningModule):
+    """The folded model in `Trainer.fit`; the training step calls it (under DDP: inside the module's own call, where
+    the layout check runs `training_step` on the reordered batch in eval mode)."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+        torch.manual_seed(0)
+        self.net = Folded("example", p=0.1)
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randint(0, V, (256, 5), generator=g)
+
+    def training_step(self, batch, batch_idx):
+        (i,) = batch
+        x = self.x[i]
+        return ce_seq(self.net(x), (x + 1) % V)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.arange(256)), batch_size=8)
+
+    def on_train_end(self) -> None:
+        mon = next(c for c in self.trainer.callbacks if isinstance(c, GradientNoiseScaleMonitor))
+        with open(os.path.join(self.out, f"rank{self.global_rank}.json"), "w") as fh:
+            json.dump({"count": mon.ema.count, "g2": float(mon.ema.g2.value), "tr": float(mon.ema.trace_sigma.value),
+                       "uncovered": mon._probe.uncovered, "training": self.net.training}, fh)
+
+
+def test_folded_layers_covered_under_ddp(tmp_path) -> None:
+    from conftest import fit_ddp_spawn
+
+    mon = GradientNoiseScaleMonitor(method="per_example", every_n_steps=2)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=6, callbacks=[mon],
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=str(tmp_path))
+    fit_ddp_spawn(trainer, _FoldedLM(str(tmp_path)))
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["uncovered"] == r1["uncovered"] == []  # the folded MLP too, on both ranks
+    assert r0["count"] == r1["count"] == 3
+    assert all(r["tr"] > 0 and math.isfinite(r["g2"]) for r in (r0, r1))  # estimated (each rank its own examples)
+    assert r0["training"] and r1["training"]  # the eval-mode runs left the modules' modes as they were
