@@ -185,8 +185,9 @@ class HealthMonitor(Callback):
         # another preset in the same Trainer (a YAML's, and one added on the command line): its monitors came first
         others = {id(m) for p in present if isinstance(p, HealthMonitor) and p is not self for m in p.monitors}
         joining, kept_other = [], []
-        for monitor in self.monitors:
-            if any(cb is monitor for cb in present):
+        for slot in self._CLASSES:
+            monitor = getattr(self, slot)
+            if monitor is None or any(cb is monitor for cb in present):
                 continue  # joined at an earlier setup of this Trainer: Lightning calls its hooks itself
             explicit = next((cb for cb in present if isinstance(cb, type(monitor))), None)
             if explicit is not None:
@@ -196,6 +197,9 @@ class HealthMonitor(Callback):
                     rank_zero_info(
                         f"HealthMonitor: the {type(explicit).__name__} passed to the Trainer replaces the preset's."
                     )
+                # the attribute names the monitor that watches the run (`hm.guard.rollbacks` read after the fit were
+                # the unused preset guard's, always empty)
+                setattr(self, slot, explicit)
                 continue
             joining.append(monitor)
         if kept_other:

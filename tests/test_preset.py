@@ -116,6 +116,8 @@ def test_an_explicit_monitor_replaces_the_presets(tmp_path, tiny_gpt) -> None:
     guards = [cb for cb in trainer.callbacks if isinstance(cb, lm.DivergenceGuard)]
     assert guards == [mine]
     assert hm.spectral in trainer.callbacks
+    # the preset's attribute names the guard that watched the run (its rollbacks are the ones read after the fit)
+    assert hm.guard is mine and hm.guard in hm.monitors
 
 
 def test_a_second_preset_adds_what_the_first_lacks_and_says_what_it_does_not(tmp_path, tiny_gpt) -> None:
@@ -127,7 +129,7 @@ def test_a_second_preset_adds_what_the_first_lacks_and_says_what_it_does_not(tmp
     with pytest.warns(UserWarning, match="two HealthMonitor presets; the first one's SpectralAlignmentMonitor, "):
         _trainer(tmp_path, [first, second], max_steps=2).fit(module, loader)
     assert second.grades is not None and second.grades._hub is not None  # the one monitor the first lacked joined
-    assert second.guard._hub is None  # the first's guard watches the run
+    assert second.guard is first.guard  # the first's guard watches the run: the second's attribute names it
 
 
 class _States(pl.Callback):

@@ -321,6 +321,7 @@ class DivergenceGuard(Monitor):
         self._batch_idx = 0
         self._warned_no_loss = False
         self._snapshots: list[TrainingSnapshot] = []
+        self._evaluated: Optional[tuple[int, int]] = None  # (step, optimizer) whose first closure evaluation was judged
         #: every rollback: dicts with ``step``, ``to_step``, ``skipped`` (count), ``batches`` ([epoch, batch_idx]),
         #: ``lr_factor``, ``lr_scale`` (cumulative), ``loss_before`` (median recent loss of the state restored), ``reasons``
         self.rollbacks: list[dict[str, Any]] = []
@@ -396,6 +397,14 @@ class DivergenceGuard(Monitor):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit_lag = None  # looked up again for this fit's strategy (see _lag)
         self._world_size = trainer.world_size
+        self._evaluated = None
+        # the batches kept for replays are micro-batches: under gradient accumulation the last `_REFERENCES + 3` steps
+        # need that many times more (with 7 kept and 8 micro-batches a step, no step before the present one had one
+        # left, so no surge could be asked about and bad data was taken for weights that diverged)
+        accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+        keep = (_REFERENCES + 3) * (accumulate if isinstance(accumulate, int) and accumulate > 1 else 1)
+        if self._recent_batches.maxlen != keep:
+            self._recent_batches = deque(self._recent_batches, maxlen=keep)
         if self.idle_reason is not None:
             return
         n = len(trainer.optimizers)
@@ -477,6 +486,13 @@ class DivergenceGuard(Monitor):
             return
         step = trainer.global_step
         loss, self._loss_acc = self._loss_acc, None
+        if self._evaluated == (step, id(optimizer)):
+            # another evaluation of the step's closure (LBFGS's line search and inner iterations call it several times
+            # a step, each followed by this hook): the step is judged once, on its first evaluation, the loss and
+            # gradients at the weights it started from. Judged each, the trial points' losses entered the history
+            # and a healthy minibatch LBFGS run was rolled back four times and stopped (3 of 3 seeds)
+            return
+        self._evaluated = (step, id(optimizer))
         self._rates_in_force(trainer, step)
         if backward_skipped(trainer):
             return  # a forward-only epoch (SWA's BatchNorm update): no loss reached a backward, no gradient to check
