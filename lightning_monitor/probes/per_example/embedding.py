@@ -64,9 +64,9 @@ class EmbeddingHandler(Handler):
         """A subclass with a forward of its own (OPT's and BART's learned positions take the attention mask or the
         token ids and compute the positions they look up inside): its forward runs with
         ``torch.nn.functional.embedding`` intercepted, and each lookup in this module's table is a use, on the
-        indices it really looks up. A forward that reads the table otherwise (a slice of its rows) records no use:
-        the probe's verification finds the parameter's gradient unaccounted for and leaves it out. The plain
-        ``nn.Embedding`` takes a forward hook."""
+        indices it really looks up. A forward that reads the table otherwise (Whisper's positions slice its rows)
+        records no use, and the module is left out with that reason. The plain ``nn.Embedding`` takes a forward
+        hook."""
         if type(m).forward is nn.Embedding.forward:
             return None
         own = m.forward

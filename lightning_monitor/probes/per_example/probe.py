@@ -969,12 +969,13 @@ class PerExampleGradNorms:
                 return found
             if isinstance(found, _Folded):
                 ctx = use.ctx
+                folded = f"the batch is folded into dimension {found.dim} of its input {use.shape}"
                 if not isinstance(ctx, Tensor) or ctx.shape[found.dim] % found.per:
-                    return f"the batch is folded into dimension {found.dim} of its input {use.shape}, which its handler cannot unfold"
+                    return f"{folded}, which its handler cannot unfold"
                 unfolded = ctx.movedim(found.dim, 0).unflatten(0, (-1, found.per))
                 if use.uses.handler.batch_dims(use.uses.module, unfolded) < 2:
-                    return (f"the batch is folded into dimension {found.dim} of its input {use.shape} together with other "
-                            f"positions, and a {type(use.uses.module).__name__} takes one batch dimension")
+                    return (f"{folded} together with other positions, and a {type(use.uses.module).__name__} takes one "
+                            "batch dimension")
                 return found
             dim = found
         limit = use.uses.handler.batch_dims(use.uses.module, use.ctx) if isinstance(use.ctx, Tensor) else 1
