@@ -133,6 +133,8 @@ class TrainingSnapshot:
     group_sizes: Optional[list[list[int]]] = None
     first_of_fit: bool = False
     module_keys: Optional[frozenset[str]] = None
+    #: the parameters that were trainable (``requires_grad``) when the snapshot was taken
+    trainable: Optional[frozenset[str]] = None
     _state: Optional[dict[str, Any]] = field(default=None, repr=False)
 
     @classmethod
@@ -168,7 +170,9 @@ class TrainingSnapshot:
         }
         snap = cls(step=step, epoch=trainer.current_epoch, lr_scale=lr_scale,
                    group_sizes=[[len(g["params"]) for g in opt.param_groups] for opt in trainer.optimizers],
-                   module_keys=frozenset(state["module"]))
+                   module_keys=frozenset(state["module"]),
+                   trainable=frozenset(n for n, p in pl_module.named_parameters(remove_duplicate=False)
+                                       if p.requires_grad))
         if directory is None:
             snap._state = state
         else:

@@ -1010,7 +1010,8 @@ class DivergenceGuard(Monitor):
             )
             self._new_normal([loss])
             return []
-        if loss is not None and self._pruned(trainer, pl_module, start, loss, level):
+        if loss is not None and (self._pruned(trainer, pl_module, start, loss, level)
+                                 or self._unfrozen(pl_module, start, loss, level)):
             return []
         verdict = self._attribute(trainer, pl_module, start, level, climb) if self.attribute else None
         found = None if verdict is None else verdict[0]
@@ -1089,7 +1090,7 @@ class DivergenceGuard(Monitor):
             # before any history the references are the first batches, and the first updates of a healthy run can
             # overshoot and settle: at once only if the weights broke by ``blowup`` on those batches too
             return []
-        if self._pruned(trainer, pl_module, step, loss, level):
+        if self._pruned(trainer, pl_module, step, loss, level) or self._unfrozen(pl_module, step, loss, level):
             return []
         if math.isfinite(now) and self._objective_changed(trainer, pl_module, step, loss, level, [b for b, _ in refs],
                                                           then, now):
@@ -1158,6 +1159,36 @@ class DivergenceGuard(Monitor):
             value=loss, threshold=level,
         )
         self._new_normal([loss])
+        return True
+
+    def _unfrozen(self, pl_module: pl.LightningModule, step: int, loss: float, level: float) -> bool:
+        """Whether parameters were made trainable (``requires_grad`` turned on: a backbone unfrozen) since the oldest
+        kept snapshot within two snapshot intervals of ``step``, and the loss rose with their first updates on a run
+        that was normal until then: the unfreezing's effect (parameters whose optimizer state starts afresh), not a
+        divergence. Said (``unfrozen``, info), the new level becomes the normal, and nothing acts; once per parameter.
+        A divergence after it (the rise going on, or coming later) is judged as ever. Every rank unfreezes alike and
+        judges the same mean loss: no reduction."""
+        every = self.snapshot_every_n_steps
+        # the oldest snapshot that is recent: one taken at the step of the unfreezing already counts its parameters
+        snap = next((s for s in self._snapshots if s.step < step and s.trainable is not None
+                     and every is not None and step - s.step <= 2 * every + 1), None)
+        if snap is None or any(sev != "info" for (kind, _), sev in self._conditions.items() if kind != "data_shift"):
+            return False
+        assert snap.trainable is not None
+        held = snap.module_keys or frozenset()  # parameters added since are not unfrozen ones (see mismatch)
+        thawed = [n for n, p in pl_module.named_parameters(remove_duplicate=False)
+                  if p.requires_grad and n in held and n not in snap.trainable and n not in self._thawed]
+        if not thawed:
+            return False
+        self._thawed.update(thawed)
+        self.alert(
+            step, "unfrozen", "info",
+            f"The loss rose to {loss:.4g} at step {step} (recent level about {level:.4g}) after {len(thawed)} "
+            f"parameter(s) were made trainable since step {snap.step} ({', '.join(thawed[:4])}"
+            f"{'...' if len(thawed) > 4 else ''}): the first updates of newly trained parameters, not a divergence. "
+            "No action taken on this rise; a rise that lasts is judged as ever.",
+            value=loss, threshold=level,
+        )
         return True
 
     def _objective_changed(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, loss: float,
@@ -1787,6 +1818,7 @@ class DivergenceGuard(Monitor):
         self._lr_scale = 1.0
         self._lr_ceiling: Optional[list[list[float]]] = None  # per optimizer and group, after a repeated divergence
         self._masked: set[str] = set()  # parameters whose pruning excused a rise of the loss (see _pruned)
+        self._thawed: set[str] = set()  # parameters whose unfreezing excused a rise of the loss (see _unfrozen)
         self._external: list[Alert] = []
         self._external_warnings: dict[tuple[str, str, Optional[str]], Alert] = {}
         self.rollbacks, self.stop_checkpoint, self.stopped_step = [], None, None
