@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_monitor import GradientNoiseScaleMonitor
+from lightning_monitor.probes.per_example import PerExampleGradNorms
 
 V, D = 11, 8
 
@@ -96,6 +97,81 @@ def test_rows_that_do_not_follow_their_examples_are_left_out(layout: str) -> Non
     probe = check(model, ce_seq, x, y)  # what is covered is exact
     assert set(probe.uncovered) == FOLDED
     assert all("could not be shown to follow their examples" in probe.reasons[n] for n in FOLDED)
+
+
+class _MaskedRows(nn.Module):
+    """The tokens of each example up to its length, selected with a mask (``h[mask]``) before the MLP: as many rows as
+    ``B * per`` on average, not ``per`` for each example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, V)
+
+    def forward(self, ids: Tensor, mask: Tensor) -> Tensor:
+        h = self.head(torch.tanh(self.fc(self.emb(ids)[mask])))
+        out = h.new_zeros(*ids.shape, V)
+        out[mask] = h
+        return out
+
+
+@pytest.mark.parametrize("lengths", [[4, 4, 2, 6], [3, 5, 4, 4]])
+def test_rows_selected_with_a_mask_are_left_out_when_uneven(lengths) -> None:
+    """Lengths [4, 4, 2, 6]: the first two examples hold the average, so the 2-example run and a roll of the examples
+    by one both looked like a fold of 4 rows an example, and examples 2 and 3 were given each other's rows (fc's norms
+    1.106 and 0.064 against 1.009 and 0.092). Reversing the examples too shows the rows do not follow them."""
+    torch.manual_seed(0)
+    model = _MaskedRows()
+    ids, y = torch.randint(0, V, (4, 6)), torch.randint(0, V, (4, 6))
+    mask = torch.arange(6)[None] < torch.tensor(lengths)[:, None]
+    with PerExampleGradNorms(model, loss_reduction="mean") as probe:
+        ce = F.cross_entropy(model(ids, mask).reshape(-1, V), y.reshape(-1), reduction="none").reshape(4, 6)
+        ((ce * mask).sum(1) / mask.sum(1)).mean().backward()
+    assert probe.covered == ["emb.weight"]
+    assert all("could not be shown to follow their examples" in probe.reasons[n]
+               for n in ("fc.weight", "fc.bias", "head.weight", "head.bias"))
+    # the embedding's norms are each example's own (a loop over single examples)
+    per = probe.per_parameter()["emb.weight"]
+    for i in range(4):
+        model.zero_grad()
+        m = mask[i:i + 1]
+        ce = F.cross_entropy(model(ids[i:i + 1], m).reshape(-1, V), y[i].reshape(-1), reduction="none")
+        (ce.reshape(1, 6) * m).sum().div(m.sum()).backward()
+        assert float(per[i]) == pytest.approx(float(model.emb.weight.grad.pow(2).sum()), rel=1e-5)
+
+
+def test_rows_routed_by_coincidence_as_many_as_the_examples_are_left_out() -> None:
+    """An expert given the tokens routed to it (here the tokens of ids 0 and 1): 4 of them in a batch of 4 (two in the
+    first example, none in the second, one in each other), 2 on the 2-example slice, so dimension 0 of its input
+    scaled like a batch (Switch Transformers' experts were taken so, their norms silently wrong). The rows do not
+    follow the examples when they are reordered: left out, with the reason; the rest exact."""
+
+    class Routed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.expert, self.head = nn.Embedding(V, D), nn.Linear(D, D), nn.Linear(D, V)
+            self.pos = nn.Parameter(torch.randn(5, D))
+
+        def forward(self, ids: Tensor) -> Tensor:
+            flat = (self.emb(ids) + self.pos).reshape(-1, D)
+            take = (ids.reshape(-1) < 2).nonzero().squeeze(1)
+            out = flat.index_add(0, take, self.expert(flat[take]))
+            return self.head(out.reshape(*ids.shape, D))
+
+    torch.manual_seed(0)
+    model = Routed()
+    ids, y = torch.randint(2, V, (4, 5)), torch.randint(0, V, (4, 5))
+    ids[0, 0] = ids[3, 0] = 0
+    ids[0, 1] = ids[2, 0] = 1
+    probe = probe_run(model, ce_seq, ids, y)
+    assert set(probe.uncovered) == {"expert.weight", "expert.bias", "pos"}  # pos: used outside a module
+    assert "rows do not follow the examples" in probe.reasons["expert.weight"]
+    per = probe.per_parameter()
+    for i in range(4):  # the covered parameters: each example's own loss, alone
+        model.zero_grad()
+        ce_seq(model(ids[i:i + 1]), y[i:i + 1]).backward()
+        for name in probe.covered:
+            want = float(dict(model.named_parameters())[name].grad.pow(2).sum())
+            assert float(per[name][i]) == pytest.approx(want, rel=1e-4, abs=1e-12), (name, i)
 
 
 def test_a_handler_of_one_batch_dimension_is_not_unfolded() -> None:

@@ -157,12 +157,20 @@ class _Folded(NamedTuple):
     per: int
 
 
-def _example_major(first: Tensor, second: Tensor, fold: _Folded, batch: int) -> bool:
-    """Whether two inputs of a module on the same examples, the second's order rolled by one (example ``j`` of the
-    second is example ``j + 1`` of the first), hold the batch example-major along ``fold.dim`` and not position-major
-    (``[T * B, d]``, each position's examples together); exact for integer inputs, to rounding for floating ones."""
-    if first.shape != second.shape or batch < 2:
-        return first.shape == second.shape
+#: the example orders the layout check compares with the batch's own: rolled by one, and reversed (a roll alone is
+#: blind to rows whose first example happens to hold its share: padded rows selected with a mask, ``h[mask]``)
+def _orders(batch: int) -> list[list[int]]:
+    rolled, reversed_ = list(range(1, batch)) + [0], list(range(batch - 1, -1, -1))
+    return [rolled] if rolled == reversed_ else [rolled, reversed_]
+
+
+def _follows(first: Tensor, second: Tensor, dim: int, per: int, batch: int, order: list[int]) -> Optional[bool]:
+    """Whether the input ``second`` of a module, on the batch's examples in ``order``, holds the rows of ``first`` (on
+    the batch in its own order) moved with their examples: along ``dim``, ``per`` rows an example, example-major
+    (``per`` > 1: and not position-major, ``[T * B, d]``, as well; both at once, rows that do not depend on their
+    positions, cannot tell: ``None``). Exact for integer inputs, to rounding for floating ones."""
+    if first.shape != second.shape or first.dim() <= dim or first.shape[dim] != batch * per:
+        return False
 
     def same(a: Tensor, b: Tensor) -> bool:
         if not a.is_floating_point():
@@ -170,10 +178,13 @@ def _example_major(first: Tensor, second: Tensor, fold: _Folded, batch: int) -> 
         a, b = a.double(), b.double()
         return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-6 * float(a.abs().max()) + 1e-30))
 
-    a, b = first.movedim(fold.dim, 0), second.movedim(fold.dim, 0)
-    by_example = same(b.unflatten(0, (batch, fold.per)), a.unflatten(0, (batch, fold.per)).roll(-1, 0))
-    by_position = same(b.unflatten(0, (fold.per, batch)), a.unflatten(0, (fold.per, batch)).roll(-1, 1))
-    return by_example and not by_position
+    index = torch.tensor(order, device=first.device)
+    a, b = first.movedim(dim, 0), second.movedim(dim, 0)
+    by_example = same(b.unflatten(0, (batch, per)), a.unflatten(0, (batch, per)).index_select(0, index))
+    if per == 1 or not by_example:
+        return by_example
+    by_position = same(b.unflatten(0, (per, batch)), a.unflatten(0, (per, batch)).index_select(1, index))
+    return None if by_position else True
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:
@@ -420,9 +431,10 @@ class PerExampleGradNorms:
     batch (moved to the front for the handler); an input that does not change has no batch dimension
     (positions broadcast over the batch), one where several dimensions change cannot be split per example: such a
     module's parameters go to :attr:`uncovered` with the reason. One where the batch is folded with other positions
-    (``[B * T, d]``) is split per example if its rows are example-major, which two more runs of the call on the whole
-    batch show (eval mode, the second with the examples reordered: the rows must move with them); else it is left
-    out with the reason. The result is kept per module and input shape,
+    (``[B * T, d]``) is split per example if its rows are example-major. Every dimension found is then checked against
+    the examples themselves: three more runs of the call on the whole batch, in eval mode (in its order, rolled by
+    one, reversed), whose rows must move with their examples (:meth:`_check_layouts`: a size that follows the batch's
+    by coincidence, as an expert's routed tokens, is left out; a fold only if its rows are shown to follow). The result is kept per module and input shape,
     so the extra small forward runs once per new shape. A model that fails on the slice (one that
     requires a fixed batch size) leaves the modules of that call uncovered, with the reason;
     ``batch_dims`` declares them instead. With the batch's size known (below), the other dimensions of that size
@@ -834,34 +846,52 @@ class PerExampleGradNorms:
             self._bdims[(name, shape)] = found.pop() if len(found) == 1 else (
                 f"calls on inputs of shape {shape} disagree on the batch dimension"
             )
-        folds = {key: self._bdims[key] for key in todo if isinstance(self._bdims.get(key), _Folded)}
-        if folds:
-            self._check_folds(entry, batch, slice_dim, folds)
+        found = {key: self._bdims[key] for key in todo if isinstance(self._bdims.get(key), (int, _Folded))}
+        if found and batch > 1:
+            self._check_layouts(entry, batch, slice_dim, found)
 
-    def _check_folds(self, entry: tuple[nn.Module, tuple[Any, ...], dict[str, Any]], batch: int, dim: int,
-                     folds: dict[tuple[str, tuple[int, ...]], Any]) -> None:
-        """Keep a folded batch dimension only where the batch is folded example-major: the entry call is run twice
-        more without gradients on the whole batch, in eval mode (no dropout), the second time with its examples in
-        another order, and the rows of each folded input must move with their examples (a position-major fold, or
-        rows not split evenly among the examples, as a mixture-of-experts' routed tokens, are left out)."""
-        names = {name for name, _ in folds}
+    def _check_layouts(self, entry: tuple[nn.Module, tuple[Any, ...], dict[str, Any]], batch: int, dim: int,
+                       found: dict[tuple[str, tuple[int, ...]], Union[int, _Folded]]) -> None:
+        """Check the batch dimensions found by scaling against the examples themselves: the entry call is run again
+        without gradients on the whole batch, in eval mode (no dropout), in its own order and in others (rolled by
+        one, reversed), and each module's rows along its batch dimension must move with their examples. A size that
+        follows the batch's by coincidence (a mixture-of-experts' expert given as many routed tokens as there are
+        examples; padded rows selected with a mask, as many on average) took other rows for the examples, silently.
+        A folded dimension is kept only where the rows are shown to follow (a position-major fold, or rows not split
+        evenly among the examples, are left out); a plain one is left out only where they are shown not to (a module
+        the eval-mode runs do not call keeps it)."""
+        names = {name for name, _ in found}
         runs = []
-        for order in (list(range(batch)), list(range(1, batch)) + [0]):
+        for order in [list(range(batch))] + _orders(batch):
             inputs: dict[str, list[Tensor]] = {name: [] for name in names}
             _, error, _ = self._dry_run(entry, batch, batch, dim, order=order, inputs=inputs)
             if error is not None:
                 break
-            runs.append(inputs)
-        for (name, shape), fold in folds.items():
-            first = [x for x in runs[0].get(name, []) if tuple(x.shape) == shape] if len(runs) == 2 else []
-            second = [x for x in runs[1].get(name, []) if tuple(x.shape) == shape] if len(runs) == 2 else []
-            if not first or len(first) != len(second) or not all(
-                    _example_major(a, b, fold, batch) for a, b in zip(first, second)):
+            runs.append((order, inputs))
+        for (name, shape), at in found.items():
+            fold = at if isinstance(at, _Folded) else _Folded(at, 1)
+            verdicts: list[Optional[bool]] = []
+            if len(runs) == 1 + len(_orders(batch)):
+                first = [x for x in runs[0][1][name] if tuple(x.shape) == shape]
+                for order, inputs in runs[1:]:
+                    other = [x for x in inputs[name] if tuple(x.shape) == shape]
+                    if first and len(first) == len(other):
+                        verdicts += [_follows(a, b, fold.dim, fold.per, batch, order) for a, b in zip(first, other)]
+                    else:
+                        verdicts.append(None)
+            else:
+                verdicts.append(None)
+            if isinstance(at, _Folded) and not all(v is True for v in verdicts):
                 self._bdims[(name, shape)] = (
-                    f"the batch is folded into dimension {fold.dim} of its input {shape} together with other "
+                    f"the batch is folded into dimension {at.dim} of its input {shape} together with other "
                     "positions, and its rows could not be shown to follow their examples in order (reordering the "
                     "examples in eval mode did not reorder them the same way); declare it with `batch_dims` if it is "
                     "batch-first")
+            elif not isinstance(at, _Folded) and False in verdicts:
+                self._bdims[(name, shape)] = (
+                    f"dimension {at} of its input {shape} changes with the batch size, but its rows do not follow the "
+                    "examples (reordering the examples in eval mode did not reorder them the same way: rows taken from "
+                    "the batch otherwise, such as the tokens routed to an expert)")
 
     def _resolve_inside_entry(self, name: str, shape: tuple[int, ...]) -> Union[int, str, None]:
         """A backward inside the running entry call reached a use whose batch dimension is not known yet: found on the
