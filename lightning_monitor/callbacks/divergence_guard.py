@@ -1144,35 +1144,43 @@ class DivergenceGuard(Monitor):
         # divergence later on (the smoothed loss already creeping, a rise long after the pruning, a second rise with
         # the same masks) is judged as ever, the pruned model replayed with the older weights under its masks
         every = self.snapshot_every_n_steps
-        if (snap is None or every is None or step - snap.step > every + 1
-                or any(sev != "info" for (kind, _), sev in self._conditions.items() if kind != "data_shift")):
+        if snap is None or every is None or step - snap.step > every + 1 or not self._normal_so_far():
             return False
         masked = [n for n in pruned_since(snap.saved_keys(), pl_module.state_dict().keys()) if n not in self._masked]
         if not masked:
             return False
         self._masked.update(masked)
-        self.alert(
-            step, "model_pruned", "info",
-            f"The loss rose to {loss:.4g} at step {step} (recent level about {level:.4g}) after {len(masked)} "
-            f"parameter(s) were pruned since step {snap.step} ({', '.join(masked[:4])}{'...' if len(masked) > 4 else ''}): "
-            "the pruning's effect, not a divergence. No action taken; the new level is the normal from here.",
-            value=loss, threshold=level,
-        )
+        self._say_changed(step, "model_pruned", loss, level, masked, f"pruned since step {snap.step}",
+                          "the pruning's effect, not a divergence. No action taken; the new level is the normal from here.")
         self._new_normal([loss])
         return True
+
+    def _normal_so_far(self) -> bool:
+        """No condition but info ones (and a data shift) is active: the run was normal up to now."""
+        return not any(sev != "info" for (kind, _), sev in self._conditions.items() if kind != "data_shift")
+
+    def _say_changed(self, step: int, kind: str, loss: float, level: float, names: list[str], what: str,
+                     verdict: str) -> None:
+        """The info alert of a rise excused by a deliberate change of the parameters (``what`` was done to ``names``)."""
+        self.alert(
+            step, kind, "info",
+            f"The loss rose to {loss:.4g} at step {step} (recent level about {level:.4g}) after {len(names)} "
+            f"parameter(s) were {what} ({', '.join(names[:4])}{'...' if len(names) > 4 else ''}): {verdict}",
+            value=loss, threshold=level,
+        )
 
     def _unfrozen(self, pl_module: pl.LightningModule, step: int, loss: float, level: float) -> bool:
         """Whether parameters were made trainable (``requires_grad`` turned on: a backbone unfrozen) since the oldest
         kept snapshot within two snapshot intervals of ``step``, and the loss rose with their first updates on a run
         that was normal until then: the unfreezing's effect (parameters whose optimizer state starts afresh), not a
-        divergence. Said (``unfrozen``, info), the new level becomes the normal, and nothing acts; once per parameter.
-        A divergence after it (the rise going on, or coming later) is judged as ever. Every rank unfreezes alike and
-        judges the same mean loss: no reduction."""
+        divergence. Said (``unfrozen``, info), and nothing acts on this rise; once per parameter. The level stays: a
+        rise that goes on (a backbone the rate destroys) or comes later is judged as ever, and rolled back into the
+        weights from before the unfreezing. Every rank unfreezes alike and judges the same mean loss: no reduction."""
         every = self.snapshot_every_n_steps
         # the oldest snapshot that is recent: one taken at the step of the unfreezing already counts its parameters
         snap = next((s for s in self._snapshots if s.step < step and s.trainable is not None
                      and every is not None and step - s.step <= 2 * every + 1), None)
-        if snap is None or any(sev != "info" for (kind, _), sev in self._conditions.items() if kind != "data_shift"):
+        if snap is None or not self._normal_so_far():
             return False
         assert snap.trainable is not None
         held = snap.module_keys or frozenset()  # parameters added since are not unfrozen ones (see mismatch)
@@ -1181,14 +1189,9 @@ class DivergenceGuard(Monitor):
         if not thawed:
             return False
         self._thawed.update(thawed)
-        self.alert(
-            step, "unfrozen", "info",
-            f"The loss rose to {loss:.4g} at step {step} (recent level about {level:.4g}) after {len(thawed)} "
-            f"parameter(s) were made trainable since step {snap.step} ({', '.join(thawed[:4])}"
-            f"{'...' if len(thawed) > 4 else ''}): the first updates of newly trained parameters, not a divergence. "
-            "No action taken on this rise; a rise that lasts is judged as ever.",
-            value=loss, threshold=level,
-        )
+        self._say_changed(step, "unfrozen", loss, level, thawed, f"made trainable since step {snap.step}",
+                          "the first updates of newly trained parameters, not a divergence. No action taken on this "
+                          "rise; a rise that lasts is judged as ever.")
         return True
 
     def _objective_changed(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, loss: float,
