@@ -541,14 +541,20 @@ class FrozenTwoClass(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def test_bimodal_scores_alert_and_no_score(tmp_path) -> None:
-    x = torch.eye(2).repeat(20, 1)
-    loader = DataLoader(TensorDataset(x, torch.zeros(40, dtype=torch.long)), batch_size=10)
+def _fit_frozen_two_class(tmp_path, rows: torch.Tensor, max_epochs: int):
+    """``FrozenTwoClass`` on 20 copies of ``rows`` (all of class 0), with GWA and a TensorBoard logger."""
+    x = rows.repeat(20, 1)
+    loader = DataLoader(TensorDataset(x, torch.zeros(len(x), dtype=torch.long)), batch_size=10)
     gwa = GradientWeightAlignmentMonitor(warmup_epochs=0)
     logger = TensorBoardLogger(str(tmp_path), name="tb")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _trainer(tmp_path, logger, [gwa], max_epochs=2).fit(FrozenTwoClass(), loader)
+        _trainer(tmp_path, logger, [gwa], max_epochs=max_epochs).fit(FrozenTwoClass(), loader)
+    return gwa, logger
+
+
+def test_bimodal_scores_alert_and_no_score(tmp_path) -> None:
+    gwa, logger = _fit_frozen_two_class(tmp_path, torch.eye(2), max_epochs=2)
     assert all(r["score"] is None for r in gwa.history)
     scalars = tb_scalars(logger.log_dir)
     assert "gwa/score" not in scalars
@@ -565,13 +571,7 @@ def test_bimodal_scores_with_no_sample_opposing_are_no_warning(tmp_path) -> None
     """Two groups that both align with the weights (scores 0.5 and 0.67, none negative: a model that fits one group of
     samples more closely than the other) are bimodal too; said as info, not as noisy labels (a clean run that had fit
     its data drew a warning saying that 0.0% of the samples oppose the weights, usually noisy labels)."""
-    x = torch.tensor([[1.0, 0.0], [1.0, -0.5]]).repeat(20, 1)
-    loader = DataLoader(TensorDataset(x, torch.zeros(40, dtype=torch.long)), batch_size=10)
-    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0)
-    logger = TensorBoardLogger(str(tmp_path), name="tb")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _trainer(tmp_path, logger, [gwa], max_epochs=1).fit(FrozenTwoClass(), loader)
+    gwa, logger = _fit_frozen_two_class(tmp_path, torch.tensor([[1.0, 0.0], [1.0, -0.5]]), max_epochs=1)
     assert gwa.history[0]["negative"] == 0 and gwa.history[0]["kurtosis"] == pytest.approx(-2.0, abs=1e-6)
     alerts = [json.loads(line) for line in open(os.path.join(logger.log_dir, "alerts.jsonl"))]
     assert [(a["kind"], a["severity"]) for a in alerts] == [("bimodal", "info")]

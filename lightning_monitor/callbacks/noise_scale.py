@@ -200,6 +200,7 @@ class GradientNoiseScaleMonitor(Monitor):
         self._micro_batches = 0
         self._micro_sizes: list[int] = []
         self._small: dict[str, Tensor] = {}  # accumulation / ddp: per-param sum of small-batch sq norms
+        self._unclipped: Optional[dict[str, Tensor]] = None  # manual optimization: the due step's norms before clipping
         self._ddp_registered = False
         self._module: Optional[nn.Module] = None  # the model, to re-read the trainable set at arming
         self._flags: tuple[bool, ...] = ()  # requires_grad of every parameter when last selected
@@ -521,7 +522,7 @@ class GradientNoiseScaleMonitor(Monitor):
             self._probe.detach()
             self._probe.reset()
         self._small = {}
-        self._unclipped: Optional[dict[str, Tensor]] = None
+        self._unclipped = None
 
     def _make_leaf_hook(self, name: str) -> Any:
         def hook(grad: Tensor) -> None:
@@ -645,7 +646,7 @@ class GradientNoiseScaleMonitor(Monitor):
             names = [names[i] for i in keep]
             grads = [grads[i] for i in keep]
         self._measured = measured = set(names)
-        unclipped = self.__dict__.get("_unclipped")
+        unclipped = self._unclipped
         if unclipped is not None and all(n in unclipped for n in names):
             # manual optimization: read after the backward, before any clipping by the user (on_after_backward)
             others = [n for n, p in self._params.items() if n not in measured and p.grad is not None and n in unclipped]

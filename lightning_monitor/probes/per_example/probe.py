@@ -164,17 +164,26 @@ def _orders(batch: int) -> list[list[int]]:
     return [rolled] if rolled == reversed_ else [rolled, reversed_]
 
 
+def _row_prints(x: Tensor, dim: int) -> Tensor:
+    """One number per row of ``x`` along ``dim`` (its projection on a fixed random direction, in float64): what the
+    layout check compares instead of the rows themselves, which it would hold for every hooked module of three runs of
+    the model (a model's activations three times over). Equal rows give equal prints; different ones, different
+    prints but for a chance of measure 0."""
+    rows = x.detach().movedim(dim, 0).reshape(x.shape[dim], -1).double()
+    direction = torch.randn(rows.shape[1], dtype=torch.float64, device=rows.device,
+                            generator=torch.Generator(device=rows.device).manual_seed(0))
+    return rows @ direction
+
+
 def _follows(first: Tensor, second: Tensor, dim: int, per: int, batch: int, order: list[int]) -> Optional[bool]:
     """Whether the input ``second`` of a module, on the batch's examples in ``order``, holds the rows of ``first`` (on
     the batch in its own order) moved with their examples: along ``dim``, ``per`` rows an example, example-major
     (``per`` > 1: and not position-major, ``[T * B, d]``, as well; both at once, rows that do not depend on their
-    positions, cannot tell: ``None``). Exact for integer inputs, to rounding for floating ones."""
+    positions, cannot tell: ``None``). The rows may be their prints (:func:`_row_prints`); equal to rounding."""
     if first.shape != second.shape or first.dim() <= dim or first.shape[dim] != batch * per:
         return False
 
     def same(a: Tensor, b: Tensor) -> bool:
-        if not a.is_floating_point():
-            return bool(torch.equal(a, b))
         a, b = a.double(), b.double()
         return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-6 * float(a.abs().max()) + 1e-30))
 
@@ -583,7 +592,8 @@ class PerExampleGradNorms:
         self._static_uncovered = [trainable[pid] for pid in trainable if pid not in self._covered_ids]
         # (module name, input shape) -> the input dimension holding the batch, or why there is none
         self._bdims: dict[tuple[str, tuple[int, ...]], Union[int, _Folded, str]] = {}
-        self._dry_inputs: Optional[dict[str, list[Tensor]]] = None  # inputs the layout check of a folded batch keeps
+        # per module and input shape, the batch dimension and the rows' prints the layout check keeps (_check_layouts)
+        self._dry_inputs: Optional[dict[str, dict[tuple[int, ...], tuple[int, list[Tensor]]]]] = None
         self._said_lost: set[str] = set()  # large attributes the batch-size run wrote in place (said once)
         self._dry: Optional[list[tuple[str, tuple[int, ...]]]] = None  # calls seen by the batch-size run
         self._depth = 0  # nesting of entry calls now running
@@ -703,8 +713,9 @@ class PerExampleGradNorms:
         if self._dry is not None:
             self._dry.append((uses.name, tuple(x.shape)))
             kept = self._dry_inputs
-            if kept is not None and uses.name in kept:
-                kept[uses.name].append(x.detach().clone())
+            spec = kept.get(uses.name, {}).get(tuple(x.shape)) if kept is not None else None
+            if spec is not None:
+                spec[1].append(_row_prints(x, spec[0]))
             return "dry"
         if _in_backward():
             # activation checkpointing: without reentrance it recomputes uses already recorded in the
@@ -860,23 +871,25 @@ class PerExampleGradNorms:
         A folded dimension is kept only where the rows are shown to follow (a position-major fold, or rows not split
         evenly among the examples, are left out); a plain one is left out only where they are shown not to (a module
         the eval-mode runs do not call keeps it)."""
-        names = {name for name, _ in found}
+        folds = {key: at if isinstance(at, _Folded) else _Folded(at, 1) for key, at in found.items()}
         runs = []
         for order in [list(range(batch))] + _orders(batch):
-            inputs: dict[str, list[Tensor]] = {name: [] for name in names}
+            inputs: dict[str, dict[tuple[int, ...], tuple[int, list[Tensor]]]] = defaultdict(dict)
+            for (name, shape), fold in folds.items():
+                inputs[name][shape] = (fold.dim, [])
             _, error, _ = self._dry_run(entry, batch, batch, dim, order=order, inputs=inputs)
             if error is not None:
                 break
             runs.append((order, inputs))
         for (name, shape), at in found.items():
-            fold = at if isinstance(at, _Folded) else _Folded(at, 1)
+            fold = folds[(name, shape)]
             verdicts: list[Optional[bool]] = []
             if len(runs) == 1 + len(_orders(batch)):
-                first = [x for x in runs[0][1][name] if tuple(x.shape) == shape]
+                first = runs[0][1][name][shape][1]
                 for order, inputs in runs[1:]:
-                    other = [x for x in inputs[name] if tuple(x.shape) == shape]
+                    other = inputs[name][shape][1]
                     if first and len(first) == len(other):
-                        verdicts += [_follows(a, b, fold.dim, fold.per, batch, order) for a, b in zip(first, other)]
+                        verdicts += [_follows(a, b, 0, fold.per, batch, order) for a, b in zip(first, other)]
                     else:
                         verdicts.append(None)
             else:
@@ -916,12 +929,14 @@ class PerExampleGradNorms:
         return None
 
     def _dry_run(self, entry: tuple[nn.Module, tuple[Any, ...], dict[str, Any]], batch: int, small: int,
-                 dim: int, order: Optional[list[int]] = None, inputs: Optional[dict[str, list[Tensor]]] = None,
+                 dim: int, order: Optional[list[int]] = None,
+                 inputs: Optional[dict[str, dict[tuple[int, ...], tuple[int, list[Tensor]]]]] = None,
                  ) -> tuple[list[tuple[str, tuple[int, ...]]], Optional[BaseException], list[tuple[int, ...]]]:
         """Run the entry call without gradients on ``small`` examples of its batch (``batch`` along dimension ``dim``
         of its tensors), leaving no trace; returns the hooked calls it made, its error (if it failed) and the shapes
-        of its output. With ``order``: on the examples of those indices, every module in eval mode, and the inputs of
-        the hooked modules named in ``inputs`` copied into it."""
+        of its output. With ``order``: on the examples of those indices, every module in eval mode, and the prints of
+        the rows of the hooked modules' inputs named in ``inputs`` (module -> input shape -> batch dimension, prints)
+        added to it."""
         module, args, kwargs = entry
         attributes = _attributes(module)
         dry: list[tuple[str, tuple[int, ...]]] = []
