@@ -550,3 +550,13 @@ def test_stop_false_keeps_the_last_component_trainable(tmp_path: Path) -> None:
     assert all(p.requires_grad for p in module.get_submodule(held).parameters())
     said = [a for a in read_alerts(os.path.join(logger.log_dir, "alerts.jsonl")) if a.kind == "held_trainable"]
     assert len(said) == 1 and said[0].layer == held
+
+
+@pytest.mark.parametrize("kw", [{"limit_train_batches": 0, "max_epochs": 1}, {"max_steps": 0}])
+def test_a_fit_with_no_training_step_is_idle_not_an_error(tmp_path: Path, kw) -> None:
+    # a fit run for its validation alone: the grace period's fraction of nothing is not an unknown length, and the
+    # monitor alone does not abort it
+    cb = GradientEarlyStopping()
+    _trainer(tmp_path, [cb], **{"max_steps": -1, **kw}).fit(_module(), _loader())
+    assert cb.idle_reason is not None and "no training step is planned" in cb.idle_reason
+    assert not cb.frozen

@@ -580,7 +580,12 @@ class GradientEarlyStopping(Monitor):
             self.grace_end = 0
         else:
             planned = trainer.estimated_stepping_batches
-            if not math.isfinite(planned) or planned <= 0:
+            if planned == 0 or trainer.limit_train_batches == 0 or trainer.max_steps == 0:
+                # nothing will train (a fit run for its validation): idle, and no error to end a run that has no steps
+                self.nothing_to_watch(trainer, "no training step is planned (`limit_train_batches=0`, `max_steps=0` "
+                                      "or empty training data)", training=True)
+                return
+            if not math.isfinite(planned) or planned < 0:
                 # infinite, or -1: `max_epochs` over an iterable dataset without a length (a grace period of 0 steps
                 # took the reference in the first steps' transient)
                 self.nothing_to_watch(
