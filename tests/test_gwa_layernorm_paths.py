@@ -91,3 +91,64 @@ def test_softmax_proportionality_tells_class_indices_from_layernorm_gradients() 
     F.cross_entropy(w, torch.randint(0, 5, (6,)), label_smoothing=0.2).backward()
     d, p = softmax_proportionality(w.grad, w.detach()).tolist()
     assert d > 0.01 * p
+
+
+class _Trajectories(pl.LightningModule):
+    """A decision-transformer-like regression: returns, states and actions each embedded by a Linear, stacked and fed
+    to a LayerNorm (so the three embeddings' output gradient rows sum to 0, as a softmax's do); batches are dicts with
+    no class targets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_r, self.embed_s, self.embed_a = nn.Linear(1, 16), nn.Linear(6, 16), nn.Linear(3, 16)
+        self.ln = nn.LayerNorm(16)
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        self.predict = nn.Linear(16, 3)
+
+    def forward(self, r, s, a):
+        h = self.ln(torch.stack([self.embed_r(r), self.embed_s(s), self.embed_a(a)], 1))
+        return self.predict((h + self.body(h)).mean(1))
+
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self(batch["returns"], batch["states"], batch["actions"]), batch["actions"])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), 1e-3)
+
+
+def _preset_fit(tmp_path, module, loader):
+    from lightning_monitor import HealthMonitor
+
+    hm = HealthMonitor(spectral=False, noise_scale=False, guard=False)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    pl.Trainer(accelerator="cpu", max_epochs=2, logger=logger, enable_progress_bar=False, enable_checkpointing=False,
+               enable_model_summary=False, callbacks=[hm]).fit(module, loader)
+    return hm, read_alerts(os.path.join(logger.log_dir, "alerts.jsonl"))
+
+
+def test_a_regression_behind_a_layernorm_gets_one_warning(tmp_path) -> None:
+    """Under the preset a regression goes idle with one warning; its input embeddings, which feed a LayerNorm, were
+    first named as three classifier heads (`several_heads`)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"returns": torch.randn(1, generator=g), "states": torch.randn(6, generator=g),
+             "actions": torch.randn(3, generator=g)} for _ in range(128)]
+    hm, alerts = _preset_fit(tmp_path, _Trajectories(), DataLoader(rows, batch_size=16))
+    assert [a.kind for a in alerts if a.monitor == "gwa"] == ["nothing_to_watch"]
+    assert hm.gwa.idle_reason is not None
+
+
+def test_several_heads_is_said_under_the_preset_once_the_targets_fit(tmp_path) -> None:
+    """Label smoothing on a post-LN model: the head and the layers behind LayerNorms all qualify; the warning waits for
+    the first scored batch's targets, and they fit, so it is said (once)."""
+
+    class Smoothed(PostLN):
+        def __init__(self) -> None:
+            super().__init__(0.1)
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 4, 8)
+    y = (x[:, 0, 0] > 0).long() + (x[:, 0, 1] > 0).long()
+    hm, alerts = _preset_fit(tmp_path, Smoothed(), DataLoader(TensorDataset(x, y), batch_size=32))
+    several = [a for a in alerts if a.kind == "several_heads"]
+    assert len(several) == 1 and "`fc2`" in several[0].message and hm.gwa.idle_reason is None

@@ -449,7 +449,9 @@ class GradientWeightAlignmentMonitor(Monitor):
             self.every_n_steps = self._configured_every
         self._scored_rows: Optional[int] = None  # the samples of the fit's first scored micro-batch (min_epoch_samples)
         self.history: list[dict[str, Any]] = []
-        self._pending_no_softmax: Optional[tuple[int, str]] = None  # said once the first batch's targets fit
+        # said once the first batch's targets fit (a regression or multi-label run goes idle with one warning instead)
+        self._pending_no_softmax: Optional[tuple[int, str]] = None
+        self._pending_several: Optional[tuple[int, str]] = None
         self._load_selection_state({})
         #: why the best epoch may be a poor pick (see :meth:`_uncertainty`), or None
         self.pick_uncertain: Optional[str] = None
@@ -931,13 +933,17 @@ class GradientWeightAlignmentMonitor(Monitor):
             # (also where no output counts as returned: under DDP the training step runs inside the module's call)
             others = sorted((n for n in group if n != chosen), key=lambda n: -order[n])
             self._other_heads = [(n, candidates[n]) for n in others]
-            self.alert(
-                step, "several_heads", "warning",
+            message = (
                 f"{len(group)} nn.Linear layers qualify as the classifier head (softmax gradients"
                 f"{', returned by the model' if tier == 0 else ''}): {', '.join(f'`{n}`' for n in group)}; `{chosen}`, "
                 "called last, is scored (another is tried if the targets turn out not to be its). Pass `head=` to "
-                "score another.",
-            )
+                "score another.")
+            if self._may_refuse():
+                # said once the first scored batch's targets fit: a regression transformer's input embeddings, which
+                # feed a LayerNorm (rows summing to 0 too), were named as heads before the monitor went idle
+                self._pending_several = (step, message)
+            else:
+                self.alert(step, "several_heads", "warning", message)
         if chosen != default:
             if self._adopt_head(chosen, module, pl_module):
                 self._pending = None  # this batch's targets were read for the other head: not scored
@@ -1430,13 +1436,17 @@ class GradientWeightAlignmentMonitor(Monitor):
         if trainer.world_size > 1:
             refused = self.decide(trainer, refused)
         pending, self._pending_no_softmax = self._pending_no_softmax, None
+        several, self._pending_several = self._pending_several, None
         if refused:
             self._stash, self._stashed, self._pending = [], 0, None
             why = self._refusal or "another rank's targets did not fit it"
             self.nothing_to_watch(trainer, f"the batches' targets do not fit a softmax classifier on `{self._head_name}` "
                                            f"({why}). Pass `target_fn=` and `head=` if this model has one.")
-        elif pending is not None:
-            self.alert(pending[0], "no_softmax_head", "warning", pending[1])
+        else:
+            if several is not None:
+                self.alert(several[0], "several_heads", "warning", several[1])
+            if pending is not None:
+                self.alert(pending[0], "no_softmax_head", "warning", pending[1])
         self._refusal = None
 
     def _release_all(self) -> None:
