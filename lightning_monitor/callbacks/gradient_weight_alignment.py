@@ -1178,11 +1178,12 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._check_state = "pending" if self._check_tries < _CHECK_TRIES else "done"
             return
         self._check_state = "done"
-        changed = False
+        changed = shift_changed = False
         if targeted_other > 0 and hit < 0.5 * targeted and hit_other >= _HIT_FRACTION * targeted_other:
             # every rank read its labels the same way (the same rule on the same kind of batch)
             now_shifted = not (mine[4] if mine is not None else self._shift)
             self._shift, self._shift_measured, changed = now_shifted, True, True
+            shift_changed = True
             hit, targeted = hit_other, targeted_other
             self.alert(
                 step, "targets_shifted", "info",
@@ -1243,8 +1244,12 @@ class GradientWeightAlignmentMonitor(Monitor):
                     "(a model's logit scale, temperature or final logits bias): GWA's probabilities are taken of that.",
                     value=scale,
                 )
-        if changed:  # what was kept was read the other way: dropped
-            self._stash, self._stashed = [], 0
+        if changed:
+            # the targets kept were read the other way: dropped. A transform alone keeps them: what is kept is the
+            # head's own output, and the transform is applied when it is scored (``_flush``); dropping it cost a model
+            # with a logit scale (Granite) its first epoch's scores, with a warning that blamed the cadence
+            if shift_changed:
+                self._stash, self._stashed = [], 0
         elif judged > 0 and off > _OFF_FRACTION * judged:
             self.alert(
                 step, "inexact_scores", "warning",
