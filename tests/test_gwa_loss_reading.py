@@ -280,3 +280,14 @@ def test_targets_the_loss_does_not_train_leave_gwa_idle(tmp_path, given: bool) -
         assert len(idle) == 1 and "another class than the targets GWA reads" in idle[0].message
         assert gwa.idle_reason is not None and gwa.history == [] and gwa.best_epoch is None
         assert not any(k.startswith("gwa/") for k in trainer.callback_metrics)
+
+
+def test_an_epoch_emptied_by_the_check_says_why(tmp_path) -> None:
+    # two batches an epoch: both are kept until the check at the second step finds the labels shifted, and dropped;
+    # the epoch's warning blamed the cadence and the data
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=2, logger=False, callbacks=[gwa], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    with pytest.warns(UserWarning, match=r"epoch 0 scored 0 < \d+ samples.*dropped: their labels were read the other"):
+        trainer.fit(TinyLM("shifts"), DataLoader(Tokens(16), batch_size=8))
+    assert gwa._shift and gwa.history[1]["count"] > 0

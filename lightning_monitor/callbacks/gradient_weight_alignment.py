@@ -452,6 +452,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         # said once the first batch's targets fit (a regression or multi-label run goes idle with one warning instead)
         self._pending_no_softmax: Optional[tuple[int, str]] = None
         self._pending_several: Optional[tuple[int, str]] = None
+        self._dropped: Optional[tuple[Optional[int], str]] = None  # the epoch whose kept batches were dropped, and why
         self._load_selection_state({})
         #: why the best epoch may be a poor pick (see :meth:`_uncertainty`), or None
         self.pick_uncertain: Optional[str] = None
@@ -1205,7 +1206,7 @@ class GradientWeightAlignmentMonitor(Monitor):
                 "head too, is scored instead (its gradient is checked against the targets at the next due step). Pass "
                 "`head=` to choose.",
             )
-            self._stash, self._stashed = [], 0
+            self._drop_kept("they were read for another layer than the head")
             self._adopt_head(name, module, trainer.lightning_module)
             self._reset_gradient_check()
             return
@@ -1249,7 +1250,7 @@ class GradientWeightAlignmentMonitor(Monitor):
             # head's own output, and the transform is applied when it is scored (``_flush``); dropping it cost a model
             # with a logit scale (Granite) its first epoch's scores, with a warning that blamed the cadence
             if shift_changed:
-                self._stash, self._stashed = [], 0
+                self._drop_kept("their labels were read the other way")
         elif judged > 0 and off > _OFF_FRACTION * judged:
             self.alert(
                 step, "inexact_scores", "warning",
@@ -1340,6 +1341,13 @@ class GradientWeightAlignmentMonitor(Monitor):
                 f"`target_fn` returned class targets {t[~valid][:5].tolist()} outside [0, {num_classes}) for head "
                 f"`{self._head_name}` (ignore_index={self.ignore_index}). Fix `target_fn`, `head` or `ignore_index`."
             )
+
+    def _drop_kept(self, why: str) -> None:
+        """Drop the batches kept since the last flush (read the wrong way); an epoch left with too few scores says
+        why."""
+        if self._stash:
+            self._dropped = (self._epoch_open, why)
+        self._stash, self._stashed = [], 0
 
     def _flush(self) -> None:
         """Score the kept steps and fold them into the epoch accumulators (on device, no host sync)."""
@@ -1566,7 +1574,10 @@ class GradientWeightAlignmentMonitor(Monitor):
         if count < _MIN_SAMPLES:
             rank_zero_warn(
                 f"GradientWeightAlignmentMonitor: epoch {epoch} scored {count} < {_MIN_SAMPLES} samples; GWA "
-                "skipped for this epoch (check `every_n_steps`, `warmup_steps` and the training data)."
+                "skipped for this epoch " + (
+                    f"(the batches scored before the check of the head's gradient were dropped: {self._dropped[1]})"
+                    if self._dropped is not None and self._dropped[0] == epoch else
+                    "(check `every_n_steps`, `warmup_steps` and the training data).")
             )
         else:
             metrics[self.key("mean")] = mean
