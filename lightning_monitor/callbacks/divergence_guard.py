@@ -316,6 +316,9 @@ class DivergenceGuard(Monitor):
         # (step, learning rates) of the last steps, as far back as the moving average reaches
         self._lr_trace: deque[tuple[int, list[list[Optional[float]]]]] = deque(
             maxlen=2 + round(self.smoothing / (1.0 - self.smoothing)) + (lag_steps or 2))
+        # the learning rates of the last judged steps with a loss other than 0, as far back as the moving average's age
+        self._judged_lrs: deque[Optional[list[list[Optional[float]]]]] = deque(
+            maxlen=2 + round(self.smoothing / (1.0 - self.smoothing)))
         self._flat_shards = False  # FSDP1: plain gradients are this rank's shards
         self._batch: Any = None
         self._batch_idx = 0
@@ -716,12 +719,19 @@ class DivergenceGuard(Monitor):
         explosion: Optional[tuple[int, int]] = None
         for s, loss, gnorm in values:
             best = self._ema_min
-            reasons, start, surge = self._judge(s, loss, gnorm, scaler_on)
+            # a loss of exactly 0 (a batch with no labelled item, a hinge loss with every margin met) is no level of the
+            # run's: kept out of the history, whose median it held at 0 where most batches had none (every labelled
+            # batch then read as a surge, and a real blow-up as one hard batch after another). Its batch stays a
+            # reference for the replays (weights that broke lose on it again, if it can lose at all)
+            reasons, start, surge = self._judge(s, None if loss == 0.0 else loss, gnorm, scaler_on)
+            if loss != 0.0:
+                self._judged_lrs.append(next((lrs for t, lrs in reversed(self._lr_trace) if t == s), None))
             if self._ema_min < best:
                 # the learning rates that trained the weights of the best smoothed loss so far: the moving average
-                # describes the losses of about smoothing / (1 - smoothing) steps back (its mean age)
-                back = 1 + round(self.smoothing / (1.0 - self.smoothing))
-                self._lr_at_min = next((lrs for t, lrs in self._lr_trace if t >= s - back), self._lr_at_min)
+                # describes the losses of about smoothing / (1 - smoothing) judged steps back (its mean age; steps of
+                # loss 0 do not move it)
+                oldest = self._judged_lrs[0] if self._judged_lrs else None
+                self._lr_at_min = oldest if oldest is not None else self._lr_at_min
                 self._wd_at_min = self._float_decays(trainer)
             self._judged_through = s
             if reasons and first_bad is None:
@@ -730,6 +740,10 @@ class DivergenceGuard(Monitor):
             if loss is not None and math.isfinite(loss) and start is None:
                 self._normal_recent.append((s, loss))
                 self._note_lr(s)
+                if loss != 0.0:
+                    self._informative.append(s)
+                else:
+                    self._zero_losses = True
             if start is None or reasons or explosion is not None:
                 continue
             run = self._loss_watch.run
@@ -1107,7 +1121,9 @@ class DivergenceGuard(Monitor):
     def _references(self, before: int) -> list[tuple[tuple[Any, int], float]]:
         """The last normal batches kept, from before step ``before``: ``((batch, batch_idx), loss then)``."""
         batches = {s: (b, i) for s, b, i in self._recent_batches}
-        return [(batches[s], then) for s, then in self._normal_recent if s in batches and s < before]
+        refs = [(batches[s], then) for s, then in self._normal_recent if s in batches and s < before]
+        # those that lost something, if any: a batch of loss 0 may have nothing to lose under any weights (no label)
+        return [r for r in refs if r[1] != 0.0] or refs
 
     def _weights_intact(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> bool:
         """Whether the weights came through a non-finite step unharmed (every rank calls this at the same point, the
@@ -1548,14 +1564,23 @@ class DivergenceGuard(Monitor):
         """The newest snapshot before ``first_bad`` on every rank (the ranks agree by a reduction) that still fits the
         run (see :meth:`TrainingSnapshot.mismatch`; the reason the newest one did not is kept in ``_misfit``)."""
         self._misfit = None
-        for snap in reversed(self._snapshots):
-            ok = snap.step < first_bad or (snap.first_of_fit and snap.step == first_bad)
-            if ok:
-                misfit = snap.mismatch(trainer)
-                self._misfit = self._misfit or misfit
-                ok = misfit is None
-            if self.decide(trainer, ok, all=True):
-                return snap
+        # a state is vouched for by a normal loss at its step; a loss of 0 may vouch for nothing (a batch with no label
+        # loses 0 under any weights): where the run has them, a snapshot up to the last step that lost something is
+        # preferred (one taken between labelled batches held weights already broken, and the run diverged again), and
+        # a later one taken only if there is none (a rollback rather than a stop)
+        limits = [first_bad - 1]
+        if self._zero_losses:
+            vouched = max((t for t in self._informative if t < first_bad), default=first_bad - 1)
+            limits = [vouched] + ([first_bad - 1] if vouched < first_bad - 1 else [])
+        for limit in limits:
+            for snap in reversed(self._snapshots):
+                ok = snap.step <= limit or (snap.first_of_fit and snap.step == first_bad)
+                if ok:
+                    misfit = snap.mismatch(trainer)
+                    self._misfit = self._misfit or misfit
+                    ok = misfit is None
+                if self.decide(trainer, ok, all=True):
+                    return snap
         return None
 
     def _clear_conditions(self, step: int, message: str) -> None:
@@ -1815,6 +1840,9 @@ class DivergenceGuard(Monitor):
         self._normal_recent.clear()
         self._refs_before = []
         self._lr_trace.clear()
+        self._judged_lrs.clear()
+        self._informative: deque[int] = deque(maxlen=64)  # the last normal steps whose loss was not 0
+        self._zero_losses = False  # whether a normal step of this fit lost exactly 0
         self._hard_batch: Optional[int] = None  # the last surge the weights were not to blame for
         self._misfit: Optional[str] = None  # why the newest snapshot asked for did not fit the run
         self._skip: set[tuple[int, int]] = set(self._skip_given)
