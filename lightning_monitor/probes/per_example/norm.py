@@ -5,7 +5,10 @@ normalised input, recomputed in fp32 as the layer computes it), squared.
   for fp16/bf16 inputs, as ``F.rms_norm`` does);
 * the RMSNorm of Hugging Face Llama and of the models whose ``forward`` is the same code (Mistral,
   Qwen2/3, Phi-3 ...: checked on the bytecode, registered by name so that ``transformers`` is never
-  imported here): ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``, normalised in fp32;
+  imported here): ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``, normalised in fp32. A class of
+  another name whose name holds "Norm" and whose code is one of these three families' gets its handler too,
+  once ``transformers`` is imported (about 150 model files copy them under their own names: Jamba, Zamba2,
+  GraniteMoE, Mamba ...);
 * the RMSNorm of Hugging Face Gemma (Gemma 1-3, Qwen3-Next ...: the same ``forward`` and ``_norm`` code):
   ``(xhat * (1 + weight)).type_as(x)`` with ``xhat`` and the product in fp32, and of OLMo2 (OLMo 2/3, GPT-OSS
   ...): ``(weight * xhat).to(x.dtype)`` with ``xhat`` in fp32; in both the weight's gradient is
@@ -19,6 +22,7 @@ gradient is not the gradient of a loss of that example alone.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any, Optional
 
 import torch
@@ -26,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_monitor.probes.per_example.kernels import project_matrix
-from lightning_monitor.probes.per_example.registry import Handler, register, register_by_name
+from lightning_monitor.probes.per_example.registry import Handler, register, register_by_code, register_by_name
 
 _LLAMA_RMSNORM = ("transformers.models.llama.modeling_llama", "LlamaRMSNorm")
 #: Hugging Face RMSNorm classes whose forward is checked to be Llama's (see :func:`_computes_as_llama`).
@@ -111,11 +115,18 @@ def _same_code(cls: type, reference: tuple[str, str], methods: tuple[str, ...] =
                for code, ref in pairs)
 
 
+def _hf_loaded() -> bool:
+    """Whether ``transformers`` is imported already (a class matched by its code is compared with Hugging Face's
+    only then: a model without it never imports it)."""
+    return "transformers" in sys.modules
+
+
 def _computes_as_llama(cls: type) -> bool:
     """Whether ``cls.forward`` is the same code as Hugging Face's ``LlamaRMSNorm.forward``."""
     return _same_code(cls, _LLAMA_RMSNORM)
 
 
+@register_by_code("Norm", when=lambda cls: _hf_loaded() and _computes_as_llama(cls))
 @register_by_name(*HF_RMSNORMS, when=_computes_as_llama)
 class HFRMSNormHandler(NormHandler):
     """``weight * (x * rsqrt(mean(x^2, -1) + variance_epsilon)).to(x.dtype)``, normalised in fp32."""
@@ -176,6 +187,8 @@ class _Fp32RMSNormHandler(HFRMSNormHandler):
         return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + getattr(m, self.eps_attribute))
 
 
+@register_by_code("Norm", when=lambda cls: _hf_loaded() and hasattr(cls, "_norm")
+                  and _same_code(cls, _GEMMA_RMSNORM, ("forward", "_norm")))
 @register_by_name(*HF_GEMMA_RMSNORMS, when=lambda cls: _same_code(cls, _GEMMA_RMSNORM, ("forward", "_norm")))
 class HFGemmaRMSNormHandler(_Fp32RMSNormHandler):
     """``(xhat * (1 + weight)).type_as(x)``, ``xhat = x * rsqrt(mean(x^2, -1) + eps)`` and the product in fp32:
@@ -184,6 +197,7 @@ class HFGemmaRMSNormHandler(_Fp32RMSNormHandler):
     eps_attribute = "eps"
 
 
+@register_by_code("Norm", when=lambda cls: _hf_loaded() and _same_code(cls, _OLMO2_RMSNORM))
 @register_by_name(*HF_OLMO2_RMSNORMS, when=lambda cls: _same_code(cls, _OLMO2_RMSNORM))
 class HFOlmo2RMSNormHandler(_Fp32RMSNormHandler):
     """``(weight * xhat).to(x.dtype)``, ``xhat = x * rsqrt(mean(x^2, -1) + variance_epsilon)`` in fp32."""

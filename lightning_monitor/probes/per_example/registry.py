@@ -15,7 +15,8 @@ from typing import Any, Callable, Optional, TypeVar, Union
 
 from torch import Tensor, nn
 
-__all__ = ["HANDLERS", "HANDLERS_BY_NAME", "Handler", "handler_for", "register", "register_by_name"]
+__all__ = ["HANDLERS", "HANDLERS_BY_CODE", "HANDLERS_BY_NAME", "Handler", "handler_for", "register", "register_by_code",
+           "register_by_name"]
 
 
 class Handler:
@@ -88,6 +89,11 @@ HANDLERS: dict[type[nn.Module], Handler] = {}
 #: ``"module.QualName"`` of a type -> (handler, predicate on the class or None) (:func:`register_by_name`).
 HANDLERS_BY_NAME: dict[str, tuple[Handler, Optional[Callable[[type], bool]]]] = {}
 
+#: (predicate on a class, handler): for a class with no handler by type or by name whose name contains one of the
+#: predicate's words (:func:`register_by_code`); the answer is kept per class.
+HANDLERS_BY_CODE: list[tuple[tuple[str, ...], Callable[[type], bool], Handler]] = []
+_BY_CODE_SEEN: dict[type, Optional[Handler]] = {}
+
 H = TypeVar("H", bound=Union[Handler, type])
 
 
@@ -126,8 +132,27 @@ def register_by_name(*qualified_names: str, when: Optional[Callable[[type], bool
     return deco
 
 
+def register_by_code(*words: str, when: Callable[[type], bool]) -> Callable[[H], H]:
+    """Like :func:`register_by_name`, for the classes of no registered name or type whose name contains one of
+    ``words`` and for which ``when(cls)`` holds (that their ``forward`` is the same code as a registered family's:
+    the dozens of model files that copy Llama's RMSNorm under their own names)."""
+    if not words or not all(isinstance(w, str) and w for w in words):
+        raise TypeError(f"register_by_code() takes words of class names, got {words!r}.")
+
+    def deco(handler: H) -> H:
+        instance = handler() if isinstance(handler, type) else handler
+        if not isinstance(instance, Handler):
+            raise TypeError(f"register_by_code(): {handler!r} is not a Handler.")
+        HANDLERS_BY_CODE.append((words, when, instance))
+        _BY_CODE_SEEN.clear()
+        return handler
+
+    return deco
+
+
 def handler_for(module: nn.Module) -> Optional[Handler]:
-    """The handler of ``module``'s type or of its nearest registered base class (by type or by name)."""
+    """The handler of ``module``'s type or of its nearest registered base class (by type or by name), else of the
+    code its class runs (:func:`register_by_code`)."""
     for cls in type(module).__mro__:
         handler = HANDLERS.get(cls)  # type: ignore[arg-type]
         if handler is not None:
@@ -136,4 +161,8 @@ def handler_for(module: nn.Module) -> Optional[Handler]:
             entry = HANDLERS_BY_NAME.get(f"{cls.__module__}.{cls.__qualname__}")
             if entry is not None and (entry[1] is None or entry[1](cls)):
                 return entry[0]
-    return None
+    cls = type(module)
+    if cls not in _BY_CODE_SEEN:
+        _BY_CODE_SEEN[cls] = next((h for words, when, h in HANDLERS_BY_CODE
+                                   if any(w in cls.__name__ for w in words) and when(cls)), None)
+    return _BY_CODE_SEEN[cls]
