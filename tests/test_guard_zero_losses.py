@@ -97,3 +97,30 @@ def test_a_loss_weight_warmed_up_from_0_keeps_its_scale() -> None:
     guard = _fit(_Classifier(warmup=True), loader, 300, 2)
     assert not guard.rollbacks and guard.stopped_step is None
     assert guard._anchor() > 0.01
+
+
+def test_a_stretch_without_labels_keeps_weights_known_good() -> None:
+    """Thirty steps without a label while the rate ramps: the snapshots of that stretch hold weights already broken.
+    Before, the one a label vouched for was pushed out (two kept), the surge at the next labelled batch was asked of a
+    broken snapshot, which found the batches as hard, and the divergence was taken for a new loss function
+    (``objective_change``, no action: the loss reached 1e6)."""
+    x, y = _blobs(0, sep=2.0, n=4 * 420)
+    step = torch.arange(len(y)) // 4  # batch k holds items 4k .. 4k + 3 (no shuffle)
+    labelled = (step % 5 == 0) & ((step <= 300) | (step > 330))
+    torch.manual_seed(0)
+    module = _Classifier(ramp=True)
+    module.configure_optimizers = _ramp_at(module, 300)
+    loader = DataLoader(TensorDataset(x, torch.where(labelled, y, torch.full_like(y, -1))), batch_size=4)
+    guard = _fit(module, loader, 420, 0)
+    assert not [a for a in guard.hub.history if a.kind == "objective_change"]
+    assert guard.rollbacks and guard.rollbacks[0]["step"] == 335 and guard.rollbacks[0]["to_step"] <= 300
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def _ramp_at(module: _Classifier, start: int):
+    def configure_optimizers():
+        opt = torch.optim.AdamW(module.parameters(), lr=3e-3, weight_decay=0.01)
+        mult = lambda s: 1.0 if s < start else 300.0 ** min(1.0, (s - start + 1) / 20)  # noqa: E731
+        return {"optimizer": opt,
+                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, mult), "interval": "step"}}
+    return configure_optimizers

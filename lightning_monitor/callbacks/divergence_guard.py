@@ -742,6 +742,9 @@ class DivergenceGuard(Monitor):
                 self._note_lr(s)
                 if loss != 0.0:
                     self._informative.append(s)
+                    kept = next(((b, i) for t, b, i in reversed(self._recent_batches) if t == s), None)
+                    if kept is not None:
+                        self._informative_refs.append((s, kept, loss))
                 else:
                     self._zero_losses = True
             if start is None or reasons or explosion is not None:
@@ -1122,8 +1125,13 @@ class DivergenceGuard(Monitor):
         """The last normal batches kept, from before step ``before``: ``((batch, batch_idx), loss then)``."""
         batches = {s: (b, i) for s, b, i in self._recent_batches}
         refs = [(batches[s], then) for s, then in self._normal_recent if s in batches and s < before]
-        # those that lost something, if any: a batch of loss 0 may have nothing to lose under any weights (no label)
-        return [r for r in refs if r[1] != 0.0] or refs
+        # those that lost something, if any: a batch of loss 0 may have nothing to lose under any weights (no label).
+        # Where most batches lose 0, the last ones that lost something are kept apart for this (the last few batches
+        # held none of them, and a blow-up was taken for one hard batch after another)
+        lost = [r for r in refs if r[1] != 0.0]
+        if self._zero_losses and len(lost) < len(refs):
+            lost = [(kept, then) for t, kept, then in self._informative_refs if t < before]
+        return lost or refs
 
     def _weights_intact(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> bool:
         """Whether the weights came through a non-finite step unharmed (every rank calls this at the same point, the
@@ -1218,7 +1226,10 @@ class DivergenceGuard(Monitor):
         weights do mean ``training_step`` computes something else now (a penalty or an auxiliary loss switched on, a
         new stage of the run). Then the ``objective_change`` warning is raised, the new level becomes the normal,
         and nothing acts; ``False`` without a snapshot or automatic optimization."""
-        snap = next((s for s in reversed(self._snapshots) if s.step < step and s.mismatch(trainer) is None), None)
+        # weights known good: asked about the batches, weights already broken (taken while every batch lost 0) found
+        # them as hard and a divergence was taken for a new loss function
+        vouched = self._vouched(step)
+        snap = next((s for s in reversed(self._snapshots) if s.step <= vouched and s.mismatch(trainer) is None), None)
         if snap is None or not self._replayable(pl_module):
             return False
         (before,) = self._under_snapshots(pl_module, [snap], lambda: self._mean_loss(trainer, pl_module, refs))
@@ -1246,6 +1257,8 @@ class DivergenceGuard(Monitor):
         that degraded gradually (a slow learning-rate ramp, within the noise until ``start``) leave the older
         snapshots finding it easy. The loss reported is the lowest of theirs."""
         snaps = [s for s in self._snapshots if s.step < start and s.mismatch(trainer) is None]
+        vouched = self._vouched(start)
+        snaps = [s for s in snaps if s.step <= vouched] or snaps  # weights known good, where there are any
         if not snaps or self._batch is None or not self._replayable(pl_module):
             return None
         now = self._rank_mean(trainer, pl_module, self._batch_loss(pl_module))
@@ -1532,9 +1545,18 @@ class DivergenceGuard(Monitor):
         def confirmed(at: int) -> bool:
             return at <= self._judged_through + 1
 
+        # where the run has steps of loss 0, the newest snapshot a loss other than 0 vouched for is kept: 20 steps
+        # without a label pushed it out, and only weights already broken were left to go back to and to ask
+        protect = None
+        if self._zero_losses and self._informative:
+            protect = next((s for s in reversed(self._snapshots) if s.step <= self._informative[-1]), None)
         out: list[TrainingSnapshot] = []
         while sum(confirmed(s.step) for s in self._snapshots) + confirmed(step) > self.keep_snapshots:
-            out.append(self._snapshots.pop(0))
+            victim = next((s for s in self._snapshots if s is not protect), None)
+            if victim is None:
+                break
+            self._snapshots.remove(victim)
+            out.append(victim)
         # in host memory, the newest one pushed out is written over; files are deleted once the new one is saved
         reuse = out.pop() if out and self.snapshot_dir is None else None
         snap = TrainingSnapshot.capture(trainer, pl_module, self._monitors(trainer), step, self._lr_scale,
@@ -1568,10 +1590,8 @@ class DivergenceGuard(Monitor):
         # loses 0 under any weights): where the run has them, a snapshot up to the last step that lost something is
         # preferred (one taken between labelled batches held weights already broken, and the run diverged again), and
         # a later one taken only if there is none (a rollback rather than a stop)
-        limits = [first_bad - 1]
-        if self._zero_losses:
-            vouched = max((t for t in self._informative if t < first_bad), default=first_bad - 1)
-            limits = [vouched] + ([first_bad - 1] if vouched < first_bad - 1 else [])
+        vouched = self._vouched(first_bad)
+        limits = [vouched] + ([first_bad - 1] if vouched < first_bad - 1 else [])
         for limit in limits:
             for snap in reversed(self._snapshots):
                 ok = snap.step <= limit or (snap.first_of_fit and snap.step == first_bad)
@@ -1583,6 +1603,14 @@ class DivergenceGuard(Monitor):
                     return snap
         return None
 
+    def _vouched(self, before: int) -> int:
+        """The last step before ``before`` whose state a normal loss vouched for: ``before - 1``, or, where the run has
+        steps of loss 0 (which may vouch for nothing: a batch with no label), the last normal step that lost
+        something. Snapshots up to it are the weights known good."""
+        if self._zero_losses:
+            return max((t for t in self._informative if t < before), default=before - 1)
+        return before - 1
+
     def _clear_conditions(self, step: int, message: str) -> None:
         for kind, layer in list(self._conditions):
             self.condition(step, kind, False, "info", "", layer=layer, clear_message=message)
@@ -1591,6 +1619,7 @@ class DivergenceGuard(Monitor):
         """Drop the kept batches and the losses of the last normal steps (of weights no longer there)."""
         self._recent_batches.clear()
         self._normal_recent.clear()
+        self._informative_refs.clear()
         self._hard_batch = None
 
     def rebase(self, trainer: pl.Trainer, reason: str = "the weights were changed on purpose") -> None:
@@ -1842,6 +1871,8 @@ class DivergenceGuard(Monitor):
         self._lr_trace.clear()
         self._judged_lrs.clear()
         self._informative: deque[int] = deque(maxlen=64)  # the last normal steps whose loss was not 0
+        # the last of them with their batches: (step, (batch, batch_idx), loss)
+        self._informative_refs: deque[tuple[int, tuple[Any, int], float]] = deque(maxlen=_REFERENCES)
         self._zero_losses = False  # whether a normal step of this fit lost exactly 0
         self._hard_batch: Optional[int] = None  # the last surge the weights were not to blame for
         self._misfit: Optional[str] = None  # why the newest snapshot asked for did not fit the run
