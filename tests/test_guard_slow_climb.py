@@ -1,8 +1,8 @@
 """A known limit of the slow-climb rule: a language model trained from 4.2 (ln 64) to 1.4 whose rate is ramped x300
 doubles its loss over 15 steps and settles 9% above its matched control. The rule asks for a rise of a quarter of the
 initial loss (1.04), so the run gets one `loss_creep` warning and no action. A quarter of the lowest smoothed loss
-instead caught it (and 7 of 9 such Llama runs), but rolled back healthy runs and controls the rule was not tuned on
-(11 of 114 small-batch, BatchNorm, Lookahead and stochastic-depth runs, and a held-out control of the zoo), so the
+instead caught it (and 7 of the 11 such Llama runs missed), but rolled back healthy runs and controls the rule was not tuned on
+(13 of 114 small-batch, BatchNorm, Lookahead and stochastic-depth runs, and a held-out control of the zoo), so the
 quarter of the initial loss stays (docs/divergence_guard.md, known limits)."""
 
 from __future__ import annotations
