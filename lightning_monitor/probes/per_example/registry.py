@@ -89,10 +89,10 @@ HANDLERS: dict[type[nn.Module], Handler] = {}
 #: ``"module.QualName"`` of a type -> (handler, predicate on the class or None) (:func:`register_by_name`).
 HANDLERS_BY_NAME: dict[str, tuple[Handler, Optional[Callable[[type], bool]]]] = {}
 
-#: (predicate on a class, handler): for a class with no handler by type or by name whose name contains one of the
-#: predicate's words (:func:`register_by_code`); the answer is kept per class.
+#: (words of class names, predicate on a class, handler): for a class with no handler by type or by name whose name
+#: contains one of the words and for which the predicate holds (:func:`register_by_code`); a match is kept per class.
 HANDLERS_BY_CODE: list[tuple[tuple[str, ...], Callable[[type], bool], Handler]] = []
-_BY_CODE_SEEN: dict[type, Optional[Handler]] = {}
+_BY_CODE_SEEN: dict[type, Handler] = {}
 
 H = TypeVar("H", bound=Union[Handler, type])
 
@@ -162,7 +162,10 @@ def handler_for(module: nn.Module) -> Optional[Handler]:
             if entry is not None and (entry[1] is None or entry[1](cls)):
                 return entry[0]
     cls = type(module)
-    if cls not in _BY_CODE_SEEN:
-        _BY_CODE_SEEN[cls] = next((h for words, when, h in HANDLERS_BY_CODE
-                                   if any(w in cls.__name__ for w in words) and when(cls)), None)
-    return _BY_CODE_SEEN[cls]
+    handler = _BY_CODE_SEEN.get(cls)
+    if handler is None:  # no match is not kept: a predicate may hold later (once the library it compares with is in)
+        handler = next((h for words, when, h in HANDLERS_BY_CODE if any(w in cls.__name__ for w in words) and when(cls)),
+                       None)
+        if handler is not None:
+            _BY_CODE_SEEN[cls] = handler
+    return handler
