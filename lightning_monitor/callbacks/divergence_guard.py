@@ -1640,6 +1640,7 @@ class DivergenceGuard(Monitor):
         pl_module = trainer.lightning_module
         self._clear_conditions(step, f"Rebased: {reason}.")
         self._forget_recent()
+        self._informative.clear()  # the present state is the one to go back to: no older step vouches for it
         self._new_normal([])
         for snap in self._snapshots:
             snap.discard()
@@ -1760,6 +1761,8 @@ class DivergenceGuard(Monitor):
         # steps from the snapshot's, within the factor asked
         self._refs_before = self._references(step + 1) or self._refs_before
         self._forget_recent()  # skipped data, and losses of weights no longer there
+        # the steps that vouched for states are those of the timeline kept: up to the snapshot's step
+        self._informative = deque((t for t in self._informative if t <= snap.step), maxlen=self._informative.maxlen)
         best, before = self._lr_at_min, self._lr_ceiling
         rose = diverged and any(n is not None and b is not None and n > 1.001 * b
                                 for i, row in enumerate(lr_now) for j, n in enumerate(row) for b in [_at(best, i, j)])
