@@ -1591,16 +1591,13 @@ class DivergenceGuard(Monitor):
         # preferred (one taken between labelled batches held weights already broken, and the run diverged again), and
         # a later one taken only if there is none (a rollback rather than a stop)
         vouched = self._vouched(first_bad)
-        limits = [vouched] + ([first_bad - 1] if vouched < first_bad - 1 else [])
-        for limit in limits:
-            for snap in reversed(self._snapshots):
-                ok = snap.step <= limit or (snap.first_of_fit and snap.step == first_bad)
-                if ok:
-                    misfit = snap.mismatch(trainer)
-                    self._misfit = self._misfit or misfit
-                    ok = misfit is None
-                if self.decide(trainer, ok, all=True):
-                    return snap
+        newest = list(reversed(self._snapshots))
+        known = [s for s in newest if s.step <= vouched or (s.first_of_fit and s.step == first_bad)]
+        for snap in known + [s for s in newest if vouched < s.step < first_bad]:
+            misfit = snap.mismatch(trainer)
+            self._misfit = self._misfit or misfit
+            if self.decide(trainer, misfit is None, all=True):
+                return snap
         return None
 
     def _vouched(self, before: int) -> int:
