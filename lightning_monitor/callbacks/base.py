@@ -109,6 +109,14 @@ class Streak:
         return f"Streak({self.count})"
 
 
+def _has_gradient(optimizer: Any) -> bool:
+    """Whether any parameter ``optimizer`` steps has a gradient (on due steps only: it stops at the first)."""
+    groups = getattr(optimizer, "param_groups", None)
+    if groups is None:
+        return True  # not an optimizer with groups: checked as before
+    return any(p.grad is not None for group in groups for p in group["params"])
+
+
 class Monitor(Callback):
     """Base class of the suite's callbacks (not used directly).
 
@@ -249,7 +257,10 @@ class Monitor(Callback):
         step = trainer.global_step
         if self.idle_reason is not None:
             return
-        if self._armed_step == step and self._checked_step != step:
+        if self._armed_step == step and self._checked_step != step and _has_gradient(optimizer):
+            # (a step with no gradient at all: `training_step` returned None, a batch skipped on purpose, and Lightning
+            # still steps the optimizer. Nothing to check; the step stays armed for a later optimizer step of the
+            # batch, else the next batch start drops it)
             self._checked_step = step
             try:
                 values = self.compute(trainer, pl_module, step)

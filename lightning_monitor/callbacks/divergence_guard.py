@@ -45,6 +45,9 @@ _PLATEAU_STEPS = 100
 _PLATEAU_RISE = 0.05
 #: factor by which a learning rate must have come back up from its low to make a warm restart (``lr_restart``)
 _RESTART = 1.5
+#: judged steps without a loss, before any with one, after which the guard says it sees no loss (``training_step``
+#: returns none: manual optimization); fewer are batches skipped on purpose
+_LOSSLESS_STEPS = 10
 
 
 #: a rise of the weight decay can explain a rise of the loss (``decay_change``) only where the decay is strong: its
@@ -323,6 +326,8 @@ class DivergenceGuard(Monitor):
         self._batch: Any = None
         self._batch_idx = 0
         self._warned_no_loss = False
+        self._loss_seen = False  # a judged step of this guard's had a loss
+        self._lossless = 0  # judged steps without a loss before the first with one
         self._snapshots: list[TrainingSnapshot] = []
         self._evaluated: Optional[tuple[int, int]] = None  # (step, optimizer) whose first closure evaluation was judged
         #: every rollback: dicts with ``step``, ``to_step``, ``skipped`` (count), ``batches`` ([epoch, batch_idx]),
@@ -708,7 +713,14 @@ class DivergenceGuard(Monitor):
             return [], None
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         scaler_on = scaler is not None and scaler.is_enabled()
-        if all(loss is None for _, loss, _ in values) and not self._warned_no_loss:
+        if not self._loss_seen:
+            if any(loss is not None for _, loss, _ in values):
+                self._loss_seen = True
+            else:
+                self._lossless += len(values)
+        # said once no loss came in the first _LOSSLESS_STEPS judged steps: a step without one now and then is a batch
+        # skipped on purpose (`training_step` returned None), whose advice to return the loss would be wrong
+        if not self._loss_seen and self._lossless >= _LOSSLESS_STEPS and not self._warned_no_loss:
             self._warned_no_loss = True
             rank_zero_warn(
                 "DivergenceGuard saw no training loss: `training_step` returned None (or no 'loss' key), so only "

@@ -645,6 +645,8 @@ class GradientNoiseScaleMonitor(Monitor):
             keep = [i for i, g in enumerate(grads) if g is not None]
             names = [names[i] for i in keep]
             grads = [grads[i] for i in keep]
+            if not names:  # no measured parameter has a gradient this step: nothing to estimate
+                return None
         self._measured = measured = set(names)
         unclipped = self._unclipped
         if unclipped is not None and all(n in unclipped for n in names):

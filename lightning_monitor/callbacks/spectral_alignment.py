@@ -370,8 +370,9 @@ class SpectralAlignmentMonitor(Monitor):
         # every layer frozen (GradientEarlyStopping froze them all, with `stop=False`): said once, and when one trains again
         self.condition(
             step, "all_frozen", not self._watched and bool(self.layers), "info",
-            f"Every layer SpectralAlignmentMonitor watches is frozen ({len(self.layers)} layers): nothing is measured "
-            "until one trains again. Name layers in `include` to watch them frozen.",
+            f"Every layer SpectralAlignmentMonitor watches is frozen ({len(self.layers)} layers: a frozen backbone, "
+            "adapters trained beside it, or GradientEarlyStopping froze them): nothing is measured until one trains "
+            "again. Name layers in `include` to watch them frozen.",
             clear_message="A watched layer trains again: its spectral alignment is measured again.",
         )
         if not self._watched:
