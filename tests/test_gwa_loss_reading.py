@@ -1,6 +1,6 @@
 """GWA reads the loss off the head's gradient: a loss that shifts the labels itself, a loss on scaled or biased logits
-(Cohere's ``logit_scale``, Granite's ``logits_scaling``, BART's ``final_logits_bias``), and one that is no plain
-cross-entropy (label smoothing). Against scores computed here from the head output's real gradient: the cosine of
+(Cohere's ``logit_scale``, Granite's ``logits_scaling``, BART's ``final_logits_bias``), label smoothing (which, near a
+uniform softmax, looks like a logit scale of 1 / (1 - eps)), and one that is no such cross-entropy (a z-loss). Against scores computed here from the head output's real gradient: the cosine of
 ``-g_i z_i^T`` with ``W`` is the paper's gamma of the loss the model trains on, whatever that loss does to the logits."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_monitor import GradientWeightAlignmentMonitor, read_alerts
-from lightning_monitor.functional.gwa import gwa_scores, head_gradient_agreement, head_gradient_fit
+from lightning_monitor.functional.gwa import gwa_scores, head_gradient_agreement, head_gradient_fit, label_smoothing_fit
 
 V, T, D = 11, 6, 16
 
@@ -58,6 +58,52 @@ def test_label_smoothing_is_no_such_transform() -> None:
     assert judged == 64 and off == 0
 
 
+@pytest.mark.parametrize("eps", [0.05, 0.1, 0.3])
+@pytest.mark.parametrize("spread", [0.05, 1.0, 5.0])
+def test_the_smoothing_fit_reads_the_loss_s_smoothing(eps: float, spread: float) -> None:
+    g = torch.Generator().manual_seed(3)
+    o, y = torch.randn(48, V, generator=g) * spread, torch.randint(0, V, (48,), generator=g)
+    grad = _per_row_gradient(o, lambda o: F.cross_entropy(o, y, label_smoothing=eps))
+    rows, read = label_smoothing_fit(grad, o, y)
+    assert rows == 48 and read == pytest.approx(eps, abs=1e-5)
+    smooth = head_gradient_agreement(grad, o, y, label_smoothing=read, misfit=True).tolist()
+    assert smooth[1] == 0 and smooth[4] / smooth[0] < 1e-9
+    fit = head_gradient_fit(grad, o)
+    scaled = head_gradient_agreement(grad, o, y, logit_scale=fit.scale, logit_bias=fit.bias, misfit=True).tolist()
+    assert scaled[4] > 100 * smooth[4]  # the smoothing reads the gradient closer than any scale and bias
+    if spread == 0.05:  # near a uniform softmax smoothing passes for an exact logit scale of 1 / (1 - eps)
+        assert fit.scale == pytest.approx(1 / (1 - eps), rel=0.02) and fit.residual < 2e-3
+    # no smoothing reads as none
+    plain = _per_row_gradient(o, lambda o: F.cross_entropy(o, y))
+    assert abs(label_smoothing_fit(plain, o, y)[1]) < 1e-6
+
+
+def test_two_classes_show_no_smoothing() -> None:
+    """With two classes every gradient row is +-(1, -1) whatever the smoothing: it cannot be read, and is not."""
+    g = torch.Generator().manual_seed(5)
+    o, y = torch.randn(32, 2, generator=g), torch.randint(0, 2, (32,), generator=g)
+    for eps in (0.0, 0.2):
+        grad = _per_row_gradient(o, lambda o: F.cross_entropy(o, y, label_smoothing=eps))
+        rows, read = label_smoothing_fit(grad, o, y)
+        assert rows == 32 and read != read  # NaN
+
+
+def test_gwa_scores_with_label_smoothing_against_autograd() -> None:
+    g = torch.Generator().manual_seed(4)
+    z, w = torch.randn(12, D, generator=g), torch.randn(V, D, generator=g)
+    y = torch.randint(0, V, (12,), generator=g)
+    y[3] = -100  # ignored: no score
+    ours = gwa_scores(z, z @ w.T, y, w, label_smoothing=0.2)
+    assert torch.isnan(ours[3])
+    for i in [i for i in range(12) if i != 3]:
+        wi = w.clone().requires_grad_()
+        F.cross_entropy(z[i:i + 1] @ wi.T, y[i:i + 1], label_smoothing=0.2).backward()
+        ref = F.cosine_similarity(-wi.grad.flatten(), w.flatten(), dim=0)
+        assert float(ours[i]) == pytest.approx(float(ref), abs=1e-5)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        gwa_scores(z, z @ w.T, y, w, label_smoothing=1.0)
+
+
 def test_gwa_scores_through_a_transform_against_autograd() -> None:
     g = torch.Generator().manual_seed(2)
     z, w = torch.randn(12, D, generator=g), torch.randn(V, D, generator=g)
@@ -98,7 +144,9 @@ class TinyLM(pl.LightningModule):
         self.body = torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.Tanh())
         self.head = torch.nn.Linear(D, V)
         with torch.no_grad():
-            self.head.weight.mul_(8.0)  # logits of a trained model's size, where the transform matters
+            # logits of a trained model's size, where the transform matters; "smoothed_init": a head at a small init,
+            # its softmax nearly uniform (where smoothing passes for a logit scale)
+            self.head.weight.mul_(0.05 if kind == "smoothed_init" else 8.0)
         self.register_buffer("final_bias", torch.randn(V) * 2)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -111,6 +159,11 @@ class TinyLM(pl.LightningModule):
             return F.cross_entropy(flat(logits / 2.0 + self.final_bias), labels.reshape(-1))
         if self.kind == "smoothed":
             return F.cross_entropy(flat(logits), labels.reshape(-1), label_smoothing=0.3)
+        if self.kind == "smoothed_init":
+            return F.cross_entropy(flat(logits), labels.reshape(-1), label_smoothing=0.1)
+        if self.kind == "zloss":  # PaLM's auxiliary z-loss: no smoothing, no transform explains it exactly
+            return (F.cross_entropy(flat(logits), labels.reshape(-1))
+                    + 1e-2 * (torch.logsumexp(flat(logits), -1) ** 2).mean())
         return F.cross_entropy(flat(logits), labels.reshape(-1))
 
     def training_step(self, batch, batch_idx):
@@ -150,7 +203,8 @@ def fit(tmp_path, module: pl.LightningModule):
 
 
 @pytest.mark.parametrize("kind, said", [("plain", set()), ("shifts", {"targets_shifted"}),
-                                        ("scaled", {"logit_transform"}), ("biased", {"logit_transform"})])
+                                        ("scaled", {"logit_transform"}), ("biased", {"logit_transform"}),
+                                        ("smoothed", {"label_smoothing"}), ("smoothed_init", {"label_smoothing"})])
 def test_the_scores_are_the_loss_s_own(tmp_path, kind: str, said: set) -> None:
     module, ids = TinyLM(kind), Tokens().ids
     gwa, alerts = fit(tmp_path, module)
@@ -164,20 +218,24 @@ def test_the_scores_are_the_loss_s_own(tmp_path, kind: str, said: set) -> None:
     if kind == "shifts":
         assert gwa.history[0]["count"] < ref.numel()
     kinds = {a.kind for a in alerts}
-    assert kinds & {"targets_shifted", "logit_transform", "inexact_scores", "target_mismatch"} == said
+    assert kinds & {"targets_shifted", "logit_transform", "label_smoothing", "inexact_scores", "target_mismatch"} == said
     assert gwa._shift is (kind == "shifts")
     assert (gwa._logit_scale is not None) is (kind in ("scaled", "biased"))
     assert (gwa._logit_bias is not None) is (kind == "biased")
     assert gwa._targets_verified
     if kind == "scaled":
         assert gwa._logit_scale == pytest.approx(0.0625, rel=1e-4)
+    expected = {"smoothed": 0.3, "smoothed_init": 0.1}.get(kind)
+    assert (gwa._label_smoothing is None) if expected is None else gwa._label_smoothing == pytest.approx(expected, abs=1e-5)
 
 
 def test_a_loss_the_closed_form_does_not_explain_is_said(tmp_path) -> None:
-    gwa, alerts = fit(tmp_path, TinyLM("smoothed"))
+    gwa, alerts = fit(tmp_path, TinyLM("zloss"))
     inexact = [a for a in alerts if a.kind == "inexact_scores"]
     assert len(inexact) == 1 and inexact[0].severity == "warning" and inexact[0].value > 0.1
     assert gwa._logit_scale is None and gwa._logit_bias is None and not gwa._shift
+    # some smoothing reads a z-loss's gradient better than none, but not exactly: none is taken
+    assert gwa._label_smoothing is None and "label_smoothing" not in {a.kind for a in alerts}
 
 
 def test_shift_targets_given_is_kept(tmp_path) -> None:

@@ -1,6 +1,7 @@
 """Suspects over the run (``gwa_suspects_run.csv``): the samples of the lowest mean alignment over the epochs
-so far, checked against per-sample autograd (the module records cos(-dL_i/dW, W) per sample), across a
-resume, over 2 DDP ranks, and with indices the training set does not have."""
+so far, each epoch weighted by the share of negative scores of the epoch before it (1 for the first), checked
+against per-sample autograd (the module records cos(-dL_i/dW, W) per sample), across a resume, over 2 DDP ranks,
+and with indices the training set does not have."""
 
 from __future__ import annotations
 
@@ -30,9 +31,15 @@ def _rows(log_dir: str) -> list[dict]:
         return list(csv.DictReader(fh))
 
 
+def _weights(per_epoch: list[np.ndarray]) -> np.ndarray:
+    """Each epoch's weight: 1 for the first, then the share of negative scores of the epoch before (floored)."""
+    return np.array([1.0] + [max(float(np.mean(s < 0)), 1e-3) for s in per_epoch[:-1]])
+
+
 def _oracle_lowest(per_epoch: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """The K lowest per-sample means over the epochs (samples in dataset order each epoch: shuffle=False)."""
-    mean = np.mean(np.stack(per_epoch), axis=0)
+    """The K lowest per-sample weighted means over the epochs (samples in dataset order each epoch: shuffle=False)."""
+    w = _weights(per_epoch)
+    mean = (w[:, None] * np.stack(per_epoch)).sum(0) / w.sum()
     order = np.argsort(mean, kind="stable")[:K]
     return order, mean[order]
 
@@ -61,6 +68,28 @@ def test_run_suspects_are_the_lowest_mean_scores_over_the_epochs(tmp_path) -> No
     # it differs from one epoch's list: the mean is a ranking of its own
     last = np.argsort(per_epoch[-1], kind="stable")[:K]
     assert set(last.tolist()) != set(index.tolist())
+    # the weights are not all equal here (else this checks the plain mean only)
+    w = _weights(per_epoch)
+    assert w[1:].max() < 0.9 * w[0]
+
+
+def test_epochs_after_memorisation_count_less(tmp_path) -> None:
+    """Scores whose epoch followed one with few negative scores count in proportion: a sample negative only in an
+    early, contested epoch stays ranked above one negative only late, after the others were fit."""
+    import torch as t
+
+    from lightning_monitor.functional.gwa import SampleMeans
+
+    m = SampleMeans(2)
+    m.add(t.tensor([0, 1]), t.tensor([-0.5, 0.1], dtype=t.float64), weight=1.0)  # contested epoch: sample 0 resists
+    m.add(t.tensor([0, 1]), t.tensor([0.1, -0.5], dtype=t.float64), weight=0.02)  # late: sample 1 dips
+    mean, index, count = SampleMeans.lowest(m.packed(), 2)
+    assert index.tolist() == [0, 1] and count.tolist() == [2.0, 2.0]
+    np.testing.assert_allclose(mean.tolist(), [(-0.5 + 0.02 * 0.1) / 1.02, (0.1 - 0.02 * 0.5) / 1.02])
+    # a checkpoint of the earlier layout (sums and counts) loads as weight 1 everywhere
+    old = SampleMeans(2)
+    old.load(t.tensor([[1.0, -2.0], [2.0, 4.0]], dtype=t.float64))
+    assert SampleMeans.lowest(old.packed(), 2)[0].tolist() == [-0.5, 0.5]
 
 
 def test_run_suspects_continue_across_a_resume(tmp_path) -> None:
@@ -122,7 +151,9 @@ def test_ddp_run_suspects_are_reduced_over_ranks(tmp_path) -> None:
         assert sorted(int(r["index"]) for r in rows) == list(range(n))
         for r in rows:
             by_index.setdefault(int(r["index"]), []).append(float(r["score"]))
-    expected = sorted((float(np.mean(v)), i) for i, v in by_index.items())
+    # each epoch's weight from its predecessor's share of negative scores over both ranks
+    w = _weights([np.concatenate([r["oracle"][e].numpy() for r in ranks]) for e in range(3)])
+    expected = sorted((float(np.dot(w, v) / w.sum()), i) for i, v in by_index.items())
     run = _rows(log_dir)
     assert len(run) == n and all(int(r["scored"]) == 3 for r in run)
     np.testing.assert_allclose([float(r["mean_score"]) for r in run], [m for m, _ in expected], rtol=1e-4, atol=1e-6)

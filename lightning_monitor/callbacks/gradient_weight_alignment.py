@@ -37,6 +37,7 @@ from lightning_monitor.functional.gwa import (
     alignment_from_parts,
     head_gradient_agreement,
     head_gradient_fit,
+    label_smoothing_fit,
     softmax_gradient_evidence,
     softmax_proportionality,
 )
@@ -49,6 +50,9 @@ _TARGET_KEYS = ("y", "target", "targets", "label", "labels")
 _HIST_BINS = 100
 _FLUSH_ELEMENTS = 1 << 20  # kept logit + W z elements before scoring (4 MiB in fp32)
 _MIN_SAMPLES = 4
+#: the least weight an epoch's scores get in the run's per-sample means (an epoch with no negative score: its
+#: scores still count, so a sample first scored then has a mean)
+_RUN_WEIGHT_FLOOR = 1e-3
 #: bimodal scores are taken for samples the model resists (noisy labels: a warning) when at least this share opposes
 #: the weights; below it, the two groups are samples fit closely and less closely (said as info)
 _BIMODAL_OPPOSED = 0.05
@@ -72,6 +76,11 @@ _CONTESTED = 0.4
 _CHECK_TRIES = 3
 #: a measured logit scale this close to 1, or a per-class bias this close to a constant, is none
 _TRANSFORM_TOLERANCE = 1e-3
+#: label smoothing read from the gradient below this is taken for none
+_SMOOTHING_MIN = 1e-3
+#: mean 1 - cosine between the gradient rows and the smoothed closed form at or below which the smoothing is exact (or
+#: 16 squared machine epsilons of the gradient's dtype, if more)
+_SMOOTHING_MISFIT = 1e-6
 #: share of the judged rows whose gradient may differ from the closed form's before the scores are said to be inexact
 _OFF_FRACTION = 0.1
 #: share of the rows whose gradient is most negative at the target above which the targets are the loss's
@@ -288,8 +297,9 @@ class GradientWeightAlignmentMonitor(Monitor):
             suspects file ``gwa_suspects.csv`` in the log directory.
         suspects: how many of the most negative samples (tokens) to write per epoch.
         run_suspects: also write ``gwa_suspects_run.csv`` at each epoch end: the samples of the lowest mean score
-            over the run so far (steadier than one epoch's list; docs/gradient_weight_alignment.md). Needs
-            ``index_fn``, one row of logits per sample and a training set with a length; two float64 per sample.
+            over the run so far, each epoch's scores weighted by the share of negative scores of the epoch before
+            (steadier than one epoch's list; docs/gradient_weight_alignment.md). Needs ``index_fn``, one row of
+            logits per sample and a training set with a length; three float64 per sample.
         stop: whether the monitor may stop the run: stop training on GWA (see above). Off by default: the
             monitor only logs and alerts.
         patience: windowed epochs without improvement before stopping. Counted in epochs, not checks:
@@ -330,7 +340,9 @@ class GradientWeightAlignmentMonitor(Monitor):
     shifted (``targets_shifted``, info; only when ``shift_targets`` is ``None``); a loss that sees a scaled or
     biased copy of the head's outputs (Cohere's ``logit_scale``, Granite's ``logits_scaling``, the
     ``final_logits_bias`` of BART, Marian, Pegasus; a temperature of your own) is scored through the transform
-    measured from the gradient (``logit_transform``, info); what neither explains (label smoothing, a z-loss,
+    measured from the gradient (``logit_transform``, info); a loss that smooths its labels (``cross_entropy(...,
+    label_smoothing=eps)``; near a uniform softmax it passes for a logit scale of ``1 / (1 - eps)``) is scored
+    against the smoothed targets, ``eps`` measured (``label_smoothing``, info); what none of these explains (a z-loss,
     distillation's soft targets: pass soft targets via ``target_fn`` where the loss uses them) is said in one
     ``inexact_scores`` warning with the share of rows off. When in fewer than half of the rows the gradient points at
     the targets read, the loss trains other targets (a tuple batch whose ``batch[1]`` is an attention mask,
@@ -512,7 +524,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._flush()
         saved = checkpoint.setdefault("callbacks", {}).setdefault(self.state_key, {})
         if self._run is not None:  # the run's per-sample sums, reduced over the ranks (every rank calls this)
-            saved["run_suspects"] = self._reduced_run(trainer)[:-1].reshape(2, -1).cpu()
+            saved["run_suspects"] = self._run.saved(self._reduced_run(trainer)).cpu()
         if self._epoch_open is None or (self._finished and self._before_partial is None):
             return
         state, negative, lo, hi, hist, top = self._reduce(trainer)
@@ -971,6 +983,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._stashed = 0
         self._finished = False
         self._epoch_open = epoch
+        self._run_w: Optional[float] = None  # the weight of this epoch's scores in the run's means (_run_weight)
         # batches that trained / ran forward only (SWA's BatchNorm epoch): an epoch of the latter alone is no epoch
         self._trained = self._forward_only = False
         #: the selection state before a record of an epoch cut short (replaced if a resume continues it)
@@ -1125,6 +1138,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._shift_measured = False
         self._logit_scale: Optional[float] = None
         self._logit_bias: Optional[Tensor] = None
+        self._label_smoothing: Optional[float] = None
         self._targets_verified = False  # the targets are the loss's (most rows' gradients point at them)
 
     def _capture_gradient(self, output: Tensor, logits: Tensor, targets: Tensor, raw: tuple[Tensor, bool]) -> None:
@@ -1143,8 +1157,9 @@ class GradientWeightAlignmentMonitor(Monitor):
         c = self._head.out_features
         dev = _device_of(self._head)
         # [judged, off, targeted, hit] for the targets scored, [targeted, hit] for the other reading, the fit (scale
-        # and epsilon of the gradient's dtype, times the rows fitted; the rows fitted)
-        counts = torch.zeros(9, dtype=torch.float64, device=dev)
+        # and epsilon of the gradient's dtype, times the rows fitted; the rows fitted), the label smoothing read (times
+        # the rows fitted; the rows fitted; the epsilon of the gradient's dtype times the rows fitted)
+        counts = torch.zeros(12, dtype=torch.float64, device=dev)
         bias = torch.zeros(c, dtype=torch.float64, device=dev)
         mine = other = None  # this rank's gradient, logits and the two readings of its labels
         if capture is not None and capture[1].shape[-1] == c:
@@ -1169,11 +1184,15 @@ class GradientWeightAlignmentMonitor(Monitor):
                     counts[8] = fit.rows * torch.finfo(grad.dtype).eps
                     if fit.bias is not None:
                         bias = fit.bias.to(dev) * fit.rows
+                rows, smoothing = label_smoothing_fit(grad, logits, targets, softcap=self._softcap)
+                if rows and math.isfinite(smoothing):
+                    counts[9], counts[10], counts[11] = rows * smoothing, rows, rows * torch.finfo(grad.dtype).eps
             mine = (grad, logits, targets, other, shifted)
         if trainer.world_size > 1:
             counts = trainer.strategy.reduce(counts, reduce_op="sum")
             bias = trainer.strategy.reduce(bias, reduce_op="sum")
-        judged, off, targeted, hit, targeted_other, hit_other, scale_sum, fitted, eps_sum = counts.tolist()  # once
+        (judged, off, targeted, hit, targeted_other, hit_other, scale_sum, fitted, eps_sum, smoothing_sum,
+         smoothing_rows, smoothing_eps) = counts.tolist()  # once
         if targeted + judged == 0 and fitted == 0:  # no gradient reached the head on any rank: the next due step
             self._check_tries += 1
             self._check_state = "pending" if self._check_tries < _CHECK_TRIES else "done"
@@ -1225,12 +1244,41 @@ class GradientWeightAlignmentMonitor(Monitor):
                 training=True,
             )
             return
+        scored = None if mine is None else (mine[3] if self._shift_measured else mine[2])
+        smoothing = smoothing_sum / smoothing_rows if smoothing_rows > 0 else math.nan
+        if not shift_changed and _SMOOTHING_MIN < smoothing < 1.0:
+            # the loss smooths its labels (cross_entropy's label_smoothing): near a uniform softmax that reads as a logit
+            # scale of 1 / (1 - eps) (the transform fit below would take it for one, and apply it all run); the reading
+            # whose direction is nearer the gradients' is kept
+            transform = None
+            if fitted > 0:
+                scale, b, eps = scale_sum / fitted, bias / fitted, eps_sum / fitted
+                has_bias = float(b.max() - b.min()) > max(_TRANSFORM_TOLERANCE, 16 * eps)
+                has_scale = scale > 0 and abs(scale - 1.0) > max(_TRANSFORM_TOLERANCE, 2 * eps)
+                if has_bias or has_scale:
+                    transform = {"logit_scale": scale if has_scale else None, "logit_bias": b if has_bias else None}
+            readings = [{"label_smoothing": smoothing}, {}] + ([transform] if transform else [])
+            found = self._agreement(trainer, mine, scored, readings)
+            (s_judged, s_off, s_misfit), others = found[0], found[1:]
+            # exact to the gradient's rounding (a z-loss is explained better by some smoothing than by none, not
+            # exactly), where the plain reading is not (two classes: every reading points the same way)
+            tolerance = max(_SMOOTHING_MISFIT, 16 * (smoothing_eps / smoothing_rows) ** 2)
+            exact = s_misfit <= tolerance < others[0][2]
+            if exact and s_judged > 0 and s_off <= _OFF_FRACTION * s_judged and all(m > s_misfit for _, _, m in others):
+                self._label_smoothing, self._logit_scale, self._logit_bias = smoothing, None, None
+                self.alert(
+                    step, "label_smoothing", "info",
+                    f"The loss smooths its labels (label smoothing {smoothing:.4g}), measured from the gradient of "
+                    f"`{self._head_name}`'s output: GWA scores each sample against its smoothed target, "
+                    f"(1 - {smoothing:.4g}) on its class and {smoothing:.4g} / {c} on every class.",
+                    value=smoothing,
+                )
+                fitted, changed = 0, True  # no transform besides
         if fitted > 0:
             scale, b, eps = scale_sum / fitted, bias / fitted, eps_sum / fitted
             spread = float(b.max() - b.min())
             has_bias = spread > max(_TRANSFORM_TOLERANCE, 16 * eps)
             has_scale = scale > 0 and abs(scale - 1.0) > max(_TRANSFORM_TOLERANCE, 2 * eps)
-            scored = None if mine is None else (mine[3] if self._shift_measured else mine[2])
             if (has_bias or has_scale) and self._transform_explains(
                     trainer, mine, scored, scale if has_scale else None, b if has_bias else None):
                 self._logit_scale = scale if has_scale else None
@@ -1262,6 +1310,21 @@ class GradientWeightAlignmentMonitor(Monitor):
                 "for label smoothing and distillation.",
                 value=off / judged, threshold=_OFF_FRACTION,
             )
+
+    def _agreement(self, trainer: pl.Trainer, mine: Optional[tuple[Any, ...]], targets: Optional[Tensor],
+                   readings: list[dict[str, Any]]) -> list[tuple[float, float, float]]:
+        """``(judged, off, mean misfit)`` of the gradients against each reading of the logits (keyword arguments of
+        :func:`head_gradient_agreement`), over the rows of every rank (reduced: every rank decides alike)."""
+        dev = _device_of(self._head)
+        counts = torch.zeros(len(readings), 3, dtype=torch.float64, device=dev)
+        if mine is not None and targets is not None:
+            for i, reading in enumerate(readings):
+                found = head_gradient_agreement(mine[0], mine[1], targets, ignore_index=self.ignore_index,
+                                                softcap=self._softcap, misfit=True, **reading)
+                counts[i] = found[[0, 1, 4]].to(dev)
+        if trainer.world_size > 1:
+            counts = trainer.strategy.reduce(counts, reduce_op="sum")
+        return [(j, o, m / j if j > 0 else math.inf) for j, o, m in counts.tolist()]
 
     def _transform_explains(self, trainer: pl.Trainer, mine: Optional[tuple[Any, ...]], targets: Optional[Tensor],
                             scale: Optional[float], bias: Optional[Tensor]) -> bool:
@@ -1379,6 +1442,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         scores = alignment_from_parts(
             None, wz, logits, targets, w_norm, ignore_index=self.ignore_index, feature_norm=z_norm,
             softcap=self._softcap, logit_scale=self._logit_scale, logit_bias=self._logit_bias,
+            label_smoothing=self._label_smoothing,
         ).double()
         self._moments.update(scores)
         finite = torch.isfinite(scores)
@@ -1400,7 +1464,7 @@ class GradientWeightAlignmentMonitor(Monitor):
             k = min(self.suspects, merged.shape[1])
             self._top = merged[:, merged[0].topk(k, largest=False).indices]
             if self._run is not None and flat:
-                self._run.add(extra[0], scores, finite)
+                self._run.add(extra[0], scores, finite, self._run_weight())
             elif self._run is not None:
                 # scores per token (a language model's): a sample's mean over the run would mix its tokens, so the
                 # run-level list is not kept (each epoch's suspects file lists tokens); said once, no empty file
@@ -1870,11 +1934,25 @@ class GradientWeightAlignmentMonitor(Monitor):
             rank_zero_info("GradientWeightAlignmentMonitor: the training set has no length, so the suspects over the "
                            f"run ({RUN_SUSPECTS_FILENAME}) are not kept; each epoch's are.")
             return
-        if saved is not None and tuple(torch.as_tensor(saved).shape) != tuple(self._run.state.shape):
+        if saved is not None and tuple(torch.as_tensor(saved).shape)[1:] != tuple(self._run.state.shape)[1:]:
             rank_zero_warn("GradientWeightAlignmentMonitor: the checkpoint's suspects over the run were kept for another "
                            "number of samples than this training set has: they start again from this epoch.")
         elif saved is not None and trainer.global_rank == 0:
-            self._run.state.copy_(torch.as_tensor(saved, dtype=torch.float64).to(device))
+            self._run.load(torch.as_tensor(saved, dtype=torch.float64))
+
+    def _run_weight(self) -> float:
+        """The weight of this epoch's scores in the run's per-sample means: the share of negative scores of the last
+        epoch scored before it (1 for the first). An epoch in which the model still resisted many samples says more
+        about which labels are wrong than one after it has memorised them: once flipped labels are fit, the share
+        falls (breast cancer at 20% flipped: 0.2 to 0.02) and those epochs' scores, alike for every sample, count
+        little. Where the share stays level (digits, moons) the weights are nearly equal: the plain mean. The
+        same on every rank (the shares are reduced); a resume reads it from the history it restores."""
+        if self._run_w is None:
+            prev = next((h for h in reversed(self.history) if h.get("count", 0) >= _MIN_SAMPLES
+                         and (self._epoch_open is None or h.get("epoch", -1) < self._epoch_open)), None)
+            share = _share(prev)
+            self._run_w = 1.0 if share is None else max(share, _RUN_WEIGHT_FLOOR)
+        return self._run_w
 
     def _reduced_run(self, trainer: pl.Trainer) -> Tensor:
         """The run's :meth:`SampleMeans.packed` summed over the ranks (a collective: every rank calls it)."""

@@ -47,6 +47,7 @@ __all__ = [
     "gwa_statistics",
     "head_gradient_fit",
     "head_gradient_agreement",
+    "label_smoothing_fit",
     "merge_moments",
     "softmax_gradient_evidence",
     "softmax_proportionality",
@@ -89,6 +90,7 @@ def gwa_scores(
     softcap: Optional[float] = None,
     logit_scale: Optional[float] = None,
     logit_bias: Optional[Tensor] = None,
+    label_smoothing: Optional[float] = None,
 ) -> Tensor:
     """Per-sample gradient-weight alignment ``gamma_i = cos(-grad_W loss_i, W)``, closed form.
 
@@ -107,6 +109,8 @@ def gwa_scores(
         logit_scale, logit_bias: the loss sees ``logit_scale * logits + logit_bias`` (``[C]``) rather than
             the logits (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``, BART's and Marian's
             ``final_logits_bias``); before ``softcap`` when both are given. ``logit_scale`` must be > 0.
+        label_smoothing: ``eps`` in ``[0, 1)`` when the loss smooths integer targets (``cross_entropy(...,
+            label_smoothing=eps)``): they are scored as ``(1 - eps) e_t + eps / C``.
 
     Returns:
         scores of the leading shape in ``[-1, 1]`` (float32, float64 for float64 inputs); NaN for
@@ -133,6 +137,8 @@ def gwa_scores(
     if logit_scale is not None and not (isinstance(logit_scale, (int, float)) and math.isfinite(logit_scale)
                                         and logit_scale > 0):
         raise ValueError(f"`logit_scale` must be a positive number, got {logit_scale!r}.")
+    if label_smoothing is not None and not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing < 1.0):
+        raise ValueError(f"`label_smoothing` must be a number in [0, 1), got {label_smoothing!r}.")
     if logit_bias is not None and tuple(logit_bias.shape) != (num_classes,):
         raise ValueError(f"`logit_bias` must be a vector of the {num_classes} classes, got {tuple(logit_bias.shape)}.")
     if num_classes < 2:
@@ -156,7 +162,23 @@ def gwa_scores(
         z = features.detach().to(dtype)
         w = weight.detach().to(dtype)
         return alignment_from_parts(z, z @ w.T, logits, targets, w.norm(), ignore_index=ignore_index, eps=eps,
-                                    softcap=softcap, logit_scale=logit_scale, logit_bias=logit_bias)
+                                    softcap=softcap, logit_scale=logit_scale, logit_bias=logit_bias,
+                                    label_smoothing=label_smoothing)
+
+
+def _valid_targets(targets: Tensor, c: int, ignore_index: Optional[int]) -> tuple[Tensor, Tensor]:
+    """Integer targets as indices (0 where not valid) and which are valid: in ``[0, c)`` and not ``ignore_index``."""
+    t = targets.detach().long()
+    valid = (t >= 0) & (t < c)
+    if ignore_index is not None:
+        valid &= t != ignore_index
+    return torch.where(valid, t, torch.zeros_like(t)), valid
+
+
+def _smoothed_residual(p: Tensor, t: Tensor, eps: float) -> Tensor:
+    """``p - (1 - eps) e_t - eps / C`` for integer targets ``t`` (leading shape), without a one-hot."""
+    r = p - eps / p.shape[-1]
+    return r.scatter_add(-1, t.unsqueeze(-1), torch.full_like(r[..., :1], -(1.0 - eps)))
 
 
 def alignment_from_parts(
@@ -172,6 +194,7 @@ def alignment_from_parts(
     softcap: Optional[float] = None,
     logit_scale: Optional[float] = None,
     logit_bias: Optional[Tensor] = None,
+    label_smoothing: Optional[float] = None,
 ) -> Tensor:
     """:func:`gwa_scores` from ``wz = W z`` (``logits - bias`` for an ``nn.Linear`` head) and
     ``||W||_F`` (a scalar, or one per row when rows come from different steps); no shape checks.
@@ -187,7 +210,10 @@ def alignment_from_parts(
 
     ``logit_scale``, ``logit_bias``: the loss sees ``logit_scale * logits + logit_bias`` (before the cap): the head's
     per-sample gradient is ``logit_scale (p - y) z^T`` with ``p`` that transform's softmax, and a positive scale
-    does not change its direction."""
+    does not change its direction.
+
+    ``label_smoothing``: ``eps`` when the loss trains integer targets smoothed as ``cross_entropy(...,
+    label_smoothing=eps)`` does, ``y = (1 - eps) e_t + eps / C``: the per-sample gradient is ``(p - y) z^T``."""
     dtype = torch.promote_types(logits.dtype, torch.float32)
     if feature_norm is None:
         if features is None:
@@ -208,6 +234,13 @@ def alignment_from_parts(
     valid = None
     if targets.is_floating_point():
         r = _softmax(logits) - targets.detach().to(dtype)
+        if slope is not None:
+            r = r * slope
+        num = -(r * wz).sum(-1)
+        r_norm = r.norm(dim=-1)
+    elif label_smoothing:
+        t, valid = _valid_targets(targets, logits.shape[-1], ignore_index)
+        r = _smoothed_residual(_softmax(logits), t, label_smoothing)
         if slope is not None:
             r = r * slope
         num = -(r * wz).sum(-1)
@@ -462,11 +495,12 @@ class GWAMoments:
 
 
 class SampleMeans:
-    """Each sample's score summed and counted over a run, on the device: ``[2, n]`` float64 (sums, counts)
-    for samples indexed ``0 .. n-1``, and a count of scores whose index lies outside that range.
+    """Each sample's score summed over a run with a weight per score, on the device: ``[3, n]`` float64 (weighted
+    sums, weights, counts) for samples indexed ``0 .. n-1``, and a count of scores whose index lies outside that
+    range. A sample's mean is its weighted mean (with weight 1 everywhere, the plain mean).
 
     :meth:`add` needs no host sync (an out-of-range index is counted apart, not dropped by a mask that would
-    need its size); :meth:`packed` lays both out for one all-reduce (a sum over the ranks of their own
+    need its size); :meth:`packed` lays all out for one all-reduce (a sum over the ranks of their own
     ``SampleMeans`` is the run's); :meth:`lowest` ranks the samples by their mean.
 
     Example::
@@ -476,33 +510,47 @@ class SampleMeans:
         >>> mean, index, count = SampleMeans.lowest(m.packed(), 2)
         >>> index.tolist(), mean.tolist(), count.tolist()
         ([2, 0], [-0.5, 0.5], [2.0, 1.0])
+        >>> m.add(torch.tensor([2]), torch.tensor([1.0], dtype=torch.float64), weight=2.0)  # (-1 + 0 + 2) / 4
+        >>> SampleMeans.lowest(m.packed(), 1)[0].tolist()
+        [0.25]
     """
 
     def __init__(self, n: int, device: Optional[torch.device] = None) -> None:
-        self.state = torch.zeros(2, n, dtype=torch.float64, device=device)
+        self.state = torch.zeros(3, n, dtype=torch.float64, device=device)
         self.outside = torch.zeros((), dtype=torch.float64, device=device)
 
-    def add(self, index: Tensor, scores: Tensor, valid: Optional[Tensor] = None) -> None:
-        """Add ``scores`` (float64) to the samples ``index``; ``valid`` (bool) leaves the others out."""
+    def add(self, index: Tensor, scores: Tensor, valid: Optional[Tensor] = None, weight: float = 1.0) -> None:
+        """Add ``scores`` (float64) to the samples ``index``, each with ``weight`` (> 0); ``valid`` (bool) leaves
+        the others out."""
         idx = index.long()
         inside = (idx >= 0) & (idx < self.state.shape[1])
         valid = torch.ones_like(inside) if valid is None else valid
         ok = valid & inside
         safe = torch.where(ok, idx, torch.zeros_like(idx))
-        self.state[0].index_add_(0, safe, torch.where(ok, scores, torch.zeros_like(scores)))
-        self.state[1].index_add_(0, safe, ok.double())
+        self.state[0].index_add_(0, safe, torch.where(ok, scores, torch.zeros_like(scores)), alpha=weight)
+        self.state[1].index_add_(0, safe, ok.double(), alpha=weight)
+        self.state[2].index_add_(0, safe, ok.double())
         self.outside += (valid & ~inside).sum()
 
+    def load(self, saved: Tensor) -> None:
+        """Take the sums of :meth:`saved` (``[3, n]``), or of a ``[2, n]`` state (sums and counts: every weight 1)."""
+        saved = saved.to(self.state.device, torch.float64)
+        self.state.copy_(saved if saved.shape[0] == 3 else torch.stack([saved[0], saved[1], saved[1]]))
+
+    def saved(self, packed: Tensor) -> Tensor:
+        """The ``[3, n]`` sums of ``packed`` (:meth:`packed`, reduced over the ranks), for a checkpoint."""
+        return packed[:-1].reshape(3, -1)
+
     def packed(self) -> Tensor:
-        """``[2 n + 1]``: sums, counts, and the out-of-range count, for one reduction."""
+        """``[3 n + 1]``: weighted sums, weights, counts, and the out-of-range count, for one reduction."""
         return torch.cat([self.state.reshape(-1), self.outside.reshape(1)])
 
     @staticmethod
     def lowest(packed: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-        """``(mean, index, count)`` of the ``k`` samples of the lowest mean score in ``packed``; a sample never
-        scored has the mean ``inf``."""
-        sums, counts = packed[:-1].reshape(2, -1)
-        mean = torch.where(counts > 0, sums / counts.clamp_min(1.0), torch.full_like(sums, math.inf))
+        """``(mean, index, count)`` of the ``k`` samples of the lowest (weighted) mean score in ``packed``; a sample
+        never scored has the mean ``inf``."""
+        sums, weights, counts = packed[:-1].reshape(3, -1)
+        mean = torch.where(weights > 0, sums / weights.clamp_min(1e-300), torch.full_like(sums, math.inf))
         low, index = mean.topk(min(k, mean.numel()), largest=False)
         return low, index, counts[index]
 
@@ -626,6 +674,8 @@ def head_gradient_agreement(
     logit_scale: Optional[float] = None,
     logit_bias: Optional[Tensor] = None,
     tolerance: Optional[float] = None,
+    label_smoothing: Optional[float] = None,
+    misfit: bool = False,
 ) -> Tensor:
     r"""How well the gradient ``grad`` of a head's outputs ``logits`` agrees with the one GWA's closed form assumes
     for ``targets`` (a softmax cross-entropy on ``logit_scale * logits + logit_bias``, capped by ``softcap``), per row:
@@ -638,7 +688,9 @@ def head_gradient_agreement(
     * ``targeted``: integer-target rows with a gradient and a valid target; ``hit``: those whose gradient is most
       negative at the target (a softmax cross-entropy's is negative only there): the targets are the loss's.
 
-    Soft targets are judged on their direction only (``targeted = hit = 0``)."""
+    Soft targets are judged on their direction only (``targeted = hit = 0``). ``label_smoothing``: integer targets
+    smoothed as :func:`gwa_scores`'s. ``misfit``: a fifth entry, the sum of ``1 - cosine`` over the judged rows (how
+    far the closed form's direction is from the gradient's, to compare readings of the same rows)."""
     c = logits.shape[-1]
     g = grad.detach().reshape(-1, c).double()
     o = logits.detach().reshape(-1, c).double()
@@ -665,7 +717,8 @@ def head_gradient_agreement(
         if ignore_index is not None:
             valid &= t != ignore_index
         ts = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
-        r = p - torch.zeros_like(p).scatter_(1, ts, 1.0)
+        r = (_smoothed_residual(p, ts.squeeze(1), label_smoothing) if label_smoothing
+             else p - torch.zeros_like(p).scatter_(1, ts, 1.0))
         targeted_rows = has & valid
         judged = targeted_rows & (1.0 - p.gather(1, ts).squeeze(1) >= 32 * eps)
         targeted = targeted_rows.double().sum()
@@ -674,4 +727,56 @@ def head_gradient_agreement(
         r = r * slope
     cos = (r * g).sum(-1) / (r.norm(dim=-1) * g.norm(dim=-1)).clamp_min(1e-300)
     off = judged & (cos < 1.0 - tol)
-    return torch.stack([judged.double().sum(), off.double().sum(), targeted, hit])
+    out = [judged.double().sum(), off.double().sum(), targeted, hit]
+    if misfit:
+        out.append(torch.where(judged, 1.0 - cos, torch.zeros_like(cos)).sum())
+    return torch.stack(out)
+
+
+def label_smoothing_fit(grad: Tensor, logits: Tensor, targets: Tensor, *, softcap: Optional[float] = None,
+                        max_rows: int = 256) -> tuple[int, float]:
+    r"""The label smoothing ``eps`` a softmax cross-entropy on integer ``targets`` trained with, read from the gradient
+    ``grad`` of the head's outputs ``logits`` (one host sync): ``(rows fitted, eps)``, ``eps`` NaN when no row fits.
+
+    With smoothing the gradient row is ``s_i (p_i - (1 - eps) e_t - eps / C)``, ``s_i > 0`` the row's weight, that is
+    ``s_i (q_i + eps d_i)`` with ``q_i = p_i - e_t`` and ``d_i = e_t - 1 / C``: linear in ``eps``. Whatever ``s_i``,
+    the part of ``q_i + eps d_i`` across ``g_i`` must vanish, so ``eps`` is the least-squares solution of
+    ``P_i (q_i + eps d_i) = 0`` over the rows (``P_i`` projects out ``g_i``; closed form). Near a uniform softmax (a
+    head at its random init) smoothing moves the gradient as a logit scale of ``1 / (1 - eps)`` would, which
+    :func:`head_gradient_fit` would read as such: compare the two readings' ``misfit``
+    (:func:`head_gradient_agreement`) on the same rows.
+
+    Example::
+
+        >>> o = torch.randn(8, 5, requires_grad=True)
+        >>> t = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
+        >>> torch.nn.functional.cross_entropy(o, t, label_smoothing=0.1).backward()
+        >>> rows, eps = label_smoothing_fit(o.grad, o.detach(), t)
+        >>> rows, round(eps, 4)
+        (8, 0.1)
+    """
+    c = logits.shape[-1]
+    g = grad.detach().reshape(-1, c).double()
+    o = logits.detach().reshape(-1, c).double()
+    t = targets.detach().reshape(-1).long().to(g.device)
+    slope = None
+    if softcap is not None:
+        squashed = torch.tanh(o / softcap)
+        o, slope = softcap * squashed, 1.0 - squashed * squashed
+    ok = torch.isfinite(g).all(-1) & torch.isfinite(o).all(-1) & (g.abs().sum(-1) > 0) & (t >= 0) & (t < c)
+    rows = ok.nonzero().squeeze(1)[:max_rows]  # one host sync
+    if rows.numel() == 0:
+        return 0, math.nan
+    g, o, t = g[rows], o[rows], t[rows].unsqueeze(1)
+    onehot = torch.zeros_like(o).scatter_(1, t, 1.0)
+    q, d = torch.softmax(o, -1) - onehot, onehot - 1.0 / c
+    if slope is not None:
+        slope = slope[rows]
+        q, d = q * slope, d * slope
+    u = g / g.norm(dim=-1, keepdim=True)
+    pq = q - (q * u).sum(-1, keepdim=True) * u
+    pd = d - (d * u).sum(-1, keepdim=True) * u
+    den = float((pd * pd).sum())
+    # two classes (every row is +-(1, -1) whatever eps): nothing to read
+    eps = -float((pq * pd).sum()) / den if den > 1e-12 * rows.numel() else math.nan
+    return int(rows.numel()), eps
