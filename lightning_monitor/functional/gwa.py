@@ -246,12 +246,8 @@ def alignment_from_parts(
         num = -(r * wz).sum(-1)
         r_norm = r.norm(dim=-1)
     else:
-        t = targets.detach().long()
         # ignored targets, and any outside [0, C) (a loss's own ignore index other than ``ignore_index``), get no score
-        valid = (t >= 0) & (t < logits.shape[-1])
-        if ignore_index is not None:
-            valid &= t != ignore_index
-        t = torch.where(valid, t, torch.zeros_like(t))
+        t, valid = _valid_targets(targets, logits.shape[-1], ignore_index)
         t = t.unsqueeze(-1)
         # The cosine does not change when p - y is scaled by 1 / (1 - p_y) > 0, which turns it into
         # (u, -1): u = softmax of the logits over the non-target classes. So
@@ -712,11 +708,8 @@ def head_gradient_agreement(
         judged = has
         targeted = hit = zero
     else:
-        t = targets.detach().reshape(-1).long().to(g.device)
-        valid = (t >= 0) & (t < c)
-        if ignore_index is not None:
-            valid &= t != ignore_index
-        ts = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
+        t, valid = _valid_targets(targets.reshape(-1).to(g.device), c, ignore_index)
+        ts = t.unsqueeze(1)
         r = (_smoothed_residual(p, ts.squeeze(1), label_smoothing) if label_smoothing
              else p - torch.zeros_like(p).scatter_(1, ts, 1.0))
         targeted_rows = has & valid
