@@ -153,6 +153,8 @@ class TinyLM(pl.LightningModule):
         flat = lambda t: t.reshape(-1, V)  # noqa: E731
         if self.kind == "shifts":  # a decoder whose loss shifts the labels itself (BLIP's text decoder)
             return F.cross_entropy(flat(logits[:, :-1]), labels[:, 1:].reshape(-1))
+        if self.kind == "shifts_smoothed":  # and smooths them (BLIP's text decoder at its default, 0.1)
+            return F.cross_entropy(flat(logits[:, :-1]), labels[:, 1:].reshape(-1), label_smoothing=0.2)
         if self.kind == "scaled":  # Cohere's logit_scale
             return F.cross_entropy(flat(logits * 0.0625), labels.reshape(-1))
         if self.kind == "biased":  # BART's final_logits_bias, and a temperature
@@ -204,28 +206,29 @@ def fit(tmp_path, module: pl.LightningModule):
 
 @pytest.mark.parametrize("kind, said", [("plain", set()), ("shifts", {"targets_shifted"}),
                                         ("scaled", {"logit_transform"}), ("biased", {"logit_transform"}),
-                                        ("smoothed", {"label_smoothing"}), ("smoothed_init", {"label_smoothing"})])
+                                        ("smoothed", {"label_smoothing"}), ("smoothed_init", {"label_smoothing"}),
+                                        ("shifts_smoothed", {"targets_shifted", "label_smoothing"})])
 def test_the_scores_are_the_loss_s_own(tmp_path, kind: str, said: set) -> None:
     module, ids = TinyLM(kind), Tokens().ids
     gwa, alerts = fit(tmp_path, module)
     ref = exact_scores(module.head, lambda: module.training_step({"input_ids": ids, "labels": ids}, 0).backward())
     # the first epoch loses the batches read before the check when the targets were read the other way; a transform
     # alone is applied to them when they are scored (they were dropped, and the epoch scored fewer rows or none)
-    for rec in gwa.history[1:] if kind == "shifts" else gwa.history[:2]:
+    for rec in gwa.history[1:] if kind.startswith("shifts") else gwa.history[:2]:
         assert rec["count"] == ref.numel()
         assert rec["mean"] == pytest.approx(float(ref.mean()), rel=1e-4, abs=1e-7)
         assert rec["negative"] == float((ref < 0).sum())
-    if kind == "shifts":
+    if kind.startswith("shifts"):
         assert gwa.history[0]["count"] < ref.numel()
     kinds = {a.kind for a in alerts}
     assert kinds & {"targets_shifted", "logit_transform", "label_smoothing", "inexact_scores", "target_mismatch"} == said
-    assert gwa._shift is (kind == "shifts")
+    assert gwa._shift is kind.startswith("shifts")
     assert (gwa._logit_scale is not None) is (kind in ("scaled", "biased"))
     assert (gwa._logit_bias is not None) is (kind == "biased")
     assert gwa._targets_verified
     if kind == "scaled":
         assert gwa._logit_scale == pytest.approx(0.0625, rel=1e-4)
-    expected = {"smoothed": 0.3, "smoothed_init": 0.1}.get(kind)
+    expected = {"smoothed": 0.3, "smoothed_init": 0.1, "shifts_smoothed": 0.2}.get(kind)
     assert (gwa._label_smoothing is None) if expected is None else gwa._label_smoothing == pytest.approx(expected, abs=1e-5)
 
 
@@ -256,12 +259,16 @@ def _cohere():
         num_key_value_heads=1, max_position_embeddings=T, pad_token_id=0, bos_token_id=1, eos_token_id=2))
 
 
-def _blip_text():
+def _blip_text(label_smoothing: float = 0.0):
     from transformers.models.blip.modeling_blip_text import BlipTextLMHeadModel
     return BlipTextLMHeadModel(transformers.BlipTextConfig(
         vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         max_position_embeddings=T, encoder_hidden_size=16, pad_token_id=0, bos_token_id=1, sep_token_id=2,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, label_smoothing=0.0))
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, label_smoothing=label_smoothing))
+
+
+def _blip_text_smoothed():
+    return _blip_text(label_smoothing=0.1)
 
 
 class HFLM(pl.LightningModule):
@@ -279,8 +286,9 @@ class HFLM(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-@pytest.mark.parametrize("make, kind", [(_cohere, "logit_transform"), (_blip_text, "targets_shifted")],
-                         ids=["Cohere (logit_scale)", "BLIP text decoder (own shift)"])
+@pytest.mark.parametrize("make, kind", [(_cohere, "logit_transform"), (_blip_text, "targets_shifted"),
+                                        (_blip_text_smoothed, "label_smoothing")],
+                         ids=["Cohere (logit_scale)", "BLIP text decoder (own shift)", "BLIP, own shift, smoothed"])
 def test_hugging_face_models_that_read_their_logits_their_own_way(tmp_path, make, kind) -> None:
     module, ids = HFLM(make), Tokens().ids
     gwa, alerts = fit(tmp_path, module)

@@ -1157,9 +1157,10 @@ class GradientWeightAlignmentMonitor(Monitor):
         c = self._head.out_features
         dev = _device_of(self._head)
         # [judged, off, targeted, hit] for the targets scored, [targeted, hit] for the other reading, the fit (scale
-        # and epsilon of the gradient's dtype, times the rows fitted; the rows fitted), the label smoothing read (times
-        # the rows fitted; the rows fitted; the epsilon of the gradient's dtype times the rows fitted)
-        counts = torch.zeros(12, dtype=torch.float64, device=dev)
+        # and epsilon of the gradient's dtype, times the rows fitted; the rows fitted), the label smoothing read on the
+        # targets scored and on the other reading (each: times the rows fitted; the rows fitted; the epsilon of the
+        # gradient's dtype times the rows fitted)
+        counts = torch.zeros(15, dtype=torch.float64, device=dev)
         bias = torch.zeros(c, dtype=torch.float64, device=dev)
         mine = other = None  # this rank's gradient, logits and the two readings of its labels
         if capture is not None and capture[1].shape[-1] == c:
@@ -1184,15 +1185,18 @@ class GradientWeightAlignmentMonitor(Monitor):
                     counts[8] = fit.rows * torch.finfo(grad.dtype).eps
                     if fit.bias is not None:
                         bias = fit.bias.to(dev) * fit.rows
-                rows, smoothing = label_smoothing_fit(grad, logits, targets, softcap=self._softcap)
-                if rows and math.isfinite(smoothing):
-                    counts[9], counts[10], counts[11] = rows * smoothing, rows, rows * torch.finfo(grad.dtype).eps
+                for at, reading in ((9, targets), (12, other)):
+                    if reading is None:
+                        continue
+                    rows, smoothing = label_smoothing_fit(grad, logits, reading, softcap=self._softcap)
+                    if rows and math.isfinite(smoothing):
+                        counts[at: at + 3] = torch.tensor([rows * smoothing, rows, rows * torch.finfo(grad.dtype).eps])
             mine = (grad, logits, targets, other, shifted)
         if trainer.world_size > 1:
             counts = trainer.strategy.reduce(counts, reduce_op="sum")
             bias = trainer.strategy.reduce(bias, reduce_op="sum")
-        (judged, off, targeted, hit, targeted_other, hit_other, scale_sum, fitted, eps_sum, smoothing_sum,
-         smoothing_rows, smoothing_eps) = counts.tolist()  # once
+        values = counts.tolist()  # once
+        judged, off, targeted, hit, targeted_other, hit_other, scale_sum, fitted, eps_sum = values[:9]
         if targeted + judged == 0 and fitted == 0:  # no gradient reached the head on any rank: the next due step
             self._check_tries += 1
             self._check_state = "pending" if self._check_tries < _CHECK_TRIES else "done"
@@ -1245,8 +1249,10 @@ class GradientWeightAlignmentMonitor(Monitor):
             )
             return
         scored = None if mine is None else (mine[3] if self._shift_measured else mine[2])
+        # the smoothing read on the labels as scored from here (the other reading where they were just shifted)
+        smoothing_sum, smoothing_rows, smoothing_eps = values[12:15] if shift_changed else values[9:12]
         smoothing = smoothing_sum / smoothing_rows if smoothing_rows > 0 else math.nan
-        if not shift_changed and _SMOOTHING_MIN < smoothing < 1.0:
+        if _SMOOTHING_MIN < smoothing < 1.0:
             # the loss smooths its labels (cross_entropy's label_smoothing): near a uniform softmax that reads as a logit
             # scale of 1 / (1 - eps) (the transform fit below would take it for one, and apply it all run); the reading
             # whose direction is nearer the gradients' is kept
