@@ -357,3 +357,31 @@ def test_an_epoch_emptied_by_the_check_says_why(tmp_path) -> None:
     with pytest.warns(UserWarning, match=r"epoch 0 scored 0 < \d+ samples.*dropped: their labels were read the other"):
         trainer.fit(TinyLM("shifts"), DataLoader(Tokens(16), batch_size=8))
     assert gwa._shift and gwa.history[1]["count"] > 0
+
+
+class _SmoothingDump(pl.Callback):
+    """Per rank: what the monitor read off the gradient, and its epoch records."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        gwa = next(c for c in trainer.callbacks if isinstance(c, GradientWeightAlignmentMonitor))
+        torch.save({"smoothing": gwa._label_smoothing, "scale": gwa._logit_scale, "history": gwa.history},
+                   os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+
+
+@pytest.mark.slow
+def test_two_ranks_read_the_same_smoothing(tmp_path) -> None:
+    """The readings are compared on both ranks' rows (reduced): the ranks adopt the same smoothing and score alike."""
+    from conftest import fit_ddp_spawn
+
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=2, logger=False,
+                         callbacks=[gwa, _SmoothingDump(str(tmp_path))], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    fit_ddp_spawn(trainer, TinyLM("smoothed_init"), DataLoader(Tokens(64), batch_size=8))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert ranks[0]["smoothing"] == ranks[1]["smoothing"] == pytest.approx(0.1, abs=1e-5)
+    assert ranks[0]["scale"] is None and ranks[1]["scale"] is None
+    assert ranks[0]["history"] == ranks[1]["history"] and ranks[0]["history"][0]["count"] == 64 * T
