@@ -231,6 +231,12 @@ def alerts_dir(trainer: pl.Trainer) -> str:
     return os.path.join(str(root), *parts)
 
 
+def writes_files(trainer: pl.Trainer) -> bool:
+    """Whether the run writes files: not under ``fast_dev_run``, where Lightning writes no logs and no checkpoints
+    (its logger has no folder, and the files would land in the working directory)."""
+    return not getattr(trainer, "fast_dev_run", False)
+
+
 def read_alerts(path: str) -> list[Alert]:
     """Read an ``alerts.jsonl`` file back into :class:`Alert` records.
 
@@ -399,6 +405,9 @@ class AlertHub:
             callbacks.append(kind(self))
 
     def _prepare_file(self, trainer: pl.Trainer) -> None:
+        if not writes_files(trainer):
+            self.path = None  # fast_dev_run: the alerts reach the console and Python logging, no file
+            return
         directory = alerts_dir(trainer)
         self.path = os.path.join(directory, ALERTS_FILENAME)
         if trainer.global_rank != 0:

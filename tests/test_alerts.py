@@ -385,3 +385,19 @@ def test_ddp_ranks_share_one_run_id(tmp_path):
     assert ranks[0]["stamped"] == ranks[1]["stamped"] == [run_id] * 5
     assert {a.run_id for a in read_alerts(str(tmp_path / "alerts.jsonl"))} == {run_id}  # written by rank 0 only
     assert len(read_alerts(str(tmp_path / "alerts.jsonl"))) == 5
+
+
+def test_fast_dev_run_writes_no_file_into_the_working_directory(tmp_path, monkeypatch, tiny_gpt) -> None:
+    """Under ``fast_dev_run`` Lightning writes no logs and no checkpoints, and its logger has no folder: the alerts
+    file (and GWA's suspects files) would land in the working directory. The alerts still reach Python logging."""
+    import lightning_monitor as lm
+
+    monkeypatch.chdir(tmp_path)
+    module, loader = tiny_gpt()
+    preset = lm.HealthMonitor(gwa={"index_fn": lambda batch: torch.arange(batch[0].shape[0])})
+    trainer = pl.Trainer(accelerator="cpu", fast_dev_run=2, callbacks=[preset], enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(module, loader)
+    assert os.listdir(tmp_path) == []
+    hub = preset.monitors[0].hub
+    assert hub.path is None and hub.history  # alerts were raised (GWA's cadence, at least), not written

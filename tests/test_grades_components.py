@@ -278,3 +278,76 @@ def test_parametrized_layers_are_components_frozen_through_their_originals(kind:
     freeze_parameters(comp.params)
     assert not any(p.requires_grad for p in originals) and not blocks[1].bias.requires_grad
     assert blocks[0].bias.requires_grad
+
+
+def test_bare_attention_projections_are_components_and_freeze_in_fit(tmp_path) -> None:
+    """XLNet holds its attention projections as bare parameters (``rel_attn.q`` ``[d_model, heads, d_head]``, and
+    ``k``, ``v``, ``o``, ``r``): each is a component. Before, only the feed-forward Linears were, and GradES stopped a
+    run "all frozen" while the attention, never watched, still trained."""
+    transformers = pytest.importorskip("transformers")
+    import lightning.pytorch as pl
+
+    from lightning_monitor import GradientEarlyStopping
+
+    config = transformers.XLNetConfig(vocab_size=37, d_model=32, n_layer=2, n_head=2, d_inner=64, dropout=0.0)
+    found = find_components(transformers.XLNetLMHeadModel(config))
+    bare = [f"transformer.layer.{i}.rel_attn.{p}" for i in (0, 1) for p in ("q", "k", "v", "o", "r")]
+    assert set(bare) <= set(found) and len(found) == 14  # and the two feed-forward Linears a layer
+    assert all(found[n].params == (found[n].weight,) for n in bare)  # r_w_bias & co. are not frozen with them
+
+    class LM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = transformers.XLNetLMHeadModel(config)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    lm = LM()
+    grades = GradientEarlyStopping(tau=1e6, grace_steps=2, every_n_steps=1, stop=False)  # every component freezes
+    trainer = pl.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[grades],
+                         default_root_dir=str(tmp_path))
+    trainer.fit(lm, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 37, (48, 8))),
+                                                batch_size=8))
+    params = dict(lm.named_parameters())
+    assert {f"model.{n}" for n in bare} <= set(grades.frozen)
+    assert not any(params[f"model.{n}"].requires_grad for n in bare)
+    assert params["model.transformer.layer.0.rel_attn.r_w_bias"].requires_grad
+
+
+def test_matrices_no_component_holds_are_said(tmp_path) -> None:
+    """Mamba's ``A_log`` (``[d_inner, d_state]`` in each mixer) is no attention or MLP matrix: not a component, and
+    said once, since it keeps training while the components freeze."""
+    transformers = pytest.importorskip("transformers")
+    import lightning.pytorch as pl
+
+    from lightning_monitor import GradientEarlyStopping, read_alerts
+    from lightning.pytorch.loggers import CSVLogger
+
+    class LM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = transformers.MambaForCausalLM(transformers.MambaConfig(
+                vocab_size=37, hidden_size=32, num_hidden_layers=2, state_size=8))
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    logger = CSVLogger(str(tmp_path), name="mamba")
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", logger=logger, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[GradientEarlyStopping(grace_steps=1, every_n_steps=1)])
+    trainer.fit(LM(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 37, (24, 8))),
+                                                  batch_size=8))
+    said = [a for a in read_alerts(os.path.join(logger.log_dir, "alerts.jsonl")) if a.kind == "matrices_not_watched"]
+    assert len(said) == 1 and said[0].value == 2.0
+    assert "model.backbone.layers.0.mixer.A_log" in said[0].message and "stop=False" in said[0].message

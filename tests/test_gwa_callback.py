@@ -798,6 +798,12 @@ def test_a_fractional_warm_up_in_a_time_limited_run_is_said(tmp_path) -> None:
                                          r"`max_time` may end the run sooner"):
         _trainer(tmp_path, False, [gwa, _StopAt(2)], max_epochs=1000, max_time={"seconds": 600}).fit(DigitsMLP(), loader)
 
+    # planned by max_steps (max_epochs -1): said so, not "of the -1 planned by `max_epochs`" (2 batches an epoch: 300)
+    gwa = GradientWeightAlignmentMonitor()
+    with pytest.warns(UserWarning, match=r"warm-up is 30 epoch\(s\), 0.1 of the 300 planned by `max_steps`, but "):
+        _trainer(tmp_path, False, [gwa, _StopAt(2)], max_epochs=-1, max_steps=600,
+                 max_time={"seconds": 600}).fit(DigitsMLP(), loader)
+
 
 class _StopAt(Callback):
     def __init__(self, step: int) -> None:

@@ -27,6 +27,7 @@ from lightning_monitor.functional.grades import (
     mean_abs_update,
     no_component_reason,
     relative_ratio,
+    uncovered_matrices,
 )
 
 __all__ = ["GradientEarlyStopping"]
@@ -474,6 +475,19 @@ class GradientEarlyStopping(Monitor):
                 f"({list(found)[:6]}...); nothing is left to watch."
             ))
         self._check_saved_names()
+        if self.include is None:
+            # trainable matrices in the blocks that no naming scheme holds keep training when every component is frozen:
+            # said once, so that "all frozen" is not read as "nothing left to learn"
+            left = uncovered_matrices(pl_module, self._components)
+            if left:
+                self.alert(
+                    trainer.global_step, "matrices_not_watched", "info",
+                    f"GradientEarlyStopping watches {len(self._components)} component(s); {len(left)} trainable "
+                    f"matrices inside the blocks belong to none and are never frozen: {', '.join(left[:6])}"
+                    f"{' ...' if len(left) > 6 else ''}. They keep training while the components freeze, and the run "
+                    "stops once the components are frozen (`stop=False` trains on).",
+                    value=float(len(left)),
+                )
         self._training = False
         # a frozen set loaded before the run is applied at on_train_start (see there)
         self._freeze_pending = bool(self.frozen or self.cut)

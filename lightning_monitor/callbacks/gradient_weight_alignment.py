@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_monitor.alerts import _tensorboard_writer, alerts_dir
+from lightning_monitor.alerts import _tensorboard_writer, alerts_dir, writes_files
 from lightning_monitor._sharded import full, global_norm, is_sharded
 from lightning_monitor._values import publish, write_csv
 from lightning_monitor._args import check_fraction, check_int, deprecated_aliases
@@ -433,6 +433,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._refusal: Optional[str] = None
         self._targets_settled = self._targets_tried = False
         self._warmup_resolved = 0
+        self._planned_epochs: Optional[int] = None  # the epochs the warm-up fraction was taken of
         self._want_histogram = self.log_histograms
         self._reset_epoch(None)
 
@@ -698,9 +699,11 @@ class GradientWeightAlignmentMonitor(Monitor):
         timer = next((cb for cb in trainer.callbacks if isinstance(cb, Timer)), None)
         if timer is None or self.warmup_epochs is not None or not self._warmup_resolved:
             return
+        planned = self._planned_epochs
+        by = "`max_epochs`" if planned == trainer.max_epochs else "`max_steps`"
         rank_zero_warn(
             f"GradientWeightAlignmentMonitor: the warm-up is {self._warmup_resolved} epoch(s), "
-            f"{self.warmup_fraction:g} of the {trainer.max_epochs} planned by `max_epochs`, but `max_time` may end the "
+            f"{self.warmup_fraction:g} of the {planned} planned by {by}, but `max_time` may end the "
             "run sooner: no epoch before the warm-up's end is scored. Pass `warmup_epochs=` for a time-limited run."
         )
 
@@ -723,6 +726,7 @@ class GradientWeightAlignmentMonitor(Monitor):
                 "it cannot tell the length of this run (max_steps with an iterable "
                 "of unknown length): pass `warmup_epochs=` explicitly."
             )
+        self._planned_epochs = epochs
         return int(math.ceil(self.warmup_fraction * epochs - 1e-9))
 
     def _causal_lm_shift(self, pl_module: pl.LightningModule) -> bool:
@@ -1925,7 +1929,8 @@ class GradientWeightAlignmentMonitor(Monitor):
             for i, (s, idx, pos, tgt, pred) in enumerate(top.T.tolist())
         ]
         header = ["epoch", "step", "order", "index", "position", "score", "target", "predicted"]
-        write_csv(os.path.join(alerts_dir(trainer), SUSPECTS_FILENAME), header, rows, append=True)
+        if writes_files(trainer):
+            write_csv(os.path.join(alerts_dir(trainer), SUSPECTS_FILENAME), header, rows, append=True)
 
     # ------------------------------------------------------------------ suspects over the run
     def _start_run_suspects(self, trainer: pl.Trainer, device: Optional[torch.device]) -> None:
@@ -1982,4 +1987,5 @@ class GradientWeightAlignmentMonitor(Monitor):
         rows = [(epoch, step, i, int(values[k + i]), f"{values[i]:.6g}", int(values[2 * k + i]))
                 for i in range(k) if math.isfinite(values[i])]
         header = ["epoch", "step", "order", "index", "mean_score", "scored"]
-        write_csv(os.path.join(alerts_dir(trainer), RUN_SUSPECTS_FILENAME), header, rows)
+        if writes_files(trainer):
+            write_csv(os.path.join(alerts_dir(trainer), RUN_SUSPECTS_FILENAME), header, rows)

@@ -52,8 +52,10 @@ __all__ = [
     "PROJECTION_NAMES",
     "LORA_NAMES",
     "EXPERT_NAMES",
+    "BARE_PROJECTION_NAMES",
     "find_components",
     "no_component_reason",
+    "uncovered_matrices",
     "mean_abs",
     "mean_abs_update",
     "relative_ratio",
@@ -76,6 +78,11 @@ LORA_NAMES: tuple[str, ...] = ("lora_A", "lora_B")
 #: ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``mlp.experts.down_proj`` ``[E, H, I]``), each one component over all
 #: its experts, frozen with its bias (``<name>_bias``) when it has one.
 EXPERT_NAMES: tuple[str, ...] = ("gate_up_proj", "down_proj", "up_proj", "gate_proj", "w1", "w2", "w3")
+
+#: Parameter names of attention projections held as bare parameters of an attention module inside a numbered block
+#: (Hugging Face XLNet: ``layer.3.rel_attn.q`` ``[d_model, heads, d_head]``, and ``k``, ``v``, ``o``, ``r``), each a
+#: component of its own.
+BARE_PROJECTION_NAMES: tuple[str, ...] = ("q", "k", "v", "o", "r", "qkv")
 
 _ALL_PROJECTIONS = frozenset(n for names in PROJECTION_NAMES.values() for n in names)
 _BLOCK_INDEX = re.compile(r"(^|\.)\d+(\.|$)")
@@ -118,10 +125,30 @@ def _own_params(module: nn.Module) -> tuple[nn.Parameter, ...]:
 
 
 def _bare_components(name: str, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """``(qualified name, parameter)`` of ``module``'s own parameters that are components: LoRA adapters (2-D and up)
-    and fused expert matrices (3-D, ``[experts, out, in]`` or ``[experts, in, out]``)."""
+    """``(qualified name, parameter)`` of ``module``'s own parameters that are components: LoRA adapters (2-D and up),
+    fused expert matrices (3-D, ``[experts, out, in]`` or ``[experts, in, out]``) and attention projections held as
+    bare parameters inside a numbered block (:data:`BARE_PROJECTION_NAMES`, 2-D and up)."""
+    in_block = _BLOCK_INDEX.search(name) is not None
     return [(f"{name}.{pname}", p) for pname, p in module.named_parameters(recurse=False)
-            if (pname in LORA_NAMES and p.dim() >= 2) or (pname in EXPERT_NAMES and p.dim() == 3)]
+            if (pname in LORA_NAMES and p.dim() >= 2) or (pname in EXPERT_NAMES and p.dim() == 3)
+            or (in_block and pname in BARE_PROJECTION_NAMES and p.dim() >= 2)]
+
+
+def uncovered_matrices(model: nn.Module, components: dict[str, Component]) -> list[str]:
+    """The trainable parameters of two or more dimensions inside numbered blocks that no component holds (but those of
+    embeddings, and biases, tables and positions by their names): what freezing every component leaves training
+    (Mamba's ``A_log``, a bare matrix of a naming scheme not known here)."""
+    held = {id(p) for c in components.values() for p in c.params}
+    skip = ("bias", "embed", "table", "pos", "scale")
+    out = []
+    for mname, module in model.named_modules():
+        if isinstance(module, nn.Embedding) or not _BLOCK_INDEX.search(mname or ""):
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            if (p.requires_grad and p.dim() >= 2 and id(p) not in held
+                    and not any(word in pname.lower() for word in skip)):
+                out.append(f"{mname}.{pname}")
+    return out
 
 
 def _module_component(name: str, module: nn.Module) -> Optional[Component]:
