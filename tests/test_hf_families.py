@@ -191,3 +191,39 @@ def test_gpt_oss_fused_experts_are_grades_components(tmp_path) -> None:
     run = fit_zoo_model(ZooEntry("GPT-OSS", make, _hf_loss, item, hf=True), str(tmp_path))
     names = run.monitors["GradientEarlyStopping"]._names
     assert {f"model.model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")} <= set(names)
+
+
+def test_electra_discriminator_has_no_softmax_head_and_gwa_says_so(tmp_path) -> None:
+    """Electra's discriminator is a one-output head trained with a sigmoid loss; its per-token 0/1 labels fit the
+    outputs of a Linear behind it (the embedding projection, whose gradient rows sum to 0 as a softmax's do), which GWA
+    takes for the head until the gradient shows the labels are not its targets: GWA stays idle, and says that the
+    model may have no softmax head at all (it named only `target_fn` and `head=`)."""
+    import lightning.pytorch as pl
+
+    import lightning_monitor as lm
+
+    class M(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = transformers.ElectraForPreTraining(transformers.ElectraConfig(
+                vocab_size=37, embedding_size=32, hidden_size=48, num_hidden_layers=2, num_attention_heads=2,
+                intermediate_size=64, max_position_embeddings=16))
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch[0], labels=batch[1]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 37, (32, 12), generator=g),
+                                          torch.randint(0, 2, (32, 12), generator=g))
+    preset = lm.HealthMonitor(gwa={"warmup_epochs": 0})
+    trainer = pl.Trainer(accelerator="cpu", max_steps=8, logger=False, callbacks=[preset],
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         default_root_dir=str(tmp_path))
+    trainer.fit(M(), torch.utils.data.DataLoader(data, batch_size=8))
+    assert trainer.global_step == 8
+    gwa = next(m for m in preset.monitors if isinstance(m, lm.GradientWeightAlignmentMonitor))
+    assert gwa.idle_reason is not None and "no softmax classifier head at all" in gwa.idle_reason

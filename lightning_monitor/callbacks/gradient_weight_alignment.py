@@ -1248,7 +1248,9 @@ class GradientWeightAlignmentMonitor(Monitor):
                 "at another class than the targets GWA reads: the loss trains other targets (check `target_fn`: the "
                 "default takes batch[1] of a tuple, e.g. an attention mask; sequence-first logits need targets in "
                 "the same layout), or `head` is not the layer whose outputs the loss reads (a head applied as "
-                "`x @ embedding.weight.T` is no module: pass `head=` naming the layer that makes the logits).",
+                "`x @ embedding.weight.T` is no module: pass `head=` naming the layer that makes the logits), or "
+                "the model has no softmax classifier head at all (a one-output head trained with a sigmoid loss, as "
+                "Electra's discriminator: GWA does not apply).",
                 training=True,
             )
             return
