@@ -1,7 +1,8 @@
 """A batch skipped on purpose: ``training_step`` returns None (Lightning's documented way), and Lightning still steps
 the optimizer, with no gradient anywhere. A monitor whose check falls on such a step skips it (the noise-scale monitor
 raised on an empty list of gradients and took the fit down); the guard does not tell the user to return the loss, and
-spectral alignment does not name a layer "not called" for a step that ran no forward."""
+spectral alignment does not name a layer "not called" for a step that ran no forward. (Under distributed training
+Lightning refuses a training_step that returns None.)"""
 
 from __future__ import annotations
 
@@ -72,3 +73,4 @@ def test_noise_scale_checking_every_step_skips_the_skipped_ones(tmp_path) -> Non
     events.Reload()
     steps = {e.step for e in events.Scalars("gns/batch_size")}
     assert not steps & SKIPPED and len(steps) == 60 - len(SKIPPED & set(range(60))), sorted(steps)
+
