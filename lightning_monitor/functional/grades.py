@@ -135,14 +135,17 @@ def _bare_components(name: str, module: nn.Module) -> list[tuple[str, nn.Paramet
 
 
 def uncovered_matrices(model: nn.Module, components: dict[str, Component]) -> list[str]:
-    """The trainable parameters of two or more dimensions inside numbered blocks that no component holds (but those of
-    embeddings, and biases, tables and positions by their names): what freezing every component leaves training
-    (Mamba's ``A_log``, a bare matrix of a naming scheme not known here)."""
+    """The trainable parameters of two or more dimensions, held bare by modules inside numbered blocks, that no
+    component holds (but biases, tables and positions by their names): what freezing every component leaves training
+    (Mamba's ``A_log``, a bare matrix of a naming scheme not known here). Layers of the known kinds (Linear,
+    convolutions, embeddings, attention) are left out: those that are no component (an output head numbered inside its
+    own Sequential, a stem) are so by design."""
     held = {id(p) for c in components.values() for p in c.params}
     skip = ("bias", "embed", "table", "pos", "scale")
+    known = _matrix_types() + (nn.Embedding, nn.MultiheadAttention)
     out = []
     for mname, module in model.named_modules():
-        if isinstance(module, nn.Embedding) or not _BLOCK_INDEX.search(mname or ""):
+        if isinstance(module, known) or not _BLOCK_INDEX.search(mname or ""):
             continue
         for pname, p in module.named_parameters(recurse=False):
             if (p.requires_grad and p.dim() >= 2 and id(p) not in held
