@@ -1255,20 +1255,22 @@ class GradientWeightAlignmentMonitor(Monitor):
             )
             return
         scored = None if mine is None else (mine[3] if self._shift_measured else mine[2])
+        # the scale and per-class bias the fit measured, where either is more than its rounding
+        transform: Optional[dict[str, Any]] = None
+        if fitted > 0:
+            scale, b, eps = scale_sum / fitted, bias / fitted, eps_sum / fitted
+            spread = float(b.max() - b.min())
+            has_bias = spread > max(_TRANSFORM_TOLERANCE, 16 * eps)
+            has_scale = scale > 0 and abs(scale - 1.0) > max(_TRANSFORM_TOLERANCE, 2 * eps)
+            if has_bias or has_scale:
+                transform = {"logit_scale": scale if has_scale else None, "logit_bias": b if has_bias else None}
         # the smoothing read on the labels as scored from here (the other reading where they were just shifted)
         smoothing_sum, smoothing_rows, smoothing_eps = values[12:15] if shift_changed else values[9:12]
         smoothing = smoothing_sum / smoothing_rows if smoothing_rows > 0 else math.nan
         if _SMOOTHING_MIN < smoothing < 1.0:
             # the loss smooths its labels (cross_entropy's label_smoothing): near a uniform softmax that reads as a logit
-            # scale of 1 / (1 - eps) (the transform fit below would take it for one, and apply it all run); the reading
+            # scale of 1 / (1 - eps) (the transform fit would take it for one, and apply it all run); the reading
             # whose direction is nearer the gradients' is kept
-            transform = None
-            if fitted > 0:
-                scale, b, eps = scale_sum / fitted, bias / fitted, eps_sum / fitted
-                has_bias = float(b.max() - b.min()) > max(_TRANSFORM_TOLERANCE, 16 * eps)
-                has_scale = scale > 0 and abs(scale - 1.0) > max(_TRANSFORM_TOLERANCE, 2 * eps)
-                if has_bias or has_scale:
-                    transform = {"logit_scale": scale if has_scale else None, "logit_bias": b if has_bias else None}
             readings = [{"label_smoothing": smoothing}, {}] + ([transform] if transform else [])
             found = self._agreement(trainer, mine, scored, readings)
             (s_judged, s_off, s_misfit), others = found[0], found[1:]
@@ -1285,20 +1287,16 @@ class GradientWeightAlignmentMonitor(Monitor):
                     f"(1 - {smoothing:.4g}) on its class and {smoothing:.4g} / {c} on every class.",
                     value=smoothing,
                 )
-                fitted, changed = 0, True  # no transform besides
-        if fitted > 0:
-            scale, b, eps = scale_sum / fitted, bias / fitted, eps_sum / fitted
-            spread = float(b.max() - b.min())
-            has_bias = spread > max(_TRANSFORM_TOLERANCE, 16 * eps)
-            has_scale = scale > 0 and abs(scale - 1.0) > max(_TRANSFORM_TOLERANCE, 2 * eps)
-            if (has_bias or has_scale) and self._transform_explains(
-                    trainer, mine, scored, scale if has_scale else None, b if has_bias else None):
-                self._logit_scale = scale if has_scale else None
-                self._logit_bias = b.to(torch.float32) if has_bias else None
+                transform, changed = None, True  # no transform besides
+        if transform is not None:
+            judged_t, off_t, _ = self._agreement(trainer, mine, scored, [transform])[0]
+            if judged_t > 0 and off_t <= _OFF_FRACTION * judged_t:  # scoring through it agrees with the gradients
+                self._logit_scale = transform["logit_scale"]
+                self._logit_bias = None if transform["logit_bias"] is None else transform["logit_bias"].to(torch.float32)
                 changed = True
                 said = " plus ".join(
-                    [f"{scale:.4g} times the head's outputs" if has_scale else "the head's outputs"]
-                    + ([f"a per-class bias (spread {spread:.3g})"] if has_bias else []))
+                    [f"{scale:.4g} times the head's outputs" if self._logit_scale is not None else "the head's outputs"]
+                    + ([f"a per-class bias (spread {spread:.3g})"] if self._logit_bias is not None else []))
                 self.alert(
                     step, "logit_transform", "info",
                     f"The loss's softmax reads {said}, measured from the gradient of `{self._head_name}`'s output "
@@ -1337,20 +1335,6 @@ class GradientWeightAlignmentMonitor(Monitor):
         if trainer.world_size > 1:
             counts = trainer.strategy.reduce(counts, reduce_op="sum")
         return [(j, o, m / j if j > 0 else math.inf) for j, o, m in counts.tolist()]
-
-    def _transform_explains(self, trainer: pl.Trainer, mine: Optional[tuple[Any, ...]], targets: Optional[Tensor],
-                            scale: Optional[float], bias: Optional[Tensor]) -> bool:
-        """Whether scoring through the measured transform agrees with the gradients (the rows judged on every rank,
-        reduced: every rank decides alike)."""
-        dev = _device_of(self._head)
-        counts = torch.zeros(2, dtype=torch.float64, device=dev)
-        if mine is not None and targets is not None:
-            counts = head_gradient_agreement(mine[0], mine[1], targets, ignore_index=self.ignore_index,
-                                             softcap=self._softcap, logit_scale=scale, logit_bias=bias)[:2].to(dev)
-        if trainer.world_size > 1:
-            counts = trainer.strategy.reduce(counts, reduce_op="sum")
-        judged, off = counts.tolist()
-        return judged > 0 and off <= _OFF_FRACTION * judged
 
     def _pooled_targets(self, targets: Tensor, length: int) -> Tensor:
         """One label per sequence for logits of every token (``[B, T, C]``): the label goes to the sequence's last
