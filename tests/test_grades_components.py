@@ -143,6 +143,31 @@ def test_fused_expert_tensors_are_components_frozen_with_their_bias(kind: str) -
     assert not any("router" in n or n.endswith("mlp.gate") for n in comps)
 
 
+def test_stacked_2d_expert_tensors_are_components() -> None:
+    """DBRX keeps its experts stacked in 2-D (``ffn.experts.mlp.w1`` / ``v1`` / ``w2``, ``[E * I, H]``): one
+    component each. Before, the router's Linear was watched and the experts were only named as matrices no
+    component holds, so "all frozen" left them training."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_monitor.functional.grades import uncovered_matrices
+
+    config = transformers.DbrxConfig(
+        vocab_size=37, d_model=16, n_heads=2, n_layers=2, max_seq_len=16,
+        attn_config=dict(kv_n_heads=1, rope_theta=10000.0, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2))
+    model = transformers.DbrxForCausalLM(config)
+    comps = find_components(model)
+    stacked = [f"transformer.blocks.{i}.ffn.experts.mlp.{p}" for i in (0, 1) for p in ("w1", "v1", "w2")]
+    assert set(stacked) <= set(comps)
+    assert all(comps[n].weight is model.get_parameter(n) and comps[n].weight.dim() == 2 for n in stacked)
+    assert uncovered_matrices(model, comps) == []
+    # a 2-D parameter of an expert name outside a module named `experts` is no expert tensor
+    plain = nn.Module()
+    plain.blocks = nn.ModuleList([nn.Module()])
+    plain.blocks[0].w1 = nn.Parameter(torch.zeros(4, 4))
+    plain.blocks[0].lin = nn.Linear(4, 4)
+    assert list(find_components(plain)) == ["blocks.0.lin"]
+
+
 def test_frozen_expert_tensors_stay_frozen_in_fit(tmp_path) -> None:
     """GradES freezes the fused expert tensors of a tiny Mixtral in ``Trainer.fit``: the run goes on, and their
     values no longer move."""

@@ -75,9 +75,11 @@ PROJECTION_NAMES: dict[str, tuple[str, ...]] = {
 #: Module or parameter names of LoRA adapter matrices (PEFT: ``<proj>.lora_A.<adapter>``).
 LORA_NAMES: tuple[str, ...] = ("lora_A", "lora_B")
 #: Parameter names of a mixture of experts' fused expert matrices (Hugging Face Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS:
-#: ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``mlp.experts.down_proj`` ``[E, H, I]``), each one component over all
-#: its experts, frozen with its bias (``<name>_bias``) when it has one.
-EXPERT_NAMES: tuple[str, ...] = ("gate_up_proj", "down_proj", "up_proj", "gate_proj", "w1", "w2", "w3")
+#: ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``mlp.experts.down_proj`` ``[E, H, I]``; DBRX keeps its experts
+#: stacked in 2-D, ``ffn.experts.mlp.w1`` / ``v1`` / ``w2`` ``[E * I, H]``), each one component over all its experts,
+#: frozen with its bias (``<name>_bias``) when it has one. A 2-D one counts inside a numbered block, under a module
+#: named ``experts``.
+EXPERT_NAMES: tuple[str, ...] = ("gate_up_proj", "down_proj", "up_proj", "gate_proj", "w1", "w2", "w3", "v1")
 
 #: Parameter names of attention projections held as bare parameters of an attention module inside a numbered block
 #: (Hugging Face XLNet: ``layer.3.rel_attn.q`` ``[d_model, heads, d_head]``, and ``k``, ``v``, ``o``, ``r``), each a
@@ -126,11 +128,14 @@ def _own_params(module: nn.Module) -> tuple[nn.Parameter, ...]:
 
 def _bare_components(name: str, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """``(qualified name, parameter)`` of ``module``'s own parameters that are components: LoRA adapters (2-D and up),
-    fused expert matrices (3-D, ``[experts, out, in]`` or ``[experts, in, out]``) and attention projections held as
-    bare parameters inside a numbered block (:data:`BARE_PROJECTION_NAMES`, 2-D and up)."""
+    fused expert matrices (3-D, ``[experts, out, in]`` or ``[experts, in, out]``; 2-D, the experts stacked, under a
+    module named ``experts`` inside a numbered block) and attention projections held as bare parameters inside a
+    numbered block (:data:`BARE_PROJECTION_NAMES`, 2-D and up)."""
     in_block = _BLOCK_INDEX.search(name) is not None
+    stacked = in_block and "experts" in name.split(".")
     return [(f"{name}.{pname}", p) for pname, p in module.named_parameters(recurse=False)
-            if (pname in LORA_NAMES and p.dim() >= 2) or (pname in EXPERT_NAMES and p.dim() == 3)
+            if (pname in LORA_NAMES and p.dim() >= 2)
+            or (pname in EXPERT_NAMES and (p.dim() == 3 or (stacked and p.dim() == 2)))
             or (in_block and pname in BARE_PROJECTION_NAMES and p.dim() >= 2)]
 
 
