@@ -480,3 +480,25 @@ def test_gwa_scores_enough_samples_an_epoch_on_a_small_dataset(tmp_path) -> None
     assert len(said) == 1 and said[0].severity == "info" and said[0].step == 1  # after the first step
     assert [h["count"] for h in hm.gwa.history][1:] == [96, 96, 96]  # the first epoch lost the step before the change
     assert not [w for w in caught if "GWA skipped" in str(w.message)]
+
+
+@pytest.mark.parametrize("max_steps, every, warned", [(18, 5, False), (16, 20, True)],
+                         ids=["last-epoch-cut-short", "whole-epoch-unscored"])
+def test_gwa_says_nothing_of_a_last_epoch_cut_short_by_max_steps(tmp_path, max_steps, every, warned) -> None:
+    """8 steps an epoch. ``max_steps=18`` with a score every 5th step ends the third epoch after 2 steps, none scored:
+    a run that ends inside an epoch (most ``max_steps`` runs) was told its last epoch scored too few samples. A whole
+    epoch that scored none (every 20th step: the second epoch, steps 8-15) is still said."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 8, generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :3].argmax(1)), batch_size=16)
+    gwa = lm.GradientWeightAlignmentMonitor(every_n_steps=every)
+    trainer = _trainer(tmp_path, [gwa], max_steps=max_steps)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_Net(3, torch.nn.functional.cross_entropy), loader)
+    counts = [(h["epoch"], h["count"], bool(h.get("partial"))) for h in gwa.history]
+    skipped = [str(w.message) for w in caught if "GWA skipped" in str(w.message)]
+    if warned:
+        assert counts[1] == (1, 0, False) and len(skipped) == 1 and "epoch 1 scored 0" in skipped[0], (counts, skipped)
+    else:
+        assert counts[-1] == (2, 0, True) and not skipped, (counts, skipped)

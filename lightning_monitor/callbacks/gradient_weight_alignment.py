@@ -1631,7 +1631,9 @@ class GradientWeightAlignmentMonitor(Monitor):
         # an epoch cut short on less than half of a whole epoch's samples is logged but not selected
         small = not complete and bool(full) and count < 0.5 * max(full)
         metrics: dict[str, float] = {}
-        if count < _MIN_SAMPLES:
+        if count < _MIN_SAMPLES and not complete and full:
+            pass  # the last epoch, cut short by `max_steps` before enough samples were scored: nothing to say
+        elif count < _MIN_SAMPLES:
             rank_zero_warn(
                 f"GradientWeightAlignmentMonitor: epoch {epoch} scored {count} < {_MIN_SAMPLES} samples; GWA "
                 "skipped for this epoch " + (
