@@ -364,6 +364,35 @@ def test_default_target_fn_rejects_unknown_batch(tmp_path) -> None:
         default_target_fn({"x": 1})
 
 
+def test_time_series_classifier_targets_are_found(tmp_path) -> None:
+    """Hugging Face's time-series classifiers (PatchTST, PatchTSMixer) take their class targets as
+    ``target_values``: GWA read none of its keys there and stayed idle (`nothing_to_watch`) on a softmax head."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.PatchTSTConfig(num_input_channels=2, context_length=32, patch_length=8, patch_stride=8,
+                                         d_model=16, num_attention_heads=2, num_hidden_layers=1, ffn_dim=32,
+                                         num_targets=3)
+
+    class TS(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = transformers.PatchTSTForClassification(config)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(past_values=batch["past_values"], target_values=batch["target_values"]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    x = torch.randn(96, 32, 2)
+    data = [{"past_values": x[i], "target_values": x[i, :, 0].mean().gt(0).long() + x[i, 0, 1].gt(1).long()}
+            for i in range(len(x))]
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    _trainer(tmp_path, False, [gwa], max_epochs=2).fit(TS(), DataLoader(data, batch_size=16))
+    assert gwa.idle_reason is None and gwa._head_name == "model.head.linear"
+    assert [h["count"] for h in gwa.history] == [96, 96]
+
+
 def test_soft_targets_and_too_few_samples(tmp_path) -> None:
     loader, _ = _loader(100, batch_size=50)
     soft = GradientWeightAlignmentMonitor(

@@ -46,7 +46,7 @@ __all__ = ["GradientWeightAlignmentMonitor", "default_target_fn"]
 
 SUSPECTS_FILENAME = "gwa_suspects.csv"
 RUN_SUSPECTS_FILENAME = "gwa_suspects_run.csv"
-_TARGET_KEYS = ("y", "target", "targets", "label", "labels")
+_TARGET_KEYS = ("y", "target", "targets", "label", "labels", "target_values")  # the last: PatchTST, PatchTSMixer
 _HIST_BINS = 100
 _FLUSH_ELEMENTS = 1 << 20  # kept logit + W z elements before scoring (4 MiB in fp32)
 _MIN_SAMPLES = 4
