@@ -219,6 +219,8 @@ class HealthMonitor(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         watching = [m for m in trainer.callbacks if isinstance(m, Monitor)]
+        for monitor in watching:  # a model built in `configure_model` exists from here: each monitor selects first
+            monitor.select_built_model(trainer, pl_module)
         active = [m.name for m in watching if getattr(m, "idle_reason", None) is None]
         idle = [f"{m.name} ({m.idle_reason})" for m in watching if getattr(m, "idle_reason", None) is not None]
         rank_zero_info(

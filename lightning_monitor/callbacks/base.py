@@ -47,6 +47,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
@@ -165,6 +166,7 @@ class Monitor(Callback):
         self._armed_step: Optional[int] = None  # the due step whose hooks are armed
         self._armed_ahead = False  # armed at the step before it (manual optimization), not at a batch start
         self._checked_step: Optional[int] = None  # the last step checked (several optimizers: once a step)
+        self._select_later = False  # the model is built in `configure_model`, which Lightning calls after setup
 
     # ------------------------------------------------------------------ identity / state
     @property
@@ -236,10 +238,32 @@ class Monitor(Callback):
         self._release_all()
         self.idle_reason = None
         self._armed_step = self._checked_step = None
+        self._select_later = False
+        try:
+            self.select(trainer, pl_module)
+        except NothingToWatch as err:
+            if is_overridden("configure_model", pl_module):
+                # the layers may not exist yet: Lightning calls `configure_model` after the callbacks' setup (a model
+                # built there, for sharding or for a fast init on the device, had every monitor say it had nothing to
+                # watch). Asked again at the start of the fit, once the model is built
+                self._select_later = True
+            else:
+                self.nothing_to_watch(trainer, str(err).removeprefix(f"{type(self).__name__}: "))
+
+    def select_built_model(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """At the start of the fit (``on_fit_start``; the preset calls it first for all its monitors): :meth:`select`
+        again where it found nothing at setup in a model that has a ``configure_model`` (called after setup). A
+        monitor's ``on_fit_start`` calls this first."""
+        if not self._select_later:
+            return
+        self._select_later = False
         try:
             self.select(trainer, pl_module)
         except NothingToWatch as err:
             self.nothing_to_watch(trainer, str(err).removeprefix(f"{type(self).__name__}: "))
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.select_built_model(trainer, pl_module)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step

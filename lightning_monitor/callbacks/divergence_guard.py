@@ -403,6 +403,7 @@ class DivergenceGuard(Monitor):
                 self._snapshots[-1].first_of_fit = True
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.select_built_model(trainer, pl_module)
         self._fit_lag = None  # looked up again for this fit's strategy (see _lag)
         self._world_size = trainer.world_size
         self._evaluated = None

@@ -537,6 +537,7 @@ class GradientEarlyStopping(Monitor):
                 )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.select_built_model(trainer, pl_module)
         if self.idle_reason is not None or self.refuse_several_optimizers(
             trainer, ": a component's gradient is read at one optimizer's step, where the other optimizers' "
             "parameters hold stale or no gradients, so the statistics would mix steps. GradES supports one optimizer.",

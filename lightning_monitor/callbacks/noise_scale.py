@@ -419,6 +419,7 @@ class GradientNoiseScaleMonitor(Monitor):
         return {n for n, m in selected.items() if any(p.requires_grad for p in m.parameters(recurse=False))}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.select_built_model(trainer, pl_module)
         # with one micro-batch per step, tensor hooks on the parameters see this rank's gradient before
         # DDP reduces it; a communication hook is needed only to read the accumulated local gradient
         if self.idle_reason is not None or self.refuse_several_optimizers(
