@@ -592,3 +592,49 @@ def test_another_monitors_alert_from_steps_a_rollback_undid_is_not_acted_on_agai
     _trainer(tmp_path, [_CriticalAt(43), guard], 80).fit(_Regression(glitch=(48,)))
     assert [(r["step"], r["to_step"]) for r in guard.rollbacks] == [(49, 40)]
     assert guard.stopped_step is None
+
+
+class _HardBatchThenUnstable(pl.LightningModule):
+    """A logistic model on two kinds of batches: A (features 0-3) and B (features 4-7), alternating. At step 48 a
+    B batch 20 times as large with its labels flipped (a hard batch: the weights are not to blame for its loss), whose
+    update breaks the B weights; steps 49-50 are A batches, which do not see that, and 51 is a B batch again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 2)
+        self.teacher = torch.randn(8, generator=torch.Generator().manual_seed(0))
+
+    def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 + step)
+        x = torch.randn(32, 8, generator=g)
+        kind = {46: "B", 47: "B", 48: "B", 49: "A", 50: "A", 51: "B"}.get(step, "AB"[step % 2])
+        x[:, 4:] *= kind == "B"
+        x[:, :4] *= kind == "A"
+        y = (x @ self.teacher > 0).long()
+        if step in (46, 47):
+            x = 2 * x  # easy when seen (their labels are the teacher's), hard for broken B weights
+        if step == 48:
+            x, y = 20 * x, 1 - y
+        return x, y
+
+    def training_step(self, batch, batch_idx):
+        x, y = self._batch(int(batch[0]))  # the batch is its step's index (one epoch, in order): replays see it again
+        return torch.nn.functional.cross_entropy(self.lin(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def test_weights_broken_after_a_hard_batch_are_not_taken_for_a_new_loss_function(tmp_path):
+    """A hard batch's update broke the weights while the next batches looked normal, and a snapshot was taken in
+    between (step 50). When the loss surged at 51, the batches before it lost more again, and the snapshot of step 50,
+    asked as the weights "from before the surge", found them as hard: the guard called it a new loss function, took
+    no action and made the broken level the normal (an Esm classifier near a loss of 0, whose spikes then went on). The
+    weights from before the hard batch are the ones known good: the surge is the weights', rolled back to them."""
+    guard = DivergenceGuard()
+    trainer = _trainer(tmp_path, [guard], 60)
+    trainer.fit(_HardBatchThenUnstable(), torch.utils.data.DataLoader(torch.arange(64), batch_size=1))
+    kinds = [(a.step, a.kind) for a in guard.hub.history if a.severity != "info"]
+    assert (51, "loss_explosion") in kinds and not any(k == "objective_change" for _, k in kinds), kinds
+    assert guard._hard_batch is None or guard._hard_batch == 48
+    assert [(r["step"], r["to_step"]) for r in guard.rollbacks][:1] == [(51, 40)]
