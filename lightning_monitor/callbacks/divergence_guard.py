@@ -53,6 +53,9 @@ _RESTART = 1.5
 #: judged steps without a loss, before any with one, after which the guard says it sees no loss (``training_step``
 #: returns none: manual optimization); fewer are batches skipped on purpose
 _LOSSLESS_STEPS = 10
+#: batches that must each step every optimizer after all of the batch's backward passes before several optimizers are
+#: taken for one loss shared out over parameter groups (Muon with AdamW, SparseAdam with Adam), whose level is judged
+_ONE_LOSS_BATCHES = 3
 
 
 #: a rise of the weight decay can explain a rise of the loss (``decay_change``) only where the decay is strong: its
@@ -259,10 +262,11 @@ class DivergenceGuard(Monitor):
             for non-finite gradients only, so two losses are never mixed in one series.
         loss_rules: whether the loss's level is judged (``loss_explosion``, ``loss_creep``, ``objective_change``,
             ``data_shift``); non-finite losses and gradients are judged always. ``None`` (default): with one
-            optimizer, and not with several, whose losses rise by design (a GAN's generator loss climbs as its
-            discriminator improves: with the rules on, 1 of 6 healthy GANs of ``benchmarks/guard_gan.py`` was rolled
-            back after 825 steps of it).
-            ``True`` judges the level of ``optimizer_index``'s loss with several optimizers too.
+            optimizer; with several, where the first 3 batches that step show one loss shared out over them (each
+            batch steps every optimizer after all its backward passes: Muon with AdamW), and not where they are
+            players whose losses rise by design (a GAN's generator loss climbs as its discriminator improves: with the
+            rules on, 1 of 6 healthy GANs of ``benchmarks/guard_gan.py`` was rolled back after 825 steps of it).
+            ``True`` judges the level of ``optimizer_index``'s loss with several optimizers in any case.
     """
 
     name = "guard"
@@ -452,18 +456,59 @@ class DivergenceGuard(Monitor):
             return
         n = len(trainer.optimizers)
         self._levels = self.loss_rules if self.loss_rules is not None else n <= 1
+        self._losses_watched, self._one_loss_batches, self._one_loss_seen = False, 0, True
+        self._shared_loss = False
         if n > 1:
             if self.optimizer_index >= n:
                 raise ValueError(f"DivergenceGuard(optimizer_index={self.optimizer_index}): the run has {n} optimizers.")
-            levels = (
-                "its level is judged too (`loss_rules=True`)" if self._levels else
-                "only for non-finite values: each player's loss is raised by the others (a GAN's generator loss "
-                "climbs as its discriminator improves), so its level says nothing of divergence. Pass "
-                "`loss_rules=True` to judge the level too")
-            rank_zero_warn(
-                f"DivergenceGuard: {n} optimizers; the loss judged is the one of optimizer {self.optimizer_index} "
-                f"(`optimizer_index`), {levels}; the steps of the others are checked for non-finite gradients only."
+            if self.loss_rules is None:
+                # one loss shared out over parameter groups (Muon for the matrices and AdamW for the rest, SparseAdam
+                # for a sparse embedding), or players with losses of their own (a GAN)? Read off the first batches
+                # (see _read_losses); until then only non-finite values are judged
+                self._losses_watched = True
+            else:
+                self._say_optimizers(trainer)
+
+    def _say_optimizers(self, trainer: pl.Trainer) -> None:
+        """With several optimizers: which loss is judged, and how (a warning; info where one loss was found)."""
+        n = len(trainer.optimizers)
+        if self._levels and self.loss_rules is None:
+            self.alert(
+                trainer.global_step, "one_loss", "info",
+                f"{n} optimizers, each stepped after the batch's backward passes in the first {_ONE_LOSS_BATCHES} "
+                "batches: one loss shared out over parameter groups (not players with losses of their own, such as a "
+                "GAN's), so its level is judged as with one optimizer. Pass `loss_rules=False` to judge only "
+                "non-finite values.",
             )
+            return
+        levels = (
+            "its level is judged too (`loss_rules=True`)" if self._levels else
+            "only for non-finite values: each player's loss is raised by the others (a GAN's generator loss "
+            "climbs as its discriminator improves), so its level says nothing of divergence. Pass "
+            "`loss_rules=True` to judge the level too")
+        rank_zero_warn(
+            f"DivergenceGuard: {n} optimizers; the loss judged is the one of optimizer {self.optimizer_index} "
+            f"(`optimizer_index`), {levels}; the steps of the others are checked for non-finite gradients only."
+        )
+
+    def _read_losses(self, trainer: pl.Trainer) -> None:
+        """At the end of a batch, while several optimizers are read (``loss_rules=None``): a batch that stepped every
+        optimizer, with no backward pass after the first of those steps, minimised one loss; a batch that stepped some
+        of them, or ran a backward between two steps (a GAN: the discriminator's loss, its step, the generator's loss,
+        its step), did not. After ``_ONE_LOSS_BATCHES`` stepping batches the ranks agree: one loss from then on if all
+        of them were such batches."""
+        stepped, interleaved = self._batch_stepped, self._batch_interleaved
+        self._batch_stepped, self._batch_interleaved = set(), False
+        if not stepped:
+            return  # no step in this batch (accumulating): nothing to read
+        self._one_loss_seen = (self._one_loss_seen and not interleaved
+                               and len(stepped) == len(trainer.optimizers))
+        self._one_loss_batches += 1
+        if self._one_loss_batches < _ONE_LOSS_BATCHES:
+            return
+        self._losses_watched = False
+        self._levels = self._shared_loss = self.decide(trainer, self._one_loss_seen, all=True)
+        self._say_optimizers(trainer)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)
@@ -509,6 +554,8 @@ class DivergenceGuard(Monitor):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self.idle_reason is not None:
             return
+        if self._losses_watched and self._batch_stepped:
+            self._batch_interleaved = True
         loss = loss.detach()
         if loss.dim():
             loss = loss.sum()  # a [1, 1] loss, or a vector passed with its own gradient
@@ -527,6 +574,8 @@ class DivergenceGuard(Monitor):
     ) -> None:
         if self.idle_reason is not None:
             return
+        if self._losses_watched:
+            self._batch_stepped.add(id(optimizer))
         step = trainer.global_step
         loss, self._loss_acc = self._loss_acc, None
         if self._evaluated == (step, id(optimizer)):
@@ -539,9 +588,9 @@ class DivergenceGuard(Monitor):
         self._rates_in_force(trainer, step)
         if backward_skipped(trainer):
             return  # a forward-only epoch (SWA's BatchNorm update): no loss reached a backward, no gradient to check
-        if len(trainer.optimizers) > 1 and optimizer is not trainer.optimizers[min(self.optimizer_index,
-                                                                                    len(trainer.optimizers) - 1)]:
-            loss = None  # another optimizer's loss (a GAN's other network): its gradients are checked, not its loss
+        if (len(trainer.optimizers) > 1 and not self._shared_loss
+                and optimizer is not trainer.optimizers[min(self.optimizer_index, len(trainer.optimizers) - 1)]):
+            loss = None  # (one loss shared by the optimizers: judged at the batch's first step, whichever steps first)  # another optimizer's loss (a GAN's other network): its gradients are checked, not its loss
         no_loss = loss is None
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         lag = self._lag(trainer)
@@ -619,6 +668,8 @@ class DivergenceGuard(Monitor):
     ) -> None:
         """Act here, after the optimizer step: every monitor of the step has been heard (whatever the order of
         the callbacks) and has read this step's gradients; the update just applied is undone by the restore."""
+        if self._losses_watched:
+            self._read_losses(trainer)
         # (several optimizers, one step each: their steps are not replayed anyway, see _replayable)
         made = trainer.global_step - self._batch_start if self._batch_start is not None else 0
         if made > self._steps_per_batch and len(trainer.optimizers) == 1:
@@ -1915,6 +1966,13 @@ class DivergenceGuard(Monitor):
         self._warned_replay = False  # a replay of `training_step` failed once (said once)
         self._batch_start: Optional[int] = None  # the optimizer step at the start of the current batch
         self._steps_per_batch = 1  # the most optimizer steps one batch made (manual optimization may make several)
+        # several optimizers, `loss_rules=None`: whether they minimise one loss is read off the first batches
+        self._losses_watched = False  # still reading
+        self._one_loss_batches = 0  # batches so far that stepped every optimizer after all their backward passes
+        self._one_loss_seen = True  # ... and none that did otherwise
+        self._batch_stepped: set[int] = set()  # the optimizers stepped in this batch
+        self._batch_interleaved = False  # a backward pass came after an optimizer step in this batch
+        self._shared_loss = False  # found to be one loss: judged at each batch's first step
         self._world_size = 1  # the fit's (set at its start)
         # the step needs autograd itself (`torch.autograd.grad`: a gradient penalty, a physics-informed loss): its
         # replays run with gradients enabled (no backward, no update)
