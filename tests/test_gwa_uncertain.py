@@ -126,10 +126,12 @@ def test_memorised_noisy_labels_are_flagged_in_a_real_fit(tmp_path):
 
     pl.seed_everything(0, verbose=False)
     data = TensorDataset(torch.tensor(x, dtype=torch.float32), torch.tensor(y))
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     gwa = GradientWeightAlignmentMonitor()
+    keep = ModelCheckpoint(monitor="gwa/selection", mode="max")  # GWA's pick is kept: the end of the fit warns of it
     trainer = pl.Trainer(max_epochs=40, accelerator="cpu", logger=TensorBoardLogger(str(tmp_path), name="tb"),
-                         callbacks=[gwa], enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+                         callbacks=[gwa, keep], enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Net(), DataLoader(data, batch_size=64, shuffle=True))
     assert gwa.pick_uncertain is not None and "memorisation" in gwa.pick_uncertain
     start = [h for h in gwa.history if h["epoch"] == gwa._warmup_resolved][0]
@@ -139,7 +141,8 @@ def test_memorised_noisy_labels_are_flagged_in_a_real_fit(tmp_path):
     assert scalars["gwa/uncertain"][-1][1] == 1.0
     texts = [t for tag, rows in tb_texts(str(tmp_path)).items() for _, t in rows]
     # said once per reason while the run goes on (info): the early pick at the window's edge, then memorisation (not
-    # once per epoch while the pick moves on); and once more, as a warning, because the fit ends with that pick
+    # once per epoch while the pick moves on); and once more, as a warning, because the fit ends with that pick and a
+    # checkpoint keeps it
     said = [t for t in texts if "is uncertain" in t]
     assert any("first epoch after the warm-up" in t for t in said) and sum("memorisation" in t for t in said) == 2
     assert sum("at the end of training" in t and "memorisation" in t for t in said) == 1
@@ -196,15 +199,17 @@ def test_a_warmup_epoch_far_above_the_pick_makes_it_uncertain():
     assert gwa._uncertainty()[0] == "warmup"
 
 
-@pytest.mark.parametrize("shares, end_warning", [
-    ([0.05, 0.05, 0.20, 0.05], True),  # the pick (epoch 2) is a one-epoch spike to the end
-    ([0.05, 0.05, 0.20, 0.05, 0.25, 0.25, 0.25], False),  # a later, steady maximum replaces it
+@pytest.mark.parametrize("shares, end_warning, checkpoint", [
+    ([0.05, 0.05, 0.20, 0.05], True, True),  # the pick (epoch 2) is a one-epoch spike to the end; a checkpoint keeps it
+    ([0.05, 0.05, 0.20, 0.05], False, False),  # ... and nothing acts on it
+    ([0.05, 0.05, 0.20, 0.05, 0.25, 0.25, 0.25], False, True),  # a later, steady maximum replaces it
 ])
 def test_an_uncertain_pick_is_info_during_the_run_and_a_warning_when_the_fit_ends_with_it(tmp_path, shares,
-                                                                                          end_warning) -> None:
+                                                                                          end_warning, checkpoint) -> None:
     """Exact scores (each epoch's labels wrong for a set share: +-0.5 alignments). A spike picked mid-run is said as
-    info; a warning comes only if the fit ends with an uncertain pick (on most short healthy runs the flag came and
-    went as warnings, raised, cleared and raised again)."""
+    info; a warning comes only if the fit ends with an uncertain pick that a checkpoint keeps (on most short healthy
+    runs the flag came and went as warnings, raised, cleared and raised again; then it ended 36 of 47 short healthy
+    runs of small language models, where nothing kept GWA's pick)."""
     import json
     import os
     import warnings
@@ -212,11 +217,14 @@ def test_an_uncertain_pick_is_info_during_the_run_and_a_warning_when_the_fit_end
     from lightning.pytorch.loggers import TensorBoardLogger
     from test_gwa_callback import FlippedPerEpoch, _trainer
 
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     gwa = GradientWeightAlignmentMonitor(warmup_epochs=1)
     logger = TensorBoardLogger(str(tmp_path), name="tb")
+    callbacks = [gwa] + ([ModelCheckpoint(monitor="gwa/selection", mode="max")] if checkpoint else [])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _trainer(tmp_path, logger, [gwa], max_epochs=len(shares), reload_dataloaders_every_n_epochs=1).fit(
+        _trainer(tmp_path, logger, callbacks, max_epochs=len(shares), reload_dataloaders_every_n_epochs=1).fit(
             FlippedPerEpoch(shares))
     alerts = [json.loads(line) for line in open(os.path.join(logger.log_dir, "alerts.jsonl"))]
     said = [(a["kind"], a["severity"]) for a in alerts if a["kind"].startswith("uncertain_pick")]
@@ -226,6 +234,9 @@ def test_an_uncertain_pick_is_info_during_the_run_and_a_warning_when_the_fit_end
         assert gwa.best_epoch == 2 and gwa.pick_uncertain is not None
         assert said == [("uncertain_pick", "info"), ("uncertain_pick", "warning")]
         assert "at the end of training" in alerts[-1]["message"]
+    elif len(shares) == 4:
+        assert gwa.best_epoch == 2 and gwa.pick_uncertain is not None
+        assert said == [("uncertain_pick", "info")]
     else:
         assert gwa.best_epoch == 4 and gwa.pick_uncertain is None
         assert said == [("uncertain_pick", "info"), ("uncertain_pick_cleared", "info")]
