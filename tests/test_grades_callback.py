@@ -560,3 +560,34 @@ def test_a_fit_with_no_training_step_is_idle_not_an_error(tmp_path: Path, kw) ->
     _trainer(tmp_path, [cb], **{"max_steps": -1, **kw}).fit(_module(), _loader())
     assert cb.idle_reason is not None and "no training step is planned" in cb.idle_reason
     assert not cb.frozen
+
+
+class _UnfreezeAllAt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            pl_module.requires_grad_(True)
+
+
+def test_components_the_run_unfreezes_are_released(tmp_path: Path) -> None:
+    """A callback unfreezes the whole model after GradES froze some components: they trained again while GradES still
+    reported them frozen (``frozen``, ``grades/frozen_fraction``), and a rollback would have frozen them again. The
+    next check releases them: not frozen, not judged, not counted for the stop, said once (info)."""
+    logger = CSVLogger(tmp_path)
+    grades = GradientEarlyStopping(tau=1e6, grace_steps=4, every_n_steps=2, stop=False)  # all converge at once
+    recorder = Recorder()
+    trainer = _trainer(tmp_path, [_UnfreezeAllAt(9), grades, recorder], max_steps=16, logger=logger)
+    module = _module()
+    trainer.fit(module, _loader())
+    frozen_at = {n for n, s in grades.released.items()}
+    assert len(frozen_at) == N_COMPONENTS and grades.frozen == {}
+    assert set(grades.released.values()) == {10}  # the check after the unfreeze
+    said = [a for a in grades.hub.history if a.kind == "released"]
+    assert len(said) == 1 and said[0].step == 10 and f"{N_COMPONENTS} component(s)" in said[0].message
+    rows = _csv_rows(logger)
+    assert rows[10]["grades/frozen_fraction"] == 0.0
+    name = sorted(frozen_at)[0]
+    weight = f"{name}.weight"
+    assert not torch.equal(recorder.weights[15][weight], recorder.weights[10][weight])  # it trains again

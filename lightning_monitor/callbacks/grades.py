@@ -251,6 +251,9 @@ class GradientEarlyStopping(Monitor):
         # with stop=False, components that converged last but are kept trainable: freezing them would leave the
         # model nothing to train (the next backward would fail)
         self.held: dict[str, int] = {}
+        # components this monitor froze that the run made trainable again (a callback's `requires_grad_(True)`): left
+        # to train, no longer judged nor counted for the stop, and not frozen again by a rollback
+        self.released: dict[str, int] = {}
         self.grace_end: Optional[int] = None
         self.stopped_at: Optional[int] = None
         self._said_unused = False
@@ -304,6 +307,7 @@ class GradientEarlyStopping(Monitor):
         state.update(
             frozen=dict(self.frozen),
             held=dict(self.held),
+            released=dict(self.released),
             names=list(names),
             reference_sum=to_list(self._ref_sum),
             reference_count=to_list(self._ref_cnt),
@@ -321,6 +325,7 @@ class GradientEarlyStopping(Monitor):
         super().load_state_dict(state_dict)
         self.frozen = {str(k): int(v) for k, v in state_dict.get("frozen", {}).items()}
         self.held = {str(k): int(v) for k, v in state_dict.get("held", {}).items()}
+        self.released = {str(k): int(v) for k, v in state_dict.get("released", {}).items()}
         self._saved_names = list(state_dict.get("names", []))
         as_tensor = (lambda v: None if v is None else torch.tensor(v, dtype=torch.float32))
         self._ref_sum = as_tensor(state_dict.get("reference_sum"))
@@ -644,13 +649,34 @@ class GradientEarlyStopping(Monitor):
 
     # ------------------------------------------------------------------ the check
     def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> bool:
+        self._notice_released(trainer, step)
         # nothing left to judge once every component is frozen (or, with stop=False, frozen or held)
-        return len(self.frozen) + len(self.held) < len(self._names)
+        return len(self.frozen) + len(self.held) + len(self.released) < len(self._names)
+
+    def _notice_released(self, trainer: pl.Trainer, step: int) -> None:
+        """Components this monitor froze whose parameters require a gradient again: the run unfroze them (a callback's
+        ``requires_grad_(True)``). They were still reported frozen (``frozen``, ``grades/frozen_fraction``) while they
+        trained, and a rollback froze them again. Now they are released: left to train, no longer judged, not counted
+        for the stop (said once per check that finds some). The same on every rank when the ranks run the same code."""
+        found = [n for n in self.frozen if any(p.requires_grad for p in self._components[n].params)]
+        if not found:
+            return
+        for name in found:
+            del self.frozen[name]
+            self.released[name] = step
+        self.alert(
+            step, "released", "info",
+            f"{len(found)} component(s) GradientEarlyStopping froze require gradients again (unfrozen by the run, e.g. "
+            f"a callback's `requires_grad_(True)`): {', '.join(found[:6])}{' ...' if len(found) > 6 else ''}. They are "
+            f"left to train and no longer judged; {len(self.frozen)}/{len(self._names)} components frozen.",
+            value=float(len(found)),
+        )
+        self.log_metrics(trainer, {self.key("frozen_fraction"): self.frozen_fraction}, step)
 
     def compute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> dict[str, Any]:
         """The statistic of every component (all-reduced), its EMA and reference, and which components
         fall below ``tau`` (``\\x00``-prefixed vectors over the components, for :meth:`judge`)."""
-        active = [n for n in self._names if n not in self.frozen and n not in self.held]
+        active = [n for n in self._names if n not in self.frozen and n not in self.held and n not in self.released]
         stat = self._statistic(active, step)
         if stat is None:  # first check of the update criterion: a snapshot only
             return {self.key("frozen_fraction"): self.frozen_fraction}
@@ -708,7 +734,7 @@ class GradientEarlyStopping(Monitor):
         if "\x00stat" not in values:
             return values
         position = {name: i for i, name in enumerate(self._names)}
-        active = [n for n in self._names if n not in self.frozen and n not in self.held]
+        active = [n for n in self._names if n not in self.frozen and n not in self.held and n not in self.released]
         vectors = {k: (v if isinstance(v, list) else [v]) for k, v in values.items() if k != "\x00decide"}
         stat_h, mask_h, ratio_h = vectors["\x00stat"], vectors["\x00mask"], vectors.get("\x00ratio")
         judged_h = ratio_h if ratio_h is not None else vectors["\x00judged"]
@@ -760,7 +786,7 @@ class GradientEarlyStopping(Monitor):
                 value=float(len(unused)),
             )
         if values["\x00decide"] and self.stop:  # the same on every rank: no collective skipped on one rank only
-            counted = len(self._names) - len(unused)
+            counted = len(self._names) - len(unused) - len(self.released)
             done = (len(self.frozen) + len(self.held)) / counted if counted > 0 else 0.0  # held: converged
             stopped = self.request_stop(
                 trainer, step, done >= self.max_frozen_ratio, "stop",
