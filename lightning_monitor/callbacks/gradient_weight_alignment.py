@@ -599,8 +599,9 @@ class GradientWeightAlignmentMonitor(Monitor):
             return
         if self.head is None and self.refuse_several_optimizers(
             trainer,
-            f" (a GAN ...), so the last nn.Linear (`{self._head_name}`) need not be a classifier of the dataset's "
-            "targets. Pass `head=` naming the classifier head to score it.",
+            f" (a GAN's players, or one loss shared out over parameter groups as with Muon and AdamW), so the last "
+            f"nn.Linear (`{self._head_name}`) need not be a classifier of the dataset's targets. Pass `head=` naming "
+            "the classifier head to score it.",
         ):
             self._head = None
             return

@@ -423,8 +423,10 @@ class GradientNoiseScaleMonitor(Monitor):
         # with one micro-batch per step, tensor hooks on the parameters see this rank's gradient before
         # DDP reduces it; a communication hook is needed only to read the accumulated local gradient
         if self.idle_reason is not None or self.refuse_several_optimizers(
-            trainer, " (a GAN, an actor-critic ...): each step's gradient would mix the losses they minimise, and the "
-            "noise scale is defined for one loss. Use one GradientNoiseScaleMonitor on a model with one optimizer.",
+            trainer, ": the noise scale is defined for one loss and read at one optimizer's step. Players of a game (a "
+            "GAN, an actor-critic) minimise losses of their own, which one step's gradient would mix; one loss shared "
+            "out over several optimizers (Muon with AdamW) is not supported either. Use it on a model with one "
+            "optimizer.",
         ):
             return
         # FSDP2 (`fully_shard` in configure_model, after setup) replaces every parameter by a new DTensor
