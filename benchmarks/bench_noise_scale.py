@@ -191,12 +191,13 @@ def cost(reps: int) -> tuple[list[list[str]], str]:
     # the callback on a step that is not due: its two hooks return at once
     mon = GradientNoiseScaleMonitor(every_n_steps=1000, warmup_steps=0)
     trainer_stub = SimpleNamespace(global_step=1)
+    module_stub = SimpleNamespace(automatic_optimization=True)
 
     def not_due() -> None:
         mon.on_train_batch_start(trainer_stub, None, (x,), 0)  # type: ignore[arg-type]
         model.zero_grad(set_to_none=True)
         F.mse_loss(model(x), y).backward()
-        mon.on_before_optimizer_step(trainer_stub, None, None)  # type: ignore[arg-type]
+        mon.on_before_optimizer_step(trainer_stub, module_stub, None)  # type: ignore[arg-type]
 
     # the callback on a due step: arm, forward, backward, read the norms, estimate, one host transfer
     class TrainerStub:
@@ -213,6 +214,7 @@ def cost(reps: int) -> tuple[list[list[str]], str]:
 
     stub = TrainerStub()
     due_mon = GradientNoiseScaleMonitor(every_n_steps=1)
+    model.automatic_optimization = True  # what the monitors read of a LightningModule
     due_mon.setup(stub, model, "fit")  # type: ignore[arg-type]
 
     def due() -> None:
