@@ -15,6 +15,7 @@ neither torch nor Lightning.
 from __future__ import annotations
 
 import argparse
+import csv
 import html
 import json
 import math
@@ -31,6 +32,7 @@ __all__ = ["RunReport", "find_runs", "load_run", "main", "render_html", "summari
 
 EVENT_PREFIX = "events.out.tfevents."
 HTML_FILENAME = "health_report.html"
+CSV_FILENAME = "metrics.csv"  # a CSVLogger's
 
 #: Model-level panels of the figure: ``(title, tag names or None for the loss tags, log scale)``.
 PANELS: tuple[tuple[str, Optional[tuple[str, ...]], bool], ...] = (
@@ -62,6 +64,9 @@ class RunReport:
     problems: list[str] = field(default_factory=list)
     #: facts worth saying that are not problems (e.g. a last line cut by a kill)
     notes: list[str] = field(default_factory=list)
+    #: the first step of the last event file, where it went back over the files before it (a resume or a new fit in
+    #: the same folder): the earlier fits' points and alerts from there on were superseded
+    restart: Optional[int] = None
 
     @property
     def ok(self) -> bool:
@@ -70,12 +75,13 @@ class RunReport:
 
 # ---------------------------------------------------------------------------------------------- reading
 def find_runs(logdir: str) -> list[str]:
-    """Every folder under ``logdir`` (itself included) holding TensorBoard event files or an
-    ``alerts.jsonl``, sorted."""
+    """Every folder under ``logdir`` (itself included) holding TensorBoard event files, a CSVLogger's
+    ``metrics.csv`` or an ``alerts.jsonl``, sorted."""
     runs = []
     for dirpath, dirnames, filenames in os.walk(logdir):
         dirnames.sort()
-        if ALERTS_FILENAME in filenames or any(name.startswith(EVENT_PREFIX) for name in filenames):
+        if (ALERTS_FILENAME in filenames or CSV_FILENAME in filenames
+                or any(name.startswith(EVENT_PREFIX) for name in filenames)):
             runs.append(dirpath)
     return sorted(runs)
 
@@ -135,6 +141,9 @@ def _read_scalars(run: RunReport) -> None:
         steps = [st for series in points.values() for st, _ in series]
         if steps:
             start = min(steps)
+            earlier = [st for series in run.scalars.values() for st, _ in series]
+            if earlier and start <= max(earlier):
+                run.restart = start
             for tag, series in run.scalars.items():
                 kept = [(st, v) for st, v in series if st < start]
                 superseded += len(series) - len(kept)
@@ -145,6 +154,32 @@ def _read_scalars(run: RunReport) -> None:
     if superseded:
         run.notes.append(f"{superseded} scalar point(s) of an earlier fit were superseded by a later one that "
                          "resumed from an earlier step (or started over) in the same folder; the later ones are read.")
+
+
+def _read_csv(run: RunReport, path: str) -> None:
+    """The scalars of a CSVLogger's ``metrics.csv`` (one row per logged step and call; empty cells are metrics
+    logged at other calls), in the order written."""
+    try:
+        with open(path, newline="", encoding="utf-8") as fh:
+            rows = list(csv.DictReader(fh))
+    except (OSError, UnicodeDecodeError, csv.Error) as err:
+        run.problems.append(f"{CSV_FILENAME}: cannot be read ({err}).")
+        return
+    for row in rows:
+        try:
+            step = int(float(row.get("step") or ""))
+        except ValueError:
+            continue
+        for tag, cell in row.items():
+            if tag in ("step", None) or cell in ("", None):
+                continue
+            try:
+                run.scalars.setdefault(tag, []).append((step, float(cell)))
+            except ValueError:
+                continue
+    run.scalars = {tag: series for tag, series in run.scalars.items() if series}
+    if not run.scalars:
+        run.problems.append(f"{CSV_FILENAME} holds no scalar: the run logged nothing yet.")
 
 
 def _read_alerts(run: RunReport, path: str) -> None:
@@ -191,15 +226,42 @@ def load_run(path: str) -> RunReport:
         if not run.scalars and not any("corrupt" in p for p in run.problems):
             run.problems.append("the TensorBoard event files hold no scalar: the run logged nothing yet, or "
                                 "its files are incomplete.")
+    elif os.path.exists(os.path.join(path, CSV_FILENAME)):
+        _read_csv(run, os.path.join(path, CSV_FILENAME))
     else:
-        run.problems.append("no TensorBoard event file in this folder: only the alerts can be reported.")
+        run.problems.append("no TensorBoard event file or CSVLogger metrics.csv in this folder: only the alerts can be "
+                            "reported.")
     alerts_path = os.path.join(path, ALERTS_FILENAME)
     if os.path.exists(alerts_path):
         try:
             _read_alerts(run, alerts_path)
         except OSError as err:
             run.problems.append(f"{ALERTS_FILENAME}: cannot be read ({err.strerror or err}).")
+        _drop_superseded_alerts(run)
     return run
+
+
+def _drop_superseded_alerts(run: RunReport) -> None:
+    """Several fits wrote into one folder (a fixed ``version``, ``logger=False``): the alerts of the earlier fits
+    (run ids) from the step the last fit started at are left out, as their scalars are; a fit resumed from a checkpoint
+    keeps the earlier fit's alerts before its checkpoint. The last fit starts at the first step of the last event file
+    where that went back over the files before it, else (no event file) at its own first alert."""
+    run_ids = list(dict.fromkeys(a.run_id for a in run.alerts if a.run_id))
+    if len(run_ids) < 2:
+        return
+    last = run_ids[-1]
+    start = run.restart
+    if start is None:
+        if run.event_files:
+            return  # the event files show one continuing series: a resume, whose earlier records stay
+        start = min(a.step for a in run.alerts if a.run_id == last)
+    kept = [a for a in run.alerts if a.run_id == last or a.step < start]
+    left = len(run.alerts) - len(kept)
+    if left:
+        run.alerts = kept
+        run.notes.append(f"{left} alert(s) of earlier fits in this folder (run ids {', '.join(run_ids[:-1])}) at steps "
+                         f">= {start}, where the last fit ({last}) started again, are left out; they are still in "
+                         f"{ALERTS_FILENAME}.")
 
 
 # ---------------------------------------------------------------------------------------------- summary
@@ -505,7 +567,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command != "report":
         parser.print_help(sys.stderr)
         return 2
-    return report(args.logdir, html_path=args.html, write_html=not args.no_html)
+    try:
+        return report(args.logdir, html_path=args.html, write_html=not args.no_html)
+    except BrokenPipeError:
+        # the reader went away (`| head`): the rest is not wanted, and Python's flush at exit must not fail either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

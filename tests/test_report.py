@@ -189,7 +189,7 @@ def test_empty_event_file_and_alerts_without_events(tmp_path, real_run, capsys):
     rc, out, err = _report(capsys, str(tmp_path), "--no-html")
     assert rc == 1
     assert f"{tmp_path / 'a'}: the TensorBoard event files hold no scalar" in err
-    assert f"{tmp_path / 'b'}: no TensorBoard event file in this folder" in err
+    assert f"{tmp_path / 'b'}: no TensorBoard event file or CSVLogger metrics.csv in this folder" in err
     assert f"alerts: {len(history)} (" in out  # what could be read is still reported
 
 
@@ -222,3 +222,66 @@ def test_command_line_without_traceback(tmp_path):
     out = subprocess.run([sys.executable, "-m", "lightning_monitor.report"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and "report" in out.stderr
+
+
+def test_a_csv_logger_run_is_reported_from_its_metrics_csv(tmp_path, capsys):
+    """A run logged by a CSVLogger alone: every signal is in its ``metrics.csv`` (the report read event files only and
+    said the run had no data, exit 1)."""
+    from gpt import GPTModule, make_loader
+    from lightning.pytorch.loggers import CSVLogger
+
+    pl.seed_everything(0)
+    module = GPTModule({"n_layer": 1, "n_head": 2, "d_model": 32, "block_size": 32})
+    guard = DivergenceGuard(every_n_steps=5)
+    logger = CSVLogger(str(tmp_path), name="csv")
+    pl.Trainer(max_steps=30, accelerator="cpu", logger=logger, callbacks=[GradientNoiseScaleMonitor(every_n_steps=5),
+                                                                         guard],
+               log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
+               enable_checkpointing=False).fit(module, make_loader("prose", block_size=32, batch_size=8, n_samples=240))
+    rc, out, err = _report(capsys, str(tmp_path), "--no-html")
+    assert rc == 0, err
+    assert out.startswith(f"Run: {logger.log_dir}\n") and "steps logged: 0 .. " in out
+    assert "batch size: 8 vs B_simple" in out and re.search(r"train/loss: [\d.]+ \(step 0\) -> ", out), out
+    report = load_run(logger.log_dir)
+    assert [s for s, _ in report.scalars["gns/b_simple"]] == [0, 5, 10, 15, 20, 25]  # the checks, read back
+
+
+def test_alerts_of_an_earlier_fit_in_the_same_folder_are_left_out(tmp_path, capsys):
+    """Two fits from step 0 into one folder (a fixed ``version``): the scalars were the later fit's, the alerts and
+    actions both fits', so a healthy run was reported rolled back. The earlier fit's alerts from the step the later fit
+    started at are left out, with a note; a resumed fit (its event file starts later) keeps the earlier ones before it."""
+    import json
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    def fit(run, stamp, steps, alerts, run_id):
+        tmp = tmp_path / f"w{stamp}"
+        with SummaryWriter(str(tmp)) as writer:
+            for step in steps:
+                writer.add_scalar("train_loss", 1.0 / (step + 1), step)
+        run.mkdir(exist_ok=True)
+        next(tmp.iterdir()).rename(run / f"events.out.tfevents.{stamp}.host.1.0")
+        with open(run / "alerts.jsonl", "a") as fh:
+            for step, kind, severity in alerts:
+                fh.write(json.dumps(Alert(step, "guard", kind, severity, f"{kind} at {step}", run_id=run_id).to_dict())
+                         + "\n")
+
+    again = tmp_path / "again"
+    fit(again, 1000, range(0, 150), [(30, "partial_coverage", "warning"), (101, "rolled_back", "info")], "first")
+    fit(again, 2000, range(0, 80), [(30, "partial_coverage", "warning")], "second")
+    report = load_run(str(again))
+    assert [(a.step, a.run_id) for a in report.alerts] == [(30, "second")]
+    assert any("2 alert(s) of earlier fits in this folder (run ids first) at steps >= 0" in n for n in report.notes)
+    assert "rolled back" not in summarize(report)
+    resumed = tmp_path / "resumed"
+    fit(resumed, 1000, range(0, 60), [(30, "partial_coverage", "warning"), (55, "loss_creep", "warning")], "first")
+    fit(resumed, 2000, range(50, 80), [(70, "loss_creep", "warning")], "second")
+    assert [(a.step, a.run_id) for a in load_run(str(resumed)).alerts] == [(30, "first"), (70, "second")]
+
+
+def test_a_reader_that_goes_away_ends_the_report_quietly(real_run):
+    """``lightning-monitor report DIR | head -1``: the report ended in a BrokenPipeError traceback."""
+    root, _, _ = real_run
+    out = subprocess.run(f"{sys.executable} -m lightning_monitor.report report {root} --no-html | head -c 5",
+                         shell=True, capture_output=True, text=True, timeout=120)
+    assert out.stdout == "Run: " and "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
