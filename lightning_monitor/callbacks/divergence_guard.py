@@ -996,8 +996,8 @@ class DivergenceGuard(Monitor):
         if not repeat and (active or warned):  # else a no-op: skipped
             raised = self.condition(
                 step, "loss_creep", active, "warning",
-                f"The smoothed loss ({ema:.4g}) has risen {100 * (ema / self._ema_min - 1):.0f}% above its lowest "
-                f"value ({self._ema_min:.4g}) at step {step}: training may be starting to diverge.",
+                f"At step {step} the smoothed loss ({ema:.4g}) has risen {100 * (ema / self._ema_min - 1):.0f}% above "
+                f"its lowest value so far ({self._ema_min:.4g}): training may be starting to diverge.",
                 value=ema, threshold=limit, clear_message="The smoothed loss is back near its lowest value.",
             )
             if raised is not None and raised.kind == "loss_creep":
@@ -1176,9 +1176,9 @@ class DivergenceGuard(Monitor):
         what = (f"The loss has stayed above its recent history (about {level:.4g}) since step {start} "
                 f"({step - start + 1} steps).")
         if climb and self._climb_after_rollback and self.rollbacks:
-            what = (f"The smoothed loss has crept up again since step {start} (about {level:.4g} before), "
-                    f"{start - self.rollbacks[-1]['step']} steps after the rollback at step {self.rollbacks[-1]['step']}: "
-                    "the learning rate is still too high.")
+            what = (f"The smoothed loss has crept up again (past its limit at step {start}; about {level:.4g} "
+                    f"before), {start - self.rollbacks[-1]['step']} steps after the rollback at step "
+                    f"{self.rollbacks[-1]['step']}: the learning rate is still too high.")
         # critical: raised now, or active already (there is no higher severity)
         self.condition(
             step, "loss_explosion", True, "critical",
