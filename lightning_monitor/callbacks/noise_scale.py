@@ -769,8 +769,8 @@ class GradientNoiseScaleMonitor(Monitor):
         shown_cov = f"{math.floor(coverage * 10 ** digits) / 10 ** digits:.{digits}f}"
         message = (
             f"Per-example gradient norms leave out {len(left)} trainable parameter(s) of {len(by_module)} module(s), "
-            f"{1.0 - coverage:.1%} of the gradient's squared norm (gns/coverage = {shown_cov}); B_simple is that "
-            "of the covered parameters."
+            f"{1.0 - coverage:.1%} of the gradient's squared norm at step {step} (gns/coverage = {shown_cov}, logged "
+            "at every check: the share moves as training goes on); B_simple is that of the covered parameters."
         )
         if partial:
             self.alert(
