@@ -302,5 +302,5 @@ def test_a_coverage_just_below_the_threshold_never_reads_as_equal_to_it(tmp_path
     assert alert.value == pytest.approx(0.8998, abs=1e-4)
     import re
 
-    printed = float(re.search(r"gns/coverage = ([0-9.]+)\)", alert.message).group(1))
+    printed = float(re.search(r"gns/coverage = ([0-9.]+)[,)]", alert.message).group(1))
     assert printed < 0.9 and alert.value - printed < 1e-3  # 0.899, not 0.900
