@@ -590,7 +590,9 @@ class DivergenceGuard(Monitor):
             return  # a forward-only epoch (SWA's BatchNorm update): no loss reached a backward, no gradient to check
         if (len(trainer.optimizers) > 1 and not self._shared_loss
                 and optimizer is not trainer.optimizers[min(self.optimizer_index, len(trainer.optimizers) - 1)]):
-            loss = None  # (one loss shared by the optimizers: judged at the batch's first step, whichever steps first)  # another optimizer's loss (a GAN's other network): its gradients are checked, not its loss
+            # another optimizer's loss (a GAN's other network): its gradients are checked, not its loss. One loss shared
+            # by the optimizers is judged at the batch's first step, whichever optimizer takes it
+            loss = None
         no_loss = loss is None
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         lag = self._lag(trainer)
