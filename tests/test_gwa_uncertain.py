@@ -204,8 +204,8 @@ def test_a_warmup_epoch_far_above_the_pick_makes_it_uncertain():
     ([0.05, 0.05, 0.20, 0.05], False, False),  # ... and nothing acts on it
     ([0.05, 0.05, 0.20, 0.05, 0.25, 0.25, 0.25], False, True),  # a later, steady maximum replaces it
 ])
-def test_an_uncertain_pick_is_info_during_the_run_and_a_warning_when_the_fit_ends_with_it(tmp_path, shares,
-                                                                                          end_warning, checkpoint) -> None:
+def test_an_uncertain_pick_is_info_during_the_run_and_a_warning_when_the_fit_ends_with_it(
+        tmp_path, shares, end_warning, checkpoint) -> None:
     """Exact scores (each epoch's labels wrong for a set share: +-0.5 alignments). A spike picked mid-run is said as
     info; a warning comes only if the fit ends with an uncertain pick that a checkpoint keeps (on most short healthy
     runs the flag came and went as warnings, raised, cleared and raised again; then it ended 36 of 47 short healthy

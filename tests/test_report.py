@@ -249,7 +249,8 @@ def test_a_csv_logger_run_is_reported_from_its_metrics_csv(tmp_path, capsys):
 def test_alerts_of_an_earlier_fit_in_the_same_folder_are_left_out(tmp_path, capsys):
     """Two fits from step 0 into one folder (a fixed ``version``): the scalars were the later fit's, the alerts and
     actions both fits', so a healthy run was reported rolled back. The earlier fit's alerts from the step the later fit
-    started at are left out, with a note; a resumed fit (its event file starts later) keeps the earlier ones before it."""
+    started at are left out, with a note; a resumed fit (its event file starts later) keeps the earlier ones before
+    it."""
     import json
 
     from torch.utils.tensorboard import SummaryWriter

@@ -1570,8 +1570,9 @@ class DivergenceGuard(Monitor):
                     if hasattr(cb, "_latest_update_epoch") and hasattr(cb, "_average_model")})
         if WeightAveraging is not None:
             averages = [cb for cb in trainer.callbacks if isinstance(cb, WeightAveraging)]
+            needed = ("_latest_update_step", "_latest_update_epoch", "_average_model")
             out.update({f"WeightAveraging[{i}]": _WeightAverage(cb) for i, cb in enumerate(averages)
-                        if all(hasattr(cb, a) for a in ("_latest_update_step", "_latest_update_epoch", "_average_model"))})
+                        if all(hasattr(cb, a) for a in needed)})
         return out
 
     @staticmethod

@@ -213,8 +213,8 @@ class _HeadWatch:
 
 def default_target_fn(batch: Any) -> Tensor:
     """Targets of a ``(x, y, ...)`` tuple/list batch, of a dict batch under one of the keys ``y``, ``target``,
-    ``targets``, ``label``, ``labels``, ``target_values`` (PatchTST), or of another batch object (a dataclass ...) under an attribute of one of
-    those names holding a tensor."""
+    ``targets``, ``label``, ``labels``, ``target_values`` (PatchTST), or of another batch object (a dataclass ...)
+    under an attribute of one of those names holding a tensor."""
     if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)) and len(batch) >= 2:
         return batch[1]
     if isinstance(batch, Mapping):
