@@ -242,7 +242,7 @@ class Monitor(Callback):
         try:
             self.select(trainer, pl_module)
         except NothingToWatch as err:
-            if is_overridden("configure_model", pl_module):
+            if isinstance(pl_module, pl.LightningModule) and is_overridden("configure_model", pl_module):
                 # the layers may not exist yet: Lightning calls `configure_model` after the callbacks' setup (a model
                 # built there, for sharding or for a fast init on the device, had every monitor say it had nothing to
                 # watch). Asked again at the start of the fit, once the model is built
