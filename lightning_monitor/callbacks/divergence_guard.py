@@ -896,8 +896,11 @@ class DivergenceGuard(Monitor):
             anchor = self._anchor()
             ready = self._loss_watch.ready
             level = self._loss_watch.level() if ready else anchor
+            # the ceiling: `blowup` times the initial level, or the recent level where the run settled above it (a loss
+            # that rose early and stayed, noisy batches: normal batches crossed twice the initial level three times
+            # in a row, and a healthy run was rolled back with its rate halved)
             anomalous, z = self._loss_watch.update(
-                step, loss, abs_floor=self.initial_floor * anchor, ceiling=self.blowup * anchor)
+                step, loss, abs_floor=self.initial_floor * anchor, ceiling=self.blowup * max(anchor, level))
             start = self._loss_watch.start if anomalous else None
             surge = anomalous and ready and z > self.z_threshold and loss > (1.0 + self.surge) * level
             # before any history: a loss above ``blowup`` times the initial loss is tested on the first batches at
