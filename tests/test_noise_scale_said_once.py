@@ -106,3 +106,28 @@ def test_batches_of_one_example_throughout_are_still_said(tmp_path) -> None:
     kinds = [a.kind for a in read_alerts(os.path.join(log_dir, "alerts.jsonl"))]
     assert kinds.count("no_variance_estimate") == 1
     assert mon.ema.count == 0
+
+
+
+def test_batch_size_advice_waits_after_a_rollback(tmp_path) -> None:
+    """The demo's diverging run (no LayerNorm, a warm-up to a rate past the edge of stability): the guard rolled it back
+    at step 99, and the noise scale's check at step 100, of a run that was just diverging, told it to lower its batch
+    size toward 1. Advice now waits for ``min_checks`` checks of the run that goes on."""
+    import lightning.pytorch as pl
+    from gpt import GPTModule, make_loader
+
+    import lightning_monitor as lm
+
+    pl.seed_everything(0, verbose=False)
+    hm = lm.HealthMonitor(spectral=False, gwa=False, dashboard=False, noise_scale=dict(every_n_steps=20),
+                          guard=dict(every_n_steps=5))
+    config = {"n_layer": 2, "n_head": 4, "d_model": 64, "block_size": 64, "layernorm": False}
+    module = GPTModule(config, lr=1e-3, lr_end=0.04, ramp_steps=100)
+    pl.Trainer(max_steps=130, accelerator="cpu", logger=False, callbacks=[hm], enable_progress_bar=False,
+               enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path)).fit(
+        module, make_loader("prose", block_size=64, batch_size=16, n_samples=1600))
+    assert hm.guard.rollbacks, "the run was expected to be rolled back"
+    first = hm.guard.rollbacks[0]["step"]
+    wait = first + hm.noise_scale.min_checks * hm.noise_scale.every_n_steps
+    advice = [(a.step, a.kind) for a in hm.guard.hub.history if a.kind.startswith("batch_") and first < a.step < wait]
+    assert advice == []

@@ -238,6 +238,10 @@ class GradientNoiseScaleMonitor(Monitor):
         self._said_partial = False  # a partial estimate was said (in an alert)
         self._warned_single = False  # a check without two batch sizes was said
         self._single_run = 0  # consecutive checks without two batch sizes
+        # batch-size advice waits until the average holds this many checks (after a rollback: min_checks of the run
+        # that goes on from the state restored)
+        self._advice_from = 0
+        self._rolled_back = False  # a rollback since the last check
         self._reset_runtime()
 
     # ------------------------------------------------------------------ state
@@ -273,6 +277,7 @@ class GradientNoiseScaleMonitor(Monitor):
         check_strategy(trainer, "GradientNoiseScaleMonitor",
                        "the squared norm of the whole gradient cannot be read from each rank's flat gradient shard")
         self._reset_runtime()
+        self.hub.subscribe(self._on_alert)
         world = trainer.world_size
         accumulate = trainer.accumulate_grad_batches
         method = self.method
@@ -782,8 +787,18 @@ class GradientNoiseScaleMonitor(Monitor):
         else:  # the estimate stands: said on the console, no alert on a healthy run
             rank_zero_warn(f"GradientNoiseScaleMonitor: {message} Left out: {shown}{more}.")
 
+    def _on_alert(self, alert: Any) -> None:
+        if alert.kind == "rolled_back":
+            self._rolled_back = True
+
     def _batch_alerts(self, step: int, batch: float, b_simple: float) -> None:
-        if self.ema.count < self.min_checks or not math.isfinite(b_simple):
+        if self._rolled_back:
+            # the guard rolled the run back (the average went back with it): the checks of a run that was diverging,
+            # right before or after, gave advice from an unsettled state (the demo's diverging run was told to lower
+            # its batch size toward 1 at the first check after its rollback). Advice waits for min_checks more
+            self._rolled_back = False
+            self._advice_from = self.ema.count - 1 + self.min_checks
+        if self.ema.count < max(self.min_checks, self._advice_from) or not math.isfinite(b_simple):
             return
         # hysteresis: a condition raised at a factor alert_ratio clears at sqrt(alert_ratio), so a noisy
         # estimate near the threshold does not flap
