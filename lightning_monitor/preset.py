@@ -43,6 +43,21 @@ __all__ = ["HealthMonitor"]
 MonitorSetting = Union[bool, dict[str, Any]]
 
 
+def _did_you_mean(err: TypeError, cls: type) -> str:
+    """`` (did you mean 'action'?)`` for a TypeError naming an unexpected keyword that is close to one of ``cls``'s
+    arguments (a typo in a preset's dict, from Python or a YAML config), else ``""``."""
+    import difflib
+    import inspect
+    import re
+
+    found = re.search(r"unexpected keyword argument '(\w+)'", str(err))
+    if found is None:
+        return ""
+    accepted = [n for n in inspect.signature(cls.__init__).parameters if n != "self"]
+    close = difflib.get_close_matches(found.group(1), accepted, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f"; its arguments are {', '.join(accepted)}"
+
+
 class HealthMonitor(Callback):
     """The recommended monitors for the model being trained, as one callback.
 
@@ -169,7 +184,7 @@ class HealthMonitor(Callback):
         try:
             monitor = cls(**kwargs)
         except TypeError as err:
-            raise TypeError(f"HealthMonitor(`{slot}`=...): {cls.__name__}: {err}") from err
+            raise TypeError(f"HealthMonitor(`{slot}`=...): {cls.__name__}: {err}{_did_you_mean(err, cls)}") from err
         monitor.idle_when_nothing_to_watch = True
         monitor.per_layer_scalars = self.per_layer_scalars
         return monitor

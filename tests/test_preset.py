@@ -502,3 +502,14 @@ def test_gwa_says_nothing_of_a_last_epoch_cut_short_by_max_steps(tmp_path, max_s
         assert counts[1] == (1, 0, False) and len(skipped) == 1 and "epoch 1 scored 0" in skipped[0], (counts, skipped)
     else:
         assert counts[-1] == (2, 0, True) and not skipped, (counts, skipped)
+
+
+def test_a_typo_in_a_monitors_arguments_names_the_argument_meant() -> None:
+    """A misspelt key in a preset's dict (from Python or a YAML config) says which argument was meant, or lists them;
+    deprecated aliases still pass."""
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'acton' \(did you mean 'action'\?\)"):
+        lm.HealthMonitor(guard=dict(acton="stop"))
+    with pytest.raises(TypeError, match=r"'zzz'; its arguments are method, every_n_steps"):
+        lm.HealthMonitor(noise_scale=dict(zzz=1))
+    with pytest.warns(DeprecationWarning, match="beta"):
+        assert lm.HealthMonitor(noise_scale=dict(beta=0.9)).noise_scale.smoothing == 0.9
