@@ -535,8 +535,10 @@ class GradientEarlyStopping(Monitor):
                 )
             if not kwargs.get("find_unused_parameters", False):
                 raise ValueError(
+                    # (DDP's own words for that failure are not quoted: Lightning replaces any message holding them
+                    # with its advice about unused parameters, which named neither GradES nor the spawn variant)
                     "GradientEarlyStopping freezes parameters mid-run; DDP then needs `find_unused_parameters=True`, "
-                    "or the next step fails with 'Expected to have finished reduction in the prior iteration'. Use "
+                    "or the step after a freeze fails in DDP's reducer (a reduction not finished in the prior step). Use "
                     "`strategy='ddp_find_unused_parameters_true'` (or 'ddp_spawn_find_unused_parameters_true') or "
                     "`strategy=DDPStrategy(find_unused_parameters=True)`."
                 )
