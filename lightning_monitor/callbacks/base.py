@@ -238,14 +238,18 @@ class Monitor(Callback):
         self._release_all()
         self.idle_reason = None
         self._armed_step = self._checked_step = None
+        self._select_or_defer(trainer, pl_module, at_setup=True)
+
+    def _select_or_defer(self, trainer: pl.Trainer, pl_module: pl.LightningModule, at_setup: bool) -> None:
+        """:meth:`select`; a model with nothing to watch is said to be so (:meth:`nothing_to_watch`), but at setup in a
+        model that has a ``configure_model``: its layers may not exist yet (Lightning calls it after the callbacks'
+        setup; a model built there, for sharding or a fast init on the device, had every monitor say it had nothing to
+        watch), so it is asked again at the start of the fit (:meth:`select_built_model`)."""
         self._select_later = False
         try:
             self.select(trainer, pl_module)
         except NothingToWatch as err:
-            if isinstance(pl_module, pl.LightningModule) and is_overridden("configure_model", pl_module):
-                # the layers may not exist yet: Lightning calls `configure_model` after the callbacks' setup (a model
-                # built there, for sharding or for a fast init on the device, had every monitor say it had nothing to
-                # watch). Asked again at the start of the fit, once the model is built
+            if at_setup and isinstance(pl_module, pl.LightningModule) and is_overridden("configure_model", pl_module):
                 self._select_later = True
             else:
                 self.nothing_to_watch(trainer, str(err).removeprefix(f"{type(self).__name__}: "))
@@ -254,13 +258,8 @@ class Monitor(Callback):
         """At the start of the fit (``on_fit_start``; the preset calls it first for all its monitors): :meth:`select`
         again where it found nothing at setup in a model that has a ``configure_model`` (called after setup). A
         monitor's ``on_fit_start`` calls this first."""
-        if not self._select_later:
-            return
-        self._select_later = False
-        try:
-            self.select(trainer, pl_module)
-        except NothingToWatch as err:
-            self.nothing_to_watch(trainer, str(err).removeprefix(f"{type(self).__name__}: "))
+        if self._select_later:
+            self._select_or_defer(trainer, pl_module, at_setup=False)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.select_built_model(trainer, pl_module)

@@ -655,6 +655,10 @@ class GradientEarlyStopping(Monitor):
         # nothing left to judge once every component is frozen (or, with stop=False, frozen or held)
         return len(self.frozen) + len(self.held) + len(self.released) < len(self._names)
 
+    def _judged(self) -> list[str]:
+        """The components still judged: neither frozen, nor held trainable, nor released by the run."""
+        return [n for n in self._names if n not in self.frozen and n not in self.held and n not in self.released]
+
     def _notice_released(self, trainer: pl.Trainer, step: int) -> None:
         """Components this monitor froze whose parameters require a gradient again: the run unfroze them (a callback's
         ``requires_grad_(True)``). They were still reported frozen (``frozen``, ``grades/frozen_fraction``) while they
@@ -678,7 +682,7 @@ class GradientEarlyStopping(Monitor):
     def compute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> dict[str, Any]:
         """The statistic of every component (all-reduced), its EMA and reference, and which components
         fall below ``tau`` (``\\x00``-prefixed vectors over the components, for :meth:`judge`)."""
-        active = [n for n in self._names if n not in self.frozen and n not in self.held and n not in self.released]
+        active = self._judged()
         stat = self._statistic(active, step)
         if stat is None:  # first check of the update criterion: a snapshot only
             return {self.key("frozen_fraction"): self.frozen_fraction}
@@ -736,7 +740,7 @@ class GradientEarlyStopping(Monitor):
         if "\x00stat" not in values:
             return values
         position = {name: i for i, name in enumerate(self._names)}
-        active = [n for n in self._names if n not in self.frozen and n not in self.held and n not in self.released]
+        active = self._judged()
         vectors = {k: (v if isinstance(v, list) else [v]) for k, v in values.items() if k != "\x00decide"}
         stat_h, mask_h, ratio_h = vectors["\x00stat"], vectors["\x00mask"], vectors.get("\x00ratio")
         judged_h = ratio_h if ratio_h is not None else vectors["\x00judged"]
