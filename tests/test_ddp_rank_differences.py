@@ -493,3 +493,31 @@ def test_per_example_noise_scale_under_manual_optimization_ddp(tmp_path) -> None
     assert manual["count"] == auto["count"] == 4
     assert manual["g2"] == pytest.approx(auto["g2"], rel=1e-5) and manual["tr"] == pytest.approx(auto["tr"], rel=1e-5)
     assert manual["covered"] == auto["covered"] == 4
+
+
+class _UnevenGrades(_Uneven):
+    """Two epochs of 20 batches on rank 0 and of 25 on rank 1 planned; both ranks stop together at step 30."""
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self.trainer.global_step >= 30:
+            self.trainer.should_stop = True
+
+    def on_train_end(self) -> None:
+        grades = next(c for c in self.trainer.callbacks if isinstance(c, lm.GradientEarlyStopping))
+        with open(os.path.join(self.out, f"rank{self.global_rank}.json"), "w") as fh:
+            json.dump({"step": self.trainer.global_step, "grace_end": grades.grace_end,
+                       "frozen": sorted(grades.frozen)}, fh)
+
+
+def test_grades_ddp_epochs_of_different_lengths_end_the_grace_together(tmp_path) -> None:
+    # each rank took its grace period from its own planned steps (40 and 50): from step 20 rank 0 asked the other to
+    # agree on a stop at every check, rank 1 did not, and gloo aborted both ("Received data size doesn't match")
+    grades = lm.GradientEarlyStopping(grace_fraction=0.5, every_n_steps=5)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn_find_unused_parameters_true", max_epochs=2,
+                         use_distributed_sampler=False, callbacks=[grades], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+    fit_ddp_spawn(trainer, _UnevenGrades(str(tmp_path)))
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["step"] == r1["step"] == 30
+    assert r0["grace_end"] == r1["grace_end"] == 20  # half of the fewer planned steps
+    assert r0["frozen"] == r1["frozen"]

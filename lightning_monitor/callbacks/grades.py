@@ -602,6 +602,13 @@ class GradientEarlyStopping(Monitor):
             self.grace_end = 0
         else:
             planned = trainer.estimated_stepping_batches
+            if trainer.world_size > 1:
+                # the fewest of the ranks': their epochs may differ in length (a sampler of the user's,
+                # `use_distributed_sampler=False`), and a rank whose grace ended first asked the others to agree on
+                # a stop they never reached (gloo aborted both). Every rank now ends its grace at the same step
+                count = torch.tensor(float(planned), dtype=torch.float64, device=trainer.strategy.root_device)
+                planned = float(trainer.strategy.reduce(count, reduce_op="min"))
+                planned = int(planned) if math.isfinite(planned) else planned
             if planned == 0 or trainer.limit_train_batches == 0 or trainer.max_steps == 0:
                 # nothing will train (a fit run for its validation): idle, and no error to end a run that has no steps
                 self.nothing_to_watch(trainer, "no training step is planned (`limit_train_batches=0`, `max_steps=0` "
