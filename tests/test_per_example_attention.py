@@ -237,3 +237,15 @@ def test_noise_scale_after_grades_froze_the_attention(tmp_path) -> None:
     assert mon._probe.uncovered == []
     assert float(trainer.callback_metrics["gns/coverage"]) == 1.0
     assert len(oracle.rows) == 8 and oracle.worst() < 1e-3
+
+
+def test_the_interception_check_leaves_the_global_random_stream_alone(monkeypatch) -> None:
+    # the check builds a throwaway nn.MultiheadAttention: its initialisation drew from the global generator, so a run
+    # with the noise-scale monitor shuffled its data and drew its dropout masks differently from the same run without
+    from lightning_monitor.probes.per_example import attention
+
+    monkeypatch.setattr(attention, "_INTERCEPTS", None)
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    assert attention.intercepts_linear() in (True, False)
+    assert torch.equal(state, torch.get_rng_state())

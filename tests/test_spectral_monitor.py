@@ -435,7 +435,7 @@ def test_collapse_with_sigma_growth_escalates_early(escalate):
 
 
 # ----------------------------------------------------------------------------- input capture probe
-def test_input_capture_bounded_detached_first_call_only_and_global_rng_untouched():
+def test_input_capture_bounded_detached_second_call_wins_and_global_rng_untouched():
     from lightning_monitor.probes.inputs import InputCapture
 
     lin = nn.Linear(6, 3)
@@ -448,16 +448,22 @@ def test_input_capture_bounded_detached_first_call_only_and_global_rng_untouched
     cap.arm()  # idempotent
     assert len(lin._forward_pre_hooks) == 1
     state = torch.get_rng_state()
-    lin(x)
+    lin(torch.eye(6))  # PEFT's DoRA: a call on the identity before the data
     assert torch.equal(state, torch.get_rng_state())  # the sampler has its own generator
-    assert len(lin._forward_pre_hooks) == 0  # one-shot
-    lin(x + 100.0)  # a second call (accumulation, recomputation) is not recorded
+    assert len(lin._forward_pre_hooks) == 1  # a second call of the step is read too
+    lin(x)
+    assert len(lin._forward_pre_hooks) == 0  # then the hook is gone
+    lin(x + 100.0)  # a third call (accumulation, recomputation) is not recorded
     rows = cap.take()["lin"]
     assert rows.shape == (10, 6) and not rows.requires_grad
     flat = x.detach().reshape(-1, 6)
-    # every sampled row is a distinct row of the first call's input
+    # every sampled row is a distinct row of the second call's input
     matches = [(flat == r).all(dim=1).nonzero().flatten().tolist() for r in rows]
     assert all(len(m) == 1 for m in matches) and len({m[0] for m in matches}) == 10
+    once = InputCapture({"lin": lin}, max_rows=10, seed=1)
+    once.arm()
+    lin(x)  # a layer called once keeps its rows
+    assert once.take()["lin"].shape == (10, 6) and len(lin._forward_pre_hooks) == 0
     assert cap.take() == {}  # released after use
     small = InputCapture({"lin": lin}, max_rows=100)
     small.arm()

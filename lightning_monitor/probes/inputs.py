@@ -1,11 +1,13 @@
 """Capture a bounded random subsample of the input rows of chosen layers, on demand.
 
 :class:`InputCapture` installs nothing until :meth:`InputCapture.arm` is called (on a monitored step
-only). Each armed layer then records, on its *first* forward call, at most ``max_rows`` rows of its
+only). Each armed layer then records, on its forward call, at most ``max_rows`` rows of its
 input ``x[..., in_features]`` (all leading dimensions flattened: batch, sequence, ...; for an ``nn.Conv2d``
 its input patches, the rows its weight ``[C_out, C_in * kh * kw]`` multiplies), picked at random
-without replacement, detached, in their own dtype and on their own device; the hook then removes
-itself, so later calls (gradient accumulation, activation re-computation, validation) cost nothing.
+without replacement, detached, in their own dtype and on their own device. The rows of the second call of the
+step replace those of the first (PEFT's DoRA calls its adapters on the identity before the data, to compute
+their weight norm; for a layer called once, the second call is a recomputation or the next micro-batch of the
+step, rows like the first's); the hook then removes itself, so later calls cost nothing.
 :meth:`InputCapture.take` hands the rows over and forgets them.
 
 The random rows come from the capture's own generator: arming does not touch the global RNG, so a
@@ -43,6 +45,7 @@ class InputCapture:
         self.seed = seed
         self._handles: dict[str, RemovableHandle] = {}
         self._captured: dict[str, Tensor] = {}
+        self._seen_once: set[str] = set()
         self._generators: dict[torch.device, torch.Generator] = {}
 
     @property
@@ -63,6 +66,7 @@ class InputCapture:
         for handle in self._handles.values():
             handle.remove()
         self._handles.clear()
+        self._seen_once.clear()
 
     def take(self) -> dict[str, Tensor]:
         """The rows captured since :meth:`arm` (``name -> (rows, in)``; layers that did not run are
@@ -77,6 +81,11 @@ class InputCapture:
         self._captured = {}
 
     # ------------------------------------------------------------------ internals
+    def _disarm(self, name: str) -> None:
+        handle = self._handles.pop(name, None)
+        if handle is not None:
+            handle.remove()
+
     def _generator(self, device: torch.device) -> torch.Generator:
         g = self._generators.get(device)
         if g is None:
@@ -90,15 +99,21 @@ class InputCapture:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             if in_dry_run():  # another monitor's run of the module on a batch of its own
                 return
-            handle = self._handles.pop(name, None)
-            if handle is not None:
-                handle.remove()
             if not args or not isinstance(args[0], Tensor):
+                self._disarm(name)
                 return
-            if isinstance(module, nn.Conv2d):
-                self._captured[name] = self.sample_patches(module, args[0])
+            x = args[0]
+            # the first two calls of the step are read and the second one kept: PEFT's DoRA first calls its adapters
+            # on the identity (`lora_B(lora_A(eye))`, for its weight norm), then on the data. A layer called once
+            # keeps its first call's rows (a later recomputation or micro-batch of the step reads rows like them)
+            if name in self._captured or name in self._seen_once:
+                self._disarm(name)
             else:
-                self._captured[name] = self.sample(args[0])
+                self._seen_once.add(name)
+            if isinstance(module, nn.Conv2d):
+                self._captured[name] = self.sample_patches(module, x)
+            else:
+                self._captured[name] = self.sample(x)
 
         return hook
 

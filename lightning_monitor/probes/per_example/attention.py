@@ -43,7 +43,8 @@ def intercepts_linear() -> bool:
     global _INTERCEPTS
     if _INTERCEPTS is None:
         seen: list[Tensor] = []
-        m = nn.MultiheadAttention(4, 1)
+        with torch.random.fork_rng(devices=[]):  # its initialisation must not move the run's random stream
+            m = nn.MultiheadAttention(4, 1)
         x = torch.zeros(2, 1, 4, requires_grad=True)
 
         def spy(inp: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
