@@ -481,7 +481,9 @@ def test_relative_threshold_is_free_of_the_loss_scale(tmp_path: Path) -> None:
     for scale in (1.0, 1000.0):
         for threshold, tau in (("relative", 0.85), ("absolute", 2e-3)):
             pl.seed_everything(0)
-            cb = GradientEarlyStopping(tau=tau, threshold=threshold, every_n_steps=2, grace_steps=10)
+            # (the loss still falls at step 24: the progress rule, itself free of the scale, is left out here)
+            cb = GradientEarlyStopping(tau=tau, threshold=threshold, every_n_steps=2, grace_steps=10,
+                                       min_loss_progress=None)
             _trainer(tmp_path / f"{scale}{threshold}", [cb], max_steps=24).fit(ScaledLoss(scale), _loader())
             results[scale, threshold] = (cb.frozen, cb.reference())
     rel1, rel1000 = results[1.0, "relative"], results[1000.0, "relative"]
@@ -596,3 +598,37 @@ def test_components_the_run_unfreezes_are_released(tmp_path: Path) -> None:
     name = sorted(frozen_at)[0]
     weight = f"{name}.weight"
     assert not torch.equal(recorder.weights[15][weight], recorder.weights[10][weight])  # it trains again
+
+
+class _ShrinkingScale(_AllLinear):
+    """The loss is the cross-entropy times a scale that falls 2% a step until step 150, then stays: every gradient
+    shrinks with it, model-wide, while the loss falls (as a growing logit scale or temperature does), then the loss
+    settles."""
+
+    def training_step(self, batch, batch_idx):
+        scale = 0.98 ** min(self.global_step, 150)
+        return scale * super().training_step(batch, batch_idx)
+
+
+def test_components_wait_while_the_loss_still_falls(tmp_path: Path) -> None:
+    # a model-wide shrink of the gradients made every component fall below tau at once while the loss still fell
+    # (a SigLIP model stopped at step 141 with a loss of 4.65; trained on, 3.99 at step 300)
+    runs = {}
+    for progress in (None, 0.01):
+        pl.seed_everything(0)
+        grades = GradientEarlyStopping(grace_steps=30, every_n_steps=5, min_loss_progress=progress, stop=False)
+        _trainer(tmp_path / str(progress), [grades], max_steps=260).fit(_ShrinkingScale())
+        runs[progress] = grades
+    plain, waiting = runs[None], runs[0.01]
+    assert plain.frozen and min(plain.frozen.values()) < 150  # the paper's rule freezes in the shrink
+    assert waiting.frozen and min(waiting.frozen.values()) > 150  # now only once the loss settled
+    said = [a for a in waiting.hub.history if a.kind.startswith("still_learning")]
+    assert [a.kind for a in said] == ["still_learning", "still_learning_cleared"]
+    assert said[0].step < 150 < said[1].step and "the training loss still falls" in said[0].message
+    assert not [a for a in plain.hub.history if a.kind.startswith("still_learning")]
+
+
+def test_min_loss_progress_is_checked() -> None:
+    for bad in (-0.1, 1.5, float("nan"), "0.1"):
+        with pytest.raises(ValueError, match="min_loss_progress"):
+            GradientEarlyStopping(min_loss_progress=bad)

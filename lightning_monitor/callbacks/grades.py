@@ -165,6 +165,13 @@ class GradientEarlyStopping(Monitor):
         cut_frozen_prefix: when the leading blocks have all their matrices frozen and nothing in front of
             them trains, freeze the rest of those blocks (norms) so that the backward stops at their end
             (see above). Off by default: it freezes parameters the plain rule keeps training.
+        min_loss_progress: no component freezes while the training loss still falls: while the median of the
+            losses read at the checks of the last window (a third of the grace period, at least four checks) is
+            below that of the window before by more than this fraction of the initial loss (the median of the
+            first three checks). The gradients can shrink model-wide while a model still learns (a growing logit
+            scale or temperature, a loss leaving a plateau); the paper's rule froze every component of such a run
+            at once and stopped it. Said in one ``still_learning`` info alert, ``still_learning_cleared`` when the
+            loss settles. ``None``: the paper's rule alone.
 
     The monitor has no ``patience``: a component freezes at the first check past the grace period whose
     smoothed statistic is below the threshold (``smoothing`` plays that role).
@@ -191,6 +198,7 @@ class GradientEarlyStopping(Monitor):
         stop: bool = True,
         cut_frozen_prefix: bool = False,
         reference_at: ReferenceAt = "grace_end",
+        min_loss_progress: Optional[float] = 0.01,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:
@@ -225,6 +233,9 @@ class GradientEarlyStopping(Monitor):
         if not isinstance(cut_frozen_prefix, bool):
             raise ValueError(f"`cut_frozen_prefix` must be True or False, got {cut_frozen_prefix!r}.")
         self.cut_frozen_prefix = cut_frozen_prefix
+        if min_loss_progress is not None:
+            min_loss_progress = check_fraction("min_loss_progress", min_loss_progress, 0.0, 1.0, high_inclusive=True)
+        self.min_loss_progress = min_loss_progress
 
         self._components: dict[str, Component] = {}
         self._names: list[str] = []
@@ -271,6 +282,8 @@ class GradientEarlyStopping(Monitor):
         self.cut_depth = 0  # number of leading blocks the backward no longer runs through
         self._container: Optional[str] = None
         self._front_said = False
+        self._step_loss: Optional[Tensor] = None  # the training loss of the armed step (on the device)
+        self.losses: list[tuple[int, float]] = []  # (check step, training loss there), for the progress rule
 
     @property
     def component_patterns(self) -> Optional[Union[str, Sequence[str]]]:
@@ -318,6 +331,7 @@ class GradientEarlyStopping(Monitor):
             stopped_at=self.stopped_at,
             cut=dict(self.cut),
             cut_depth=self.cut_depth,
+            losses=[list(x) for x in self.losses],
         )
         return state
 
@@ -326,6 +340,7 @@ class GradientEarlyStopping(Monitor):
         self.frozen = {str(k): int(v) for k, v in state_dict.get("frozen", {}).items()}
         self.held = {str(k): int(v) for k, v in state_dict.get("held", {}).items()}
         self.released = {str(k): int(v) for k, v in state_dict.get("released", {}).items()}
+        self.losses = [(int(s), float(v)) for s, v in state_dict.get("losses", [])]
         self._saved_names = list(state_dict.get("names", []))
         as_tensor = (lambda v: None if v is None else torch.tensor(v, dtype=torch.float32))
         self._ref_sum = as_tensor(state_dict.get("reference_sum"))
@@ -657,6 +672,37 @@ class GradientEarlyStopping(Monitor):
         self._training = False
 
     # ------------------------------------------------------------------ the check
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        """The training loss of a step due for a check (summed over its micro-batches, whose losses Lightning has
+        divided by their number), on the device: read with the check's statistics. Nothing on other steps."""
+        if self.min_loss_progress is None or self.idle_reason is not None or self._armed_step != trainer.global_step:
+            return
+        value = loss.detach().float().sum()
+        self._step_loss = value if self._step_loss is None else self._step_loss + value
+
+    def _loss_window(self) -> int:
+        """Steps over which the progress of the loss is read: a third of the grace period (10% of the planned steps
+        at the default grace), at least four checks."""
+        return max(4 * self.every_n_steps, (self.grace_end or 0) // 3)
+
+    def _still_learning(self, step: int) -> Optional[tuple[float, float, float, int]]:
+        """``(before, now, initial, window)`` when the training loss fell over the last window by more than
+        ``min_loss_progress`` times its initial level (medians of the losses read at the checks of the last window
+        and of the window before, and of the first three checks), else ``None``: also when too few checks were read
+        to tell."""
+        if self.min_loss_progress is None:
+            return None
+        w = self._loss_window()
+        recent = [v for s, v in self.losses if step - w < s <= step]
+        before = [v for s, v in self.losses if step - 2 * w < s <= step - w]
+        if len(recent) < 2 or len(before) < 2 or len(self.losses) < 3:
+            return None
+        initial = abs(_median([v for _, v in self.losses[:3]]))
+        b, r = _median(before), _median(recent)
+        if initial > 0.0 and b - r > self.min_loss_progress * initial:
+            return b, r, initial, w
+        return None
+
     def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> bool:
         self._notice_released(trainer, step)
         # nothing left to judge once every component is frozen (or, with stop=False, frozen or held)
@@ -691,6 +737,7 @@ class GradientEarlyStopping(Monitor):
         fall below ``tau`` (``\\x00``-prefixed vectors over the components, for :meth:`judge`)."""
         active = self._judged()
         stat = self._statistic(active, step)
+        loss, self._step_loss = self._step_loss, None
         if stat is None:  # first check of the update criterion: a snapshot only
             return {self.key("frozen_fraction"): self.frozen_fraction}
         device = stat.device
@@ -735,6 +782,10 @@ class GradientEarlyStopping(Monitor):
             mask = mask & judgeable
         values: dict[str, Any] = {"\x00stat": full, "\x00mask": mask.float(), "\x00decide": float(decide),
                                   "\x00seen": torch.isfinite(smoothed).float()}
+        if self.min_loss_progress is not None:
+            # the ranks' mean: every rank holds the same history, so the same freezes wait
+            loss = torch.full((), float("nan"), device=device) if loss is None else loss.to(device)
+            values["\x00loss"] = trainer.strategy.reduce(loss, reduce_op="mean") if trainer.world_size > 1 else loss
         if reference is None:
             values["\x00judged"] = smoothed  # absolute threshold: the smoothed statistic is what is judged
         else:
@@ -752,6 +803,28 @@ class GradientEarlyStopping(Monitor):
         stat_h, mask_h, ratio_h = vectors["\x00stat"], vectors["\x00mask"], vectors.get("\x00ratio")
         judged_h = ratio_h if ratio_h is not None else vectors["\x00judged"]
         newly = [n for n in active if mask_h[position[n]] > 0.5]
+        loss_h = values.get("\x00loss")
+        if isinstance(loss_h, list):
+            loss_h = loss_h[0]
+        if loss_h is not None and math.isfinite(loss_h):
+            self.losses.append((step, float(loss_h)))
+        if newly and self.min_loss_progress is not None:
+            learning = self._still_learning(step)
+            if learning is not None:
+                before, now, initial, w = learning
+                self.condition(
+                    step, "still_learning", True, "info",
+                    f"{len(newly)} component(s) fell below tau, but the training loss still falls: from {before:.4g} "
+                    f"to {now:.4g} over the last {w} steps (medians at the checks), more than min_loss_progress="
+                    f"{self.min_loss_progress:g} of its initial {initial:.4g}. Their gradients shrank while the model "
+                    "still learns (a model-wide shrink: a growing logit scale, a loss near a plateau it leaves): no "
+                    "component freezes until the loss settles.",
+                    value=before - now, threshold=self.min_loss_progress * initial,
+                )
+                newly = []
+            else:
+                self.condition(step, "still_learning", False, "info", "",
+                               clear_message="The training loss settled: components below tau freeze again.")
         if newly and self._nothing_left(trainer, newly):
             # also with stop=True: Lightning defers a stop until `min_steps` / `min_epochs`, and the steps until then
             # would have nothing to train (the backward fails)
@@ -803,8 +876,12 @@ class GradientEarlyStopping(Monitor):
             done = (len(self.frozen) + len(self.held)) / counted if counted > 0 else 0.0  # held: converged
             stopped = self.request_stop(
                 trainer, step, done >= self.max_frozen_ratio, "stop",
-                f"{len(self.frozen)}/{len(self._names)} components frozen (>= max_frozen_ratio="
-                f"{self.max_frozen_ratio:g}); stopping training.",
+                f"{len(self.frozen)}/{len(self._names)} components frozen"
+                + (f" and {len(self.held)} converged but kept trainable" if self.held else "")
+                + (f", {len(unused)} never used" if unused else "")
+                + (f", {len(self.released)} released" if self.released else "")
+                + f": the converged share of those counted, {done:.3g}, is >= max_frozen_ratio="
+                f"{self.max_frozen_ratio:g}; stopping training.",
                 value=self.frozen_fraction, threshold=self.max_frozen_ratio,
             )
             if stopped:
@@ -885,3 +962,9 @@ class GradientEarlyStopping(Monitor):
             self._ref_sum, self._ref_cnt = self._ref_sum.to(device), self._ref_cnt.to(device)
         if self._smoothed is not None and self._smoothed.device != device:
             self._smoothed = self._smoothed.to(device)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
