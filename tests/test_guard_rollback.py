@@ -638,3 +638,51 @@ def test_weights_broken_after_a_hard_batch_are_not_taken_for_a_new_loss_function
     assert (51, "loss_explosion") in kinds and not any(k == "objective_change" for _, k in kinds), kinds
     assert guard._hard_batch is None or guard._hard_batch == 48
     assert [(r["step"], r["to_step"]) for r in guard.rollbacks][:1] == [(51, 40)]
+
+
+class _HeadJump(_Regression):
+    """Two parameter groups, a hidden layer and a head, both at 1e-2; at step 60 the head's rate alone is set x500
+    (kept from then on: the run sets it once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 60 and not getattr(self, "_jumped", False):
+            self._jumped = True
+            self.optimizers().param_groups[1]["lr"] *= 500.0
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([{"params": self.lin[0].parameters()}, {"params": self.lin[2].parameters()}], lr=1e-2)
+
+
+def test_a_rollback_caps_only_the_rates_that_rose(tmp_path):
+    # the head's rate jumped, the hidden layer's never moved: the rollback had also halved the hidden layer's rate,
+    # for good ("capped at a fraction of the rate that diverged", per group, whether or not that group's rate rose)
+    pl.seed_everything(0)
+    guard = DivergenceGuard()
+    _trainer(tmp_path, [guard], 120).fit(model := _HeadJump())
+    assert guard.rollbacks and guard.stopped_step is None
+    first = guard.rollbacks[0]
+    assert first["lr_scale"] == 1.0 and first["lr_ceiling"][0][0] == 0.01 and first["lr_ceiling"][0][1] <= 0.01
+    groups = model.optimizers().param_groups
+    assert groups[0]["lr"] == 0.01 and groups[1]["lr"] <= 0.01
+    said = next(a for a in guard.hub.history if a.kind == "rolled_back").message
+    assert "1 of 2 parameter groups: optimizer 0 group 1" in said and "the others kept" in said
+
+
+def test_a_stop_says_when_its_state_holds_the_rates_that_diverged(tmp_path):
+    # the head's rate was set x500 at step 60, before the snapshot of that step: the stop's checkpoint holds the
+    # weights of step 60 and the rate that diverged; resumed, the run diverges again, which the message now says
+    pl.seed_everything(0)
+    guard = DivergenceGuard(action="stop", dirpath=str(tmp_path / "ck"))
+    _trainer(tmp_path, [guard], 120).fit(_HeadJump())
+    assert guard.stopped_step is not None
+    said = next(a for a in guard.hub.history if a.kind == "stopped").message
+    saved = torch.load(guard.stop_checkpoint, weights_only=False)["optimizer_states"][0]["param_groups"]
+    assert guard.stopped_step == 61 and "holds the state of step 60" in said
+    assert saved[1]["lr"] == 5.0 and saved[0]["lr"] == 0.01
+    assert "above those of the lowest smoothed loss (5 against 0.01)" in said and "may diverge again" in said

@@ -1884,8 +1884,11 @@ class DivergenceGuard(Monitor):
         # the steps that vouched for states are those of the timeline kept: up to the snapshot's step
         self._informative = deque((t for t in self._informative if t <= snap.step), maxlen=self._informative.maxlen)
         best, before = self._lr_at_min, self._lr_ceiling
-        rose = diverged and any(n is not None and b is not None and n > 1.001 * b
-                                for i, row in enumerate(lr_now) for j, n in enumerate(row) for b in [_at(best, i, j)])
+        # the groups whose rate rose since the best smoothed loss: only they are held to a fraction of the rate that
+        # diverged (a group whose rate never moved, a trunk beside a head whose rate jumped, keeps its rate)
+        risen = {(i, j) for i, row in enumerate(lr_now) for j, n in enumerate(row) for b in [_at(best, i, j)]
+                 if n is not None and b is not None and n > 1.001 * b}
+        rose = diverged and bool(risen)
         steady = diverged and not rose and not bad_batch
         factor = self.lr_factor ** (repeat + steady)
         self._lr_scale *= factor
@@ -1899,7 +1902,8 @@ class DivergenceGuard(Monitor):
                     if rose:  # the rate of the best smoothed loss, and a fraction of the rate that diverged
                         # (a group switched off then, a backbone before its unfreeze, is not held at 0 for good)
                         caps += [b for b in [_at(best, i, j)] if b is not None and b > 0.0]
-                        caps += [self.lr_factor * n for n in [_at(lr_now, i, j)] if n is not None]
+                        if (i, j) in risen or _at(best, i, j) is None:
+                            caps += [self.lr_factor * n for n in [_at(lr_now, i, j)] if n is not None]
                     caps += [c * factor for c in [_at(before, i, j)] if c is not None]
                     row.append(min(caps))
                 ceilings.append(row)
@@ -1918,7 +1922,11 @@ class DivergenceGuard(Monitor):
         self.rollbacks.append(record)
         lr = f"; learning rates now {self._lr_scale:.3g}x their schedule" if self._lr_scale != 1.0 else ""
         if rose:
-            lr += "; learning rates capped at the rate of the best smoothed loss"
+            groups = sum(len(row) for row in lr_now)
+            lr += ("; learning rates capped at the rate of the best smoothed loss" if len(risen) == groups else
+                   f"; the learning rates that rose since the best smoothed loss ({len(risen)} of {groups} parameter "
+                   f"groups: {', '.join(f'optimizer {i} group {j}' for i, j in sorted(risen)[:4])}"
+                   f"{' ...' if len(risen) > 4 else ''}) capped at their rate then, the others kept")
         elif factor < 1.0:
             lr += ", and capped at the scaled rate of the state restored"
         self.alert(
@@ -1933,6 +1941,15 @@ class DivergenceGuard(Monitor):
         if snap is not None:
             self._restore_keeping_frozen(trainer, pl_module, snap, {})
             state = f"the state of step {snap.step}, the last good one"
+            best = self._lr_at_min
+            above = [(n, b) for i, row in enumerate(self._float_lrs(trainer)) for j, n in enumerate(row)
+                     for b in [_at(best, i, j)] if n is not None and b is not None and n > 1.001 * b]
+            if above:
+                # the state holds the rates in force at its step, which may be those that diverged (a jump set before
+                # the snapshot's step): said, so that a resume does not take them again unawares
+                state += (f", with the learning rates in force then, above those of the lowest smoothed loss "
+                          f"({', '.join(f'{n:.3g} against {b:.3g}' for n, b in above[:3])}"
+                          f"{' ...' if len(above) > 3 else ''}): resumed at those rates, the run may diverge again")
         else:
             why = "no earlier snapshot fits the run" if self._misfit else "no earlier snapshot to go back to"
             state = f"the state after step {step} ({why})"
