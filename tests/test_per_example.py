@@ -480,3 +480,25 @@ def test_per_example_linear_against_einsum(monkeypatch, dtype: torch.dtype, chun
 
 if __name__ == "__main__":  # pragma: no cover
     os.sys.exit(pytest.main([__file__, "-q"]))
+
+
+class _BareAndParametrized(nn.Module):
+    """A Linear whose weight is parametrized (weight_norm) and a bias used directly in the module's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.utils.parametrizations.weight_norm(nn.Linear(6, 3))
+        self.head = nn.Linear(3, 3)
+        self.shift = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.lin(x)) + self.shift
+
+
+def test_parameters_left_out_are_named_for_what_they_are() -> None:
+    # both were "no handler for its module type (ParametrizationList)" and "(_BareAndParametrized)"
+    torch.manual_seed(0)
+    probe = PerExampleGradNorms(_BareAndParametrized())
+    weight = [n for n in probe.reasons if n.startswith("lin.parametrizations.weight")]
+    assert weight and all("a parametrized weight" in probe.reasons[n] for n in weight)
+    assert "_BareAndParametrized's own forward uses directly" in probe.reasons["shift"]

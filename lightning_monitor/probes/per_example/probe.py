@@ -164,6 +164,20 @@ def _orders(batch: int) -> list[list[int]]:
     return [rolled] if rolled == reversed_ else [rolled, reversed_]
 
 
+def _unhandled(mod: nn.Module) -> str:
+    """Why a parameter held by ``mod`` (a module type without a handler) is left out, in the user's terms."""
+    from torch.nn.utils.parametrize import ParametrizationList
+
+    name = type(mod).__name__
+    if isinstance(mod, ParametrizationList):
+        return ("a parametrized weight (`torch.nn.utils.parametrize`: weight_norm, spectral_norm, orthogonal ...): its "
+                "gradient reaches the original tensor through the parametrization, which has no per-example rule here")
+    if not type(mod).__module__.startswith("torch."):
+        return (f"a parameter {name}'s own forward uses directly (not through a layer of a known type): no "
+                "per-example rule for it")
+    return f"no handler for its module type ({name})"
+
+
 def _row_prints(x: Tensor, dim: int) -> Tensor:
     """One number per row of ``x`` along ``dim`` (its projection on a fixed random direction, in float64): what the
     layout check compares instead of the rows themselves, which it would hold for every hooked module of three runs of
@@ -556,7 +570,7 @@ class PerExampleGradNorms:
                 continue
             if handler is None:
                 for _, p in own:
-                    fallback.setdefault(id(p), f"no handler for its module type ({type(mod).__name__})")
+                    fallback.setdefault(id(p), _unhandled(mod))
                 continue
             reason = handler.unsupported(mod)
             if reason is not None:
