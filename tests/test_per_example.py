@@ -501,4 +501,4 @@ def test_parameters_left_out_are_named_for_what_they_are() -> None:
     probe = PerExampleGradNorms(_BareAndParametrized())
     weight = [n for n in probe.reasons if n.startswith("lin.parametrizations.weight")]
     assert weight and all("a parametrized weight" in probe.reasons[n] for n in weight)
-    assert "_BareAndParametrized's own forward uses directly" in probe.reasons["shift"]
+    assert "(_BareAndParametrized), whose own forward uses it directly" in probe.reasons["shift"]

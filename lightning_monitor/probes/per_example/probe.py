@@ -173,8 +173,8 @@ def _unhandled(mod: nn.Module) -> str:
         return ("a parametrized weight (`torch.nn.utils.parametrize`: weight_norm, spectral_norm, orthogonal ...): its "
                 "gradient reaches the original tensor through the parametrization, which has no per-example rule here")
     if not type(mod).__module__.startswith("torch."):
-        return (f"a parameter {name}'s own forward uses directly (not through a layer of a known type): no "
-                "per-example rule for it")
+        return (f"no handler for its module type ({name}), whose own forward uses it directly, not through a layer "
+                "of a known type (a handler can be registered: `lightning_monitor.probes.per_example.register`)")
     return f"no handler for its module type ({name})"
 
 
