@@ -632,3 +632,31 @@ def test_min_loss_progress_is_checked() -> None:
     for bad in (-0.1, 1.5, float("nan"), "0.1"):
         with pytest.raises(ValueError, match="min_loss_progress"):
             GradientEarlyStopping(min_loss_progress=bad)
+
+
+class _ShrinkingScaleRanks(_ShrinkingScale):
+    """Each rank writes its frozen set and its `still_learning` alerts at the end of training."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+
+    def on_train_end(self) -> None:
+        grades = next(c for c in self.trainer.callbacks if isinstance(c, GradientEarlyStopping))
+        said = [[a.kind, a.step] for a in grades.hub.history if a.kind.startswith("still_learning")]
+        with open(os.path.join(self.out, f"rank{self.global_rank}.json"), "w") as fh:
+            json.dump({"frozen": grades.frozen, "said": said, "losses": grades.losses}, fh)
+
+
+def test_ddp_ranks_wait_for_the_loss_together(tmp_path: Path) -> None:
+    # each rank reads its own batches' loss: the progress rule judges the ranks' mean, so every rank holds and
+    # freezes at the same checks
+    grades = GradientEarlyStopping(grace_steps=30, every_n_steps=5, stop=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn_find_unused_parameters_true",
+                         max_steps=220, callbacks=[grades], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+    fit_ddp_spawn(trainer, _ShrinkingScaleRanks(str(tmp_path)))
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["losses"] == r1["losses"] and r0["said"] == r1["said"] and r0["frozen"] == r1["frozen"]
+    assert r0["said"] and r0["said"][0][0] == "still_learning"
+    assert r0["frozen"] and min(r0["frozen"].values()) > 150

@@ -105,8 +105,9 @@ def main() -> None:
         strategy = "ddp_find_unused_parameters_true"  # GradES freezes parameters mid-run
     monitors = {
         "sa": SpectralAlignmentMonitor(every_n_steps=5, baseline_checks=2, head=None),
+        # (the loss still falls at step 10: the progress rule would hold the freeze this test follows)
         "grades": GradientEarlyStopping(tau=0.011, threshold="absolute", grace_steps=10, every_n_steps=2,
-                                        smoothing=0.5, stop=False),
+                                        smoothing=0.5, stop=False, min_loss_progress=None),
         "gns": GradientNoiseScaleMonitor(method=args.gns_method, every_n_steps=4),
         "gwa": GradientWeightAlignmentMonitor(every_n_steps=1, log_histograms=False),
     }
