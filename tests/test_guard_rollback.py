@@ -481,17 +481,24 @@ def test_snapshot_files_outlive_a_killed_process_and_serve_the_resumed_run(tmp_p
     state = torch.load(tmp_path / "ck" / "epoch=0-step=55.ckpt", weights_only=False)["callbacks"][guard.state_key]
     assert [f["step"] for f in state["snapshot_files"]] == [25, 50]  # keep_snapshots=2
 
-    # resumed with the glitch ahead: the divergence at 61 goes back to the snapshot of step 50, taken by the killed
-    # process (without it the resumed run's only snapshot would be of step 55 or later)
+    # resumed with the glitch ahead: the snapshot of step 50, taken by the killed process, is adopted, and the
+    # resumed state of step 55 is kept beside it; the divergence at 61 goes back to 55 (it went back to the file of
+    # step 50, undoing the five healthy steps the checkpoint held as well)
     pl.seed_everything(0)
     resumed = DivergenceGuard(every_n_steps=5, snapshot_every_n_checks=5, snapshot_dir=snaps)
-    capture = _Capture(step=62)
-    trainer = _trainer(tmp_path / "b", [resumed, capture], 120)
+    capture, steps = _Capture(step=62), []
+
+    class _Held(Callback):
+        def on_train_start(self, trainer, pl_module):
+            steps.extend(s.step for s in resumed._snapshots)
+
+    trainer = _trainer(tmp_path / "b", [resumed, _Held(), capture], 120)
     trainer.fit(_Regression(glitch=(60, 61, 62)), ckpt_path=str(tmp_path / "ck" / "epoch=0-step=55.ckpt"))
-    assert [(r["step"], r["to_step"]) for r in resumed.rollbacks] == [(61, 50)]
+    assert steps == [25, 50, 55]
+    assert [(r["step"], r["to_step"]) for r in resumed.rollbacks] == [(61, 55)]
     pl.seed_everything(0)
-    ref = _Capture(step=50)
-    _trainer(tmp_path / "ref", [ref], 50, logger=False).fit(_Regression())
+    ref = _Capture(step=55)
+    _trainer(tmp_path / "ref", [ref], 55, logger=False).fit(_Regression())
     _assert_same(capture.module, ref.module)
     # the resumed run's end deletes the files it took over (the step-0 file is one the killed process dropped)
     assert os.listdir(snaps) == ["guard-snapshot-rank0-step=0.pt"]
@@ -519,7 +526,7 @@ def test_snapshot_files_missing_on_resume_are_left_out(tmp_path, monkeypatch):
     resumed = DivergenceGuard(every_n_steps=5, snapshot_every_n_checks=5, snapshot_dir=snaps)
     probe = _Snaps()
     _trainer(tmp_path / "b", [resumed, probe], 57).fit(_Regression(), ckpt_path=str(tmp_path / "ck" / "epoch=0-step=55.ckpt"))
-    assert probe.steps == [25]
+    assert probe.steps == [25, 55]  # the file of 50 is gone on this rank: left out; the resumed state is kept
 
 
 def test_a_snapshot_writes_over_the_memory_of_the_one_it_pushes_out(tmp_path):

@@ -420,8 +420,10 @@ class DivergenceGuard(Monitor):
         self._resume_step = trainer.global_step
         if self.idle_reason is None:
             self._infinite_by_design = self._infinite_buffers(trainer, pl_module)
+        adopted = False
         if self.idle_reason is None and self._snapshot_files:
             self._adopt_snapshot_files(trainer)
+            adopted = bool(self._snapshots)
         if self._loss_watch.history and trainer.optimizers and not any(opt.state for opt in trainer.optimizers):
             # a fit that goes on from earlier weights with new optimizers (a second fit of the same Trainer, no
             # checkpoint): the first updates of a fresh optimizer overshoot and settle, as at the start of a run, so
@@ -430,11 +432,13 @@ class DivergenceGuard(Monitor):
             self._normal_recent.clear()
         if trainer.ckpt_path is None and (self._lr_ceiling is not None or self._lr_scale != 1.0):
             self._lift_lr_ceiling(trainer)
-        if (self.idle_reason is None and trainer.global_step > 0 and not self._snapshots
-                and self.snapshot_every_n_steps is not None):
+        if (self.idle_reason is None and trainer.global_step > 0 and self.snapshot_every_n_steps is not None
+                and (not self._snapshots or (adopted and self._snapshots[-1].step < trainer.global_step))):
             # a resumed run (or a later fit) starts from a state that training reached and left normal (the snapshots
             # in host memory did not travel with the checkpoint): kept at once, else an anomaly at the first check
-            # after the resume found no snapshot to go back to and stopped the run
+            # after the resume found no snapshot to go back to and stopped the run. Also beside the snapshot files
+            # adopted from `snapshot_dir`, which are older: a NaN right after the resume went back to the newest
+            # file, undoing the steps between it and the checkpoint as well
             self._snapshot_now(trainer, pl_module)
             if self._snapshots:
                 # the checkpoint's own state: an anomaly at this very step (a bad batch) goes back to it, not to a stop
