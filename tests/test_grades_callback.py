@@ -660,3 +660,18 @@ def test_ddp_ranks_wait_for_the_loss_together(tmp_path: Path) -> None:
     assert r0["losses"] == r1["losses"] and r0["said"] == r1["said"] and r0["frozen"] == r1["frozen"]
     assert r0["said"] and r0["said"][0][0] == "still_learning"
     assert r0["frozen"] and min(r0["frozen"].values()) > 150
+
+
+def test_the_losses_the_progress_rule_reads_travel_with_the_state(tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    grades = GradientEarlyStopping(grace_steps=30, every_n_steps=5, stop=False)
+    _trainer(tmp_path, [grades], max_steps=260).fit(_ShrinkingScale())
+    w = grades._loss_window()
+    steps = [s for s, _ in grades.losses]
+    # the first three checks and the last two windows before the last check are kept, nothing between (the checks
+    # end once every component is frozen or held)
+    last = steps[-1]
+    assert steps[:3] == [0, 5, 10] and steps[3:] == list(range(last - 2 * w + 5, last + 5, 5)) and last > 3 * w
+    again = GradientEarlyStopping(grace_steps=30, every_n_steps=5, stop=False)
+    again.load_state_dict(grades.state_dict())
+    assert again.losses == grades.losses
