@@ -1855,6 +1855,13 @@ class DivergenceGuard(Monitor):
             return None
         return ", ".join(f"{b:.3g} -> {n:.3g}" for b, n in rose[:3]) + (" ..." if len(rose) > 3 else "")
 
+    def _above_best(self, lrs: list[list[Optional[float]]]) -> dict[tuple[int, int], tuple[float, float]]:
+        """``(optimizer, group) -> (rate, rate at the best smoothed loss)`` of the float rates ``lrs`` above their
+        rate at the best smoothed loss."""
+        best = self._lr_at_min
+        return {(i, j): (n, b) for i, row in enumerate(lrs) for j, n in enumerate(row) for b in [_at(best, i, j)]
+                if n is not None and b is not None and n > 1.001 * b}
+
     @staticmethod
     def _float_lrs(trainer: pl.Trainer) -> list[list[Optional[float]]]:
         """Every parameter group's learning rate (``None`` for a tensor rate: reading it would sync)."""
@@ -1890,8 +1897,7 @@ class DivergenceGuard(Monitor):
         best, before = self._lr_at_min, self._lr_ceiling
         # the groups whose rate rose since the best smoothed loss: only they are held to a fraction of the rate that
         # diverged (a group whose rate never moved, a trunk beside a head whose rate jumped, keeps its rate)
-        risen = {(i, j) for i, row in enumerate(lr_now) for j, n in enumerate(row) for b in [_at(best, i, j)]
-                 if n is not None and b is not None and n > 1.001 * b}
+        risen = self._above_best(lr_now)
         rose = diverged and bool(risen)
         steady = diverged and not rose and not bad_batch
         factor = self.lr_factor ** (repeat + steady)
@@ -1945,9 +1951,7 @@ class DivergenceGuard(Monitor):
         if snap is not None:
             self._restore_keeping_frozen(trainer, pl_module, snap, {})
             state = f"the state of step {snap.step}, the last good one"
-            best = self._lr_at_min
-            above = [(n, b) for i, row in enumerate(self._float_lrs(trainer)) for j, n in enumerate(row)
-                     for b in [_at(best, i, j)] if n is not None and b is not None and n > 1.001 * b]
+            above = list(self._above_best(self._float_lrs(trainer)).values())
             if above:
                 # the state holds the rates in force at its step, which may be those that diverged (a jump set before
                 # the snapshot's step): said, so that a resume does not take them again unawares

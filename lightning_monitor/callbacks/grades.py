@@ -809,8 +809,9 @@ class GradientEarlyStopping(Monitor):
         if loss_h is not None and math.isfinite(loss_h):
             self.losses.append((step, float(loss_h)))
             # what the rule reads: the first three checks and the last two windows (a checkpoint stays small)
-            if len(self.losses) > 3 and self.losses[3][0] <= step - 2 * self._loss_window():
-                self.losses = self.losses[:3] + [x for x in self.losses[3:] if x[0] > step - 2 * self._loss_window()]
+            since = step - 2 * self._loss_window()
+            if len(self.losses) > 3 and self.losses[3][0] <= since:
+                self.losses = self.losses[:3] + [x for x in self.losses[3:] if x[0] > since]
         if newly and self.min_loss_progress is not None:
             learning = self._still_learning(step)
             if learning is not None:
