@@ -1033,3 +1033,42 @@ def test_an_auxiliary_head_of_fewer_classes_than_the_targets_is_not_taken(tmp_pa
         warnings.simplefilter("ignore")
         _trainer(tmp_path, False, [gwa], max_epochs=1).fit(Aux3(), DataLoader(TensorDataset(x, ya, yb), batch_size=16))
     assert gwa._head_name == "head_a" and gwa.idle_reason is None and gwa.history[0]["count"] > 0
+
+
+class FrozenHead(DigitsMLP):
+    """The body trains while the head's weight is kept frozen (as in a LoRA fine-tune whose `lm_head` is not adapted)."""
+
+    def __init__(self) -> None:
+        super().__init__(record=True)
+        self.fc.requires_grad_(False)
+
+
+def test_a_frozen_head_is_scored_and_said(tmp_path) -> None:
+    loader, _ = _loader(200, batch_size=50, shuffle=False)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    torch.manual_seed(0)
+    model = FrozenHead()
+    before = model.fc.weight.detach().clone()
+    _trainer(tmp_path, logger, [gwa], max_epochs=2).fit(model, loader)
+    assert torch.equal(model.fc.weight, before)  # the head never moved
+    alerts = [json.loads(line) for line in open(os.path.join(logger.log_dir, "alerts.jsonl"))]
+    frozen = [a for a in alerts if a["kind"] == "frozen_head"]
+    assert len(frozen) == 1 and frozen[0]["severity"] == "info" and "`fc` is frozen" in frozen[0]["message"]
+    # still scored, and exactly: the per-sample gradients are the head's whether or not its weight trains
+    for epoch, record in enumerate(gwa.history):
+        oracle = torch.cat(model.oracle[epoch]).numpy()
+        assert record["count"] == 200 and record["score"] == pytest.approx(_scipy_gwa(oracle), rel=1e-4)
+    # named with `head=` (no step watched): said as the fit starts
+    named = GradientWeightAlignmentMonitor(head="fc", warmup_epochs=0)
+    logger3 = TensorBoardLogger(str(tmp_path), name="tb3")
+    _trainer(tmp_path, logger3, [named], max_epochs=1).fit(FrozenHead(), loader)
+    kinds = [json.loads(line)["kind"] for line in open(os.path.join(logger3.log_dir, "alerts.jsonl"))]
+    assert kinds.count("frozen_head") == 1
+    # a trained head is not said to be frozen
+    ok = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    logger2 = TensorBoardLogger(str(tmp_path), name="tb2")
+    _trainer(tmp_path, logger2, [ok], max_epochs=1).fit(DigitsMLP(record=False), loader)
+    path = os.path.join(logger2.log_dir, "alerts.jsonl")
+    kinds = [json.loads(line)["kind"] for line in open(path)] if os.path.exists(path) else []
+    assert "frozen_head" not in kinds

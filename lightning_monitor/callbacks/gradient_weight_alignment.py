@@ -614,6 +614,8 @@ class GradientWeightAlignmentMonitor(Monitor):
             return
         self._check_time_limit(trainer)
         self._check_score_consumers(trainer)
+        if self.head is not None:  # otherwise said when the first step shows which layer is the head
+            self._say_if_frozen(trainer.global_step)
         # the epoch training starts in: Lightning calls on_train_epoch_start for it only when it starts at its
         # first batch (not after a resume inside it)
         self._reset_epoch(pl_module.device, trainer.current_epoch)
@@ -969,9 +971,23 @@ class GradientWeightAlignmentMonitor(Monitor):
                            f"not `{default}`, the last nn.Linear with >= 2 outputs registered.")
         else:
             rank_zero_info(f"GradientWeightAlignmentMonitor: classifier head `{chosen}` ({module}).")
+        self._say_if_frozen(step)
         if self._armed_step == trainer.global_step and self._pending is not None and call is not None:
             self._on_head_forward(module, call[1], call[2])
             self.keep(module.register_forward_hook(self._on_head_forward))  # the step's further micro-batches
+
+    def _say_if_frozen(self, step: int) -> None:
+        """An info alert when the scored head's weight does not train (a LoRA fine-tune that leaves `lm_head` alone, a
+        linear probe's frozen classifier): its scores are still exact, but read differently."""
+        if self._head is None or self._head.weight.requires_grad:
+            return
+        # the per-sample gradients are still the head's, but the weights they are compared with never move
+        self.alert(
+            step, "frozen_head", "info",
+            f"The classifier head `{self._head_name}` is frozen (its weight does not require a gradient): GWA compares "
+            "each sample's gradient with weights that training does not change, so its score follows the features "
+            "alone and the paper's reading of it (the head's own fit) does not apply. Pass `head=` to score a trained "
+            "layer.")
 
     # ------------------------------------------------------------------ epoch accumulators
     def _reset_epoch(self, device: Optional[torch.device], epoch: Optional[int] = None) -> None:
