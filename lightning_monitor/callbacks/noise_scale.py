@@ -98,8 +98,10 @@ class GradientNoiseScaleMonitor(Monitor):
         alert_ratio: an info alert when the global batch size is below ``B_simple / alert_ratio`` or
             above ``B_simple * alert_ratio`` (> 1).
         min_checks: checks smoothed before the first batch-size alert.
-        loss_reduction: for ``"per_example"``: ``"mean"`` if the training loss is averaged over the
-            examples of the batch (Lightning's default losses), ``"sum"`` if summed.
+        loss_reduction: ``"mean"`` if the training loss is averaged over the examples of the batch (Lightning's
+            default losses), ``"sum"`` if summed: every method reads gradients of the loss, and the noise scale is
+            defined on mean gradients (with ``"sum"`` the logged ``g2`` and ``trace_sigma`` are those of the mean
+            gradient, as with ``"mean"``).
         linear_strategy: for ``"per_example"``: see :class:`~lightning_monitor.probes.per_example.PerExampleGradNorms`
             (``"auto"``, ``"fused"``, ``"gram"``, ``"materialize"``).
         min_coverage: for ``"per_example"``: below this share of the gradient's squared norm covered by
@@ -564,6 +566,16 @@ class GradientNoiseScaleMonitor(Monitor):
         scale = grad_scaler_scale(scaler)
         return scale.detach().float() if scale is not None else None
 
+    def _to_mean(self, accumulate: int, micro: int) -> float:
+        """The factor that turns the squared norm of an accumulated gradient (``.grad``, or a rank's before the
+        all-reduce) into that of the mean gradient over its examples. Lightning divides each micro-batch's loss by
+        ``accumulate``: with losses averaged over their examples, ``.grad`` is ``micro / accumulate`` times the mean
+        (1 but in an epoch's short last window); with summed losses it is the sum over the examples over
+        ``accumulate``."""
+        if self.loss_reduction == "sum":
+            return (float(accumulate) / max(self._examples, 1)) ** 2
+        return 1.0 if micro == accumulate else (float(accumulate) / micro) ** 2
+
     # the small-batch squared norms of each method: (parameter names, {name: |g_small|^2}, B_small, B_big), from
     # `micro` micro-batches, each loss divided by `accumulate` (Lightning's division, also in an epoch's last, shorter
     # accumulation window)
@@ -584,6 +596,8 @@ class GradientNoiseScaleMonitor(Monitor):
     def _small_accumulation(self, trainer: pl.Trainer, accumulate: int, micro: int) -> Optional[_Small]:
         names = [n for n in self._params if n in self._small]
         factor = float(accumulate) ** 2 / micro  # the mean over the micro-batches of (accumulate * g)^2
+        if self.loss_reduction == "sum":  # each micro-batch's gradient is the sum over its examples: to their mean
+            factor /= (self._examples / micro) ** 2
         small = {n: self._small[n] * factor for n in names}
         return names, small, self._examples / micro, self._examples * trainer.world_size
 
@@ -599,8 +613,9 @@ class GradientNoiseScaleMonitor(Monitor):
         else:
             vec = torch.zeros(0)
         vec = trainer.strategy.reduce(vec, reduce_op="mean")
-        if micro != accumulate:  # a short window: the accumulated local gradient is micro / accumulate of its mean
-            vec = vec * (float(accumulate) / micro) ** 2
+        to_mean = self._to_mean(accumulate, micro)
+        if to_mean != 1.0:  # the accumulated local gradient as the mean over the rank's examples
+            vec = vec * to_mean
         return names, dict(zip(names, vec.unbind(0))), self._examples, self._examples * trainer.world_size
 
     def compute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[dict[str, Any]]:
@@ -667,8 +682,9 @@ class GradientNoiseScaleMonitor(Monitor):
             rest = [p.grad.detach() for n, p in self._params.items() if n not in measured and p.grad is not None]
             # .grad is unscaled at this hook
             big_vec, rest_vec = self._sq_norms_global(trainer, [[g.detach() for g in grads], rest])
-        if micro != accumulate:  # a short window: .grad holds micro / accumulate times the big-batch mean gradient
-            big_vec, rest_vec = (v * (float(accumulate) / micro) ** 2 for v in (big_vec, rest_vec))
+        to_mean = self._to_mean(accumulate, micro)
+        if to_mean != 1.0:  # .grad as the big batch's mean gradient
+            big_vec, rest_vec = (v * to_mean for v in (big_vec, rest_vec))
         small_vec = torch.stack([small[n] for n in names]).to(big_vec.device)
 
         raw: dict[str, Any] = {"\x00batch": float(b_big)}
