@@ -304,3 +304,32 @@ def test_a_coverage_just_below_the_threshold_never_reads_as_equal_to_it(tmp_path
 
     printed = float(re.search(r"gns/coverage = ([0-9.]+)[,)]", alert.message).group(1))
     assert printed < 0.9 and alert.value - printed < 1e-3  # 0.899, not 0.900
+
+
+class Aliased(Classifier):
+    """The same layers reachable under a second name (``self.net``), the forward going through it."""
+
+    def __init__(self, body: nn.Module, width: int) -> None:
+        super().__init__(body, width)
+        self.net = nn.Sequential(self.body, self.head)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+
+def test_modules_reachable_under_two_names_are_measured_once(tmp_path) -> None:
+    # hooked under both names, every call was counted twice: the check of the batch gradient failed and every
+    # parameter was left out (gns/coverage 0, no B_simple all run)
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    results = []
+    for cls in (Classifier, Aliased):
+        torch.manual_seed(0)
+        model = cls(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16)), 16)
+        tags, alerts = run(model, x, y, tmp_path / cls.__name__, GradientNoiseScaleMonitor(every_n_steps=1))
+        assert [v for _, v in tags["gns/coverage"]] == [1.0] * 4
+        assert not [a for a in alerts if a.kind == "partial_coverage"]
+        results.append(tags)
+    plain, aliased = results
+    for key in ("gns/g2", "gns/trace_sigma", "gns/b_simple"):
+        assert [v for _, v in aliased[key]] == pytest.approx([v for _, v in plain[key]], rel=1e-6)

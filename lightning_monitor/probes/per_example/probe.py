@@ -546,7 +546,14 @@ class PerExampleGradNorms:
         covered: set[int] = set()
         self.reasons: dict[str, str] = {}
         fallback: dict[int, str] = {}  # why a parameter of a module that is not hooked is left out
+        seen_modules: set[int] = set()
         for mname, mod in self.module.named_modules(remove_duplicate=False):
+            if id(mod) in seen_modules:
+                # a module reachable under a second name (`self.net = nn.Sequential(self.backbone, self.head)`): hooked
+                # once, under its first name. Hooked under each, every call was counted twice, the batch gradient's
+                # check failed, and every parameter of such a module was left out
+                continue
+            seen_modules.add(id(mod))
             handler = handler_for(mod)
             own = [(ln, p) for ln, p in mod.named_parameters(recurse=False) if p.requires_grad]
             if not own:
