@@ -1,4 +1,5 @@
-"""The noise scale of a summed loss (``loss_reduction="sum"``), checked per step against per-example autograd.
+"""The noise scale's logged estimates, step by step, against per-example autograd: a summed loss
+(``loss_reduction="sum"``), and a trainable set that changes mid-run.
 
 The noise scale is defined on mean gradients. With a summed loss every gradient the monitor reads (``.grad``, a
 micro-batch's, a rank's) is a sum over its examples; before, only the per-example norms were read as such, so the
@@ -110,3 +111,53 @@ def test_a_summed_loss_over_two_ddp_ranks_gives_the_averaged_ones_estimate(tmp_p
         assert runs["sum"][r]["method"] == "ddp" and runs["sum"][r]["count"] == 20
         assert runs["sum"][r]["g2"] == pytest.approx(runs["mean"][r]["g2"], rel=1e-4)
         assert runs["sum"][r]["tr"] == pytest.approx(runs["mean"][r]["tr"], rel=1e-4)
+
+
+class _FreezeAt(pl.Callback):
+    """Freeze ``module`` at the start of step ``step`` (as GradientEarlyStopping freezes a component)."""
+
+    def __init__(self, name: str, step: int) -> None:
+        self.name, self.step = name, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            pl_module.get_submodule(self.name).requires_grad_(False)
+
+
+def _bias_corrected_ema(values: list[float], beta: float) -> float:
+    acc = 0.0
+    for v in values:
+        acc = beta * acc + (1.0 - beta) * v
+    return acc / (1.0 - beta ** len(values))
+
+
+def test_the_averages_start_again_when_the_parameters_measured_change(tmp_path) -> None:
+    # the model-wide averages had mixed in the checks of the parameters before a freeze: after GradES froze most of a
+    # model, B_simple stayed several times that of the parameters still trained for about ten checks
+    steps, freeze, beta = 8, 3, 0.5
+    x, y = _data(B * steps)
+    model = Classifier("mean")
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    mon = GradientNoiseScaleMonitor(every_n_steps=1, smoothing=beta, per_layer=False)
+    pl.Trainer(accelerator="cpu", max_steps=steps, logger=logger, callbacks=[_FreezeAt("net.0", freeze), mon],
+               log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False).fit(model, DataLoader(TensorDataset(x, y), batch_size=B))
+    logged = {tag: dict(rows) for tag, rows in tb_scalars(logger.log_dir).items()}
+    last = model.net[2]
+    raw = []
+    for step in range(freeze, steps):  # the oracle: per-example gradients of the parameters still trained
+        xs, ys = x[step * B:(step + 1) * B], y[step * B:(step + 1) * B]
+
+        def flat(xi, yi):
+            grads = torch.autograd.grad(F.cross_entropy(model.net(xi), yi), list(last.parameters()))
+            return torch.cat([g.flatten() for g in grads]).double()
+
+        per = torch.stack([flat(xs[i:i + 1], ys[i:i + 1]) for i in range(B)])
+        raw.append(_estimates(per.pow(2).sum(1).mean(), flat(xs, ys).pow(2).sum(), 1, B))
+        g2 = _bias_corrected_ema([r[0] for r in raw], beta)
+        tr = _bias_corrected_ema([r[1] for r in raw], beta)
+        assert logged["gns/g2"][step] == pytest.approx(g2, rel=1e-4)
+        assert logged["gns/trace_sigma"][step] == pytest.approx(tr, rel=1e-4)
+    restarts = [json.loads(line) for line in open(os.path.join(logger.log_dir, "alerts.jsonl"))
+                if json.loads(line)["kind"] == "averages_restarted"]
+    assert len(restarts) == 1 and restarts[0]["step"] == freeze and "2 no longer trained" in restarts[0]["message"]
