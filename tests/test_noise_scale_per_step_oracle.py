@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import fit_ddp_spawn, tb_scalars
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -65,18 +66,24 @@ def _estimates(small: torch.Tensor, big: torch.Tensor, b_small: float, b_big: fl
     return float(g2), float(tr)
 
 
-@pytest.mark.parametrize("method,accumulate", [("per_example", 1), ("per_example", 2), ("accumulation", 2)])
+@pytest.mark.parametrize("method,accumulate,scheduled", [("per_example", 1, False), ("per_example", 2, False),
+                                                          ("accumulation", 2, False), ("accumulation", 2, True)])
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
-def test_summed_and_averaged_losses_give_the_oracles_estimates(tmp_path, method, accumulate, reduction) -> None:
+def test_summed_and_averaged_losses_give_the_oracles_estimates(tmp_path, method, accumulate, scheduled,
+                                                               reduction) -> None:
+    # scheduled: the accumulation set by a GradientAccumulationScheduler (the Trainer says 1 at setup, and
+    # method="accumulation" was refused there)
     n = B * accumulate
     x, y = _data(n * STEPS)
     model = Classifier(reduction)
     logger = TensorBoardLogger(str(tmp_path), name="tb")
     mon = GradientNoiseScaleMonitor(method=method, every_n_steps=1, smoothing=0.0, loss_reduction=reduction,
                                     per_layer=False)
-    pl.Trainer(accelerator="cpu", max_steps=STEPS, logger=logger, callbacks=[mon], log_every_n_steps=1,
-               accumulate_grad_batches=accumulate, enable_checkpointing=False, enable_progress_bar=False,
-               enable_model_summary=False).fit(model, DataLoader(TensorDataset(x, y), batch_size=B))
+    callbacks = [GradientAccumulationScheduler({0: accumulate}), mon] if scheduled else [mon]
+    pl.Trainer(accelerator="cpu", max_steps=STEPS, logger=logger, callbacks=callbacks, log_every_n_steps=1,
+               accumulate_grad_batches=1 if scheduled else accumulate, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False).fit(
+        model, DataLoader(TensorDataset(x, y), batch_size=B))
     assert mon.resolved_method == method
     logged = {tag: dict(rows) for tag, rows in tb_scalars(logger.log_dir).items()}
     for step in range(STEPS):

@@ -306,16 +306,16 @@ class GradientNoiseScaleMonitor(Monitor):
                 )
             from lightning_monitor._compat import ddp_comm_hook
 
-            if accumulate > 1 and ddp_comm_hook(trainer.strategy) is not None:
+            if self._planned_accumulation(trainer) > 1 and ddp_comm_hook(trainer.strategy) is not None:
                 raise ValueError(
                     "GradientNoiseScaleMonitor(method='ddp') with gradient accumulation registers its own DDP "
                     "communication hook, but the strategy already has `ddp_comm_hook`; remove it or use "
                     "method='per_example'."
                 )
-        if method == "accumulation" and accumulate < 2:
+        if method == "accumulation" and self._planned_accumulation(trainer) < 2:
             raise ValueError(
-                "GradientNoiseScaleMonitor(method='accumulation') needs Trainer(accumulate_grad_batches >= 2) "
-                f"(got {accumulate}); use method='per_example' instead."
+                "GradientNoiseScaleMonitor(method='accumulation') needs Trainer(accumulate_grad_batches >= 2) or a "
+                f"GradientAccumulationScheduler that accumulates (got {self._planned_accumulation(trainer)}); use method='per_example' instead."
             )
         self.resolved_method = method
 
@@ -323,6 +323,17 @@ class GradientNoiseScaleMonitor(Monitor):
         reason = self._select(pl_module, initial=True)
         if reason is not None:
             raise NothingToWatch(reason)
+
+    @staticmethod
+    def _planned_accumulation(trainer: pl.Trainer) -> int:
+        """The most micro-batches a step will accumulate in this fit: ``accumulate_grad_batches``, or the largest
+        factor of a ``GradientAccumulationScheduler``, which sets the Trainer's only as each epoch starts (at setup
+        the Trainer says 1, and the scheduler forbids setting it)."""
+        from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+        planned = [int(v) for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)
+                   for v in c.scheduling.values()]
+        return max([int(trainer.accumulate_grad_batches), *planned])
 
     @staticmethod
     def _check_model_parallel(trainer: pl.Trainer, method: str) -> None:
@@ -470,7 +481,7 @@ class GradientNoiseScaleMonitor(Monitor):
             current = {n: p for n, p in pl_module.named_parameters() if p.requires_grad}
             if any(current.get(n) is not p for n, p in self._params.items()):
                 self._select(pl_module, initial=False)
-        if self.resolved_method == "ddp" and trainer.accumulate_grad_batches > 1 and not self._ddp_registered:
+        if self.resolved_method == "ddp" and self._planned_accumulation(trainer) > 1 and not self._ddp_registered:
             from torch.nn.parallel import DistributedDataParallel
 
             model = trainer.strategy.model
