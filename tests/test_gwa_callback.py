@@ -1072,3 +1072,24 @@ def test_a_frozen_head_is_scored_and_said(tmp_path) -> None:
     path = os.path.join(logger2.log_dir, "alerts.jsonl")
     kinds = [json.loads(line)["kind"] for line in open(path)] if os.path.exists(path) else []
     assert "frozen_head" not in kinds
+
+
+class _FreezeHeadAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            pl_module.fc.requires_grad_(False)
+
+
+def test_a_head_frozen_mid_run_is_said_once(tmp_path) -> None:
+    loader, _ = _loader(200, batch_size=50, shuffle=False)  # 4 steps an epoch
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    _trainer(tmp_path, logger, [_FreezeHeadAt(6), gwa], max_epochs=3).fit(DigitsMLP(record=False), loader)
+    frozen = [json.loads(line) for line in open(os.path.join(logger.log_dir, "alerts.jsonl"))
+              if json.loads(line)["kind"] == "frozen_head"]
+    assert len(frozen) == 1 and frozen[0]["step"] == 8  # the end of the epoch in which it was frozen
+    assert "was frozen during the run" in frozen[0]["message"]
+    assert len(gwa.history) == 3 and all(r["count"] == 200 for r in gwa.history)  # still scored

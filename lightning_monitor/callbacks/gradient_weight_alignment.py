@@ -564,6 +564,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         from lightning_monitor._sharded import check_strategy, check_tensor_parallel
 
         self._head_name, self._head, self._pending = None, None, None
+        self._said_frozen = False
         self._head_candidates: Optional[list[tuple[str, nn.Linear]]] = None
         self._head_watch: Optional[_HeadWatch] = None
         self._pool_mask: Optional[Tensor] = None  # the scored batch's attention mask (see _pooled_targets)
@@ -976,18 +977,22 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._on_head_forward(module, call[1], call[2])
             self.keep(module.register_forward_hook(self._on_head_forward))  # the step's further micro-batches
 
-    def _say_if_frozen(self, step: int) -> None:
-        """An info alert when the scored head's weight does not train (a LoRA fine-tune that leaves `lm_head` alone, a
-        linear probe's frozen classifier): its scores are still exact, but read differently."""
-        if self._head is None or self._head.weight.requires_grad:
+    def _say_if_frozen(self, step: int, during: bool = False) -> None:
+        """An info alert, once per fit, when the scored head's weight does not train (a LoRA fine-tune that leaves
+        `lm_head` alone, a linear probe's frozen classifier, a component frozen mid-run): its scores are still exact,
+        but read differently."""
+        if self._head is None or self._head.weight.requires_grad or self._said_frozen:
             return
+        self._said_frozen = True
         # the per-sample gradients are still the head's, but the weights they are compared with never move
+        when = (f"was frozen during the run (found at the end of an epoch, step {step}: by GradientEarlyStopping or the "
+                "training code); the epochs scored since are ranked beside those before it, when it trained"
+                if during else "is frozen (its weight does not require a gradient)")
         self.alert(
             step, "frozen_head", "info",
-            f"The classifier head `{self._head_name}` is frozen (its weight does not require a gradient): GWA compares "
-            "each sample's gradient with weights that training does not change, so its score follows the features "
-            "alone and the paper's reading of it (the head's own fit) does not apply. Pass `head=` to score a trained "
-            "layer.")
+            f"The classifier head `{self._head_name}` {when}: GWA compares each sample's gradient with weights that "
+            "training does not change, so its score follows the features alone and the paper's reading of it (the "
+            "head's own fit) does not apply. Pass `head=` to score a trained layer.")
 
     # ------------------------------------------------------------------ epoch accumulators
     def _reset_epoch(self, device: Optional[torch.device], epoch: Optional[int] = None) -> None:
@@ -1624,6 +1629,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         if self._forward_only and not self._trained:
             return  # nothing was trained (StochasticWeightAveraging's BatchNorm epoch): nothing to score or select
         epoch, step = trainer.current_epoch, trainer.global_step
+        self._say_if_frozen(step, during=True)  # the head frozen since (GradES): said once (the flag is every rank's)
         state, negative, lo, hi, hist, top = self._reduce(trainer)
         outside = int(self._out_of_range)
         if outside and not self._said_out_of_range:
