@@ -238,6 +238,18 @@ def test_grace_fraction_of_the_planned_steps(tmp_path: Path) -> None:
     assert set(cb.frozen.values()) == {8} and trainer.global_step == 9
 
 
+def test_grace_fraction_of_the_steps_a_gradient_accumulation_scheduler_plans(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    # 16 batches an epoch: 16 steps at accumulation 1, then 4 at 4. Lightning's estimate divides every epoch by the
+    # Trainer's accumulation at setup (1 under a scheduler): 32 steps, a grace period of 16 of the run's 20
+    cb = GradientEarlyStopping(tau=1e-12, every_n_steps=2, grace_fraction=0.5)
+    trainer = _trainer(tmp_path, [GradientAccumulationScheduler({0: 1, 1: 4}), cb], max_steps=-1, max_epochs=2,
+                       limit_train_batches=16)
+    trainer.fit(_module(), _loader())
+    assert trainer.global_step == 20 and cb.grace_end == 10
+
+
 def test_max_frozen_ratio_stops_early(tmp_path: Path) -> None:
     # every component is under an absolute tau of 1e6 at the first decision: 1.0 >= 0.5 stops the run
     cb = GradientEarlyStopping(tau=1e6, threshold="absolute", every_n_steps=1, grace_steps=2, max_frozen_ratio=0.5)

@@ -63,6 +63,23 @@ def _as_tuple(patterns: Optional[Union[str, Sequence[str]]]) -> Optional[tuple[s
     return (patterns,) if isinstance(patterns, str) else tuple(patterns)
 
 
+
+def _planned_steps(trainer: pl.Trainer) -> Union[int, float]:
+    """``trainer.estimated_stepping_batches``, with the accumulation a ``GradientAccumulationScheduler`` will set
+    epoch by epoch: Lightning's estimate divides every epoch by the Trainer's accumulation, which is 1 at setup under
+    a scheduler (a scheduled run of 464 steps was planned at 307, another of 688 at 307 too, so the grace period was
+    two thirds of one and less than half of the other)."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    planned = trainer.estimated_stepping_batches
+    scheduler = next((c for c in trainer.callbacks if isinstance(c, GradientAccumulationScheduler)), None)
+    batches, epochs = trainer.num_training_batches, trainer.max_epochs
+    if (scheduler is None or not math.isfinite(planned) or not isinstance(batches, int) or epochs is None
+            or epochs < 0):
+        return planned
+    total = sum(math.ceil(batches / scheduler.get_accumulate_grad_batches(e)) for e in range(max(epochs, 1)))
+    return min(total, trainer.max_steps) if trainer.max_steps is not None and trainer.max_steps >= 0 else total
+
 class GradientEarlyStopping(Monitor):
     r"""Freezes each transformer component once its statistic has converged; stops when (almost) all
     are frozen.
@@ -100,7 +117,7 @@ class GradientEarlyStopping(Monitor):
     :math:`s_c < \tau`) needs a new ``tau`` for every model (values in the wild span 1e-10 .. 2.4).
 
     No component freezes before the grace period: ``grace_steps`` optimizer steps, or
-    ``grace_fraction`` of the planned steps (``trainer.estimated_stepping_batches``). A frozen component
+    ``grace_fraction`` of the planned steps (``trainer.estimated_stepping_batches``, epoch by epoch under a scheduled accumulation). A frozen component
     gets ``requires_grad=False`` (the backward skips its weight-gradient matmul; gradients still flow
     through it to earlier layers), its ``.grad`` is dropped (it skips this step's update), its
     optimizer state is freed, and it stays frozen. When the frozen fraction of components reaches
@@ -616,7 +633,7 @@ class GradientEarlyStopping(Monitor):
         elif self.grace_fraction == 0.0:
             self.grace_end = 0
         else:
-            planned = trainer.estimated_stepping_batches
+            planned = _planned_steps(trainer)
             if trainer.world_size > 1:
                 # the fewest of the ranks': their epochs may differ in length (a sampler of the user's,
                 # `use_distributed_sampler=False`), and a rank whose grace ended first asked the others to agree on
