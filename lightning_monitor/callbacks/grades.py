@@ -117,8 +117,8 @@ class GradientEarlyStopping(Monitor):
     :math:`s_c < \tau`) needs a new ``tau`` for every model (values in the wild span 1e-10 .. 2.4).
 
     No component freezes before the grace period: ``grace_steps`` optimizer steps, or
-    ``grace_fraction`` of the planned steps (``trainer.estimated_stepping_batches``, epoch by epoch under a scheduled accumulation). A frozen component
-    gets ``requires_grad=False`` (the backward skips its weight-gradient matmul; gradients still flow
+    ``grace_fraction`` of the planned steps (``trainer.estimated_stepping_batches``, epoch by epoch under a
+    scheduled accumulation). A frozen component gets ``requires_grad=False`` (the backward skips its weight-gradient matmul; gradients still flow
     through it to earlier layers), its ``.grad`` is dropped (it skips this step's update), its
     optimizer state is freed, and it stays frozen. When the frozen fraction of components reaches
     ``max_frozen_ratio`` the trainer stops (``trainer.should_stop``, reduced across ranks).
