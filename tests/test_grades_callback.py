@@ -687,3 +687,27 @@ def test_the_losses_the_progress_rule_reads_travel_with_the_state(tmp_path: Path
     again = GradientEarlyStopping(grace_steps=30, every_n_steps=5, stop=False)
     again.load_state_dict(grades.state_dict())
     assert again.losses == grades.losses
+
+
+class _Backbone(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.head(self.backbone(x)), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(filter(lambda p: p.requires_grad, self.parameters()), lr=1e-3)
+
+
+def test_components_a_finetuning_callback_froze_are_said_to_be_its(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,)))
+    trainer = _trainer(tmp_path, [BackboneFinetuning(unfreeze_backbone_at_epoch=1), GradientEarlyStopping()],
+                       max_steps=4)
+    with pytest.raises(ValueError, match=r"already frozen.*BackboneFinetuning froze them and may unfreeze them later"):
+        trainer.fit(_Backbone(), torch.utils.data.DataLoader(data, batch_size=8))

@@ -507,9 +507,15 @@ class GradientEarlyStopping(Monitor):
         self._components = {n: c for n, c in found.items() if c.weight.requires_grad or n in self.frozen}
         self._names = list(self._components)
         if not self._components:
+            from lightning.pytorch.callbacks import BaseFinetuning
+
+            thawing = [type(c).__name__ for c in trainer.callbacks if isinstance(c, BaseFinetuning)]
+            later = (f" {thawing[0]} froze them and may unfreeze them later in the run; GradES watches the components "
+                     "trainable when the fit starts and does not take up those unfrozen later (use it in a fit that "
+                     "starts after the unfreeze, or without the finetuning callback)." if thawing else "")
             raise NothingToWatch(no_component_reason(pl_module, self.include) if not found else (
                 f"every component found in {type(pl_module).__name__} is already frozen "
-                f"({list(found)[:6]}...); nothing is left to watch."
+                f"({list(found)[:6]}...); nothing is left to watch.{later}"
             ))
         self._check_saved_names()
         if self.include is None:
