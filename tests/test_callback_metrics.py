@@ -374,3 +374,19 @@ def test_ddp_every_rank_gets_the_keys_and_decides_together(tmp_path) -> None:
     assert set(r0["metrics"]) == set(r1["metrics"]) >= {GWA, SA_KEY, "gwa/mean"}
     assert r0["metrics"][GWA] == r1["metrics"][GWA]  # reduced across ranks
     assert r0["stopped"] == r1["stopped"] and r0["epoch"] == r1["epoch"]
+
+
+def test_unmasked_warmup_epochs_rank_below_the_window_for_a_checkpoint(tmp_path) -> None:
+    # mask_warmup=False with a validation loop (the docs' way to checkpoint on gwa/selection there): the warm-up
+    # epochs were published with their scores' values, and the checkpoint kept warm-up epoch 0 over GWA's own pick
+    torch.manual_seed(4)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=2, log_histograms=False, mask_warmup=False)
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ck"), monitor="gwa/selection", mode="max", filename="{epoch}",
+                           save_top_k=-1)
+    _trainer(tmp_path, [gwa, ckpt], max_epochs=5).fit(Digits(), _digits_loader(),
+                                                      _digits_loader(100, shuffle=False, seed=1))
+    saved = {os.path.basename(p): float(v) for p, v in ckpt.best_k_models.items()}
+    assert saved["epoch=0.ckpt"] == 0.0 and saved["epoch=1.ckpt"] == 0.0  # below every epoch of the window
+    assert all(saved[f"epoch={e}.ckpt"] > 0.0 for e in (2, 3, 4))
+    assert os.path.basename(ckpt.best_model_path) == f"epoch={gwa.best_epoch}.ckpt" and gwa.best_epoch >= 2
+    assert all(math.isfinite(r["score"]) for r in gwa.history[:2])  # the warm-up epochs are still scored (and logged)

@@ -310,7 +310,9 @@ class GradientWeightAlignmentMonitor(Monitor):
         warmup_epochs: number of epochs outside the window; overrides ``warmup_fraction``.
         finetune: open the window only after GWA's first dip (fine-tuning a pre-trained model).
         mask_warmup: keep ``gwa/score`` and ``gwa/selection`` out of ``callback_metrics`` outside the window
-            (loggers still get the score).
+            (loggers still get the score). ``False``: ``gwa/score`` is published at every epoch, and
+            ``gwa/selection`` at 0 outside the window (ranked below every epoch of it, as the monitor ranks them). ``False``: ``gwa/score`` is published at every epoch, and
+            ``gwa/selection`` at 0 outside the window (ranked below every epoch of it, as the monitor ranks them).
         ignore_index: integer target that marks a sample (token) to skip.
         log_histograms: write a histogram of the epoch's scores to TensorBoard loggers. Deprecated alias:
             ``histogram``.
@@ -683,7 +685,8 @@ class GradientWeightAlignmentMonitor(Monitor):
                     f"ModelCheckpoint(monitor={key!r}) with a validation loop raises after the first validation of "
                     f"GWA's warm-up ({gap}): Lightning requires the monitored key once a validation loop has run, "
                     f"and `{key}` has no value before the window opens. Without a validation loop it waits; with "
-                    "one, pass `warmup_epochs=0` or `mask_warmup=False` (warm-up epochs can then be kept)."
+                    "one, pass `mask_warmup=False` (`gwa/selection` is then 0 for the warm-up epochs) or "
+                    "`warmup_epochs=0`."
                 )
 
     @staticmethod
@@ -1718,10 +1721,15 @@ class GradientWeightAlignmentMonitor(Monitor):
         eligible = False if small else self._select(epoch, record.get("score"), bimodal)
         record.update(eligible=eligible, negative=negative)
         ranked = record.get("score") is not None or bimodal is not None
-        if ranked and not small and (eligible or not self.mask_warmup):
+        if ranked and not small and eligible:
             # callback_metrics only, masked like gwa/score: the epoch's place in the selection as one number, for
             # ModelCheckpoint and EarlyStopping (GWA itself is undefined for bimodal scores)
             publish(trainer, {self.key("selection"): self._selection_value(record.get("score"), kurtosis)})
+        elif not small and not self.mask_warmup and not self._in_window(epoch):
+            # outside the window, published (a checkpoint callback with a validation loop needs the key): 0, below every
+            # epoch of the window, as the monitor ranks it. Published with its score's value, a warm-up epoch (whose
+            # score is often the run's highest) was kept as the best checkpoint over GWA's own pick (epoch 0 against 3)
+            publish(trainer, {self.key("selection"): 0.0})
         self.history.append(record)
         if self.best_epoch is not None:
             metrics[self.key("best_epoch")] = float(self.best_epoch)
