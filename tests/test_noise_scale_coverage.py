@@ -157,16 +157,36 @@ class OnlyBatchNorm(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class OnlyEmbeddingBag(OnlyBatchNorm):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.EmbeddingBag(10, 3)  # no per-example rule: left out at setup
+
+    def training_step(self, batch, batch_idx):
+        return self.bn(batch[0].abs().long() % 10).pow(2).mean()
+
+
 def test_nothing_to_watch_raises_or_stays_idle(tmp_path) -> None:
     x, y = torch.randn(16, 3), torch.randint(0, 3, (16,))
     with pytest.raises(NothingToWatch, match="no parameter of the model is covered"):
-        run(OnlyBatchNorm(), x, y, tmp_path, GradientNoiseScaleMonitor(every_n_steps=1), steps=2)
+        run(OnlyEmbeddingBag(), x, y, tmp_path, GradientNoiseScaleMonitor(every_n_steps=1), steps=2)
     mon = GradientNoiseScaleMonitor(every_n_steps=1)
     mon.idle_when_nothing_to_watch = True
-    tags, alerts = run(OnlyBatchNorm(), x, y, tmp_path, mon, steps=2)
+    tags, alerts = run(OnlyEmbeddingBag(), x, y, tmp_path, mon, steps=2)
     assert mon.idle_reason is not None and "covered" in mon.idle_reason
     assert not [t for t in tags if t.startswith("gns/")]
     assert [a.kind for a in alerts] == ["nothing_to_watch"]
+
+
+def test_a_batchnorm_in_training_mode_is_left_out_when_it_runs(tmp_path) -> None:
+    # a BatchNorm is measured in eval mode only; its mode is known when it runs (the training code may put it in eval
+    # at each epoch's start), so a model whose only parameters are a training-mode BatchNorm's says so at its first
+    # check, as a coverage of 0, with the BatchNorm's reason, and estimates nothing
+    x, y = torch.randn(16, 3), torch.randint(0, 3, (16,))
+    tags, alerts = run(OnlyBatchNorm(), x, y, tmp_path, GradientNoiseScaleMonitor(every_n_steps=1), steps=2)
+    assert [v for _, v in tags["gns/coverage"]] == [0.0, 0.0] and "gns/b_simple" not in tags
+    (said,) = [a for a in alerts if a.kind == "partial_coverage"]
+    assert "batch statistics couple the examples" in said.message and "nothing is estimated" in said.message
 
 
 class FoldedChoices(pl.LightningModule):

@@ -984,7 +984,11 @@ class GradientWeightAlignmentMonitor(Monitor):
         """An info alert, once per fit, when the scored head's weight does not train (a LoRA fine-tune that leaves
         `lm_head` alone, a linear probe's frozen classifier, a component frozen mid-run): its scores are still exact,
         but read differently."""
-        if self._head is None or self._head.weight.requires_grad or self._said_frozen:
+        if self._head is None or self._said_frozen:
+            return
+        # its parameters, not `.weight`: reading a parametrized weight (spectral_norm) runs a power iteration, which
+        # changes the run. Frozen when none but the bias trains (a LoRA adapter on a frozen weight moves the weight)
+        if any(p.requires_grad for n, p in self._head.named_parameters() if not n.endswith("bias")):
             return
         self._said_frozen = True
         # the per-sample gradients are still the head's, but the weights they are compared with never move

@@ -232,6 +232,7 @@ class GradientNoiseScaleMonitor(Monitor):
     def _reset_run_state(self) -> None:
         super()._reset_run_state()
         self.ema = NoiseScaleEMA(self.smoothing)
+        self._ema_names: Optional[set[str]] = None  # the parameters the model-wide averages cover (None: unknown)
         self._undefined = 0  # consecutive checks without B_simple
         self.layer_ema: dict[str, NoiseScaleEMA] = {}
         self.resolved_method: Optional[str] = None
@@ -254,6 +255,9 @@ class GradientNoiseScaleMonitor(Monitor):
         state = super().state_dict()
         state["ema"] = self.ema.state_dict()
         state["layer_ema"] = {k: v.state_dict() for k, v in self.layer_ema.items()}
+        # what the model-wide averages cover: a resumed run re-freezes GradES's components after the setup's selection,
+        # and its first check must not take that for a change of what is measured
+        state["ema_names"] = None if self._ema_names is None else sorted(self._ema_names)
         state["said"] = {"reported": sorted(self._reported), "partial": self._said_partial,
                          "single": self._warned_single}
         return state
@@ -267,6 +271,8 @@ class GradientNoiseScaleMonitor(Monitor):
             ema = NoiseScaleEMA(self.smoothing)
             ema.load_state_dict(v)
             self.layer_ema[k] = ema
+        names = state_dict.get("ema_names")
+        self._ema_names = None if names is None else set(names)
         said = state_dict.get("said") or {}
         self._reported = set(said.get("reported", ()))
         self._said_partial = bool(said.get("partial", False))
@@ -423,6 +429,8 @@ class GradientNoiseScaleMonitor(Monitor):
         else:
             names = list(self._params)
         self._measurable = True
+        if initial and not self.ema.count:
+            self._ema_names = set(names)
         if self.per_layer:
             layers: dict[str, list[str]] = defaultdict(list)
             for n in names:
@@ -437,20 +445,22 @@ class GradientNoiseScaleMonitor(Monitor):
             return set()
         return set(self._probe.covered) if self._probe is not None else set(self._params)
 
-    def _restart_on_new_selection(self, step: int, before: set[str], before_layers: dict[str, set[str]]) -> None:
+    def _restart_on_new_selection(self, step: int, before: set[str]) -> None:
         """After the trainable set changed mid-run: the averages of the estimates start again where what they cover
-        changed (model-wide, and each layer whose parameters changed). Averaged on, the checks of the old set held the
-        model-wide B_simple at several times that of the parameters still trained for about ten checks after GradES
-        froze most of a model (6044 against 1533)."""
+        changed (model-wide; the per-layer averages of layers no longer measured are dropped). Averaged on, the checks
+        of the old set held the model-wide B_simple at several times that of the parameters still trained for about ten
+        checks after GradES froze most of a model (6044 against 1533)."""
         after = self._measured_names()
-        if after == before or not self.ema.count:
+        averaged = self._ema_names if self._ema_names is not None else before
+        if after == averaged or not self.ema.count:
+            self._ema_names = after
             return
         self.ema = NoiseScaleEMA(self.smoothing)  # batch-size advice waits for min_checks checks of the new set
+        self._ema_names = after
         self._advice_from = 0
-        for layer in list(self.layer_ema):
-            if set(self._layers.get(layer, ())) != before_layers.get(layer):
-                del self.layer_ema[layer]
-        gone, new = len(before - after), len(after - before)
+        for layer in [k for k in self.layer_ema if k not in self._layers]:
+            del self.layer_ema[layer]
+        gone, new = len(averaged - after), len(after - averaged)
         self.alert(
             step, "averages_restarted", "info",
             f"The noise scale's averages start again at step {step}: the parameters it measures changed ({gone} no "
@@ -531,9 +541,9 @@ class GradientNoiseScaleMonitor(Monitor):
         # component, a resumed run re-froze them, the user unfroze a layer): re-read it. Comparing the
         # flags costs one attribute read per parameter, on due steps only.
         if self._module is not None and self._trainable_flags(self._module) != self._flags:
-            before, before_layers = self._measured_names(), {k: set(v) for k, v in self._layers.items()}
+            before = self._measured_names()
             self._select(self._module, initial=False)
-            self._restart_on_new_selection(step, before, before_layers)
+            self._restart_on_new_selection(step, before)
         if not self._measurable:
             return
         if self._lazy and any(nn.parameter.is_lazy(p) for p in self._params.values()):
@@ -832,7 +842,9 @@ class GradientNoiseScaleMonitor(Monitor):
         message = (
             f"Per-example gradient norms leave out {len(left)} trainable parameter(s) of {len(by_module)} module(s), "
             f"{1.0 - coverage:.1%} of the gradient's squared norm at step {step} (gns/coverage = {shown_cov}, logged "
-            "at every check: the share moves as training goes on); B_simple is that of the covered parameters."
+            "at every check: the share moves as training goes on); "
+            + ("B_simple is that of the covered parameters." if measured else
+               "no parameter is covered, so nothing is estimated (no gns/b_simple).")
         )
         if partial:
             self.alert(

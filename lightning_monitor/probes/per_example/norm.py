@@ -15,8 +15,9 @@ normalised input, recomputed in fp32 as the layer computes it), squared.
   ``sum_t d_t * xhat_t`` with ``xhat`` in fp32;
 * ``nn.GroupNorm``: per channel, over the spatial positions (``xhat`` normalised per group).
 
-``nn.BatchNorm*`` is not covered: its batch statistics couple the examples of a batch, so an example's
-gradient is not the gradient of a loss of that example alone.
+``nn.BatchNorm*`` is covered in eval mode only (running statistics: an affine map per channel). In training mode its
+batch statistics couple the examples of a batch, so an example's gradient is not the gradient of a loss of that
+example alone: such a call is refused and its parameters are left out.
 """
 
 from __future__ import annotations
@@ -227,11 +228,29 @@ class GroupNormHandler(NormHandler):
 
 
 @register(nn.modules.batchnorm._BatchNorm)
-class BatchNormHandler(Handler):
-    """Never covers: the reason is what :attr:`PerExampleGradNorms.reasons` reports."""
+class BatchNormHandler(GroupNormHandler):
+    """Input ``[N, C, *]``. In training mode (or without running statistics) the layer normalises with its batch's
+    statistics, which couple the examples: a call in that mode is refused, and its parameters are left out with that
+    reason. In eval mode (statistics frozen, as when fine-tuning with the BatchNorms kept in eval) it is an affine map
+    per channel, ``xhat = (x - running_mean) / sqrt(running_var + eps)``: per channel ``c``, weight
+    ``sum_l d_cl * xhat_cl``, bias ``sum_l d_cl``."""
 
-    def unsupported(self, m: nn.Module) -> Optional[str]:
-        return (
-            "its batch statistics couple the examples of a batch (in training mode), so an example's gradient "
-            "is not that of a loss of the example alone"
-        )
+    def refusal(self, m: nn.Module, x: Tensor) -> Optional[str]:
+        if m.training or m.running_mean is None or m.running_var is None:
+            return ("its batch statistics couple the examples of a batch (in training mode), so an example's "
+                    "gradient is not that of a loss of the example alone (in eval mode, with running statistics, "
+                    "it is measured)")
+        return None
+
+    def grads(self, m: nn.Module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
+        with torch.no_grad():
+            b, c = x.shape[:2]
+            d = g.float().reshape(b, c, -1)
+            out: dict[str, Tensor] = {}
+            if m.weight is not None:
+                scale = torch.rsqrt(m.running_var.float() + m.eps)
+                xhat = (x.float().reshape(b, c, -1) - m.running_mean.float()[:, None]) * scale[:, None]
+                out["weight"] = (d * xhat).sum(2)
+            if m.bias is not None:
+                out["bias"] = d.sum(2)
+            return out

@@ -358,6 +358,14 @@ class _Uses:
         """One use with input ``x``: capture it and hook the output gradient."""
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
+        refused = self.handler.refusal(self.module, x)
+        if refused is not None:  # not separable in the module's present mode: left out with the handler's reason
+            for _, pid in self.params:
+                pname = self.probe._names[pid]
+                if pname not in self.probe._not_reached:
+                    self.probe._not_reached.append(pname)
+                    self.probe.reasons[pname] = refused
+            return
         ctx = self.handler.capture(self.module, x)
         if ctx is None:  # an input the handler does not take (a subclass with a forward of its own): said below
             self.probe._refused.setdefault(

@@ -51,6 +51,11 @@ class Handler:
         of ``torch.nn.utils.weight_norm``) is listed as uncovered, with the reason."""
         return None
 
+    def refusal(self, module: nn.Module, x: Tensor) -> Optional[str]:
+        """Why this call of the module cannot be measured, in its mode of the moment (a BatchNorm normalising with
+        its batch's statistics), or ``None``. Its parameters are then left out with this reason."""
+        return None
+
     def capture(self, module: nn.Module, x: Tensor) -> Any:
         """What the backward needs from the forward input ``x`` (keep references, compute nothing heavy);
         ``None`` skips this use (e.g. an input without a batch dimension)."""
