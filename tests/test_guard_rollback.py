@@ -693,3 +693,36 @@ def test_a_stop_says_when_its_state_holds_the_rates_that_diverged(tmp_path):
     assert guard.stopped_step == 61 and "holds the state of step 60" in said
     assert saved[1]["lr"] == 5.0 and saved[0]["lr"] == 0.01
     assert "above those of the lowest smoothed loss (5 against 0.01)" in said and "may diverge again" in said
+
+
+class _OneCorruptBatch(pl.LightningModule):
+    """A linear regression on fresh batches (the batch is its step's index); the batch of step 80 has its inputs
+    scaled x10 (corrupt data): its loss is hard for every weights, and its update breaks the weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 1)
+        self.w = torch.randn(8, generator=torch.Generator().manual_seed(1))
+
+    def training_step(self, batch, batch_idx):
+        step = int(batch[0])
+        g = torch.Generator().manual_seed(100 + step)
+        x = torch.randn(32, 8, generator=g)
+        y = x @ self.w + 0.1 * torch.randn(32, generator=g)
+        if step == 80:
+            x = 10 * x
+        return torch.nn.functional.mse_loss(self.lin(x).squeeze(1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.02)
+
+
+def test_a_rollback_over_bad_data_says_why_the_rate_is_kept(tmp_path):
+    # the critical alert advises a lower rate; the rollback, finding the rise began with a batch earlier weights found
+    # hard too, keeps the rate (bad data): its message said nothing of that
+    guard = DivergenceGuard()
+    _trainer(tmp_path, [guard], 100).fit(_OneCorruptBatch(), torch.utils.data.DataLoader(torch.arange(200), batch_size=1))
+    assert [(r["step"], r["to_step"], r["lr_factor"], r["diverged"]) for r in guard.rollbacks] == [(81, 70, 1.0, False)]
+    (said,) = [a for a in guard.hub.history if a.kind == "rolled_back"]
+    assert "taken for bad data" in said.message and "learning rates are kept" in said.message

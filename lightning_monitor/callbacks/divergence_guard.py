@@ -1939,6 +1939,10 @@ class DivergenceGuard(Monitor):
                    f"{' ...' if len(risen) > 4 else ''}) capped at their rate then, the others kept")
         elif factor < 1.0:
             lr += ", and capped at the scaled rate of the state restored"
+        if diverged and bad_batch and not rose:
+            # the critical alert's advice (lower the rate) is not what was done: said why
+            lr += ("; the rise began with a surge on one batch, which earlier weights found hard too: taken for bad "
+                   "data, so the skip is the cure" + (" and the learning rates are kept" if factor == 1.0 else ""))
         self.alert(
             step, "rolled_back", "info",
             f"Rolled back at step {step} to the state of step {snap.step} ({reasons}). The {len(batches)} batches "
