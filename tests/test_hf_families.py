@@ -109,7 +109,7 @@ def test_every_monitor_on_more_hf_families(tmp_path, family: str) -> None:
     left_out = uncovered_modules(run.monitors["GradientNoiseScale"])
     assert all(left_out.values()), left_out  # every module left out is named with a reason
     assert (coverage[-1] < 1.0) == bool(left_out)
-    assert not any("forward was not called" in why for why in left_out.values()), left_out
+    assert not any("was never called" in why for why in left_out.values()), left_out
     assert not run.monitors["DivergenceGuard"].rollbacks and run.monitors["DivergenceGuard"].stopped_step is None
 
 

@@ -649,6 +649,16 @@ class PerExampleGradNorms:
         self._recomputed: dict[str, int] = defaultdict(int)  # of those, recomputed by checkpointing
         self._refused: dict[str, str] = {}  # modules whose input their handler did not take, and why
 
+    def _never_called(self, owner: str) -> str:
+        """Why a parameter with a gradient whose module never ran is left out: another module's code reads it
+        directly (Hugging Face's MambaMixer uses its ``conv1d`` and ``dt_proj`` weights in its own forward)."""
+        parent = owner.rpartition(".")[0]
+        holder = self.module.get_submodule(parent) if owner else None
+        by = f"the forward of `{parent or type(self.module).__name__}` ({type(holder).__name__})" if holder is not None \
+            else "the model's own code"
+        return (f"has a gradient, but its module was never called: its parameters are used directly, most likely by "
+                f"{by}, which the per-example rule of its module type does not follow")
+
     def reset(self) -> None:
         """Forget the norms of previous backward passes. Parameters found uncoverable at run time (used
         outside their module, input without a batch dimension) stay in :attr:`uncovered`."""
@@ -1241,7 +1251,7 @@ class PerExampleGradNorms:
                     owner = name.rpartition(".")[0]
                     self.reasons[name] = self._refused.get(owner, (
                         "has a gradient, but no output of its module received one: it is used outside its module"
-                        if self._fwd_uses.get(owner) else "has a gradient but its module's forward was not called"))
+                        if self._fwd_uses.get(owner) else self._never_called(owner)))
                 continue
             if self._outstanding.get(pid, 0) or pid in self._pending:
                 raise RuntimeError(
