@@ -168,3 +168,38 @@ def test_the_averages_start_again_when_the_parameters_measured_change(tmp_path) 
     restarts = [json.loads(line) for line in open(os.path.join(logger.log_dir, "alerts.jsonl"))
                 if json.loads(line)["kind"] == "averages_restarted"]
     assert len(restarts) == 1 and restarts[0]["step"] == freeze and "2 no longer trained" in restarts[0]["message"]
+
+
+class _NaNOnce(Classifier):
+    """A non-finite loss once, at step ``at``: the guard rolls back to its last snapshot."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__("mean")
+        self.at, self.done = at, False
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == self.at and not self.done:
+            self.done = True
+            return loss * float("nan")
+        return loss
+
+
+def test_a_rollback_to_before_a_freeze_starts_the_averages_again(tmp_path) -> None:
+    # the rollback restores the averages of step 20, over every parameter; the freeze of step 25 stays (the
+    # requires_grad flags are no state): the averages must start again, not mix the two sets
+    from lightning_monitor import DivergenceGuard
+
+    x, y = _data(B * 60)
+    model = _NaNOnce(at=27)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    guard = DivergenceGuard()
+    mon = GradientNoiseScaleMonitor(every_n_steps=1, smoothing=0.9, per_layer=False)
+    pl.Trainer(accelerator="cpu", max_steps=35, logger=logger, callbacks=[_FreezeAt("net.0", 25), mon, guard],
+               log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False).fit(model, DataLoader(TensorDataset(x, y), batch_size=B))
+    assert [(r["step"], r["to_step"]) for r in guard.rollbacks] == [(27, 20)]
+    restarts = [json.loads(line)["step"] for line in open(os.path.join(logger.log_dir, "alerts.jsonl"))
+                if json.loads(line)["kind"] == "averages_restarted"]
+    assert restarts == [25, 28]  # at the freeze, and at the first check after the rollback
+    assert mon.ema.count == 35 - 28 and mon._ema_names == {"net.2.weight", "net.2.bias"}

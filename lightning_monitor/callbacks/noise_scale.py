@@ -233,6 +233,7 @@ class GradientNoiseScaleMonitor(Monitor):
         super()._reset_run_state()
         self.ema = NoiseScaleEMA(self.smoothing)
         self._ema_names: Optional[set[str]] = None  # the parameters the model-wide averages cover (None: unknown)
+        self._compare_selection = False
         self._undefined = 0  # consecutive checks without B_simple
         self.layer_ema: dict[str, NoiseScaleEMA] = {}
         self.resolved_method: Optional[str] = None
@@ -273,6 +274,9 @@ class GradientNoiseScaleMonitor(Monitor):
             self.layer_ema[k] = ema
         names = state_dict.get("ema_names")
         self._ema_names = None if names is None else set(names)
+        # a state restored mid-run (the guard's rollback, which keeps GradES's frozen set) may average another set of
+        # parameters than the one measured now: compared at the next check
+        self._compare_selection = True
         said = state_dict.get("said") or {}
         self._reported = set(said.get("reported", ()))
         self._said_partial = bool(said.get("partial", False))
@@ -544,6 +548,9 @@ class GradientNoiseScaleMonitor(Monitor):
             before = self._measured_names()
             self._select(self._module, initial=False)
             self._restart_on_new_selection(step, before)
+        elif self._compare_selection and self._measurable:
+            self._restart_on_new_selection(step, self._measured_names())
+        self._compare_selection = False
         if not self._measurable:
             return
         if self._lazy and any(nn.parameter.is_lazy(p) for p in self._params.values()):
