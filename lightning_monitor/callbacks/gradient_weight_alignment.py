@@ -1484,6 +1484,16 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._minmax = torch.stack([torch.minimum(self._minmax[0], lo), torch.maximum(self._minmax[1], hi)])
         if self.suspects > 0 and all(i is not None for i in kept.indices):
             extra = self._suspect_columns(stash, logits, targets, soft)
+            if self._label_smoothing is not None and not soft:
+                # a suspect resists its own label. Against the smoothed target every confidently fitted sample scores
+                # below 0 (-<p - t, Wz> = eps (mean logit - logit_y) < 0 when p is one-hot on y), and the lists held
+                # clean, correctly predicted samples only (precision 0.12 at 20% flipped labels, 0.97 without
+                # smoothing): ranked against the label itself (the score that is logged stays the loss's)
+                scores = alignment_from_parts(
+                    None, wz, logits, targets, w_norm, ignore_index=self.ignore_index, feature_norm=z_norm,
+                    softcap=self._softcap, logit_scale=self._logit_scale, logit_bias=self._logit_bias,
+                ).double()
+                finite = torch.isfinite(scores)
             cols = torch.cat([torch.where(finite, scores, math.inf).unsqueeze(0), extra])
             merged = torch.cat([self._top, cols], dim=1)
             k = min(self.suspects, merged.shape[1])
