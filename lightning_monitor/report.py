@@ -142,11 +142,15 @@ def _read_scalars(run: RunReport) -> None:
         if steps:
             start = min(steps)
             earlier = [st for series in run.scalars.values() for st, _ in series]
-            if earlier and start <= max(earlier):
+            if earlier and start < max(earlier):
                 run.restart = start
+            # a fit resumed from the checkpoint of step `start` logs again from there (the alert counts at its start);
+            # what the earlier fit logged at that very step, before it saved the checkpoint (an epoch's end: GWA's
+            # score), stays unless the later fit logs that tag there too
+            again = {tag for tag, series in points.items() if any(st == start for st, _ in series)}
             for tag, series in run.scalars.items():
-                kept = [(st, v) for st, v in series if st < start]
-                superseded += len(series) - len(kept)
+                kept = [(st, v) for st, v in series if st < start or (st == start and tag not in again)]
+                superseded += sum(1 for st, _ in series if st > start)  # logged again at `start`: replaced, unsaid
                 run.scalars[tag] = kept
         for tag, series in points.items():
             run.scalars.setdefault(tag, []).extend(series)

@@ -157,7 +157,31 @@ def test_a_fit_resumed_from_an_earlier_step_supersedes_the_points_it_redoes(tmp_
     report = load_run(str(run))
     assert [s for s, _ in report.scalars["train_loss"]] == list(range(13))
     assert min(v for _, v in report.scalars["train_loss"]) == pytest.approx(1.0 / 13)
-    assert any("5 scalar point(s) of an earlier fit were superseded" in n for n in report.notes)
+    # steps 6-9 were undone; step 5, logged again by the resumed fit, is replaced
+    assert any("4 scalar point(s) of an earlier fit were superseded" in n for n in report.notes)
+
+
+def test_a_fit_resumed_from_its_last_checkpoint_keeps_what_was_logged_at_that_step(tmp_path):
+    # resumed from the checkpoint of step 10 (an epoch's end), the later fit logs its alert counts at step 10 first:
+    # every point of the earlier fit from step 10 on was cut, the epoch-end score of step 10 with them, and the note
+    # spoke of a resume "from an earlier step"
+    from torch.utils.tensorboard import SummaryWriter
+
+    run = tmp_path / "run"
+    files = ((1000, {"gwa/score": [(5, 0.3), (10, 0.5)], "alerts/count/info": [(0, 0.0), (10, 1.0)]}),
+             (2000, {"alerts/count/info": [(10, 1.0)], "gwa/score": [(15, 0.4)]}))
+    for stamp, tags in files:
+        tmp = tmp_path / str(stamp)
+        with SummaryWriter(str(tmp)) as writer:
+            for tag, points in tags.items():
+                for step, value in points:
+                    writer.add_scalar(tag, value, step)
+        run.mkdir(exist_ok=True)
+        (next(tmp.iterdir())).rename(run / f"events.out.tfevents.{stamp}.host.1.0")
+    report = load_run(str(run))
+    assert report.scalars["gwa/score"] == [(5, pytest.approx(0.3)), (10, pytest.approx(0.5)), (15, pytest.approx(0.4))]
+    assert [s for s, _ in report.scalars["alerts/count/info"]] == [0, 10]  # step 10 once: the later fit's
+    assert report.restart is None and not any("superseded" in n for n in report.notes)
 
 
 def test_a_damaged_record_in_the_middle_is_a_problem(tmp_path, real_run, capsys):
