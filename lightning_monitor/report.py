@@ -280,9 +280,9 @@ def loss_tags(run: RunReport) -> list[str]:
     return sorted(tags, key=lambda t: (not t.lower().startswith("train"), t))[:3]
 
 
-def _first_sentence(text: str, limit: int = 140) -> str:
-    """The first sentence of ``text`` (up to a full stop or a colon), at most ``limit`` characters."""
-    cuts = [i for i in (text.find(". "), text.find(": ")) if i > 0]
+def _first_sentence(text: str, limit: int = 140, colon: bool = True) -> str:
+    """The first sentence of ``text`` (up to a full stop, or a colon with ``colon``), at most ``limit`` characters."""
+    cuts = [i for i in (text.find(". "), text.find(": ") if colon else -1) if i > 0]
     head = text[: min(cuts)] if cuts else text.rstrip(".")
     return head if len(head) <= limit else head[: limit - 3] + "..."
 
@@ -290,15 +290,19 @@ def _first_sentence(text: str, limit: int = 140) -> str:
 def _action(alert: Alert) -> Optional[str]:
     d = alert.details or {}
     if alert.kind == "stopped":
+        # why, and what the checkpoint holds (records written before these details: the checkpoint only)
+        why = f" ({_first_sentence(d['reasons'], 240, colon=False)})" if d.get("reasons") else ""
         where = f"; checkpoint {d['checkpoint']}" if d.get("checkpoint") else ""
-        return f"step {alert.step}: the guard stopped training{where}"
+        holds = f", which holds {_first_sentence(d['holds'], 200, colon=False)}" if where and d.get("holds") else ""
+        return f"step {alert.step}: the guard stopped training{why}{where}{holds}"
     if alert.kind == "rolled_back":
+        skipped = d.get("skipped", "?")
         return (f"step {alert.step}: the guard rolled back to the state of step {d.get('to_step', '?')}"
-                f" ({d.get('skipped', '?')} batches skipped)")
+                f" ({skipped} {'batch' if skipped == 1 else 'batches'} skipped)")
     if alert.kind == "frozen":
         return f"step {alert.step}: GradES froze {alert.layer or '?'}"
     if alert.kind == "stop" and alert.monitor == "grades":
-        return f"step {alert.step}: GradES stopped training ({_first_sentence(alert.message)})"
+        return f"step {alert.step}: GradES stopped training ({_first_sentence(alert.message, 240, colon=False)})"
     if alert.kind == "early_stop":
         return f"step {alert.step}: {alert.monitor} stopped training ({_first_sentence(alert.message)})"
     if alert.kind in ("batch_below_noise_scale", "batch_above_noise_scale"):

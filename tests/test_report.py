@@ -66,7 +66,9 @@ def test_report_on_a_real_run(real_run, capsys):
     assert f"alerts: {len(history)} (" in out and f"{counts['critical']} critical" in out
     # the action taken, with the checkpoint path, and the signals
     stop = next(a for a in history if a.kind == "stopped")
-    assert f"step {stop.step}: the guard stopped training; checkpoint {stop.details['checkpoint']}" in out
+    # why it stopped and what its checkpoint holds, from the alert's details
+    assert (f"step {stop.step}: the guard stopped training ({stop.details['reasons']}); checkpoint "
+            f"{stop.details['checkpoint']}, which holds {stop.details['holds']}") in out
     batch = r"batch size: 8 vs B_simple = [\d.]+ at step \d+: the batch is [\d.]+x (above|below) B_simple"
     assert re.search(batch, out)
     assert re.search(r"GWA: best epoch \d+ \(gwa/best_epoch at step \d+\); highest score", out)
@@ -105,6 +107,13 @@ def test_summary_of_frozen_components_and_rollbacks():
     assert "GradES: 2 frozen: blocks.0.mlp, blocks.1.mlp (frozen fraction 0.5 at step 20)" in text
     assert "step 12: GradES froze blocks.0.mlp" in text
     assert "step 30: the guard rolled back to the state of step 20 (10 batches skipped)" in text
+    one = summarize(RunReport("x", alerts=[Alert(5, "guard", "rolled_back", "info", "Rolled back.",
+                                                 details={"to_step": 4, "skipped": 1})]))
+    assert "(1 batch skipped)" in one
+    # GradES's stop in full: the share that stopped it is after a colon
+    stop = Alert(40, "grades", "stop", "info", "4/12 components frozen and 8 converged but kept trainable: the "
+                 "converged share of those counted, 1, is >= max_frozen_ratio=1; stopping training.")
+    assert "max_frozen_ratio=1" in summarize(RunReport("x", alerts=[stop]))
     assert "fired first (warning or critical): step 30 guard/loss_explosion (critical)" in text
     page = render_html(run, text)
     assert "GradES: frozen fraction" in page and page.count("<svg") == 1

@@ -1945,8 +1945,9 @@ class DivergenceGuard(Monitor):
                    "data, so the skip is the cure" + (" and the learning rates are kept" if factor == 1.0 else ""))
         self.alert(
             step, "rolled_back", "info",
-            f"Rolled back at step {step} to the state of step {snap.step} ({reasons}). The {len(batches)} batches "
-            f"seen since are skipped{lr}.",
+            f"Rolled back at step {step} to the state of step {snap.step} ({reasons}). "
+            + (f"The {len(batches)} batches seen since are skipped" if len(batches) != 1 else
+               "The batch seen since is skipped") + f"{lr}.",
             details={k: v for k, v in record.items() if k != "reasons"},
         )
 
@@ -1971,7 +1972,8 @@ class DivergenceGuard(Monitor):
         self.stop_checkpoint, self.stopped_step = path, step
         self.alert(step, "stopped", "info",
                    f"Training stopped at step {step} ({reasons}). {path} holds {state}.",
-                   details={"step": step, "to_step": None if snap is None else snap.step, "checkpoint": path})
+                   details={"step": step, "to_step": None if snap is None else snap.step, "checkpoint": path,
+                            "reasons": reasons, "holds": state})
 
     def _checkpoint_dir(self, trainer: pl.Trainer) -> str:
         if self.dirpath is not None:
