@@ -4,7 +4,7 @@ with ``method='per_example'``, GradientWeightAlignmentMonitor) on CPU (gloo): ``
 The same model, data and seed either way. Each rank writes every value its monitors logged, their alerts and the
 GradES frozen set to ``<out>/<strategy>-rank<r>.json``. ``--only NAME`` attaches one monitor (``sa``, ``grades``,
 ``gns``, ``gwa``); ``--gns-method`` picks the noise-scale method (the default, ``per_example``, is supported
-under FSDP2). Run by tests/test_sharded.py."""
+under FSDP2); ``--branch`` adds a layer one rank uses and the other does not. Run by tests/test_sharded.py."""
 
 from __future__ import annotations
 
@@ -30,9 +30,27 @@ from sharded_guard import destroy_process_group, shard_every_linear  # noqa: E40
 warnings.filterwarnings("ignore")
 
 
-class Classifier(pl.LightningModule):
-    def __init__(self, shard: bool) -> None:
+class Branch(torch.nn.Module):
+    """``net``, then a Linear (first in parameter order) that rank 0's batches use and rank 1's keep in the graph at
+    0 (an expert no example of the rank is routed to): the ranks measure different parameters. One FSDP unit."""
+
+    def __init__(self, net: torch.nn.Module, rank: int) -> None:
         super().__init__()
+        self.aux = torch.nn.Linear(4, 4)
+        self.net = net
+        self.rank = rank
+
+    def forward(self, x):
+        out = self.net(x)
+        if self.rank == 0:
+            return out + self.aux(out)
+        return out + 0.0 * (self.aux.weight.sum() + self.aux.bias.sum())
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self, shard: bool, branch: bool = False) -> None:
+        super().__init__()
+        self.branch = branch
         self.net = torch.nn.Sequential(
             torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
         self.shard = shard
@@ -41,7 +59,14 @@ class Classifier(pl.LightningModule):
         self.y = (self.x @ torch.randn(8, 4, generator=g)).argmax(-1)
 
     def configure_model(self) -> None:
-        if self.shard:
+        if self.branch:
+            torch.manual_seed(1)
+            self.net = Branch(self.net, self.global_rank)
+        if self.shard and self.branch:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+        elif self.shard:
             shard_every_linear(self.net, self.device_mesh["data_parallel"])
 
     def forward(self, x, y=None):
@@ -95,6 +120,7 @@ def main() -> None:
     parser.add_argument("--only", default=None)
     parser.add_argument("--gns-method", default="per_example")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--branch", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.strategy == "fsdp2":
@@ -125,7 +151,7 @@ def main() -> None:
     trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", devices=2, strategy=strategy,
                          callbacks=list(monitors.values()), logger=False, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False, default_root_dir=args.out)
-    model = Classifier(shard=args.strategy == "fsdp2")
+    model = Classifier(shard=args.strategy == "fsdp2", branch=args.branch)
     result = {"error": None}
     try:
         trainer.fit(model)
