@@ -353,3 +353,33 @@ def test_modules_reachable_under_two_names_are_measured_once(tmp_path) -> None:
     plain, aliased = results
     for key in ("gns/g2", "gns/trace_sigma", "gns/b_simple"):
         assert [v for _, v in aliased[key]] == pytest.approx([v for _, v in plain[key]], rel=1e-6)
+
+
+class _BatchNormEvalInFirstEpoch(pl.Callback):
+    """The BatchNorms in eval mode (running statistics) in epoch 0, in training mode after."""
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        for m in pl_module.modules():
+            if isinstance(m, nn.BatchNorm1d):
+                m.train(trainer.current_epoch > 0)
+
+
+def test_coverage_that_shrinks_at_run_time_starts_the_averages_again(tmp_path) -> None:
+    # a BatchNorm measured in eval mode, then found in training mode: its parameters and those feeding it are left
+    # out from then on; the averages had gone on, mixing the estimates of the two sets
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16))
+    model = Classifier(body, 16)
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))  # 8 steps an epoch
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    mon = GradientNoiseScaleMonitor(every_n_steps=2)
+    pl.Trainer(accelerator="cpu", logger=logger, max_steps=16, enable_progress_bar=False, enable_model_summary=False,
+               enable_checkpointing=False, log_every_n_steps=1, callbacks=[_BatchNormEvalInFirstEpoch(), mon]).fit(
+        model, DataLoader(TensorDataset(x, y), batch_size=8))
+    tags = tb_scalars(logger.log_dir)
+    assert [v for s, v in tags["gns/coverage"] if s < 8] == [1.0] * 4
+    assert all(v < 1.0 for s, v in tags["gns/coverage"] if s >= 8)
+    alerts = read_alerts(os.path.join(logger.log_dir, "alerts.jsonl"))
+    (restart,) = [a for a in alerts if a.kind == "averages_restarted"]
+    assert restart.step == 8 and "BatchNorm" in restart.message and "4 no longer" in restart.message
+    assert mon.ema.count == 4 and mon._ema_names == {"head.weight", "head.bias", "body.3.weight", "body.3.bias"}

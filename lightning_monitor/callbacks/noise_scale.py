@@ -234,6 +234,7 @@ class GradientNoiseScaleMonitor(Monitor):
         self.ema = NoiseScaleEMA(self.smoothing)
         self._ema_names: Optional[set[str]] = None  # the parameters the model-wide averages cover (None: unknown)
         self._compare_selection = False
+        self._selection_why: Optional[str] = None  # why the selection changed since the last check
         self._undefined = 0  # consecutive checks without B_simple
         self.layer_ema: dict[str, NoiseScaleEMA] = {}
         self.resolved_method: Optional[str] = None
@@ -453,13 +454,14 @@ class GradientNoiseScaleMonitor(Monitor):
             return set()
         return set(self._probe.covered) if self._probe is not None else set(self._params)
 
-    def _restart_on_new_selection(self, step: int, before: set[str]) -> None:
-        """After the trainable set changed mid-run: the averages of the estimates start again where what they cover
-        changed (model-wide; the per-layer averages of layers no longer measured are dropped). Averaged on, the checks
-        of the old set held the model-wide B_simple at several times that of the parameters still trained for about ten
-        checks after GradES froze most of a model (6044 against 1533)."""
+    def _restart_on_new_selection(self, step: int, why: str) -> None:
+        """At a check: when the parameters measured are not those the averages cover (a component frozen or unfrozen,
+        a state restored from before such a change, a layer found not separable as it ran), the averages of the
+        estimates start again (model-wide; the per-layer averages of layers no longer measured are dropped). Averaged
+        on, the checks of the old set held the model-wide B_simple at several times that of the parameters still
+        trained for about ten checks after GradES froze most of a model (6044 against 1533)."""
         after = self._measured_names()
-        averaged = self._ema_names if self._ema_names is not None else before
+        averaged = self._ema_names if self._ema_names is not None else after
         if after == averaged or not self.ema.count:
             self._ema_names = after
             return
@@ -472,7 +474,7 @@ class GradientNoiseScaleMonitor(Monitor):
         self.alert(
             step, "averages_restarted", "info",
             f"The noise scale's averages start again at step {step}: the parameters it measures changed ({gone} no "
-            f"longer trained or measured, {new} newly so: a component frozen or unfrozen), and the averages of the "
+            f"longer trained or measured, {new} newly so: {why}), and the averages of the "
             f"other set would have mixed in another model's noise scale. Batch-size advice waits for {self.min_checks} "
             "checks again.",
         )
@@ -549,11 +551,10 @@ class GradientNoiseScaleMonitor(Monitor):
         # component, a resumed run re-froze them, the user unfroze a layer): re-read it. Comparing the
         # flags costs one attribute read per parameter, on due steps only.
         if self._module is not None and self._trainable_flags(self._module) != self._flags:
-            before = self._measured_names()
             self._select(self._module, initial=False)
-            self._restart_on_new_selection(step, before)
-        elif self._compare_selection and self._measurable:
-            self._restart_on_new_selection(step, self._measured_names())
+            self._selection_why = "a component frozen or unfrozen"
+        elif self._compare_selection:
+            self._selection_why = "a state restored from before a freeze or unfreeze, a rollback's"
         self._compare_selection = False
         if not self._measurable:
             return
@@ -733,6 +734,14 @@ class GradientNoiseScaleMonitor(Monitor):
             if not names:  # no measured parameter has a gradient this step: nothing to estimate
                 return None
         self._measured = measured = set(names)
+        # what the probe covers shrinks at run time too (a BatchNorm found in training mode, a layer used outside its
+        # module): for good, so the averages start again as for a freeze (else they mixed the two sets)
+        # compared here, once the step's backward has shown what is separable: what the probe covers also shrinks as
+        # layers run (a BatchNorm found in training mode, a layer used outside its module), for good
+        self._restart_on_new_selection(step, self._selection_why or (
+            "layers found not separable per example as they ran, such as a BatchNorm normalising with its batch's "
+            "statistics"))
+        self._selection_why = None
         unclipped = self._unclipped
         if unclipped is not None and all(n in unclipped for n in names):
             # manual optimization: read after the backward, before any clipping by the user (on_after_backward)
