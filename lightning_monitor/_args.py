@@ -11,7 +11,15 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["check_int", "check_fraction", "check_positive", "deprecated_aliases", "resolve_callable"]
+__all__ = ["check_bool", "check_int", "check_fraction", "check_positive", "deprecated_aliases", "resolve_callable"]
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` as a bool when it is one (or a NumPy bool), else a ``ValueError`` naming ``name``: a string such as
+    ``"no"`` is truthy, and taken for ``True`` it did the opposite of what was meant."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise ValueError(f"`{name}` must be True or False, got {value!r}.")
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:

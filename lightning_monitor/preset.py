@@ -29,7 +29,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_monitor._args import resolve_callable
+from lightning_monitor._args import check_bool, resolve_callable
 from lightning_monitor.callbacks.base import Monitor
 from lightning_monitor.callbacks.divergence_guard import DivergenceGuard
 from lightning_monitor.callbacks.grades import GradientEarlyStopping
@@ -156,9 +156,9 @@ class HealthMonitor(Callback):
     ) -> None:
         super().__init__()
         settings = {"spectral": spectral, "noise_scale": noise_scale, "gwa": gwa, "guard": guard, "grades": grades}
-        self.per_layer_scalars = bool(per_layer_scalars)
-        self.dashboard = bool(dashboard)
-        self.progress_bar = bool(progress_bar)
+        self.per_layer_scalars = check_bool("per_layer_scalars", per_layer_scalars)
+        self.dashboard = check_bool("dashboard", dashboard)
+        self.progress_bar = check_bool("progress_bar", progress_bar)
         self.spectral: Optional[SpectralAlignmentMonitor] = None
         self.noise_scale: Optional[GradientNoiseScaleMonitor] = None
         self.gwa: Optional[GradientWeightAlignmentMonitor] = None

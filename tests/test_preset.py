@@ -57,6 +57,38 @@ def test_callable_arguments_take_a_dotted_path() -> None:
         lm.HealthMonitor(gwa=dict(target_fn="no_such_module.fn"))
 
 
+def test_the_monitors_callable_arguments_take_a_dotted_path_too() -> None:
+    path = "lightning_monitor.callbacks.gradient_weight_alignment.default_target_fn"
+    assert lm.GradientWeightAlignmentMonitor(target_fn=path, index_fn=path).target_fn is default_target_fn
+    with pytest.raises(ValueError, match="`index_fn`='no_such_module.fn' is not an importable dotted path"):
+        lm.GradientWeightAlignmentMonitor(index_fn="no_such_module.fn")
+    with pytest.raises(TypeError, match="`target_fn` must be a callable"):
+        lm.GradientWeightAlignmentMonitor(target_fn=3)
+
+
+@pytest.mark.parametrize("make", [
+    lambda v: lm.HealthMonitor(progress_bar=v), lambda v: lm.HealthMonitor(dashboard=v),
+    lambda v: lm.HealthMonitor(per_layer_scalars=v), lambda v: lm.DivergenceGuard(zero_nonfinite_grads=v),
+    lambda v: lm.DivergenceGuard(corroborate=v), lambda v: lm.GradientEarlyStopping(stop=v),
+    lambda v: lm.GradientWeightAlignmentMonitor(mask_warmup=v), lambda v: lm.GradientNoiseScaleMonitor(per_layer=v),
+    lambda v: lm.SpectralAlignmentMonitor(log_histograms=v),
+])
+def test_switches_take_booleans_only(make) -> None:
+    # `progress_bar="no"` is truthy: taken for True, it left the bar on
+    with pytest.raises(ValueError, match="must be True or False, got 'no'"):
+        make("no")
+    with pytest.raises(ValueError, match="must be True or False, got None"):
+        make(None)
+    with pytest.raises(ValueError, match="must be True or False, got 1"):
+        make(1)
+    make(False), make(True)
+
+
+def test_a_pattern_argument_that_is_not_a_sequence_is_named() -> None:
+    with pytest.raises(TypeError, match="`include` must be a string or a sequence of non-empty strings, got 5"):
+        lm.SpectralAlignmentMonitor(include=5)
+
+
 def test_bad_settings_name_the_monitor() -> None:
     with pytest.raises(TypeError, match="spectral.*SpectralAlignmentMonitor"):
         lm.HealthMonitor(spectral=dict(no_such_argument=1))

@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from lightning_monitor._args import check_fraction, check_int, check_positive, deprecated_aliases
+from lightning_monitor._args import check_bool, check_fraction, check_int, check_positive, deprecated_aliases
 from lightning_monitor._compat import backward_skipped, foreach_norm, grad_scaler_scale
 from lightning_monitor._sharded import local, nonfinite_on_host, squared_norms
 from lightning_monitor.alerts import Alert, alerts_dir, read_records
@@ -341,10 +341,10 @@ class DivergenceGuard(Monitor):
         self.lr_factor = float(lr_factor)
         self.initial_floor = float(initial_floor)
         self.blowup = float(blowup)
-        self.attribute = attribute
-        self.zero_nonfinite_grads = zero_nonfinite_grads
-        self.act_on_alerts = act_on_alerts
-        self.corroborate = corroborate
+        self.attribute = check_bool("attribute", attribute)
+        self.zero_nonfinite_grads = check_bool("zero_nonfinite_grads", zero_nonfinite_grads)
+        self.act_on_alerts = check_bool("act_on_alerts", act_on_alerts)
+        self.corroborate = check_bool("corroborate", corroborate)
         self.corroborate_with = tuple(corroborate_with)
         self.dirpath = dirpath
         self._skip_given = frozenset(self._read_skip(skip_batches))

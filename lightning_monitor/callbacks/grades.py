@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from lightning_monitor._sharded import is_sharded, local, replication
-from lightning_monitor._args import check_fraction, check_int, deprecated_aliases
+from lightning_monitor._args import check_bool, check_fraction, check_int, deprecated_aliases
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch, reading_weights
 from lightning_monitor.functional.grades import (
     Component,
@@ -245,11 +245,9 @@ class GradientEarlyStopping(Monitor):
         self.threshold: Threshold = threshold
         self.include = include
         self.exclude = exclude
-        self.stop = bool(stop)
-        self.log_stats = bool(log_stats)
-        if not isinstance(cut_frozen_prefix, bool):
-            raise ValueError(f"`cut_frozen_prefix` must be True or False, got {cut_frozen_prefix!r}.")
-        self.cut_frozen_prefix = cut_frozen_prefix
+        self.stop = check_bool("stop", stop)
+        self.log_stats = check_bool("log_stats", log_stats)
+        self.cut_frozen_prefix = check_bool("cut_frozen_prefix", cut_frozen_prefix)
         if min_loss_progress is not None:
             min_loss_progress = check_fraction("min_loss_progress", min_loss_progress, 0.0, 1.0, high_inclusive=True)
         self.min_loss_progress = min_loss_progress

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from lightning_monitor.alerts import _tensorboard_writer, alerts_dir, writes_files
 from lightning_monitor._sharded import full, global_norm, is_sharded
 from lightning_monitor._values import publish, write_csv
-from lightning_monitor._args import check_fraction, check_int, deprecated_aliases
+from lightning_monitor._args import check_bool, check_fraction, check_int, deprecated_aliases, resolve_callable
 from lightning_monitor._compat import backward_skipped
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch, reading_weights
 from lightning_monitor.probes import in_dry_run
@@ -400,26 +400,25 @@ class GradientWeightAlignmentMonitor(Monitor):
             raise TypeError(f"`shift_targets` must be True, False or None (detect), got {shift_targets!r}.")
         if head is not None and (not isinstance(head, str) or not head):
             raise ValueError(f"`head` must be the qualified name of an nn.Linear module or None, got {head!r}.")
-        for arg, fn in (("target_fn", target_fn), ("index_fn", index_fn)):
-            if fn is not None and not callable(fn):
-                raise TypeError(f"`{arg}` must be a callable taking the batch, got {type(fn).__name__}.")
+        # a callable, or its dotted import path (as LightningCLI YAML spells a function)
+        target_fn, index_fn = resolve_callable("target_fn", target_fn), resolve_callable("index_fn", index_fn)
         if not (isinstance(min_delta, (int, float)) and min_delta >= 0):
             raise ValueError(f"`min_delta` must be a number >= 0, got {min_delta!r}.")
         self.head = head
         self.target_fn = target_fn or default_target_fn
         self.index_fn = index_fn
         self.suspects = check_int("suspects", suspects, 0)
-        self.stop = bool(stop)
+        self.stop = check_bool("stop", stop)
         self.patience = check_int("patience", patience, 1)
         self.min_delta = float(min_delta)
         self.warmup_fraction = check_fraction("warmup_fraction", warmup_fraction, 0.0, 1.0, high_inclusive=False)
         self.warmup_epochs = None if warmup_epochs is None else check_int("warmup_epochs", warmup_epochs, 0)
-        self.finetune = bool(finetune)
-        self.mask_warmup = bool(mask_warmup)
+        self.finetune = check_bool("finetune", finetune)
+        self.mask_warmup = check_bool("mask_warmup", mask_warmup)
         self.ignore_index = ignore_index
-        self.log_histograms = bool(log_histograms)
+        self.log_histograms = check_bool("log_histograms", log_histograms)
         self.shift_targets = shift_targets
-        self.run_suspects = bool(run_suspects)
+        self.run_suspects = check_bool("run_suspects", run_suspects)
 
         self._reset_run_state()  # the selection state (saved in checkpoints)
         # the fit's state, set again by select and on_train_start

@@ -32,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor, nn
 
-from lightning_monitor._args import deprecated_aliases
+from lightning_monitor._args import check_bool, deprecated_aliases
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch
 from lightning_monitor.functional.noise_scale import NoiseScaleEMA, noise_scale_estimates
 from lightning_monitor._sharded import is_sharded, local, replication
@@ -184,7 +184,7 @@ class GradientNoiseScaleMonitor(Monitor):
         self.min_coverage = float(min_coverage)
         self.method: Method = method
         self.smoothing = float(smoothing)
-        self.per_layer = bool(per_layer)
+        self.per_layer = check_bool("per_layer", per_layer)
         self.include = as_patterns(include, "include")
         self.exclude = as_patterns(exclude, "exclude")
         self.alert_ratio = float(alert_ratio)

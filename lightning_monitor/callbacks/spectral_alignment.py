@@ -57,7 +57,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from lightning_monitor._sharded import is_sharded
-from lightning_monitor._args import check_fraction, check_int
+from lightning_monitor._args import check_bool, check_fraction, check_int
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch, Streak, reading_weights
 from lightning_monitor.functional.spectral import (
     MAX_BATCH_ELEMENTS,
@@ -217,7 +217,7 @@ class SpectralAlignmentMonitor(Monitor):
         if sigma_growth_severity not in ("info", "warning", "critical"):
             raise ValueError(f"`sigma_growth_severity` must be 'info', 'warning' or 'critical', got {sigma_growth_severity!r}.")
         self.sigma_growth_severity = sigma_growth_severity
-        self.escalate_on_growth = bool(escalate_on_growth)
+        self.escalate_on_growth = check_bool("escalate_on_growth", escalate_on_growth)
         self.patience = check_int("patience", patience, 1)
         self.critical_patience = None if critical_patience is None else check_int("critical_patience", critical_patience, 1)
         if self.critical_patience is not None and self.critical_patience < self.patience:
@@ -225,7 +225,7 @@ class SpectralAlignmentMonitor(Monitor):
                 f"`critical_patience` ({critical_patience}) must be >= `patience` ({patience}): the critical "
                 "alert follows the warning."
             )
-        self.log_histograms = bool(log_histograms)
+        self.log_histograms = check_bool("log_histograms", log_histograms)
         self.seed = seed
 
         self.layers: dict[str, nn.Module] = {}
