@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lightning_monitor.alerts import ALERTS_FILENAME, SEVERITY_LEVELS, Alert
+from lightning_monitor.alerts import ALERTS_FILENAME, SEVERITY_LEVELS, SUPERSEDED_FILENAME, Alert
 
 __all__ = ["RunReport", "find_runs", "load_run", "main", "render_html", "summarize"]
 
@@ -242,6 +242,17 @@ def load_run(path: str) -> RunReport:
         except OSError as err:
             run.problems.append(f"{ALERTS_FILENAME}: cannot be read ({err.strerror or err}).")
         _drop_superseded_alerts(run)
+    superseded = os.path.join(path, SUPERSEDED_FILENAME)
+    if os.path.exists(superseded):
+        # a fit resumed from a checkpoint moved the alerts written after it there: what the abandoned fit did
+        try:
+            with open(superseded, "rb") as fh:
+                moved = sum(1 for line in fh if line.strip())
+        except OSError:
+            moved = 0
+        if moved:
+            run.notes.append(f"{moved} alert(s) of a fit abandoned after its checkpoint (the steps a resumed fit "
+                             f"replayed) are in {SUPERSEDED_FILENAME}, not in this summary.")
     return run
 
 
@@ -365,8 +376,11 @@ def summarize(run: RunReport, max_alerts: int = 40) -> str:
             where = f"{ratio:.3g}x below B_simple"
         else:
             where = f"{1 / ratio:.3g}x above B_simple" if ratio > 0 else "far above B_simple (B_simple <= 0)"
+        checks = len(run.scalars.get("gns/b_simple", []))
+        # the monitor's own advice waits for 5 checks (min_checks): fewer are said to be few
+        few = f" (from {checks} check{'s' if checks > 1 else ''} only: not settled)" if checks < 5 else ""
         lines.append(f"  batch size: {_fmt(batch[1])} vs B_simple = {_fmt(b_simple[1])} at step {b_simple[0]}: the "
-                     f"batch is {where}")
+                     f"batch is {where}{few}")
     elif b_simple is not None:
         lines.append(f"  B_simple: {_fmt(b_simple[1])} at step {b_simple[0]} (no gns/batch_size logged)")
 

@@ -319,3 +319,15 @@ def test_a_reader_that_goes_away_ends_the_report_quietly(real_run):
     out = subprocess.run(f"{sys.executable} -m lightning_monitor.report report {root} --no-html | head -c 5",
                          shell=True, capture_output=True, text=True, timeout=120)
     assert out.stdout == "Run: " and "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
+
+
+def test_few_noise_scale_checks_and_an_abandoned_fits_alerts_are_said(tmp_path):
+    (tmp_path / "alerts.jsonl").write_text("")
+    (tmp_path / "alerts.superseded.jsonl").write_text('{"step": 40}\n{"step": 41}\n')
+    run = load_run(str(tmp_path))
+    assert any("2 alert(s) of a fit abandoned after its checkpoint" in n and "alerts.superseded.jsonl" in n
+               for n in run.notes)
+    few = RunReport("x", scalars={"gns/b_simple": [(0, 290.0)], "gns/batch_size": [(0, 8.0)]})
+    assert "(from 1 check only: not settled)" in summarize(few)
+    many = RunReport("x", scalars={"gns/b_simple": [(s, 290.0) for s in range(5)], "gns/batch_size": [(4, 8.0)]})
+    assert "not settled" not in summarize(many)
