@@ -214,14 +214,17 @@ class GroupNormHandler(NormHandler):
     def batch_dims(self, m: nn.Module, x: Tensor) -> int:
         return 1
 
+    def channels(self, m: nn.Module, x: Tensor) -> Tensor:
+        """The normalised input in fp32, ``[N, C, L]``."""
+        return F.group_norm(x.float(), m.num_groups, None, None, m.eps).reshape(x.shape[0], x.shape[1], -1)
+
     def grads(self, m: nn.Module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
         with torch.no_grad():
             b, c = x.shape[:2]
             d = g.float().reshape(b, c, -1)
             out: dict[str, Tensor] = {}
             if m.weight is not None:
-                xhat = F.group_norm(x.float(), m.num_groups, None, None, m.eps).reshape(b, c, -1)
-                out["weight"] = (d * xhat).sum(2)
+                out["weight"] = (d * self.channels(m, x)).sum(2)
             if m.bias is not None:
                 out["bias"] = d.sum(2)
             return out
@@ -242,15 +245,6 @@ class BatchNormHandler(GroupNormHandler):
                     "it is measured)")
         return None
 
-    def grads(self, m: nn.Module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
-        with torch.no_grad():
-            b, c = x.shape[:2]
-            d = g.float().reshape(b, c, -1)
-            out: dict[str, Tensor] = {}
-            if m.weight is not None:
-                scale = torch.rsqrt(m.running_var.float() + m.eps)
-                xhat = (x.float().reshape(b, c, -1) - m.running_mean.float()[:, None]) * scale[:, None]
-                out["weight"] = (d * xhat).sum(2)
-            if m.bias is not None:
-                out["bias"] = d.sum(2)
-            return out
+    def channels(self, m: nn.Module, x: Tensor) -> Tensor:
+        scale = torch.rsqrt(m.running_var.float() + m.eps)
+        return (x.float().reshape(x.shape[0], x.shape[1], -1) - m.running_mean.float()[:, None]) * scale[:, None]
