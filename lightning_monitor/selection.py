@@ -27,7 +27,8 @@ def as_patterns(patterns: Patterns, argument: str) -> tuple[str, ...]:
     try:
         out = tuple(patterns)
     except TypeError:  # a number, a module: not a sequence at all
-        raise TypeError(f"`{argument}` must be a string or a sequence of non-empty strings, got {patterns!r}.") from None
+        raise TypeError(
+            f"`{argument}` must be a string or a sequence of non-empty strings, got {patterns!r}.") from None
     for p in out:
         if not isinstance(p, str) or not p:
             raise TypeError(f"`{argument}` must be a string or a sequence of non-empty strings, got {p!r}.")

@@ -118,9 +118,9 @@ class GradientEarlyStopping(Monitor):
 
     No component freezes before the grace period: ``grace_steps`` optimizer steps, or
     ``grace_fraction`` of the planned steps (``trainer.estimated_stepping_batches``, epoch by epoch under a
-    scheduled accumulation). A frozen component gets ``requires_grad=False`` (the backward skips its weight-gradient matmul; gradients still flow
-    through it to earlier layers), its ``.grad`` is dropped (it skips this step's update), its
-    optimizer state is freed, and it stays frozen. When the frozen fraction of components reaches
+    scheduled accumulation). A frozen component gets ``requires_grad=False`` (the backward skips its weight-gradient
+    matmul; gradients still flow through it to earlier layers), its ``.grad`` is dropped (it skips this step's
+    update), its optimizer state is freed, and it stays frozen. When the frozen fraction of components reaches
     ``max_frozen_ratio`` the trainer stops (``trainer.should_stop``, reduced across ranks).
 
     A block whose matrices are all frozen still costs the gradient with respect to its input whenever a

@@ -311,7 +311,6 @@ class GradientWeightAlignmentMonitor(Monitor):
         finetune: open the window only after GWA's first dip (fine-tuning a pre-trained model).
         mask_warmup: keep ``gwa/score`` and ``gwa/selection`` out of ``callback_metrics`` outside the window
             (loggers still get the score). ``False``: ``gwa/score`` is published at every epoch, and
-            ``gwa/selection`` at 0 outside the window (ranked below every epoch of it, as the monitor ranks them). ``False``: ``gwa/score`` is published at every epoch, and
             ``gwa/selection`` at 0 outside the window (ranked below every epoch of it, as the monitor ranks them).
         ignore_index: integer target that marks a sample (token) to skip.
         log_histograms: write a histogram of the epoch's scores to TensorBoard loggers. Deprecated alias:
@@ -991,8 +990,8 @@ class GradientWeightAlignmentMonitor(Monitor):
             return
         self._said_frozen = True
         # the per-sample gradients are still the head's, but the weights they are compared with never move
-        when = (f"was frozen during the run (found at the end of an epoch, step {step}: by GradientEarlyStopping or the "
-                "training code); the epochs scored since are ranked beside those before it, when it trained"
+        when = (f"was frozen during the run (found at the end of an epoch, step {step}: by GradientEarlyStopping or "
+                "the training code); the epochs scored since are ranked beside those before it, when it trained"
                 if during else "is frozen (its weight does not require a gradient)")
         self.alert(
             step, "frozen_head", "info",

@@ -326,7 +326,8 @@ class GradientNoiseScaleMonitor(Monitor):
         if method == "accumulation" and self._planned_accumulation(trainer) < 2:
             raise ValueError(
                 "GradientNoiseScaleMonitor(method='accumulation') needs Trainer(accumulate_grad_batches >= 2) or a "
-                f"GradientAccumulationScheduler that accumulates (got {self._planned_accumulation(trainer)}); use method='per_example' instead."
+                f"GradientAccumulationScheduler that accumulates (got {self._planned_accumulation(trainer)}); use "
+                "method='per_example' instead."
             )
         self.resolved_method = method
 
@@ -734,8 +735,6 @@ class GradientNoiseScaleMonitor(Monitor):
             if not names:  # no measured parameter has a gradient this step: nothing to estimate
                 return None
         self._measured = measured = set(names)
-        # what the probe covers shrinks at run time too (a BatchNorm found in training mode, a layer used outside its
-        # module): for good, so the averages start again as for a freeze (else they mixed the two sets)
         # compared here, once the step's backward has shown what is separable: what the probe covers also shrinks as
         # layers run (a BatchNorm found in training mode, a layer used outside its module), for good
         self._restart_on_new_selection(step, self._selection_why or (

@@ -654,8 +654,8 @@ class PerExampleGradNorms:
         directly (Hugging Face's MambaMixer uses its ``conv1d`` and ``dt_proj`` weights in its own forward)."""
         parent = owner.rpartition(".")[0]
         holder = self.module.get_submodule(parent) if owner else None
-        by = f"the forward of `{parent or type(self.module).__name__}` ({type(holder).__name__})" if holder is not None \
-            else "the model's own code"
+        by = ("the model's own code" if holder is None else
+              f"the forward of `{parent or type(self.module).__name__}` ({type(holder).__name__})")
         return (f"has a gradient, but its module was never called: its parameters are used directly, most likely by "
                 f"{by}, which the per-example rule of its module type does not follow")
 
