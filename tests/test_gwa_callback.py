@@ -1093,3 +1093,47 @@ def test_a_head_frozen_mid_run_is_said_once(tmp_path) -> None:
     assert len(frozen) == 1 and frozen[0]["step"] == 8  # the end of the epoch in which it was frozen
     assert "was frozen during the run" in frozen[0]["message"]
     assert len(gwa.history) == 3 and all(r["count"] == 200 for r in gwa.history)  # still scored
+
+
+class _SmoothedThreeClass(LightningModule):
+    """Three classes (two cannot show a smoothing: every softmax gradient row is then along (1, -1)), nothing learns,
+    label smoothing 0.1: half the samples aligned with their label, half opposed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(3, 3, bias=False)
+        with torch.no_grad():
+            self.head.weight.copy_(3 * torch.eye(3))
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.head(batch[0]), batch[1], label_smoothing=0.1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_bimodal_scores_in_the_warm_up_or_under_label_smoothing_are_no_warning(tmp_path) -> None:
+    # half the samples oppose the weights: in the window a warning ("usually noisy labels"); in the warm-up a model
+    # still learning resists what it has not fit yet, and with label smoothing every confident fit opposes its label
+    x = torch.eye(2).repeat(20, 1)
+    loader = DataLoader(TensorDataset(x, torch.zeros(len(x), dtype=torch.long)), batch_size=10)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=1)
+    logger = TensorBoardLogger(str(tmp_path), name="warm")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(tmp_path, logger, [gwa], max_epochs=2).fit(FrozenTwoClass(), loader)
+    said = [json.loads(line) for line in open(os.path.join(logger.log_dir, "alerts.jsonl"))]
+    assert [(a["kind"], a["severity"]) for a in said if a["kind"] == "bimodal"] == [("bimodal", "info"),
+                                                                                    ("bimodal", "warning")]
+    assert "in the warm-up" in said[0]["message"]
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    logger = TensorBoardLogger(str(tmp_path), name="smoothed")
+    x3 = torch.eye(3)[:2].repeat(20, 1)
+    loader3 = DataLoader(TensorDataset(x3, torch.zeros(len(x3), dtype=torch.long)), batch_size=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(tmp_path, logger, [gwa], max_epochs=2).fit(_SmoothedThreeClass(), loader3)
+    said = [json.loads(line) for line in open(os.path.join(logger.log_dir, "alerts.jsonl"))]
+    bimodal = [a for a in said if a["kind"] == "bimodal"]
+    assert gwa._label_smoothing == pytest.approx(0.1, rel=1e-3)
+    assert bimodal and all(a["severity"] == "info" for a in bimodal) and "smooths its labels" in bimodal[0]["message"]
