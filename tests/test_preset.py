@@ -296,6 +296,9 @@ def test_a_model_without_a_softmax_classifier_trains_with_the_preset(tmp_path, c
     trainer.fit(_Net(out, loss), loader)
     assert trainer.global_step == 8
     assert "do not fit a softmax classifier" in hm.gwa.idle_reason
+    # one real number per sample is said to be so (the layer named is then a hidden one, not the one-output head)
+    one = case in ("regression", "regression_column", "binary_one_logit")
+    assert ("one real number per sample" in hm.gwa.idle_reason) == one
     assert hm.spectral.idle_reason is None and hm.noise_scale.idle_reason is None and hm.guard.idle_reason is None
     idle = [a for a in hm.guard.hub.history if a.kind == "nothing_to_watch"]
     assert [a.monitor for a in idle] == ["gwa"] and idle[0].severity == "warning"

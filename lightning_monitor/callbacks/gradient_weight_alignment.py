@@ -1386,10 +1386,18 @@ class GradientWeightAlignmentMonitor(Monitor):
             return targets  # the common case, after the first batch
         if targets.is_floating_point():
             if targets.shape != logits.shape:
+                # one real number per sample ([B] or [B, 1]): a regression's or a one-logit classifier's targets, whose
+                # head (one output) is no candidate, so the layer named is a hidden one
+                regression = targets.numel() == math.prod(rows)
                 raise ValueError(
                     f"`target_fn` returned floating-point targets of shape {tuple(targets.shape)} for logits "
-                    f"{tuple(logits.shape)} of head `{self._head_name}`: GWA needs integer class indices or soft "
-                    "targets (probabilities) of the logits' shape. Fix `target_fn` (or `head`)."
+                    f"{tuple(logits.shape)} of head `{self._head_name}`: "
+                    + ("one real number per sample (a regression's targets, or a one-logit binary classifier's): GWA "
+                       f"scores a softmax classifier only, and `{self._head_name}` is a hidden layer (a one-output head "
+                       "is no candidate)."
+                       if regression else
+                       "GWA needs integer class indices or soft targets (probabilities) of the logits' shape. Fix "
+                       "`target_fn` (or `head`).")
                 )
         elif targets.shape != rows:
             if targets.numel() != math.prod(rows):
