@@ -542,7 +542,8 @@ def report(logdir: str, html_path: Optional[str] = None, write_html: bool = True
     """Report every run under ``logdir``; the exit status (see the module's docstring)."""
     out, err = out or sys.stdout, err or sys.stderr
     if not os.path.isdir(logdir):
-        print(f"lightning-monitor report: {logdir!r} is not a directory.", file=err)
+        what = "is not a directory" if os.path.exists(logdir) else "does not exist"
+        print(f"lightning-monitor report: {logdir!r} {what}.", file=err)
         return 2
     runs = find_runs(logdir)
     if not runs:
@@ -583,8 +584,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rep = sub.add_parser("report", help="summarize a run's health from its log directory",
                          description=__doc__.split("\n\n")[1] if __doc__ else None)
     rep.add_argument("logdir", metavar="LOGDIR", help="a run's log directory, or a folder of runs")
-    rep.add_argument("--html", metavar="PATH", help=f"where to write the HTML page (default: <run>/{HTML_FILENAME})")
-    rep.add_argument("--no-html", action="store_true", help="print the summary only")
+    page = rep.add_mutually_exclusive_group()
+    page.add_argument("--html", metavar="PATH", help=f"where to write the HTML page (default: <run>/{HTML_FILENAME})")
+    page.add_argument("--no-html", action="store_true", help="print the summary only")
     args = parser.parse_args(argv)
     if args.command != "report":
         parser.print_help(sys.stderr)

@@ -121,7 +121,13 @@ def test_summary_of_frozen_components_and_rollbacks():
 
 def test_missing_and_empty_directories(tmp_path, capsys):
     rc, out, err = _report(capsys, str(tmp_path / "nope"))
+    assert rc == 2 and "does not exist" in err and not out
+    (tmp_path / "a_file").write_text("x")
+    rc, out, err = _report(capsys, str(tmp_path / "a_file"))
     assert rc == 2 and "is not a directory" in err and not out
+    with pytest.raises(SystemExit):  # both page options: refused, not one silently ignored
+        _report(capsys, str(tmp_path), "--html", str(tmp_path / "p.html"), "--no-html")
+    (tmp_path / "a_file").unlink()
     rc, out, err = _report(capsys, str(tmp_path))
     assert rc == 2 and "no run under" in err
 
@@ -251,7 +257,7 @@ def test_command_line_without_traceback(tmp_path):
     """The module runs as a command: a bad directory gives a message and exit status 2, no traceback."""
     out = subprocess.run([sys.executable, "-m", "lightning_monitor.report", "report", str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "is not a directory" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "does not exist" in out.stderr and "Traceback" not in out.stderr
     out = subprocess.run([sys.executable, "-m", "lightning_monitor.report"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and "report" in out.stderr
