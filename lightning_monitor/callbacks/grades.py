@@ -63,7 +63,6 @@ def _as_tuple(patterns: Optional[Union[str, Sequence[str]]]) -> Optional[tuple[s
     return (patterns,) if isinstance(patterns, str) else tuple(patterns)
 
 
-
 def _planned_steps(trainer: pl.Trainer) -> Union[int, float]:
     """``trainer.estimated_stepping_batches``, with the accumulation a ``GradientAccumulationScheduler`` will set
     epoch by epoch: Lightning's estimate divides every epoch by the Trainer's accumulation, which is 1 at setup under
@@ -79,6 +78,7 @@ def _planned_steps(trainer: pl.Trainer) -> Union[int, float]:
         return planned
     total = sum(math.ceil(batches / scheduler.get_accumulate_grad_batches(e)) for e in range(max(epochs, 1)))
     return min(total, trainer.max_steps) if trainer.max_steps is not None and trainer.max_steps >= 0 else total
+
 
 class GradientEarlyStopping(Monitor):
     r"""Freezes each transformer component once its statistic has converged; stops when (almost) all

@@ -1470,11 +1470,14 @@ class GradientWeightAlignmentMonitor(Monitor):
                 w_norm = w_norm.repeat_interleave(rows[0])
             else:
                 w_norm = w_norm.repeat_interleave(torch.tensor(rows, device=w_norm.device), output_size=sum(rows))
-        scores = alignment_from_parts(
-            None, wz, logits, targets, w_norm, ignore_index=self.ignore_index, feature_norm=z_norm,
-            softcap=self._softcap, logit_scale=self._logit_scale, logit_bias=self._logit_bias,
-            label_smoothing=self._label_smoothing,
-        ).double()
+        def score(label_smoothing: Optional[float]) -> Tensor:
+            return alignment_from_parts(
+                None, wz, logits, targets, w_norm, ignore_index=self.ignore_index, feature_norm=z_norm,
+                softcap=self._softcap, logit_scale=self._logit_scale, logit_bias=self._logit_bias,
+                label_smoothing=label_smoothing,
+            ).double()
+
+        scores = score(self._label_smoothing)
         self._moments.update(scores)
         finite = torch.isfinite(scores)
         self._negative += (scores < 0).sum()
@@ -1495,10 +1498,7 @@ class GradientWeightAlignmentMonitor(Monitor):
                 # below 0 (-<p - t, Wz> = eps (mean logit - logit_y) < 0 when p is one-hot on y), and the lists held
                 # clean, correctly predicted samples only (precision 0.12 at 20% flipped labels, 0.97 without
                 # smoothing): ranked against the label itself (the score that is logged stays the loss's)
-                scores = alignment_from_parts(
-                    None, wz, logits, targets, w_norm, ignore_index=self.ignore_index, feature_norm=z_norm,
-                    softcap=self._softcap, logit_scale=self._logit_scale, logit_bias=self._logit_bias,
-                ).double()
+                scores = score(None)
                 finite = torch.isfinite(scores)
             cols = torch.cat([torch.where(finite, scores, math.inf).unsqueeze(0), extra])
             merged = torch.cat([self._top, cols], dim=1)

@@ -360,11 +360,7 @@ class _Uses:
             return
         refused = self.handler.refusal(self.module, x)
         if refused is not None:  # not separable in the module's present mode: left out with the handler's reason
-            for _, pid in self.params:
-                pname = self.probe._names[pid]
-                if pname not in self.probe._not_reached:
-                    self.probe._not_reached.append(pname)
-                    self.probe.reasons[pname] = refused
+            self.probe._leave_out(self.params, refused)
             return
         ctx = self.handler.capture(self.module, x)
         if ctx is None:  # an input the handler does not take (a subclass with a forward of its own): said below
@@ -554,14 +550,10 @@ class PerExampleGradNorms:
         covered: set[int] = set()
         self.reasons: dict[str, str] = {}
         fallback: dict[int, str] = {}  # why a parameter of a module that is not hooked is left out
-        seen_modules: set[int] = set()
-        for mname, mod in self.module.named_modules(remove_duplicate=False):
-            if id(mod) in seen_modules:
-                # a module reachable under a second name (`self.net = nn.Sequential(self.backbone, self.head)`): hooked
-                # once, under its first name. Hooked under each, every call was counted twice, the batch gradient's
-                # check failed, and every parameter of such a module was left out
-                continue
-            seen_modules.add(id(mod))
+        # each module once, under its first name: a module reachable under a second name (`self.net =
+        # nn.Sequential(self.backbone, self.head)`) hooked under each had every call counted twice, the batch
+        # gradient's check failed, and every parameter of such a module was left out
+        for mname, mod in self.module.named_modules():
             handler = handler_for(mod)
             own = [(ln, p) for ln, p in mod.named_parameters(recurse=False) if p.requires_grad]
             if not own:
@@ -1096,10 +1088,15 @@ class PerExampleGradNorms:
         self._consume(use.uses.params, int(g.shape[0]), *results)
 
     def _drop(self, params: list[tuple[str, int]], reason: str) -> None:
-        """One use that cannot be split per example: its parameters go to :attr:`uncovered`."""
+        """One use that cannot be split per example, counted already: its parameters go to :attr:`uncovered`."""
         for _, pid in params:
             self._outstanding[pid] -= 1
             self._pending.pop(pid, None)
+        self._leave_out(params, reason)
+
+    def _leave_out(self, params: list[tuple[str, int]], reason: str) -> None:
+        """``params`` go to :attr:`uncovered` for the rest of the run, with ``reason`` (the first one said stays)."""
+        for _, pid in params:
             name = self._names[pid]
             if name not in self._not_reached:
                 self._not_reached.append(name)
