@@ -184,7 +184,7 @@ class HealthMonitor(Callback):
         try:
             monitor = cls(**kwargs)
         except TypeError as err:
-            raise TypeError(f"HealthMonitor(`{slot}`=...): {cls.__name__}: {err}{_did_you_mean(err, cls)}") from err
+            raise TypeError(f"HealthMonitor(`{slot}`=...): {cls.__name__}: {err}{_did_you_mean(err, cls)}") from None
         monitor.idle_when_nothing_to_watch = True
         monitor.per_layer_scalars = self.per_layer_scalars
         return monitor

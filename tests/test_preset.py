@@ -544,6 +544,11 @@ def test_a_typo_in_a_monitors_arguments_names_the_argument_meant() -> None:
     deprecated aliases still pass."""
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'acton' \(did you mean 'action'\?\)"):
         lm.HealthMonitor(guard=dict(acton="stop"))
+    # one message, not the monitor's own error chained under it (a second traceback on the console)
+    with pytest.raises(TypeError) as raised:
+        lm.HealthMonitor(spectral=dict(every_n_step=100))
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__, raised.value
+    assert "did you mean 'every_n_steps'" in str(raised.value)
     with pytest.raises(TypeError, match=r"'zzz'; its arguments are method, every_n_steps"):
         lm.HealthMonitor(noise_scale=dict(zzz=1))
     with pytest.warns(DeprecationWarning, match="beta"):
