@@ -245,6 +245,36 @@ def test_rule_ignores_layers_collapsed_by_nature_and_noise():
     assert frac == pytest.approx(2 / 3)
 
 
+def _sampled_diversity(rng, minority: float, n: int) -> float:
+    """``D = 2 min(p, 1 - p)`` of ``n`` signs drawn with probability ``minority`` of the minority sign."""
+    p = rng.binomial(n, minority) / n
+    return 2 * min(p, 1 - p)
+
+
+@pytest.mark.parametrize("rows", [8, 256])
+def test_a_drop_within_the_sampling_noise_of_few_rows_is_no_collapse(rows):
+    """D from 8 rows a check moves in steps of 0.25: three layers whose signs are mixed 40/60 throughout read, by
+    chance, below 80% of their baseline three checks in a row (the warning fired 2-4 times in each of 4 healthy
+    3000-step runs of an MLP at batch 8). With the row counts the drop must exceed twice its sampling noise: no
+    warning there, while a real collapse (the minority sign falls to 1%) is still seen, at 8 rows and at 256."""
+    rng = np.random.default_rng(0)
+    mon, fired = _rule_monitor(baseline_checks=10, patience=3, max_sigma_growth=None)
+    without, _ = _rule_monitor(baseline_checks=10, patience=3, max_sigma_growth=None)
+    fired_without = []
+    without.condition = lambda step, kind, active, severity, *a, **k: fired_without.append((step, active))
+    counts = {n: rows for n in "abc"}
+    for step in range(300):
+        d = {n: _sampled_diversity(rng, 0.4, rows) for n in "abc"}
+        mon._update_rule(step, d, rows=counts)
+        without._update_rule(step, d)
+    assert not [f for f in fired if f[2]]
+    if rows == 8:  # the same draws, judged without the row counts: the noise alone fires
+        assert [s for s, active in fired_without if active]
+    for step in range(300, 310):
+        mon._update_rule(step, {n: _sampled_diversity(rng, 0.01, rows) for n in "abc"}, rows=counts)
+    assert [s for s, kind, active, _ in fired if active and kind == "collapse"][:1] == [302]
+
+
 def test_rule_escalates_and_clears():
     mon, fired = _rule_monitor(baseline_checks=2, patience=2, critical_patience=4)
     series = [0.8] * 5 + [0.0] * 5 + [0.8] * 2

@@ -32,7 +32,12 @@ Rules (model level; every threshold is relative to the run's own history):
   training and never count (a ReLU-fed layer's early baseline, with ``v_1`` still random, can be high). The
   condition holds at a check when ``collapsed_fraction`` (the share of eligible layers with
   ``D <= collapse_threshold``) is at least ``warn_fraction``, or when ``diversity_ratio`` (the eligible
-  layers' mean ``D`` over the mean of their baselines) is at most ``1 - max_drop``. Held for
+  layers' mean ``D`` over the mean of their baselines) is at most ``1 - max_drop``, provided the drop is beyond
+  what sampling the rows explains: a layer's ``D`` from ``n`` rows has variance ``b (2 - b) / n`` about its
+  baseline ``b``, and the eligible layers' summed drop ``sum(b - D)`` must exceed ``NOISE_Z`` (2) times the
+  square root of the summed variances. With few rows a check (a batch of 8 samples gives 8 rows, so ``D``
+  moves in steps of 0.25) the mean of three layers fell below 80% of its baseline by chance, three checks in
+  a row, 2-4 times per healthy 3000-step run; with 256 rows the bar is a few hundredths. Held for
   ``patience`` consecutive checks it raises a warning, held for ``critical_patience`` (if set) a critical
   alert (which makes a DivergenceGuard act); it clears, with one info alert, once it has not held for
   ``patience`` consecutive checks (a condition that comes and goes at the threshold is said once, not at
@@ -74,6 +79,8 @@ __all__ = ["SpectralAlignmentMonitor", "find_output_head"]
 
 #: prefix of the per-layer flag "inputs all >= 0 at this check", carried from compute to judge (never logged)
 _ONE_SIGN = "\x00one_sign/"
+#: a check's drop of sign diversity counts only beyond this many standard deviations of its sampling noise
+NOISE_Z = 2.0
 
 AUTO = "auto"
 
@@ -481,7 +488,8 @@ class SpectralAlignmentMonitor(Monitor):
         names = list(self._alignments)
         diversity = {n: values[self.key("sign_diversity", n)] for n in names}
         sigma = {n: values[self.key("sigma", n)] for n in names}
-        for stat, value in self._update_rule(step, diversity, sigma).items():
+        rows = {n: self._alignments[n].numel() for n in names}  # shapes: on the host, no sync
+        for stat, value in self._update_rule(step, diversity, sigma, rows).items():
             values[self.key(stat)] = value
         if self.log_histograms:
             for n, a in self._alignments.items():
@@ -515,6 +523,19 @@ class SpectralAlignmentMonitor(Monitor):
             return 0.0, 1.0, eligible, collapsed
         return len(collapsed) / len(eligible), now / base, eligible, collapsed
 
+    def beyond_noise(self, diversity: dict[str, float], eligible: list[str], rows: Optional[dict[str, int]]) -> bool:
+        """Whether the eligible layers' summed drop from their baselines exceeds ``NOISE_Z`` standard deviations of
+        what sampling ``rows[layer]`` rows alone moves it by (``D`` of ``n`` rows whose share of the minority sign is
+        ``b / 2`` has variance ``b (2 - b) / n``). Without row counts (``None``) every drop counts."""
+        if rows is None or not eligible:
+            return True
+        drop, variance = 0.0, 0.0
+        for name in eligible:
+            b, d = self.baseline(name) or 0.0, diversity[name]
+            drop += b - (d if d == d else 0.0)
+            variance += b * (2.0 - b) / max(1, rows.get(name, 1))
+        return drop > NOISE_Z * math.sqrt(variance)
+
     def sigma_growth(self, step: int, sigma: dict[str, float]) -> float:
         """Growth of the largest top singular value over the monitored layers, ``sigma_max``, per
         ``growth_window`` steps, measured from the latest stored check at least ``growth_window`` steps
@@ -543,8 +564,10 @@ class SpectralAlignmentMonitor(Monitor):
         parts = [share, drop] if fraction >= self.warn_fraction or ratio > 1.0 - self.max_drop else [drop, share]
         return f"{parts[0]}; {parts[1]}; mean over all layers {mean_d:.2f}"
 
-    def _update_rule(self, step: int, diversity: dict[str, float], sigma: Optional[dict[str, float]] = None) -> dict[str, float]:
-        """Advance the alert rules by one check; returns the model-level values to log."""
+    def _update_rule(self, step: int, diversity: dict[str, float], sigma: Optional[dict[str, float]] = None,
+                     rows: Optional[dict[str, int]] = None) -> dict[str, float]:
+        """Advance the alert rules by one check (``rows``: each layer's number of alignments at the check, for
+        :meth:`beyond_noise`); returns the model-level values to log."""
         self._n_checks += 1
         building = self._n_checks <= self.baseline_checks
         growth = self.sigma_growth(step, sigma) if sigma else 1.0
@@ -557,7 +580,8 @@ class SpectralAlignmentMonitor(Monitor):
             fraction, ratio, eligible, collapsed = 0.0, 1.0, [], []
         else:
             fraction, ratio, eligible, collapsed = self.collapse_state(diversity)
-        active = not building and (fraction >= self.warn_fraction or ratio <= 1.0 - self.max_drop)
+        active = (not building and (fraction >= self.warn_fraction or ratio <= 1.0 - self.max_drop)
+                  and self.beyond_noise(diversity, eligible, rows))
         if not active:
             for name, d in diversity.items():
                 if d == d:
