@@ -123,6 +123,8 @@ class TrainingSnapshot:
         first_of_fit: taken as a fit started from a state training had reached (a resume): the state before its
             step's update that no earlier step of this fit produced, a target even for an anomaly at that step.
         module_keys: the names of the module's state it holds (``None``: read from the stored state).
+        optimizer_types: per optimizer, its class when it was taken (``None``: read from the stored state, which
+            may predate the field: then each optimizer is taken for the one saved).
     """
 
     step: int
@@ -135,6 +137,7 @@ class TrainingSnapshot:
     module_keys: Optional[frozenset[str]] = None
     #: the parameters that were trainable (``requires_grad``) when the snapshot was taken
     trainable: Optional[frozenset[str]] = None
+    optimizer_types: Optional[list[Optional[str]]] = None
     _state: Optional[dict[str, Any]] = field(default=None, repr=False)
 
     @classmethod
@@ -165,12 +168,13 @@ class TrainingSnapshot:
             "schedulers": [_to_host(cfg.scheduler.state_dict(), scheds[i] if i < len(scheds) else None)
                            for i, cfg in enumerate(trainer.lr_scheduler_configs)],
             "scheduler_types": [_type_name(cfg.scheduler) for cfg in trainer.lr_scheduler_configs],
+            "optimizer_types": [_type_name(opt) for opt in trainer.optimizers],
             "scaler": _to_host(scaler.state_dict()) if scaler is not None else None,
             "monitors": {key: _to_host(cb.state_dict()) for key, cb in monitors.items()},
         }
         snap = cls(step=step, epoch=trainer.current_epoch, lr_scale=lr_scale,
                    group_sizes=[[len(g["params"]) for g in opt.param_groups] for opt in trainer.optimizers],
-                   module_keys=frozenset(state["module"]),
+                   module_keys=frozenset(state["module"]), optimizer_types=list(state["optimizer_types"]),
                    trainable=frozenset(n for n, p in pl_module.named_parameters(remove_duplicate=False)
                                        if p.requires_grad))
         if directory is None:
@@ -194,7 +198,8 @@ class TrainingSnapshot:
         Another callback may have changed the optimizers since (``BackboneFinetuning`` adds a parameter group when it
         unfreezes, ``StochasticWeightAveraging`` swaps the scheduler and adds keys to the groups): a group added
         since keeps its settings and starts with no optimizer state, as it did when it was added; a key added to a
-        group since keeps its value; a scheduler of another type than the saved one keeps its state. Raises
+        group since keeps its value; a scheduler of another type than the saved one keeps its state; an optimizer of
+        another class than the saved one (swapped in since) keeps its settings and starts with no state. Raises
         :class:`SnapshotMismatch`, before changing anything, when the saved optimizer state cannot be matched to the
         parameters (a group removed or resized, another number of optimizers). ``keep``: names of the module's state
         (its ``state_dict`` keys) that keep their present values (parameters frozen for good since)."""
@@ -207,8 +212,14 @@ class TrainingSnapshot:
             for name, now, value in held_values(state["module"], current):
                 if now not in keep and name not in keep:
                     current[now].copy_(value)
-        for opt, saved in zip(trainer.optimizers, state["optimizers"]):
-            opt.load_state_dict(_optimizer_state(opt, saved))
+        for opt, saved, swapped in zip(trainer.optimizers, state["optimizers"], self._swapped(trainer)):
+            if swapped:
+                # an optimizer of another class put in its place since (SGD replaced by AdamW mid-run): the saved
+                # state is the old one's, so the new one starts again with none, as it did when it was swapped in,
+                # and keeps its own settings
+                opt.state.clear()
+            else:
+                opt.load_state_dict(_optimizer_state(opt, saved))
         types = state.get("scheduler_types") or [None] * len(state["schedulers"])
         for cfg, saved, kind in zip(trainer.lr_scheduler_configs, state["schedulers"], types):
             # a scheduler swapped in since (StochasticWeightAveraging's SWALR) keeps its own state: the saved one is
@@ -248,12 +259,19 @@ class TrainingSnapshot:
         return self.module_keys
 
     def _read_layout(self) -> None:
-        """A snapshot adopted from a checkpoint's list of files: its group sizes and module keys, read from the file
-        once (kept from then on)."""
-        if self.group_sizes is None or self.module_keys is None:
+        """A snapshot adopted from a checkpoint's list of files: its group sizes, module keys and optimizer classes,
+        read from the file once (kept from then on)."""
+        if self.group_sizes is None or self.module_keys is None or self.optimizer_types is None:
             state = self.state()
             self.group_sizes = [[len(g["params"]) for g in saved["param_groups"]] for saved in state["optimizers"]]
             self.module_keys = frozenset(state["module"])
+            self.optimizer_types = list(state.get("optimizer_types") or [None] * len(state["optimizers"]))
+
+    def _swapped(self, trainer: pl.Trainer) -> list[bool]:
+        """Per optimizer of the run, whether it is of another class than the one saved in its place."""
+        self._read_layout()
+        assert self.optimizer_types is not None
+        return [kind is not None and kind != _type_name(opt) for opt, kind in zip(trainer.optimizers, self.optimizer_types)]
 
     def _optimizers_mismatch(self, trainer: pl.Trainer) -> Optional[str]:
         """Why the saved optimizer states do not fit the run's optimizers now, or ``None``."""
@@ -262,7 +280,9 @@ class TrainingSnapshot:
         assert sizes is not None
         if len(sizes) != len(trainer.optimizers):
             return f"{len(sizes)} optimizer(s) then, {len(trainer.optimizers)} now"
-        for i, (opt, then) in enumerate(zip(trainer.optimizers, sizes)):
+        for i, (opt, then, swapped) in enumerate(zip(trainer.optimizers, sizes, self._swapped(trainer))):
+            if swapped:
+                continue  # none of its saved state is restored (see restore): its groups need not match
             now = [len(g["params"]) for g in opt.param_groups]
             if now[: len(then)] != then:
                 return f"optimizer {i} had parameter groups of {then} parameters, now {now}"

@@ -93,6 +93,44 @@ def test_a_rollback_across_the_swa_scheduler_swap_keeps_swa_going(tmp_path):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+class _SwapToAdamW(pl.Callback):
+    """Replaces the run's optimizer by AdamW when step ``at`` starts (the way a user switches optimizers mid-run)."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at and not isinstance(trainer.optimizers[0], torch.optim.AdamW):
+            trainer.strategy.optimizers = [torch.optim.AdamW(pl_module.parameters(), lr=3e-3)]
+
+
+class _SgdHead(_BackboneHead):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+@pytest.mark.parametrize("action", ["rollback", "stop"])
+def test_an_optimizer_swapped_for_another_class_since_the_snapshot_starts_again_without_state(tmp_path, action):
+    # SGD until step 25, AdamW from then on; the NaN at step 27 goes back to the snapshot of step 20, which holds SGD's
+    # state: loading it into AdamW failed inside torch (KeyError 'step') and the fit ended with a traceback, no
+    # rollback and no checkpoint. The module goes back; AdamW keeps its settings and starts again with no state
+    model = _SgdHead(nan_step=27)
+    guard = DivergenceGuard(action=action)
+    trainer = _trainer(tmp_path, [guard, _SwapToAdamW(at=25)], max_epochs=3)
+    trainer.fit(model)
+    opt = trainer.optimizers[0]
+    assert isinstance(opt, torch.optim.AdamW) and opt.param_groups[0]["lr"] == 3e-3  # bad data: the rate is kept
+    if action == "rollback":
+        assert [(r["step"], r["to_step"]) for r in guard.rollbacks] == [(27, 20)]
+        assert trainer.current_epoch == 3 and all(p in opt.state for p in model.parameters())  # trained since
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+    else:
+        assert guard.stopped_step == 27 and not guard.rollbacks
+        saved = torch.load(guard.stop_checkpoint, weights_only=False)
+        assert all(torch.isfinite(v).all() for v in saved["state_dict"].values())
+        assert saved["optimizer_states"][0]["state"] == {}  # AdamW as it was swapped in: no state
+
+
 def _fake_trainer(opt):
     return SimpleNamespace(optimizers=[opt], lr_scheduler_configs=[], precision_plugin=None, current_epoch=0,
                            global_rank=0)
@@ -127,6 +165,21 @@ def test_a_snapshot_fits_groups_added_since_and_refuses_groups_removed():
     with pytest.raises(SnapshotMismatch):
         snap.restore(_fake_trainer(lone), module, {})
     assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())
+    # an optimizer of another class in its place (SGD saved, Adam now): fits whatever its groups, and takes none of
+    # the saved state (SGD's momentum buffers are no Adam state); the module goes back
+    sgd = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    a(torch.randn(4, 2)).sum().backward()
+    sgd.step()
+    snap = TrainingSnapshot.capture(_fake_trainer(sgd), module, {}, step=2, lr_scale=1.0)
+    weight = a.weight.detach().clone()
+    adam = torch.optim.Adam([b.weight], lr=0.01)
+    b(torch.randn(4, 2)).sum().backward()
+    adam.step()
+    with torch.no_grad():
+        a.weight.add_(1.0)
+    assert snap.mismatch(_fake_trainer(adam)) is None
+    snap.restore(_fake_trainer(adam), module, {})
+    assert torch.equal(a.weight, weight) and not adam.state and adam.param_groups[0]["lr"] == 0.01
 
 
 def test_replays_leave_batchnorm_statistics_as_they_were(tmp_path, monkeypatch):
