@@ -59,8 +59,48 @@ def test_a_change_of_scale_restarts_the_averages(tmp_path) -> None:
     # after the change the averages hold the new weights' checks only: the last value meets the new truth
     assert b[799] == pytest.approx(truth_near, rel=0.25)
     alerts = [a for a in read_alerts(os.path.join(lg.log_dir, "alerts.jsonl")) if a.kind == "averages_restarted"]
-    assert [(a.step, a.severity) for a in alerts] == [(CHANGE, "info")]
-    assert "another scale" in alerts[0].message
+    # at the third check of the new scale (the first two are held out of the averages, then replayed into them)
+    assert [(a.step, a.severity) for a in alerts] == [(CHANGE + 2, "info")]
+    assert "another scale" in alerts[0].message and "3 checks in a row" in alerts[0].message
+    assert b[CHANGE] == b[CHANGE + 1] == b[CHANGE - 1]  # the held checks do not move the logged average
+
+
+def test_one_outlier_check_is_held_out_not_a_restart() -> None:
+    """Near convergence one batch the model already fits has a tr(Sigma) a thousand times below the average: it
+    restarted the averages, and the next ordinary batch restarted them again (41 restarts in 300 checks of a small
+    MLP). Fewer than `persist` such checks in a row are held out and dropped; the averages are those of the ordinary
+    checks alone, and a run of them on the same side restarts once."""
+    ordinary = [(0.5 + 0.1 * (k % 3), 40.0 + 5.0 * (k % 4)) for k in range(60)]
+    plain, with_outliers = NoiseScaleEMA(0.9), NoiseScaleEMA(0.9)
+    restarts = 0
+    for k, (g2, tr) in enumerate(ordinary):
+        plain.update(g2, tr)
+        if k % 10 == 5:  # a fitted batch, then a spike, alone each: on either side
+            for outlier in ((1e-3, 0.02), (50.0, 9e4)):
+                with_outliers.update(*outlier)
+                restarts += with_outliers.restarted
+        with_outliers.update(g2, tr)
+        restarts += with_outliers.restarted
+    assert restarts == 0 and with_outliers.b_simple == pytest.approx(plain.b_simple, rel=1e-12)
+    # one below and one above the range are no run: held, then dropped
+    mixed = NoiseScaleEMA(0.9)
+    for g2, tr in [(0.5, 40.0), (1e-3, 0.02), (50.0, 9e4), (1e-3, 0.02), (0.5, 40.0)]:
+        mixed.update(g2, tr)
+        assert not mixed.restarted
+    assert mixed.b_simple == pytest.approx(80.0) and mixed.held == []
+    # a checkpoint keeps the held checks: a run that straddles a resume restarts as it would have
+    held = NoiseScaleEMA(0.9)
+    for g2, tr in [(0.5, 40.0), (1e-3, 0.02), (1e-3, 0.02)]:
+        held.update(g2, tr)
+    resumed = NoiseScaleEMA(0.9)
+    resumed.load_state_dict(held.state_dict())
+    resumed.update(1e-3, 0.02)
+    assert resumed.restarted and resumed.b_simple == pytest.approx(20.0)
+
+
+def test_persist_must_be_a_positive_integer() -> None:
+    with pytest.raises(ValueError, match="persist"):
+        NoiseScaleEMA(0.9, persist=0)
 
 
 def test_without_a_restart_the_first_checks_would_have_fixed_the_ratio() -> None:

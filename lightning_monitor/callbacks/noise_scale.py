@@ -797,10 +797,11 @@ class GradientNoiseScaleMonitor(Monitor):
             tr = host["\x00tr"]
             self.alert(
                 step, "averages_restarted", "info",
-                f"The noise scale's averages start again at step {step}: tr(Sigma) = {tr:.3g} is more "
-                f"than {self.ema.restart_factor:g} times away from its average over the checks before, whose gradients "
-                "were of another scale (the first steps from random init, a spike); averaged in, they would have "
-                f"fixed B_simple at their own ratio. Batch-size advice waits for {self.min_checks} checks again.",
+                f"The noise scale's averages start again at step {step}: tr(Sigma) ({tr:.3g} now) has been more than "
+                f"{self.ema.restart_factor:g} times away from its average for {self.ema.persist} checks in a row, so "
+                "the checks before were of another scale (the first steps from random init, weights changed on "
+                "purpose); averaged in, they would have fixed B_simple at their own ratio. Batch-size advice waits for "
+                f"{self.min_checks} checks again.",
                 value=float(tr),
             )
         b_big = host["\x00batch"]

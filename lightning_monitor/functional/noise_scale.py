@@ -111,37 +111,64 @@ class NoiseScaleEMA:
 
     Steps whose estimates are not finite are ignored (:meth:`update` returns ``False``).
 
-    **A change of scale restarts both averages.** A sample of ``tr(Sigma)`` more than ``restart_factor`` times its
-    average, or less than its ``1 / restart_factor``, comes from gradients of another scale (the first steps from
-    random init, where some examples' gradients are 1e4-1e8 times the later ones; a spike): averaged in, it would fix
-    the ratio at its own for as long as its weight dominates (at ``beta=0.9``, about 100 checks for a factor of 1e5).
-    The averages start again from that sample (:attr:`restarted` says so, until the next update).
+    **A change of scale restarts both averages.** Samples of ``tr(Sigma)`` more than ``restart_factor`` times its
+    average, or less than its ``1 / restart_factor``, on ``persist`` consecutive updates (on the same side) come from
+    gradients of another scale (the first steps from random init, where some examples' gradients are 1e4-1e8 times
+    the later ones; weights changed on purpose): averaged in, the old samples would fix the ratio at their own for as
+    long as their weight dominates (at ``beta=0.9``, about 100 checks for a factor of 1e5). The averages start again
+    from those samples (:attr:`restarted` says so, until the next update). Fewer in a row are outliers (one batch the
+    model already fits, with a ``tr(Sigma)`` 1000 times below the average; a spike): held out of the averages, and
+    dropped at the next sample within range. On one such batch near convergence the averages were thrown away, and
+    thrown away again at the next ordinary batch: 41 restarts in 300 checks, the smoothed ``tr(Sigma)`` jumping from
+    41 to 0.34 and back to 84.
 
     >>> ema = NoiseScaleEMA(beta=0.9)
-    >>> _ = ema.update(g2=5e4, trace_sigma=7e7), ema.update(g2=0.5, trace_sigma=2.0)
-    >>> ema.restarted, round(ema.b_simple, 4)
+    >>> _ = ema.update(g2=5e4, trace_sigma=7e7), ema.update(g2=0.5, trace_sigma=2.0), ema.update(g2=0.5, trace_sigma=2.0)
+    >>> ema.restarted, round(ema.b_simple, 1)  # held out: the first scale's ratio still
+    (False, 1400.0)
+    >>> _ = ema.update(g2=0.5, trace_sigma=2.0)
+    >>> ema.restarted, round(ema.b_simple, 4)  # the third in a row: the averages hold the new scale only
     (True, 4.0)
     """
 
-    def __init__(self, beta: float = 0.9, restart_factor: float = 100.0) -> None:
+    def __init__(self, beta: float = 0.9, restart_factor: float = 100.0, persist: int = 3) -> None:
         if not restart_factor > 1.0:
             raise ValueError(f"`restart_factor` must be > 1, got {restart_factor!r}.")
+        if isinstance(persist, bool) or not isinstance(persist, int) or persist < 1:
+            raise ValueError(f"`persist` must be an integer >= 1, got {persist!r}.")
         self.g2 = BiasCorrectedEMA(beta)
         self.trace_sigma = BiasCorrectedEMA(beta)
         self.restart_factor = restart_factor
+        self.persist = persist
         #: whether the last update restarted the averages (a change of scale)
         self.restarted = False
+        #: samples out of range, in a row on one side, held out of the averages: ``(g2, trace_sigma, side)``
+        self.held: list[tuple[float, float, int]] = []
 
     def update(self, g2: float, trace_sigma: float) -> bool:
         if not (math.isfinite(g2) and math.isfinite(trace_sigma)):
             return False
         mean = self.trace_sigma.value
-        self.restarted = bool(self.count and mean is not None and mean > 0 and trace_sigma > 0
-                              and not 1.0 / self.restart_factor <= trace_sigma / mean <= self.restart_factor)
-        if self.restarted:
+        side = 0
+        if self.count and mean is not None and mean > 0 and trace_sigma > 0:
+            ratio = trace_sigma / mean
+            side = 1 if ratio > self.restart_factor else -1 if ratio < 1.0 / self.restart_factor else 0
+        self.restarted = False
+        if side == 0:
+            self.held = []
+            self.g2.update(g2)
+            self.trace_sigma.update(trace_sigma)
+            return True
+        if self.held and self.held[-1][2] != side:
+            self.held = []
+        self.held.append((g2, trace_sigma, side))
+        if len(self.held) >= self.persist:
+            self.restarted = True
             self.g2, self.trace_sigma = BiasCorrectedEMA(self.g2.beta), BiasCorrectedEMA(self.trace_sigma.beta)
-        self.g2.update(g2)
-        self.trace_sigma.update(trace_sigma)
+            for held_g2, held_tr, _ in self.held:
+                self.g2.update(held_g2)
+                self.trace_sigma.update(held_tr)
+            self.held = []
         return True
 
     @property
@@ -156,8 +183,10 @@ class NoiseScaleEMA:
         return float(b_simple(float(self.trace_sigma.value), float(self.g2.value)))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"g2": self.g2.state_dict(), "trace_sigma": self.trace_sigma.state_dict()}
+        return {"g2": self.g2.state_dict(), "trace_sigma": self.trace_sigma.state_dict(),
+                "held": [list(h) for h in self.held]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.g2.load_state_dict(state["g2"])
         self.trace_sigma.load_state_dict(state["trace_sigma"])
+        self.held = [(float(g), float(t), int(side)) for g, t, side in state.get("held", [])]
