@@ -521,3 +521,38 @@ def test_grades_ddp_epochs_of_different_lengths_end_the_grace_together(tmp_path)
     assert r0["step"] == r1["step"] == 30
     assert r0["grace_end"] == r1["grace_end"] == 20  # half of the fewer planned steps
     assert r0["frozen"] == r1["frozen"]
+
+
+class _RankClock(pl.callbacks.Timer):
+    """A time limit whose clock reads 2 s elapsed on rank 0 and 4 s on rank 1, 4 s remaining, when GWA plans its warm-up
+    after the first epoch (the ranks' clocks never agree exactly; here they disagree by half)."""
+
+    def time_elapsed(self, stage="train"):
+        return 2.0 if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0 else 4.0
+
+    def time_remaining(self, stage="train"):
+        return 4.0
+
+
+class _Timed(_Uneven):
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.x[:128], self.y[:128]), batch_size=32)  # 2 batches a rank an epoch
+
+    def on_train_end(self) -> None:
+        gwa = next(c for c in self.trainer.callbacks if isinstance(c, lm.GradientWeightAlignmentMonitor))
+        with open(os.path.join(self.out, f"rank{self.global_rank}.json"), "w") as fh:
+            json.dump({"warmup": gwa._warmup_resolved, "step": self.trainer.global_step,
+                       "eligible": [h["epoch"] for h in gwa.history if h["eligible"]]}, fh)
+
+
+def test_gwa_ddp_plans_a_time_limited_warm_up_from_rank_zeros_clock(tmp_path) -> None:
+    # each rank's own clock would give 3 epochs (half of them: a warm-up of 2) on rank 0 and 2 (a warm-up of 1) on
+    # rank 1: the windows, picks and a stop would then differ between the ranks
+    gwa = lm.GradientWeightAlignmentMonitor(log_histograms=False, warmup_fraction=0.5)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=8,
+                         callbacks=[gwa, _RankClock(duration={"seconds": 40})], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+    fit_ddp_spawn(trainer, _Timed(str(tmp_path)))
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["step"] == r1["step"] == 8
+    assert r0["warmup"] == r1["warmup"] == 2 and r0["eligible"] == r1["eligible"] == [2, 3]

@@ -818,20 +818,33 @@ def test_the_head_is_found_in_bf16_too(tmp_path, precision) -> None:
     assert gwa._head_name == "head" and gwa.idle_reason is None
 
 
-def test_a_fractional_warm_up_in_a_time_limited_run_is_said(tmp_path) -> None:
+@pytest.mark.parametrize("max_epochs, planned, warmup", [(1000, 20, 2), (-1, 20, 2), (10, 10, 1)])
+def test_a_time_limited_run_plans_its_warm_up_from_the_first_epochs_pace(tmp_path, monkeypatch, max_epochs, planned,
+                                                                        warmup) -> None:
     # max_time with a large max_epochs: a 10% warm-up of 1000 epochs is 100, and a run that time ends in 20 epochs
-    # never logged a best epoch, without a word
-    loader, _ = _loader(100, batch_size=50)
-    gwa = GradientWeightAlignmentMonitor()
-    with pytest.warns(UserWarning, match=r"warm-up is 100 epoch\(s\), 0.1 of the 1000 planned by `max_epochs`, but "
-                                         r"`max_time` may end the run sooner"):
-        _trainer(tmp_path, False, [gwa, _StopAt(2)], max_epochs=1000, max_time={"seconds": 600}).fit(DigitsMLP(), loader)
+    # never logged a best epoch (a warning said so); with max_time alone GWA stayed idle ("an unbounded run"). The
+    # warm-up is now 10% of the epochs the time allows at the first epoch's pace (a clock of 2 s an epoch, 40 s
+    # allowed: 20 epochs), or of max_epochs where fewer
+    from lightning.pytorch.callbacks import Timer
 
-    # planned by max_steps (max_epochs -1): said so, not "of the -1 planned by `max_epochs`" (2 batches an epoch: 300)
+    monkeypatch.setattr(Timer, "time_elapsed", lambda self, stage="train": 2.0)
+    monkeypatch.setattr(Timer, "time_remaining", lambda self, stage="train": 38.0)
+    loader, _ = _loader(100, batch_size=50)  # 2 steps an epoch
     gwa = GradientWeightAlignmentMonitor()
-    with pytest.warns(UserWarning, match=r"warm-up is 30 epoch\(s\), 0.1 of the 300 planned by `max_steps`, but "):
-        _trainer(tmp_path, False, [gwa, _StopAt(2)], max_epochs=-1, max_steps=600,
-                 max_time={"seconds": 600}).fit(DigitsMLP(), loader)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, False, [gwa, _StopAt(8)], max_epochs=max_epochs,
+                 max_time={"seconds": 40}).fit(DigitsMLP(), loader)
+    assert not [str(w.message) for w in caught if "GradientWeightAlignment" in str(w.message)]  # nothing to warn of
+    assert gwa.idle_reason is None and gwa._warmup_resolved == warmup
+    (said,) = [a for a in gwa.hub.history if a.kind == "warmup_planned"]
+    assert said.step == 2 and f"opens at epoch {warmup}" in said.message and f"about {planned} epochs" in said.message
+    assert ("that `max_time` allows" in said.message) == (planned == 20)
+    assert [h["epoch"] for h in gwa.history if h["eligible"]] == list(range(warmup, 4))
+    # kept in checkpoints: a resume does not plan again from a clock that has run on
+    resumed = GradientWeightAlignmentMonitor()
+    resumed.load_state_dict(gwa.state_dict())
+    assert resumed._timed_warmup == warmup
 
 
 class _StopAt(Callback):

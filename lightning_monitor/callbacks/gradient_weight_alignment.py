@@ -306,7 +306,9 @@ class GradientWeightAlignmentMonitor(Monitor):
             GWA is judged once per epoch.
         min_delta: improvement smaller than this does not count.
         warmup_fraction: fraction of the planned epochs (``max_epochs``, or ``max_steps`` in epochs)
-            outside the selection window (paper: 10%).
+            outside the selection window (paper: 10%). Under ``max_time`` the planned epochs are also those the
+            time allows at the pace of the epochs trained when the first one ends (the fewer of the two), set
+            then, the same on every rank, said in a ``warmup_planned`` info alert and kept in checkpoints.
         warmup_epochs: number of epochs outside the window; overrides ``warmup_fraction``.
         finetune: open the window only after GWA's first dip (fine-tuning a pre-trained model).
         mask_warmup: keep ``gwa/score`` and ``gwa/selection`` out of ``callback_metrics`` outside the window
@@ -479,7 +481,7 @@ class GradientWeightAlignmentMonitor(Monitor):
 
     def _selection_state(self) -> dict[str, Any]:
         return dict(best_epoch=self.best_epoch, best_score=self.best_score, best_rank=self._best_rank, wait=self.wait,
-                    dip_epoch=self.dip_epoch,
+                    dip_epoch=self.dip_epoch, timed_warmup=self._timed_warmup,
                     fell=self._fell, prev_score=self._prev_score, prev_epoch=self._prev_epoch,
                     uncertain_said=list(self._uncertain_said))
 
@@ -499,6 +501,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         # the reasons ("boundary", "warmup", "memorised", "spike", "contested") the uncertain_pick warnings of the run
         # have given
         self._uncertain_said: list[str] = list(state.get("uncertain_said", []))
+        # the warm-up planned from the time budget (max_time) when the first epoch ended, None before (or without one)
+        self._timed_warmup: Optional[int] = state.get("timed_warmup")
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -588,11 +592,11 @@ class GradientWeightAlignmentMonitor(Monitor):
         # the same on every rank (the loggers are), so the gathered layout agrees
         self._want_histogram = self.log_histograms and any(isinstance(lg, TensorBoardLogger) for lg in trainer.loggers)
         unbounded = (trainer.max_epochs is None or trainer.max_epochs < 0) and (trainer.max_steps is None or trainer.max_steps < 0)
-        if self.warmup_epochs is None and self.warmup_fraction > 0 and unbounded:
+        if self.warmup_epochs is None and self.warmup_fraction > 0 and unbounded and self._timer(trainer) is None:
             # a ValueError; the preset's monitor (idle_when_nothing_to_watch) says so and stays idle instead
             raise NothingToWatch(
-                "it cannot take `warmup_fraction` of an unbounded run (neither "
-                "max_epochs nor max_steps is set): pass `warmup_epochs=` explicitly."
+                "it cannot take `warmup_fraction` of an unbounded run (none of max_epochs, max_steps and "
+                "max_time is set): pass `warmup_epochs=` explicitly."
             )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -613,7 +617,6 @@ class GradientWeightAlignmentMonitor(Monitor):
             return
         if trainer.world_size > 1 and not self._even_epochs(trainer, pl_module):
             return
-        self._check_time_limit(trainer)
         self._check_score_consumers(trainer)
         if self.head is not None:  # otherwise said when the first step shows which layer is the head
             self._say_if_frozen(trainer.global_step)
@@ -697,28 +700,55 @@ class GradientWeightAlignmentMonitor(Monitor):
             return True
         return trainer.val_check_batch < trainer.num_training_batches
 
-    def _check_time_limit(self, trainer: pl.Trainer) -> None:
-        """A warm-up planned as a fraction of the epochs of a run that ``max_time`` may end first: said once."""
+    @staticmethod
+    def _timer(trainer: pl.Trainer) -> Any:
+        """Lightning's :class:`~lightning.pytorch.callbacks.Timer` of the run when it has a time limit (``max_time``),
+        else ``None``."""
         from lightning.pytorch.callbacks import Timer
 
         timer = next((cb for cb in trainer.callbacks if isinstance(cb, Timer)), None)
-        if timer is None or self.warmup_epochs is not None or not self._warmup_resolved:
+        return timer if timer is not None and timer.time_remaining("train") is not None else None
+
+    def _plan_by_time(self, trainer: pl.Trainer, epoch: int) -> None:
+        """At the end of the run's first whole epoch under ``max_time``: the warm-up as ``warmup_fraction`` of the
+        epochs the time allows at the pace so far (``epoch + 1`` epochs in the time elapsed), or of those planned by
+        ``max_epochs`` / ``max_steps`` where fewer. Rank 0's clock decides for every rank (one broadcast), so the
+        window, the pick and a stop agree. Before, a run bounded by ``max_time`` alone left GWA idle ("an unbounded
+        run"), and one with a large ``max_epochs`` as well waited for a warm-up the time never reached."""
+        timer = self._timer(trainer)
+        elapsed = timer.time_elapsed("train") if timer is not None else 0.0
+        remaining = timer.time_remaining("train") if timer is not None else None
+        by_time = None
+        if remaining is not None and elapsed > 0:
+            by_time = max(epoch + 1, int((elapsed + remaining) / (elapsed / (epoch + 1))))
+        if trainer.world_size > 1:
+            by_time = trainer.strategy.broadcast(by_time, src=0)
+        if by_time is None:
             return
-        planned = self._planned_epochs
-        by = "`max_epochs`" if planned == trainer.max_epochs else "`max_steps`"
-        rank_zero_warn(
-            f"GradientWeightAlignmentMonitor: the warm-up is {self._warmup_resolved} epoch(s), "
-            f"{self.warmup_fraction:g} of the {planned} planned by {by}, but `max_time` may end the "
-            "run sooner: no epoch before the warm-up's end is scored. Pass `warmup_epochs=` for a time-limited run."
+        planned = by_time if self._planned_epochs is None else min(self._planned_epochs, by_time)
+        warmup = max(1, int(math.ceil(self.warmup_fraction * planned - 1e-9)))
+        self._planned_epochs, self._warmup_resolved, self._timed_warmup = planned, warmup, warmup
+        self.alert(
+            trainer.global_step, "warmup_planned", "info",
+            f"The selection window opens at epoch {warmup}: the warm-up is {self.warmup_fraction:g} of the about "
+            f"{planned} epochs this run makes" + (
+                f" (the {by_time} that `max_time` allows at the pace of the first {epoch + 1} epoch(s))"
+                if planned == by_time else f" (planned by `max_epochs` / `max_steps`; `max_time` allows {by_time})")
+            + ". Pass `warmup_epochs=` to fix it.",
+            value=float(warmup),
         )
 
     def _resolve_warmup(self, trainer: pl.Trainer) -> int:
         """``warmup_epochs``, else ``ceil(warmup_fraction * planned epochs)``; the planned epochs come
-        from ``max_epochs``, or from ``max_steps`` and the optimizer steps per epoch."""
+        from ``max_epochs``, or from ``max_steps`` and the optimizer steps per epoch. Under ``max_time``: 1 until
+        the first epoch ends (:meth:`_plan_by_time`), or the warm-up planned then (a resume)."""
         if self.warmup_epochs is not None:
             return self.warmup_epochs
         if self.warmup_fraction == 0:
             return 0
+        timed = self._timer(trainer) is not None
+        if timed and self._timed_warmup is not None:  # planned by the time budget already (a resume)
+            return self._timed_warmup
         epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else None
         if trainer.max_steps is not None and trainer.max_steps >= 0:
             batches = trainer.num_training_batches
@@ -726,12 +756,16 @@ class GradientWeightAlignmentMonitor(Monitor):
                 per_epoch = max(1, math.ceil(batches / trainer.accumulate_grad_batches))
                 by_steps = math.ceil(trainer.max_steps / per_epoch)
                 epochs = by_steps if epochs is None else min(epochs, by_steps)
+        self._planned_epochs = epochs
+        if timed:
+            # the first epoch is outside the window whatever the plan (at least one epoch of warm-up); the plan is
+            # made when it ends, from its pace (see _plan_by_time)
+            return 1
         if epochs is None:
             raise NothingToWatch(  # a ValueError
                 "it cannot tell the length of this run (max_steps with an iterable "
                 "of unknown length): pass `warmup_epochs=` explicitly."
             )
-        self._planned_epochs = epochs
         return int(math.ceil(self.warmup_fraction * epochs - 1e-9))
 
     def _causal_lm_shift(self, pl_module: pl.LightningModule) -> bool:
@@ -1652,6 +1686,9 @@ class GradientWeightAlignmentMonitor(Monitor):
         if self._forward_only and not self._trained:
             return  # nothing was trained (StochasticWeightAveraging's BatchNorm epoch): nothing to score or select
         epoch, step = trainer.current_epoch, trainer.global_step
+        if (complete and self._timed_warmup is None and self.warmup_epochs is None and self.warmup_fraction > 0
+                and self._timer(trainer) is not None):
+            self._plan_by_time(trainer, epoch)
         self._say_if_frozen(step, during=True)  # the head frozen since (GradES): said once (the flag is every rank's)
         state, negative, lo, hi, hist, top = self._reduce(trainer)
         outside = int(self._out_of_range)
