@@ -522,6 +522,32 @@ def test_gwa_scores_enough_samples_an_epoch_on_a_small_dataset(tmp_path) -> None
     assert not [w for w in caught if "GWA skipped" in str(w.message)]
 
 
+class _Unsized(torch.utils.data.IterableDataset):
+    """96 samples with no ``__len__``: Lightning cannot tell how many batches an epoch holds until one ends."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __iter__(self):
+        return iter(zip(self.x, self.y))
+
+
+def test_gwa_sets_its_cadence_after_the_first_epoch_of_unknown_length(tmp_path) -> None:
+    """The same 96 samples from an iterable without a length: the cadence could not be set at the first scored step
+    (the epoch's length unknown) and was never set, so every epoch was scored from one batch of 16. It is set when the
+    first epoch ends (6 batches), with the same ``cadence`` alert, and the later epochs are scored whole."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 8, generator=g)
+    loader = torch.utils.data.DataLoader(_Unsized(x, x[:, :3].argmax(1)), batch_size=16)
+    hm = lm.HealthMonitor(**FAST)
+    trainer = _trainer(tmp_path, [hm], max_steps=-1, max_epochs=4)
+    trainer.fit(_Net(3, torch.nn.functional.cross_entropy), loader)
+    assert hm.gwa.every_n_steps == 1
+    said = [a for a in hm.guard.hub.history if a.kind == "cadence"]
+    assert len(said) == 1 and said[0].step == 6 and "about 96 samples (6 steps)" in said[0].message
+    assert [h["count"] for h in hm.gwa.history] == [16, 96, 96, 96]
+
+
 @pytest.mark.parametrize("max_steps, every, warned", [(18, 5, False), (16, 20, True)],
                          ids=["last-epoch-cut-short", "whole-epoch-unscored"])
 def test_gwa_says_nothing_of_a_last_epoch_cut_short_by_max_steps(tmp_path, max_steps, every, warned) -> None:

@@ -319,7 +319,8 @@ class GradientWeightAlignmentMonitor(Monitor):
             ``histogram``.
         every_n_steps: score the batches of every this many optimizer steps (1: all samples, the
             paper's setting; larger values estimate the epoch's score from a subsample).
-        min_epoch_samples: when set, ``every_n_steps`` is lowered, once per fit after the first scored step, so
+        min_epoch_samples: when set, ``every_n_steps`` is lowered, once per fit after the first scored step (after
+            the first epoch where its length is unknown before: an iterable without ``__len__``), so
             that an epoch scores at least about this many samples (its steps times the samples of a step, all
             ranks together, over ``every_n_steps``; never below 1): the epoch's kurtosis, which GWA divides by,
             is too noisy to mean anything on a few dozen samples (its standard error is about ``sqrt(24 / n)``).
@@ -463,6 +464,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         if "_configured_every" in self.__dict__:  # a new run scores at the configured cadence until it is set again
             self.every_n_steps = self._configured_every
         self._scored_rows: Optional[int] = None  # the samples of the fit's first scored micro-batch (min_epoch_samples)
+        self._unsized_rows: Optional[int] = None  # those of an epoch of unknown length, until it ends (_set_cadence)
         self.history: list[dict[str, Any]] = []
         # said once the first batch's targets fit (a regression or multi-label run goes idle with one warning instead)
         self._pending_no_softmax: Optional[tuple[int, str]] = None
@@ -1630,16 +1632,28 @@ class GradientWeightAlignmentMonitor(Monitor):
             )
         # the hook's batch_idx is the loop's batch count in this epoch minus one (also after a mid-epoch resume)
         if trainer.is_last_batch or batch_idx + 1 >= trainer.num_training_batches:
+            if self._unsized_rows is not None:  # the first epoch of unknown length has shown its length
+                rows, self._unsized_rows = self._unsized_rows, None
+                batches = batch_idx + 1
+                if trainer.world_size > 1:  # rank 0's count for every rank: the cadences stay alike
+                    batches = trainer.strategy.broadcast(batches, src=0)
+                self._scored_rows = rows
+                self._set_cadence(trainer, batches)
             self._finish_epoch(trainer, complete=True)
 
-    def _set_cadence(self, trainer: pl.Trainer) -> None:
+    def _set_cadence(self, trainer: pl.Trainer, batches: Optional[int] = None) -> None:
         """``min_epoch_samples``: lower ``every_n_steps`` (once per fit) so that an epoch scores about that many
         samples, from the first scored micro-batch's samples, the gradient accumulation and the ranks (each rank
-        decides alike from its own first batch: the samplers give every rank batches of one size)."""
+        decides alike from its own first batch: the samplers give every rank batches of one size). An epoch of
+        unknown length (an iterable without ``__len__``) is decided when the first one ends, from its ``batches``:
+        before, the cadence stayed as given and an epoch of 16 batches was scored from one or two of them."""
         rows, self._scored_rows = self._scored_rows, -1  # decided once
-        batches = trainer.num_training_batches
+        batches = trainer.num_training_batches if batches is None else batches
+        if rows is not None and self.min_epoch_samples is not None and not (isinstance(batches, int) and batches > 0):
+            self._unsized_rows = rows  # decided at the end of the first epoch, from its length
+            return
         if not isinstance(batches, int) or batches <= 0 or rows is None or self.min_epoch_samples is None:
-            return  # an epoch of unknown length: the cadence as given
+            return  # the cadence as given
         accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
         steps = max(batches // accumulate, 1)
         per_epoch = steps * rows * accumulate * max(trainer.world_size, 1)
