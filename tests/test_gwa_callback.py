@@ -422,6 +422,35 @@ def test_soft_targets_and_too_few_samples(tmp_path) -> None:
     assert not os.path.exists(path) or "gwa/score" not in open(path).read()
 
 
+class SkipsBatches(DigitsMLP):
+    """Returns None from `training_step` for every third batch (Lightning's documented way to skip one), before or
+    after the forward."""
+
+    def __init__(self, forward_first: bool) -> None:
+        super().__init__(record=False)
+        self.forward_first = forward_first
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx % 3 == 1:
+            if self.forward_first:
+                self(batch[0])
+            return None
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("forward_first", [False, True])
+def test_a_batch_skipped_by_returning_none_is_not_blamed_on_the_head(tmp_path, forward_first) -> None:
+    # a skipped batch was said as "head `net.2` was not called in a training step ... Pass `head=`", of the right head
+    loader, _ = _loader(300, batch_size=50)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, False, [gwa], max_epochs=2).fit(SkipsBatches(forward_first), loader)
+    assert not [str(w.message) for w in caught if "GradientWeightAlignment" in str(w.message)]
+    # the 4 batches of 6 that trained; with the forward run before the skip, the head's output was scored as it ran
+    assert [h["count"] for h in gwa.history] == ([300, 300] if forward_first else [200, 200])
+
+
 class UnusedLast(DigitsMLP):
     def __init__(self) -> None:
         super().__init__(record=False)

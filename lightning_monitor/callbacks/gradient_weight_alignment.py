@@ -1623,6 +1623,12 @@ class GradientWeightAlignmentMonitor(Monitor):
                 return
         if self._scored_rows is not None and self._scored_rows > 0:  # the fit's first scored step (-1 once decided)
             self._set_cadence(trainer)
+        if self._pending is not None and pl_module.automatic_optimization and not outputs:
+            # `training_step` returned None (the hook gets an empty dict): a batch skipped on purpose (Lightning runs no
+            # backward and no step), before or after its forward; nothing of it is scored and there is nothing to say
+            # (the head was blamed)
+            self.release()
+            self._pending = None
         if self._pending is not None:  # the head did not run in this batch's forward
             self.release()
             self._pending = None
