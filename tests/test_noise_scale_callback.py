@@ -354,3 +354,19 @@ def test_manual_optimization_clipping_reads_the_unclipped_gradient(tmp_path) -> 
         assert [s for s, _ in auto] == [s for s, _ in manual] == [0, 5, 10, 15]
         assert [v for _, v in manual] == pytest.approx([v for _, v in auto], rel=1e-5)
     assert all(v > 0 for _, v in logged[True]["gns/g2"])
+
+
+def test_batch_size_advice_stops_at_the_training_set() -> None:
+    """B_simple above the samples an epoch holds: the advice was 'toward ~655' on a set of 512 samples, a batch no
+    epoch can fill. It now says the whole training set, and why; below it the advice names B_simple as before."""
+    mon = GradientNoiseScaleMonitor(min_checks=1)
+    said = []
+    mon.condition = lambda step, kind, active, severity, message, *a, **k: said.append((kind, active, message))
+    mon.ema.update(1.0, 655.0)
+    mon._batch_alerts(10, 16.0, 655.0, epoch_samples=512.0)
+    (below,) = [m for kind, active, m in said if kind == "batch_below_noise_scale" and active]
+    assert "as far as the whole training set (~512 samples an epoch" in below and "~655 " not in below
+    said.clear()
+    mon._batch_alerts(20, 16.0, 655.0, epoch_samples=4096.0)
+    (below,) = [m for kind, active, m in said if kind == "batch_below_noise_scale" and active]
+    assert "toward ~655 " in below

@@ -837,7 +837,7 @@ class GradientNoiseScaleMonitor(Monitor):
             if math.isfinite(ema.b_simple):
                 metrics[self.key("b_simple", layer)] = ema.b_simple
         self._coverage_alert(step, self._measured, coverage, partial)
-        self._batch_alerts(step, float(b_big), b_simple)
+        self._batch_alerts(step, float(b_big), b_simple, self._epoch_samples(trainer, float(b_big)))
         return metrics
 
     def _coverage_alert(self, step: int, measured: set[str], coverage: float, partial: bool) -> None:
@@ -891,7 +891,17 @@ class GradientNoiseScaleMonitor(Monitor):
         if alert.kind == "rolled_back":
             self._rolled_back = True
 
-    def _batch_alerts(self, step: int, batch: float, b_simple: float) -> None:
+    @staticmethod
+    def _epoch_samples(trainer: pl.Trainer, batch: float) -> Optional[float]:
+        """The samples an epoch holds, all ranks together (its optimizer steps times ``batch``, the samples of a step),
+        or ``None`` for an epoch of unknown length."""
+        batches = getattr(trainer, "num_training_batches", None)
+        if not isinstance(batches, int) or batches <= 0:
+            return None
+        accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
+        return max(batches // accumulate, 1) * batch
+
+    def _batch_alerts(self, step: int, batch: float, b_simple: float, epoch_samples: Optional[float] = None) -> None:
         if self._rolled_back:
             # the guard rolled the run back (the average went back with it): the checks of a run that was diverging,
             # right before or after, gave advice from an unsettled state (the demo's diverging run was told to lower
@@ -908,10 +918,16 @@ class GradientNoiseScaleMonitor(Monitor):
         low = batch * r_low < b_simple
         high = b_simple > 0 and batch > b_simple * r_high
         shown, target = f"{b_simple:.3g}", max(1, round(b_simple))  # 0.495 reads 0.495, advice "toward 1"
+        toward = f"toward ~{target}"
+        if epoch_samples is not None and target > epoch_samples:
+            # a batch cannot hold more than the training set: B_simple beyond it says the noise stays large even at
+            # full batch (advice toward 655 on 512 samples read as a batch no epoch can fill)
+            toward = (f"as far as the whole training set (~{epoch_samples:.0f} samples an epoch; B_simple exceeds it, "
+                      "so each step's gradient stays noisy up to full batch)")
         self.condition(
             step, "batch_below_noise_scale", low, "info",
             f"Batch size {batch:.0f} is far below the gradient noise scale B_simple = {shown}: each step "
-            f"averages out little of the gradient noise. Raise the batch size toward ~{target} (more "
+            f"averages out little of the gradient noise. Raise the batch size {toward} (more "
             "data-parallel ranks or accumulate_grad_batches, scaling the learning rate with it) for nearly "
             "proportionally fewer steps at about the same number of examples.",
             value=b_simple, threshold=batch * self.alert_ratio,
