@@ -1161,7 +1161,9 @@ class DivergenceGuard(Monitor):
                 step, "data_shift", True, "warning",
                 f"The loss rose from about {level:.4g} to {now:.4g} since step {start}, but every kept snapshot from "
                 f"before the rise finds the current batch about as hard (at best {before:.4g}): the data changed, not "
-                "the run. No action taken.",
+                "the weights (data that shifted, or a stretch of hard batches: on a loss with heavy tails, such as a "
+                "focal or class-weighted loss at a small batch size, a few hard batches in a row look the same). No "
+                "action taken.",
                 value=now, threshold=before, clear_message="The loss has settled at its new level.",
             )
             self._new_normal([now, before])
