@@ -862,8 +862,20 @@ class GradientNoiseScaleMonitor(Monitor):
                 why.setdefault(layer, "left out by include/exclude")
             else:
                 why.setdefault(layer, reasons.get(n, "no handler for its module type"))
-        shown = "; ".join(f"{m} ({', '.join(ps)}): {why[m]}" for m, ps in list(by_module.items())[:12])
-        more = f"; ... ({len(by_module) - 12} more modules)" if len(by_module) > 12 else ""
+        # the modules grouped by their reason, each reason said once (a model whose every block feeds one BatchNorm
+        # printed the same three lines of reason thirty times); at most 12 modules named, the rest counted
+        groups: dict[str, list[str]] = {}
+        for m, ps in by_module.items():
+            groups.setdefault(why[m], []).append(f"{m} ({', '.join(ps)})")
+        parts, named = [], 0
+        for reason, mods in groups.items():
+            listed = mods[: max(0, 12 - named)]
+            if not listed:
+                break
+            named += len(listed)
+            parts.append(f"{', '.join(listed)}{' ...' if len(listed) < len(mods) else ''}: {reason}")
+        shown = "; ".join(parts)
+        more = f"; ... ({len(by_module) - named} more modules)" if len(by_module) > named else ""
         # rounded down, at least one digit past the threshold's: a share below it never reads as equal to it (0.8998
         # printed 0.900 beside min_coverage=0.9)
         digits = 3
