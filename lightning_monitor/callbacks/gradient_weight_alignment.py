@@ -1595,7 +1595,9 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._stash, self._stashed, self._pending = [], 0, None
             why = self._refusal or "another rank's targets did not fit it"
             self.nothing_to_watch(trainer, f"the batches' targets do not fit a softmax classifier on `{self._head_name}` "
-                                           f"({why}). Pass `target_fn=` and `head=` if this model has one.")
+                                           f"({why}). Pass `target_fn=` and `head=` if this model has one (an "
+                                           "nn.Linear producing the logits: a convolutional head, as in "
+                                           "segmentation models, is not scored).")
         else:
             if several is not None:
                 self.alert(several[0], "several_heads", "warning", several[1])
