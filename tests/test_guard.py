@@ -713,3 +713,44 @@ def test_a_loss_settled_above_its_start_is_judged_against_its_level(tmp_path, se
     _trainer(tmp_path, [guard], 400, logger=False).fit(_MessagePassing(seed), loader)
     assert guard.rollbacks == [] and guard.stopped_step is None
     assert not [a for a in guard.hub.history if a.kind == "loss_explosion"]
+
+
+class _RateAt(pl.Callback):
+    """Sets every group's rate to ``rates[k]`` from step ``k`` on (the latest key at or below the step)."""
+
+    def __init__(self, rates: dict) -> None:
+        self.rates = rates
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        lr = self.rates[max(k for k in self.rates if k <= trainer.global_step)]
+        for group in trainer.optimizers[0].param_groups:
+            group["lr"] = lr
+
+
+def test_a_stop_checkpoint_holds_the_monitors_and_detectors_of_its_good_state(tmp_path, tiny_gpt):
+    # the rate is raised 50 times at step 40, before the snapshot of step 40 (whose loss, computed before the update,
+    # is normal): the stop restored the weights of step 40 but saved the other monitors' states and the guard's
+    # detectors as the diverged steps left them, the raised rate among "the rates trained at with a normal loss". A
+    # run resumed from it at a lower rate, raised back to that rate, was then told of a warm restart (a warning, no
+    # action) while it diverged again
+    from lightning_monitor import GradientNoiseScaleMonitor
+
+    pl.seed_everything(0)
+    module, loader = tiny_gpt(lr=3e-3)
+    gns = GradientNoiseScaleMonitor(every_n_steps=2)
+    guard = DivergenceGuard(action="stop")
+    _trainer(tmp_path / "a", [gns, guard, _RateAt({0: 3e-3, 40: 0.15})], steps=100, logger=False).fit(module, loader)
+    assert guard.stopped_step is not None and guard.stopped_step > 40
+    saved = torch.load(guard.stop_checkpoint, weights_only=False)["callbacks"]
+    state = saved[guard.state_key]
+    assert state["lr_peak"] == [[3e-3, 3e-3]] and not state["conditions"]  # two parameter groups
+    assert saved[gns.state_key]["ema"]["g2"]["count"] == 21  # the checks of steps 0-40 (at the weights of 40), no later
+
+    pl.seed_everything(0)
+    module, loader = tiny_gpt(lr=3e-3)
+    again = DivergenceGuard(action="stop")
+    resumed = _trainer(tmp_path / "b", [again, _RateAt({0: 1e-3, 70: 0.15})], steps=120, logger=False)
+    resumed.fit(module, loader, ckpt_path=guard.stop_checkpoint)
+    kinds = [(a.kind, a.severity) for a in again.hub.history if a.monitor == "guard"]
+    assert ("loss_explosion", "critical") in kinds and ("lr_restart", "warning") not in kinds
+    assert again.stopped_step is not None and again.stopped_step >= 70
