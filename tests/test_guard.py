@@ -754,3 +754,29 @@ def test_a_stop_checkpoint_holds_the_monitors_and_detectors_of_its_good_state(tm
     kinds = [(a.kind, a.severity) for a in again.hub.history if a.monitor == "guard"]
     assert ("loss_explosion", "critical") in kinds and ("lr_restart", "warning") not in kinds
     assert again.stopped_step is not None and again.stopped_step >= 70
+
+
+@pytest.mark.parametrize("lag, raised_at", [(0, 59), (2, 57)])
+def test_the_last_updates_of_a_fit_are_judged_at_its_end(tmp_path, tiny_gpt, lag, raised_at):
+    # the rate raised 50 times for the fit's last step (or, with lag_steps=2, three steps before its end): no later step
+    # judged those updates, and the fit ended with weights at twice the healthy loss, without a word. At the end the
+    # last normal batches are evaluated once more; broken, the last good state is restored and saved
+    pl.seed_everything(0)
+    module, loader = tiny_gpt(lr=3e-3)
+    guard = DivergenceGuard(lag_steps=lag)
+    _trainer(tmp_path, [guard, _RateAt({0: 3e-3, raised_at: 0.15})], steps=60, logger=False).fit(module, loader)
+    critical = [a for a in guard.hub.history if a.severity == "critical"]
+    assert critical and critical[0].kind == "loss_explosion"
+    if lag == 0:
+        assert critical[0].step == 59 and "Training ended at step 59" in critical[0].message
+    assert guard.stopped_step == 59 and not guard.rollbacks
+    stop = next(a for a in guard.hub.history if a.kind == "stopped")
+    assert "at the end of training" in stop.message and stop.details["to_step"] <= raised_at
+    saved = torch.load(guard.stop_checkpoint, weights_only=False)["state_dict"]
+    assert all(torch.equal(saved[k], v) for k, v in module.state_dict().items())  # the weights in memory: the same
+
+    pl.seed_everything(0)
+    module, loader = tiny_gpt(lr=3e-3)
+    healthy = DivergenceGuard(lag_steps=lag)
+    _trainer(tmp_path / "healthy", [healthy], steps=60, logger=False).fit(module, loader)
+    assert healthy.stopped_step is None and not [a for a in healthy.hub.history if a.severity != "info"]

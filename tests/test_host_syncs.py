@@ -99,9 +99,16 @@ def test_guard_reads_only_copies_started_lag_steps_earlier(tmp_path, tiny_gpt, m
     once = [r for r in reads if r[3] == "_infinite_buffers"]
     assert [(s, name) for s, name, _, _ in once] == [(0, "cpu"), (0, "tolist")]
     reads = [r for r in reads if r[3] != "_infinite_buffers"]
+    # at the end of the fit (step 45) the guard judges what no later step will: the last two steps' values, still on
+    # their way, and the last update (the last normal batches evaluated once more: their losses read)
+    end = [r for r in reads if r[0] == 45]
+    reads = [r for r in reads if r[0] < 45]
+    assert sorted((45 - age, name) for _, name, age, _ in end if age >= 0) == [(43, "tolist"), (44, "tolist")]
+    assert end and all(caller in ("_values_to_host", "_batch_loss", "_rank_mean") or age >= 0
+                       for _, _, age, caller in end), end
     copies = [r for r in reads if r[2] >= 0]
     others = [r for r in reads if r[2] < 0]
-    # every step but the last two (their values were still on their way at the end) was read, 2 steps later
+    # every step but the last two was read during the fit, 2 steps later
     assert sorted(s - age for s, _, age, _ in copies) == list(range(43))
     assert {(name, age) for _, name, age, _ in copies} == {("tolist", 2)}
     # nothing else is read, except at the snapshot checks (0, 20, 40): one finiteness check each
