@@ -780,3 +780,34 @@ def test_the_last_updates_of_a_fit_are_judged_at_its_end(tmp_path, tiny_gpt, lag
     healthy = DivergenceGuard(lag_steps=lag)
     _trainer(tmp_path / "healthy", [healthy], steps=60, logger=False).fit(module, loader)
     assert healthy.stopped_step is None and not [a for a in healthy.hub.history if a.severity != "info"]
+
+
+def _gwa_counts_after_a_rollback(tmp_path, tiny_gpt, raised_at, raised_to=0.15, **kw):
+    from lightning_monitor import GradientWeightAlignmentMonitor
+
+    pl.seed_everything(0)
+    module, loader = tiny_gpt(lr=3e-3, n_samples=256)  # 32 batches of 8 x 32 tokens an epoch
+    gwa = GradientWeightAlignmentMonitor(every_n_steps=1, warmup_epochs=0, log_histograms=False)
+    guard = DivergenceGuard()
+    trainer = _trainer(tmp_path, [gwa, guard, _RateAt({0: 3e-3, raised_at: raised_to})], steps=-1, logger=False, **kw)
+    trainer.fit(module, loader)
+    return gwa, guard
+
+
+def test_a_rollback_takes_the_undone_steps_scores_out_of_gwas_epoch(tmp_path, tiny_gpt):
+    # GWA's scores of the epoch under way were not part of the guard's snapshots: the steps a rollback undid stayed in
+    # the epoch's score, its pick and its best epoch (16384 samples scored where 30 of 32 batches were kept)
+    gwa, guard = _gwa_counts_after_a_rollback(tmp_path, tiny_gpt, raised_at=40, max_epochs=2)
+    ((step, to_step, skipped),) = [(r["step"], r["to_step"], r["skipped"]) for r in guard.rollbacks]
+    assert 32 < to_step < step < 64 and skipped == step - to_step + 1
+    # the kept batches, and the batch of the snapshot's own step (scored at the weights restored, before its update)
+    assert [h["count"] for h in gwa.history] == [32 * 256, (32 - skipped + 1) * 256]
+
+
+def test_a_rollback_at_an_epochs_last_step_keeps_the_epoch_in_gwas_history(tmp_path, tiny_gpt):
+    # 8 optimizer steps an epoch (accumulating 4 batches); the rate raised to 1.0 at step 22, the surge seen at step
+    # 23, the epoch's last: GWA had recorded the epoch, and the rollback to a snapshot inside it took the record away
+    gwa, guard = _gwa_counts_after_a_rollback(tmp_path, tiny_gpt, raised_at=22, raised_to=1.0, max_epochs=4,
+                                              accumulate_grad_batches=4)
+    assert [(r["step"], r["to_step"]) for r in guard.rollbacks][:1] == [(23, 20)], guard.rollbacks
+    assert [h["epoch"] for h in gwa.history] == [0, 1, 2, 3]

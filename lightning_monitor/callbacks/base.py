@@ -194,6 +194,16 @@ class Monitor(Callback):
         self._note_state_loaded()
         self._conditions = {(kind, layer): sev for kind, layer, sev in state_dict.get("conditions", [])}
 
+    def snapshot_state(self) -> dict[str, Any]:
+        """What a :class:`~lightning_monitor.DivergenceGuard` snapshot keeps of this monitor, restored by a rollback
+        (or a stop) with :meth:`load_snapshot_state`: the :meth:`state_dict`, unless the monitor keeps more (GWA: the
+        scores of the epoch under way, which a checkpoint carries reduced over the ranks instead)."""
+        return self.state_dict()
+
+    def load_snapshot_state(self, state: dict[str, Any]) -> None:
+        """Go back to a :meth:`snapshot_state` (a rollback or a stop of the guard)."""
+        self.load_state_dict(state)
+
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         """Under several processes, every rank's values of the :attr:`_rank_local` keys go into the checkpoint (one
         gather of Python objects per checkpoint; every rank calls this hook)."""

@@ -114,6 +114,20 @@ class _AveragedWeights:
                     current[name].copy_(saved)
 
 
+class _SnapshotOf:
+    """A monitor as a snapshot holds it: :meth:`~lightning_monitor.Monitor.snapshot_state` and
+    :meth:`~lightning_monitor.Monitor.load_snapshot_state` in the place of its checkpoint state."""
+
+    def __init__(self, monitor: Monitor) -> None:
+        self.monitor = monitor
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.monitor.snapshot_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.monitor.load_snapshot_state(state)
+
+
 class _WeightAverage:
     """The average of Lightning's :class:`~lightning.pytorch.callbacks.WeightAveraging` (``EMAWeightAveraging``, an
     average of the weights after every step) as a snapshot holds it: a rollback takes the average back too. The average
@@ -1577,7 +1591,7 @@ class DivergenceGuard(Monitor):
         averages of ``StochasticWeightAveraging`` and ``WeightAveraging`` (``EMAWeightAveraging``)."""
         from lightning_monitor.callbacks.grades import GradientEarlyStopping
 
-        out: dict[str, Any] = {cb.state_key: cb for cb in trainer.callbacks
+        out: dict[str, Any] = {cb.state_key: _SnapshotOf(cb) for cb in trainer.callbacks
                                if isinstance(cb, Monitor) and cb is not self and not isinstance(cb, GradientEarlyStopping)}
         averages = [cb for cb in trainer.callbacks if isinstance(cb, StochasticWeightAveraging)]
         out.update({f"StochasticWeightAveraging[{i}]": _AveragedWeights(cb) for i, cb in enumerate(averages)

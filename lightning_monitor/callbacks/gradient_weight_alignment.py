@@ -520,6 +520,40 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._load_selection_state(state_dict)
         self.stopped_epoch = state_dict.get("stopped_epoch")
 
+    def snapshot_state(self) -> dict[str, Any]:
+        """The :meth:`state_dict` and this rank's scores of the epoch under way (folded first; on the device until the
+        snapshot copies them): a rollback takes the scores of the steps it undoes out of the epoch."""
+        state = self.state_dict()
+        if self.idle_reason is None and self._epoch_open is not None:
+            self._flush()
+            state["epoch_scores"] = {
+                "epoch": self._epoch_open, "finished": self._finished,
+                "tensors": [self._moments.state, self._negative, self._out_of_range, self._hist, self._minmax,
+                            self._top],
+            }
+        return state
+
+    def load_snapshot_state(self, state: dict[str, Any]) -> None:
+        """A rollback (or a stop) to a snapshot of the epoch under way: the history, the selection and the epoch's
+        scores go back to the snapshot's, so the undone steps' scores leave the epoch (they stayed in it, and fed
+        ``gwa/score`` and the pick), and an epoch recorded at its last step before the rollback is recorded again,
+        from the steps kept (it vanished from the history). To a snapshot of an earlier epoch: the epochs recorded
+        since stay as they are (their later steps' scores in them), and the epoch under way, every step of which was
+        undone, starts again empty."""
+        saved = state.get("epoch_scores")
+        if self.idle_reason is not None or self._epoch_open is None:
+            return
+        device = self._moments.state.device
+        if saved is None or saved["epoch"] != self._epoch_open:
+            self._reset_epoch(device, self._epoch_open)
+            return
+        self.load_state_dict(state)
+        moments, negative, outside, hist, minmax, top = (t.to(device).clone() for t in saved["tensors"])
+        self._moments.state, self._negative, self._out_of_range = moments, negative, outside
+        self._hist, self._minmax, self._top = hist, minmax, top
+        self._stash, self._stashed = [], 0
+        self._finished = bool(saved["finished"])
+
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         """A checkpoint saved inside an epoch (or after an epoch cut short by the end of training) carries
         that epoch's accumulators, reduced over the ranks, so a resume into the same epoch scores all of
