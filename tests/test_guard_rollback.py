@@ -726,3 +726,19 @@ def test_a_rollback_over_bad_data_says_why_the_rate_is_kept(tmp_path):
     assert [(r["step"], r["to_step"], r["lr_factor"], r["diverged"]) for r in guard.rollbacks] == [(81, 70, 1.0, False)]
     (said,) = [a for a in guard.hub.history if a.kind == "rolled_back"]
     assert "taken for bad data" in said.message and "learning rates are kept" in said.message
+
+
+def test_skip_batches_reads_the_rollbacks_a_resume_into_the_same_folder_moved_aside(tmp_path):
+    # attempt 1 rolled back over (1, 8) and (1, 9); attempt 2, restarted from an older checkpoint into the same log
+    # folder with skip_batches=alerts.jsonl, skipped them without rolling back, and its resume moved the record to
+    # alerts.superseded.jsonl: attempt 3, with the same command, read an empty list and trained on them again
+    record = {"step": 41, "monitor": "guard", "kind": "rolled_back", "severity": "info", "message": "Rolled back.",
+              "details": {"batches": [[1, 8], [1, 9]]}}
+    (tmp_path / "alerts.jsonl").write_text("")
+    (tmp_path / "alerts.superseded.jsonl").write_text(json.dumps(record) + "\n")
+    guard = DivergenceGuard(skip_batches=str(tmp_path / "alerts.jsonl"))
+    assert sorted(guard._skip_given) == [(1, 8), (1, 9)]
+    # a later rollback in the file itself adds to them, once each
+    (tmp_path / "alerts.jsonl").write_text(json.dumps({**record, "details": {"batches": [[1, 9], [2, 0]]}}) + "\n")
+    guard = DivergenceGuard(skip_batches=str(tmp_path / "alerts.jsonl"))
+    assert sorted(guard._skip_given) == [(1, 8), (1, 9), (2, 0)]

@@ -20,7 +20,7 @@ from torch import Tensor
 from lightning_monitor._args import check_bool, check_fraction, check_int, check_positive, deprecated_aliases
 from lightning_monitor._compat import backward_skipped, foreach_norm, grad_scaler_scale
 from lightning_monitor._sharded import local, nonfinite_on_host, squared_norms
-from lightning_monitor.alerts import Alert, alerts_dir, read_records
+from lightning_monitor.alerts import SUPERSEDED_FILENAME, Alert, alerts_dir, read_records
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch
 from lightning_monitor.functional.robust import SeriesWatch, median
 from lightning_monitor.snapshot import TrainingSnapshot, held_values, pruned_since, scale_learning_rates
@@ -403,10 +403,15 @@ class DivergenceGuard(Monitor):
             if not os.path.isfile(skip):
                 raise FileNotFoundError(f"`skip_batches` names {skip!r}, which is not a file (an alerts.jsonl).")
             out: list[tuple[int, int]] = []
-            for _, record in read_records(skip)[0]:  # a torn last line (a killed run) is skipped
-                if record.get("kind") == "rolled_back" and record.get("details"):
-                    out += [(int(e), int(b)) for e, b in record["details"].get("batches", [])]
-            return out
+            # and the records a resume into the same folder moved aside (written after the checkpoint it went back
+            # to): a restart from an older checkpoint skips the batches without rolling back, so it writes none of
+            # its own, and a second restart read an empty list and trained on them again
+            superseded = os.path.join(os.path.dirname(skip), SUPERSEDED_FILENAME)
+            for path in [skip] + ([superseded] if os.path.isfile(superseded) else []):
+                for _, record in read_records(path)[0]:  # a torn last line (a killed run) is skipped
+                    if record.get("kind") == "rolled_back" and record.get("details"):
+                        out += [(int(e), int(b)) for e, b in record["details"].get("batches", [])]
+            return sorted(set(out))
         return [(int(e), int(b)) for e, b in skip]
 
     # ------------------------------------------------------------------ lifecycle
