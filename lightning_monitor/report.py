@@ -328,7 +328,9 @@ def _fmt(value: float) -> str:
 def summarize(run: RunReport, max_alerts: int = 40) -> str:
     """The text summary of one run."""
     lines = [f"Run: {run.path}"]
-    steps = [s for series in run.scalars.values() for s, _ in series]
+    # TensorBoardLogger's `hp_metric` placeholder is written at step 0 by every fit, a resumed one too: not a step of
+    # the run (a fit resumed at step 97 read "steps logged: 0 .. 200")
+    steps = [s for tag, series in run.scalars.items() if tag != "hp_metric" for s, _ in series]
     if steps:
         lines.append(f"  steps logged: {min(steps)} .. {max(steps)}; {len(run.scalars)} scalar tags")
     run_ids = list(dict.fromkeys(a.run_id for a in run.alerts if a.run_id))
@@ -403,7 +405,14 @@ def summarize(run: RunReport, max_alerts: int = 40) -> str:
     frozen = [a.layer for a in run.alerts if a.kind == "frozen" and a.layer]
     if fraction is not None or frozen:
         share = f"frozen fraction {_fmt(fraction[1])} at step {fraction[0]}" if fraction else ""
-        names = f"{len(frozen)} frozen: {', '.join(frozen)}" if frozen else "none frozen"
+        if frozen:
+            names = f"{len(frozen)} frozen: {', '.join(frozen)}"
+        elif fraction is not None and fraction[1] > 0:
+            # frozen before this log's first step (a run resumed from a checkpoint): its `frozen` alerts are the
+            # earlier run's ("none frozen" beside a frozen fraction of 0.25 read as a contradiction)
+            names = "components frozen before this log's first step (their `frozen` alerts are in the earlier run's)"
+        else:
+            names = "none frozen"
         lines.append(f"  GradES: {names}" + (f" ({share})" if share else ""))
 
     # loss

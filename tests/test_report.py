@@ -105,6 +105,14 @@ def test_summary_of_frozen_components_and_rollbacks():
     ])
     text = summarize(run)
     assert "GradES: 2 frozen: blocks.0.mlp, blocks.1.mlp (frozen fraction 0.5 at step 20)" in text
+    # a run resumed from a checkpoint: components frozen before its first step, whose alerts are the earlier run's
+    resumed = summarize(RunReport("r", scalars={"grades/frozen_fraction": [(97, 0.25), (120, 0.25)]}, alerts=[]))
+    assert "none frozen" not in resumed and "frozen before this log's first step" in resumed
+    assert "frozen fraction 0.25 at step 120" in resumed
+    assert "GradES: none frozen" in summarize(RunReport("n", scalars={"grades/frozen_fraction": [(5, 0.0)]}))
+    # TensorBoard's hp_metric placeholder (step 0 of every fit) is no step of a resumed run
+    assert "steps logged: 97 .. 120" in summarize(RunReport("r", scalars={
+        "hp_metric": [(0, -1.0)], "grades/frozen_fraction": [(97, 0.25), (120, 0.25)]}))
     assert "step 12: GradES froze blocks.0.mlp" in text
     assert "step 30: the guard rolled back to the state of step 20 (10 batches skipped)" in text
     one = summarize(RunReport("x", alerts=[Alert(5, "guard", "rolled_back", "info", "Rolled back.",
