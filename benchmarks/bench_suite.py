@@ -58,22 +58,28 @@ SIZE_NAMES = {"0.2m": "GPT 2x64 (0.2 M params)", "0.8m": "GPT 4x128 (0.8 M param
 SKIP = 20
 
 
+#: the hooks a training step calls: only they count in the window of the per-step times (a fit's once-only hooks,
+#: such as the guard's end-of-fit check in ``on_train_end``, count in the whole run's share)
+PER_STEP_HOOKS = frozenset({"on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
+                            "on_before_optimizer_step", "on_before_zero_grad"})
+
+
 def timed(callback: Callback, clock: list) -> Callback:
-    """Wrap every ``on_*`` hook the callback overrides with a timer adding to ``clock[0]``, and to ``clock[1]``
-    from step ``SKIP`` on (the window of the per-step times)."""
+    """Wrap every ``on_*`` hook the callback overrides with a timer adding to ``clock[0]``, and the per-step hooks
+    to ``clock[1]`` from step ``SKIP`` on (the window of the per-step times)."""
     for name in dir(type(callback)):
         if not name.startswith("on_") or getattr(type(callback), name) is getattr(Callback, name, None):
             continue
         original = getattr(callback, name)
 
-        def wrapper(self, *args, _original=original, **kwargs):
+        def wrapper(self, *args, _original=original, _per_step=name in PER_STEP_HOOKS, **kwargs):
             t = time.perf_counter()
             try:
                 return _original(*args, **kwargs)
             finally:
                 spent = time.perf_counter() - t
                 clock[0] += spent
-                if args and getattr(args[0], "global_step", -1) >= SKIP:
+                if _per_step and args and getattr(args[0], "global_step", -1) >= SKIP:
                     clock[1] += spent
 
         setattr(callback, name, types.MethodType(wrapper, callback))

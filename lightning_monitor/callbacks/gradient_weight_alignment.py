@@ -49,6 +49,7 @@ RUN_SUSPECTS_FILENAME = "gwa_suspects_run.csv"
 _TARGET_KEYS = ("y", "target", "targets", "label", "labels", "target_values")  # the last: PatchTST, PatchTSMixer
 _HIST_BINS = 100
 _FLUSH_ELEMENTS = 1 << 20  # kept logit + W z elements before scoring (4 MiB in fp32)
+_SNAPSHOT_STASHES = 8  # the guard's newest snapshots whose unfolded steps are held (see snapshot_state)
 _MIN_SAMPLES = 4
 #: the least weight an epoch's scores get in the run's per-sample means (an epoch with no negative score: its
 #: scores still count, so a sample first scored then has a mean)
@@ -438,6 +439,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._warmup_resolved = 0
         self._planned_epochs: Optional[int] = None  # the epochs the warm-up fraction was taken of
         self._want_histogram = self.log_histograms
+        self._stash_key = 0  # numbers the snapshots' unfolded steps (see snapshot_state)
         self._reset_epoch(None)
 
     @property
@@ -521,13 +523,19 @@ class GradientWeightAlignmentMonitor(Monitor):
         self.stopped_epoch = state_dict.get("stopped_epoch")
 
     def snapshot_state(self) -> dict[str, Any]:
-        """The :meth:`state_dict` and this rank's scores of the epoch under way (folded first; on the device until the
-        snapshot copies them): a rollback takes the scores of the steps it undoes out of the epoch."""
+        """The :meth:`state_dict` and this rank's scores of the epoch under way: a rollback takes the scores of the
+        steps it undoes out of the epoch. The accumulators are copied by the snapshot; the steps kept but not yet
+        folded into them stay on the device, held here by reference for the newest ``_SNAPSHOT_STASHES`` snapshots
+        (folding them at every snapshot cost 1% of a small model's step: one fold per scored step instead of one per
+        few dozen)."""
         state = self.state_dict()
         if self.idle_reason is None and self._epoch_open is not None:
-            self._flush()
+            self._stash_key += 1
+            self._snapshot_stashes[self._stash_key] = list(self._stash)
+            for old in [k for k in self._snapshot_stashes if k <= self._stash_key - _SNAPSHOT_STASHES]:
+                del self._snapshot_stashes[old]
             state["epoch_scores"] = {
-                "epoch": self._epoch_open, "finished": self._finished,
+                "epoch": self._epoch_open, "finished": self._finished, "stash": self._stash_key,
                 "tensors": [self._moments.state, self._negative, self._out_of_range, self._hist, self._minmax,
                             self._top],
             }
@@ -551,7 +559,9 @@ class GradientWeightAlignmentMonitor(Monitor):
         moments, negative, outside, hist, minmax, top = (t.to(device).clone() for t in saved["tensors"])
         self._moments.state, self._negative, self._out_of_range = moments, negative, outside
         self._hist, self._minmax, self._top = hist, minmax, top
-        self._stash, self._stashed = [], 0
+        # the steps kept but not folded at the snapshot (lost where the snapshot is older than those held)
+        self._stash = list(self._snapshot_stashes.get(saved.get("stash"), []))
+        self._stashed = sum(2 * kept.logits.numel() for kept in self._stash)
         self._finished = bool(saved["finished"])
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -1082,6 +1092,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._top[0].fill_(math.inf)
         self._stash: list[_Kept] = []  # the steps kept since the last _flush
         self._stashed = 0
+        # the guard's snapshots of this epoch: their steps not folded yet, by reference (see snapshot_state)
+        self._snapshot_stashes: dict[int, list[_Kept]] = {}
         self._finished = False
         self._epoch_open = epoch
         self._run_w: Optional[float] = None  # the weight of this epoch's scores in the run's means (_run_weight)
