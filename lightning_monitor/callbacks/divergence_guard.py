@@ -2037,23 +2037,23 @@ class DivergenceGuard(Monitor):
             for opt, row in zip(trainer.optimizers, rates):
                 for group, lr in zip(opt.param_groups, row):
                     group["lr"] = lr
+            if now is None:
+                return  # a replay gave no loss: nothing to judge by
             then = sum(t for _, t in refs) / len(refs)
-            if now is not None and math.isfinite(now):
-                # judged as a surge would be on a step of its own: beyond the loss's noise and above (1 + surge) times
-                # its recent level; before any history, above `blowup` times what the batches lost then
-                watch = self._loss_watch
-                anomalous = (watch.zscore(now, abs_floor=self.initial_floor * self._anchor()) > self.z_threshold
-                             and now > (1.0 + self.surge) * watch.level()) if watch.ready else (
-                    now > self.blowup * max(then, 1e-12))
-                if not anomalous:
-                    return
-            shown = "a loss that is not finite" if now is None or not math.isfinite(now) else f"{now:.4g}"
+            # judged as a surge would be on a step of its own: beyond the loss's noise and above (1 + surge) times its
+            # recent level; before any history, above `blowup` times what the batches lost then
+            watch = self._loss_watch
+            bar = (1.0 + self.surge) * watch.level() if watch.ready else self.blowup * max(then, 1e-12)
+            if math.isfinite(now) and not (now > bar and (not watch.ready or watch.zscore(
+                    now, abs_floor=self.initial_floor * self._anchor()) > self.z_threshold)):
+                return
+            shown = f"{now:.4g}" if math.isfinite(now) else "a loss that is not finite"
             self.condition(
                 step, "loss_explosion", True, "critical",
                 f"Training ended at step {step}, and the last {len(refs)} normal batches, evaluated again under the "
                 f"final weights, went from {then:.4g} to {shown}: the last update(s), which no later step judged, "
                 "broke the weights. Lower the learning rate at the end of the run.",
-                value=now, threshold=self.blowup * then,
+                value=now, threshold=bar,
             )
             critical, first_bad = [f"loss explosion in the last update(s) (step {step})"], step + 1
         if self.action == "warn":
