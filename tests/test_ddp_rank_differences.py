@@ -558,3 +558,47 @@ def test_gwa_ddp_plans_a_time_limited_warm_up_from_rank_zeros_clock(tmp_path) ->
     r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
     assert r0["step"] == r1["step"] == 8
     assert r0["warmup"] == r1["warmup"] == 2 and r0["eligible"] == r1["eligible"] == [2, 3]
+
+
+class _RaisedAtTheEnd(pl.LightningModule):
+    """The tanh classifier, its rate raised 200 times for the fit's last step (``last``), with GWA and the guard;
+    writes each rank's guard outcome, weights and GWA counts."""
+
+    def __init__(self, out: str, last: int) -> None:
+        super().__init__()
+        self.out, self.last = out, last
+        self.net, self.x, self.y = _tanh_classifier(1024)
+
+    def training_step(self, batch, batch_idx):
+        (i,) = batch
+        return torch.nn.functional.cross_entropy(self.net(self.x[i]), self.y[i])
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.trainer.global_step == self.last:
+            for group in self.trainer.optimizers[0].param_groups:
+                group["lr"] = 20.0
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.arange(1024)), batch_size=16)
+
+    def on_fit_end(self) -> None:  # after the callbacks' on_train_end, where the guard judges the fit's end
+        guard = next(c for c in self.trainer.callbacks if isinstance(c, lm.DivergenceGuard))
+        with open(os.path.join(self.out, f"rank{self.global_rank}.json"), "w") as fh:
+            json.dump({"stopped": guard.stopped_step, "to": [a.details.get("to_step") for a in guard.hub.history
+                                                            if a.kind == "stopped"],
+                       "weights": [float(p.double().sum()) for p in self.parameters()]}, fh)
+
+
+def test_guard_ddp_the_end_of_fit_check_acts_alike_on_every_rank(tmp_path) -> None:
+    # the end-of-fit check evaluates each rank's own last normal batches and reduces the mean loss over the ranks:
+    # both ranks find the last update broke the weights, restore the same snapshot and stop at the same step
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=40, logger=False,
+                         callbacks=[lm.DivergenceGuard()], enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=str(tmp_path))
+    fit_ddp_spawn(trainer, _RaisedAtTheEnd(str(tmp_path), last=39))
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["stopped"] == r1["stopped"] == 39 and r0["to"] == r1["to"] and r0["to"][0] <= 39
+    assert r0["weights"] == r1["weights"]
