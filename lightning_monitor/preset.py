@@ -22,7 +22,8 @@ no state.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Optional, Union
 
 import lightning.pytorch as pl
@@ -56,6 +57,25 @@ def _did_you_mean(err: TypeError, cls: type) -> str:
     accepted = [n for n in inspect.signature(cls.__init__).parameters if n != "self"]
     close = difflib.get_close_matches(found.group(1), accepted, n=1)
     return f" (did you mean {close[0]!r}?)" if close else f"; its arguments are {', '.join(accepted)}"
+
+
+#: the monitors' prefixes (of their scalars, alerts and state) that are not the preset's argument names
+_PREFIX_SLOTS = {"sa": "spectral", "gns": "noise_scale"}
+
+
+def _said_by_prefix(init: Callable[..., None]) -> Callable[..., None]:
+    """``HealthMonitor(gns=...)``, the prefix the run's scalars and alerts read, names the argument meant instead of
+    Python's bare "unexpected keyword argument 'gns'"."""
+
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        for prefix, slot in _PREFIX_SLOTS.items():
+            if prefix in kwargs:
+                raise TypeError(f"HealthMonitor has no argument `{prefix}`: the monitor whose scalars and alerts "
+                                f"read `{prefix}/...` is set with `{slot}=`.")
+        init(self, *args, **kwargs)
+
+    return wrapper
 
 
 class HealthMonitor(Callback):
@@ -143,6 +163,7 @@ class HealthMonitor(Callback):
         "guard": DivergenceGuard,  # last: it acts after every other monitor of the step was heard
     }
 
+    @_said_by_prefix
     def __init__(
         self,
         spectral: MonitorSetting = True,

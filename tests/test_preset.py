@@ -582,5 +582,10 @@ def test_a_typo_in_a_monitors_arguments_names_the_argument_meant() -> None:
     assert "did you mean 'every_n_steps'" in str(raised.value)
     with pytest.raises(TypeError, match=r"'zzz'; its arguments are method, every_n_steps"):
         lm.HealthMonitor(noise_scale=dict(zzz=1))
+    # the prefix of the monitor's scalars and alerts, passed as the argument's name: the argument meant is named
+    with pytest.raises(TypeError, match=r"no argument `gns`: .* read `gns/\.\.\.` is set with `noise_scale=`"):
+        lm.HealthMonitor(gns=dict(every_n_steps=5))
+    with pytest.raises(TypeError, match="`spectral=`"):
+        lm.HealthMonitor(sa=False)
     with pytest.warns(DeprecationWarning, match="beta"):
         assert lm.HealthMonitor(noise_scale=dict(beta=0.9)).noise_scale.smoothing == 0.9
