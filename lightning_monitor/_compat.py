@@ -135,6 +135,16 @@ def backward_skipped(trainer: Any) -> bool:
     return bool(getattr(getattr(trainer, "fit_loop", None), "_skip_backward", False))
 
 
+def steps_per_epoch(trainer: Any, batches: Any = None) -> Optional[int]:
+    """The optimizer steps of an epoch of ``batches`` training batches (``trainer.num_training_batches`` by
+    default) under ``accumulate_grad_batches``, at least 1; ``None`` for an epoch of unknown length."""
+    batches = getattr(trainer, "num_training_batches", None) if batches is None else batches
+    if not isinstance(batches, int) or batches <= 0:
+        return None
+    accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
+    return max(batches // accumulate, 1)
+
+
 # ---------------------------------------------------------------- Lightning: callback metrics
 
 

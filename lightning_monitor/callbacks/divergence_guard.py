@@ -1232,8 +1232,7 @@ class DivergenceGuard(Monitor):
         if not refs:
             return []
         level = median([then for _, then in refs])
-        now = self._mean_loss(trainer, pl_module, [b for b, _ in refs])
-        then = sum(t for _, t in refs) / len(refs)
+        now, then = self._replayed(trainer, pl_module, refs)
         if now is None or (math.isfinite(now) and now - then < 0.5 * (loss - level)):
             return []
         if not self._loss_watch.ready and math.isfinite(now) and now < self.blowup * then:
@@ -1276,9 +1275,14 @@ class DivergenceGuard(Monitor):
                                                                              self._infinite_by_design)
         if not self.decide(trainer, ok, all=True):
             return False
-        now = self._mean_loss(trainer, pl_module, [b for b, _ in refs])
-        then = sum(t for _, t in refs) / len(refs)
+        now, then = self._replayed(trainer, pl_module, refs)
         return now is not None and math.isfinite(now) and now <= self.blowup * max(then, 1e-12)
+
+    def _replayed(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                  refs: list[tuple[tuple[Any, int], float]]) -> tuple[Optional[float], float]:
+        """``(now, then)`` of reference batches (:meth:`_references`): their mean loss under the present weights
+        (:meth:`_mean_loss`, averaged over the ranks) and the mean of the losses they had when trained on."""
+        return self._mean_loss(trainer, pl_module, [b for b, _ in refs]), sum(t for _, t in refs) / len(refs)
 
     def _mean_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                    batches: list[tuple[Any, int]]) -> Optional[float]:
@@ -1428,8 +1432,7 @@ class DivergenceGuard(Monitor):
         refs = self._references(start)
         if not refs or not math.isfinite(rise):
             return False
-        now = self._mean_loss(trainer, pl_module, [b for b, _ in refs])
-        then = sum(t for _, t in refs) / len(refs)
+        now, then = self._replayed(trainer, pl_module, refs)
         return now is not None and math.isfinite(now) and now - then < 0.5 * rise
 
     @staticmethod
@@ -2031,7 +2034,7 @@ class DivergenceGuard(Monitor):
             if not self.decide(trainer, bool(refs) and self._replayable(pl_module), all=True):
                 return
             rates = [[group["lr"] for group in opt.param_groups] for opt in trainer.optimizers]
-            now = self._mean_loss(trainer, pl_module, [b for b, _ in refs])
+            now, then = self._replayed(trainer, pl_module, refs)
             # the replay ran `training_step`, which may set the rates itself (held under a ceiling before each update,
             # but no update follows now): the rates the fit ended with are put back
             for opt, row in zip(trainer.optimizers, rates):
@@ -2039,7 +2042,6 @@ class DivergenceGuard(Monitor):
                     group["lr"] = lr
             if now is None:
                 return  # a replay gave no loss: nothing to judge by
-            then = sum(t for _, t in refs) / len(refs)
             # judged as a surge would be on a step of its own: beyond the loss's noise and above (1 + surge) times its
             # recent level; before any history, above `blowup` times what the batches lost then
             watch = self._loss_watch

@@ -25,7 +25,7 @@ from lightning_monitor.alerts import _tensorboard_writer, alerts_dir, writes_fil
 from lightning_monitor._sharded import full, global_norm, is_sharded
 from lightning_monitor._values import publish, write_csv
 from lightning_monitor._args import check_bool, check_fraction, check_int, deprecated_aliases, resolve_callable
-from lightning_monitor._compat import backward_skipped
+from lightning_monitor._compat import backward_skipped, steps_per_epoch
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch, reading_weights
 from lightning_monitor.probes import in_dry_run
 from lightning_monitor.functional.gwa import (
@@ -1702,14 +1702,13 @@ class GradientWeightAlignmentMonitor(Monitor):
         unknown length (an iterable without ``__len__``) is decided when the first one ends, from its ``batches``:
         before, the cadence stayed as given and an epoch of 16 batches was scored from one or two of them."""
         rows, self._scored_rows = self._scored_rows, -1  # decided once
-        batches = trainer.num_training_batches if batches is None else batches
-        if rows is not None and self.min_epoch_samples is not None and not (isinstance(batches, int) and batches > 0):
+        if rows is None or self.min_epoch_samples is None:
+            return  # the cadence as given
+        steps = steps_per_epoch(trainer, batches)
+        if steps is None:
             self._unsized_rows = rows  # decided at the end of the first epoch, from its length
             return
-        if not isinstance(batches, int) or batches <= 0 or rows is None or self.min_epoch_samples is None:
-            return  # the cadence as given
         accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
-        steps = max(batches // accumulate, 1)
         per_epoch = steps * rows * accumulate * max(trainer.world_size, 1)
         every = max(1, min(self.every_n_steps, per_epoch // self.min_epoch_samples))
         if every >= self.every_n_steps:

@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor, nn
 
 from lightning_monitor._args import check_bool, deprecated_aliases
+from lightning_monitor._compat import steps_per_epoch
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch
 from lightning_monitor.functional.noise_scale import NoiseScaleEMA, noise_scale_estimates
 from lightning_monitor._sharded import is_sharded, local, replication
@@ -907,11 +908,8 @@ class GradientNoiseScaleMonitor(Monitor):
     def _epoch_samples(trainer: pl.Trainer, batch: float) -> Optional[float]:
         """The samples an epoch holds, all ranks together (its optimizer steps times ``batch``, the samples of a step),
         or ``None`` for an epoch of unknown length."""
-        batches = getattr(trainer, "num_training_batches", None)
-        if not isinstance(batches, int) or batches <= 0:
-            return None
-        accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
-        return max(batches // accumulate, 1) * batch
+        steps = steps_per_epoch(trainer)
+        return None if steps is None else steps * batch
 
     def _batch_alerts(self, step: int, batch: float, b_simple: float, epoch_samples: Optional[float] = None) -> None:
         if self._rolled_back:
