@@ -101,6 +101,9 @@ def split(name: str, seed: int, flip: float) -> dict[str, Any]:
         "flipped": flipped,
         "n_cls": n_cls,
         "n_in": x.shape[1],
+        # every sample (inputs as the model sees them) with its clean label, and the training rows among them: for
+        # detectors that are cross-fitted on clean labels (benchmarks/gwa_suspects_ceiling.py)
+        "all": (x, y, tr),
     }
 
 
