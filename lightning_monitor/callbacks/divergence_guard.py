@@ -8,7 +8,7 @@ import math
 import os
 import re
 from collections import deque
-from collections.abc import MutableMapping, MutableSequence
+from collections.abc import Mapping, MutableMapping, MutableSequence
 from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
@@ -36,6 +36,11 @@ Action = Literal["rollback", "stop", "warn"]
 
 #: normal batches a loss surge is tested on (see ``DivergenceGuard._surge_test``)
 _REFERENCES = 4
+#: samples the evidence of a replay should hold: with batches of fewer than ``_REFERENCE_SAMPLES / _REFERENCES``
+#: samples, more reference batches are kept, a surge that the last ``_REFERENCES`` find broken is asked again on
+#: this many samples, and a rise is attributed on that many samples of its own batches (at batch size 1 one hard
+#: example made 4 single-example references "lose half the surge": healthy runs were stopped, 6 of 18)
+_REFERENCE_SAMPLES = 16
 #: consecutive steps above ``blowup`` times the initial loss that make an explosion before the loss has a
 #: history (the first steps of a run are erratic: a spike that settles within a few steps is not a divergence)
 _EARLY_PATIENCE = 10
@@ -71,6 +76,21 @@ def _at(rows: Optional[list[list[Any]]], i: int, j: int) -> Any:
 
 def _copy_rows(rows: Optional[list[list[Any]]]) -> Optional[list[list[Any]]]:
     return None if rows is None else [list(r) for r in rows]
+
+
+def _samples(batch: Any) -> Optional[int]:
+    """The number of samples in a batch: the leading size of its first tensor (depth first through mappings and
+    sequences), or ``None`` when it holds no tensor with a dimension."""
+    if isinstance(batch, Tensor):
+        return int(batch.shape[0]) if batch.dim() else None
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            n = _samples(item)
+            if n is not None:
+                return n
+    return None
 
 
 def _kept(batch: Any) -> Any:
@@ -382,6 +402,7 @@ class DivergenceGuard(Monitor):
         self._loss_seen = False  # a judged step of this guard's had a loss
         self._lossless = 0  # judged steps without a loss before the first with one
         self._snapshots: list[TrainingSnapshot] = []
+        self._ref_batches: Optional[int] = None  # reference batches kept this fit (see _size_references)
         self._evaluated: Optional[tuple[int, int]] = None  # (step, optimizer) whose first closure evaluation was judged
         #: every rollback: dicts with ``step``, ``to_step``, ``skipped`` (count), ``batches`` ([epoch, batch_idx]),
         #: ``lr_factor``, ``lr_scale`` (cumulative), ``loss_before`` (median recent loss of the state restored), ``reasons``
@@ -472,10 +493,8 @@ class DivergenceGuard(Monitor):
         # the batches kept for replays are micro-batches: under gradient accumulation the last `_REFERENCES + 3` steps
         # need that many times more (with 7 kept and 8 micro-batches a step, no step before the present one had one
         # left, so no surge could be asked about and bad data was taken for weights that diverged)
-        accumulate = getattr(trainer, "accumulate_grad_batches", 1)
-        keep = (_REFERENCES + 3) * (accumulate if isinstance(accumulate, int) and accumulate > 1 else 1)
-        if self._recent_batches.maxlen != keep:
-            self._recent_batches = deque(self._recent_batches, maxlen=keep)
+        self._ref_batches = None  # sized at the fit's first batch (see _size_references)
+        self._resize_references(trainer, _REFERENCES)
         if self.idle_reason is not None:
             return
         n = len(trainer.optimizers)
@@ -492,6 +511,24 @@ class DivergenceGuard(Monitor):
                 self._losses_watched = True
             else:
                 self._say_optimizers(trainer)
+
+    def _resize_references(self, trainer: pl.Trainer, refs: int) -> None:
+        """Keep ``refs`` normal batches as references (and 3 more batches, for the steps of a rise)."""
+        accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+        keep = (refs + 3) * (accumulate if isinstance(accumulate, int) and accumulate > 1 else 1)
+        if self._recent_batches.maxlen != keep:
+            self._recent_batches = deque(self._recent_batches, maxlen=keep)
+        if self._normal_recent.maxlen != refs:
+            self._normal_recent = deque(self._normal_recent, maxlen=refs)
+            self._informative_refs = deque(self._informative_refs, maxlen=refs)
+
+    def _size_references(self, trainer: pl.Trainer, batch: Any) -> None:
+        """At the fit's first batch: as many reference batches as hold ``_REFERENCE_SAMPLES`` samples, at least
+        ``_REFERENCES`` (small batches only: a batch of 4 or more samples keeps 4, as ever)."""
+        n = _samples(batch)
+        refs = _REFERENCES if not n else max(_REFERENCES, -(-_REFERENCE_SAMPLES // n))
+        self._ref_batches = refs
+        self._resize_references(trainer, refs)
 
     def _say_optimizers(self, trainer: pl.Trainer) -> None:
         """With several optimizers: which loss is judged, and how (a warning; info where one loss was found)."""
@@ -559,6 +596,8 @@ class DivergenceGuard(Monitor):
         if self.idle_reason is not None:
             return
         batch = _kept(batch)  # `training_step` may pop from it (`batch.pop("labels")`): the replays need it whole
+        if self._ref_batches is None:
+            self._size_references(trainer, batch)
         self._batch_start = trainer.global_step
         self._batch, self._batch_idx = batch, batch_idx
         self._recent_batches.append((trainer.global_step, batch, batch_idx))
@@ -1231,8 +1270,12 @@ class DivergenceGuard(Monitor):
         refs = self._references(step)
         if not refs:
             return []
-        level = median([then for _, then in refs])
-        now, then = self._replayed(trainer, pl_module, refs)
+        # the last `_REFERENCES` first; found broken on small batches, asked again on all that are kept
+        level = median([then for _, then in refs[-_REFERENCES:]])
+        now, then = self._replayed(trainer, pl_module, refs[-_REFERENCES:])
+        if now is not None and math.isfinite(now) and now - then >= 0.5 * (loss - level) and len(refs) > _REFERENCES:
+            level = median([then for _, then in refs])
+            now, then = self._replayed(trainer, pl_module, refs)
         if now is None or (math.isfinite(now) and now - then < 0.5 * (loss - level)):
             return []
         if not self._loss_watch.ready and math.isfinite(now) and now < self.blowup * then:
@@ -1393,13 +1436,15 @@ class DivergenceGuard(Monitor):
         The batch is evaluated with every kept snapshot from before ``start``. It is the data only when each of
         them finds it about as hard: a batch that is hard by itself is hard for older weights too, while weights
         that degraded gradually (a slow learning-rate ramp, within the noise until ``start``) leave the older
-        snapshots finding it easy. The loss reported is the lowest of theirs."""
+        snapshots finding it easy. The loss reported is the lowest of theirs. On small batches "the batch" is the
+        rise's last batches together (:meth:`_rise_batches`): one example is no evidence either way."""
         snaps = [s for s in self._snapshots if s.step < start and s.mismatch(trainer) is None]
         vouched = self._vouched(start)
         snaps = [s for s in snaps if s.step <= vouched] or snaps  # weights known good, where there are any
         if not snaps or self._batch is None or not self._replayable(pl_module):
             return None
-        now = self._rank_mean(trainer, pl_module, self._batch_loss(pl_module))
+        batches = self._rise_batches(None if climb else start)
+        now = self._mean_loss(trainer, pl_module, batches)
         if climb and now is not None and math.isfinite(now) and now <= level:
             return "transient", now, now  # the current batch shows no rise: no evidence either way
         if now is not None and math.isfinite(now) and not climb:
@@ -1408,7 +1453,7 @@ class DivergenceGuard(Monitor):
             if z <= self.z_threshold and now <= self.blowup * anchor:
                 return "transient", now, now  # the anomaly is over: the current batch is normal again
         befores = self._under_snapshots(pl_module, list(reversed(snaps)),
-                                        lambda: self._rank_mean(trainer, pl_module, self._batch_loss(pl_module)))
+                                        lambda: self._mean_loss(trainer, pl_module, batches))
         if now is None or None in befores:
             return None
         before = min((b for b in befores if b is not None and math.isfinite(b)), default=math.nan)
@@ -1425,6 +1470,23 @@ class DivergenceGuard(Monitor):
             # that broke. Weights that broke lose on the batches before the rise too
             return "forgotten", now, befores[0]
         return "weights", now, before
+
+    def _rise_batches(self, start: Optional[int]) -> list[tuple[Any, int]]:
+        """The batches a rise since ``start`` is attributed on: the current one, and on small batches (fewer than
+        ``_REFERENCE_SAMPLES`` samples) the rise's batches before it too, the newest first, until they hold that many.
+        ``None`` for a climb of the smoothed loss: the batches it averages, whenever its rise was dated."""
+        out = [(self._batch, self._batch_idx)]
+        held = _samples(self._batch)
+        if held is None or held >= _REFERENCE_SAMPLES:
+            return out
+        for s, batch, batch_idx in reversed(self._recent_batches):
+            if held >= _REFERENCE_SAMPLES or (start is not None and s < start):
+                break
+            if batch is self._batch:
+                continue
+            out.append((batch, batch_idx))
+            held += _samples(batch) or 0
+        return out
 
     def _references_intact(self, trainer: pl.Trainer, pl_module: pl.LightningModule, start: int, rise: float) -> bool:
         """Whether the last normal batches from before ``start``, evaluated again, lost less than half of ``rise`` since
@@ -2121,7 +2183,7 @@ class DivergenceGuard(Monitor):
         self._judged_lrs.clear()
         self._informative: deque[int] = deque(maxlen=64)  # the last normal steps whose loss was not 0
         # the last of them with their batches: (step, (batch, batch_idx), loss)
-        self._informative_refs: deque[tuple[int, tuple[Any, int], float]] = deque(maxlen=_REFERENCES)
+        self._informative_refs: deque[tuple[int, tuple[Any, int], float]] = deque(maxlen=self._ref_batches or _REFERENCES)
         self._zero_losses = False  # whether a normal step of this fit lost exactly 0
         self._hard_batch: Optional[int] = None  # the last surge the weights were not to blame for
         self._misfit: Optional[str] = None  # why the newest snapshot asked for did not fit the run
