@@ -39,7 +39,7 @@ _REFERENCES = 4
 #: samples the evidence of a replay should hold: with batches of fewer than ``_REFERENCE_SAMPLES / _REFERENCES``
 #: samples, more reference batches are kept, a surge that the last ``_REFERENCES`` find broken is asked again on
 #: this many samples, and a rise is attributed on that many samples of its own batches (at batch size 1 one hard
-#: example made 4 single-example references "lose half the surge": healthy runs were stopped, 6 of 18)
+#: example made 4 single-example references "lose half the surge": healthy runs were stopped, 6 of 9)
 _REFERENCE_SAMPLES = 16
 #: consecutive steps above ``blowup`` times the initial loss that make an explosion before the loss has a
 #: history (the first steps of a run are erratic: a spike that settles within a few steps is not a divergence)
