@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
 from lightning_monitor.probes import dry_run
@@ -277,6 +278,40 @@ def _refill(v: Any, saved: Any) -> None:
         v.update(item for item, _ in saved)
     else:
         v.extend(item for item, _ in saved)
+
+
+class _ParametersReadOnly(TorchDispatchMode):
+    """Refuses, before it runs, any operation that would write into the storage of one of ``params`` (raises
+    :class:`ParameterWrite`). The model's runs on a slice of the batch work on copies of its buffers, not of its
+    parameters (a copy of every weight costs the model's size again); a model that writes to its own weights in a
+    forward (RWKV divides some of them in place when it switches to eval mode) would change the weights the step's
+    backward has saved (its version check fails) and keep them changed."""
+
+    def __init__(self, params: list[Tensor]) -> None:
+        super().__init__()
+        self._storages = {p.untyped_storage().data_ptr() for p in params if p.device.type != "meta"}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func._schema.is_mutable:
+            for i, arg in enumerate(func._schema.arguments):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                for t in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(t, Tensor) and t.device.type != "meta" and t.untyped_storage().data_ptr() in self._storages:
+                        raise ParameterWrite(f"{func} writes into a parameter in place")
+        return func(*args, **kwargs)
+
+
+class ParameterWrite(RuntimeError):
+    """A forward run on a slice of the batch tried to write into a parameter (refused, see :class:`_ParametersReadOnly`)."""
+
+
+def _plain_parameters(module: nn.Module) -> list[Tensor]:
+    """The module's parameters that are plain tensors (a DTensor's local shard is left out: the dispatch mode sees its
+    operations on the DTensor, not on the shard)."""
+    return [p for p in module.parameters() if type(p.data) is Tensor]
 
 
 def _restore_attributes(saved: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]) -> list[str]:
@@ -1000,8 +1035,9 @@ class PerExampleGradNorms:
                 module.log = module.log_dict = _no_log  # type: ignore[method-assign]
             with torch.no_grad(), torch.random.fork_rng(devices=devices), warnings.catch_warnings(), dry_run():
                 warnings.simplefilter("ignore")  # the model's warnings belong to its real calls
-                out = _shapes(functional_call(module, buffers, _resize_batch(args, batch, small, dim, order),
-                                              _resize_batch(kwargs, batch, small, dim, order), strict=False))
+                sliced = _resize_batch(args, batch, small, dim, order), _resize_batch(kwargs, batch, small, dim, order)
+                with _ParametersReadOnly(_plain_parameters(module)):
+                    out = _shapes(functional_call(module, buffers, *sliced, strict=False))
         except Exception as err:  # the model may require its batch size: the modules stay unresolved
             error = err
         finally:

@@ -1,0 +1,79 @@
+"""A model that writes to its own weights when it switches to eval mode (as Hugging Face's RWKV rescales some of them):
+the per-example probe's runs on slices of the batch (in eval mode, to check the batch layouts) must leave the weights
+alone. Before, the run divided them in place: the step's backward failed its version check (RWKV with the noise-scale
+monitor crashed on the first backward) and the weights stayed divided."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_monitor import GradientNoiseScaleMonitor
+from lightning_monitor.probes.per_example.probe import ParameterWrite, _ParametersReadOnly
+
+
+class _Rescaling(nn.Module):
+    """Halves ``inner.weight`` in place on entering eval mode and doubles it back on entering training mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.head = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.rescaled = False
+
+    def forward(self, x):
+        if self.training == self.rescaled:
+            with torch.no_grad():
+                if self.training:
+                    self.inner.weight.mul_(2.0)
+                else:
+                    self.inner.weight.div_(2.0)
+            self.rescaled = not self.training
+        return self.head(torch.relu(self.inner(x)))
+
+
+class _Module(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _Rescaling()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(callbacks) -> _Module:
+    torch.manual_seed(0)
+    model = _Module()
+    data = TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+    pl.Trainer(max_steps=6, accelerator="cpu", logger=False, callbacks=callbacks, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False).fit(model, DataLoader(data, batch_size=8))
+    return model
+
+
+def test_a_model_writing_its_weights_in_eval_mode_trains_as_without_the_probe():
+    monitor = GradientNoiseScaleMonitor(every_n_steps=1)
+    watched, plain = _fit([monitor]), _fit([])
+    assert monitor.idle_reason is None
+    for a, b in zip(watched.parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert watched.net.rescaled is False
+
+
+def test_writes_into_parameters_are_refused_and_others_run():
+    layer = nn.Linear(4, 4)
+    before = layer.weight.detach().clone()
+    with torch.no_grad(), _ParametersReadOnly(list(layer.parameters())):
+        out = layer(torch.ones(2, 4)).mul_(2.0)  # a write into a fresh tensor runs
+        with pytest.raises(ParameterWrite):
+            layer.weight.div_(2.0)
+        with pytest.raises(ParameterWrite):
+            layer.bias.view(2, 2).zero_()  # through a view of its storage too
+    assert out.shape == (2, 4)
+    torch.testing.assert_close(layer.weight, before, rtol=0, atol=0)
