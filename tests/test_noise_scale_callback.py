@@ -370,3 +370,33 @@ def test_batch_size_advice_stops_at_the_training_set() -> None:
     mon._batch_alerts(20, 16.0, 655.0, epoch_samples=4096.0)
     (below,) = [m for kind, active, m in said if kind == "batch_below_noise_scale" and active]
     assert "toward ~655 " in below
+
+
+def test_batch_size_advice_waits_for_half_the_gradient() -> None:
+    """A MobileNetV2 (its BatchNorm layers couple the examples) had 0.3% of the gradient's squared norm covered and was
+    told to raise its batch size from B_simple 290. Below half of it the advice is withheld, saying why; an active one
+    is withdrawn; at full coverage the same estimate advises as before."""
+    mon = GradientNoiseScaleMonitor(min_checks=1)
+    said = []
+
+    def condition(step, kind, active, severity, message, *a, clear_message="", **k):
+        said.append((kind, active, message or clear_message))
+        if active:
+            mon._conditions[(kind, None)] = severity
+        else:
+            mon._conditions.pop((kind, None), None)
+
+    mon.condition = condition
+    mon.ema.update(1.0, 290.0)
+    mon._batch_alerts(10, 4.0, 290.0, coverage=1.0)
+    assert ("batch_below_noise_scale", True) in [(k, a) for k, a, _ in said]
+    said.clear()
+    mon._batch_alerts(20, 4.0, 290.0, coverage=0.003)
+    (withheld,) = [m for kind, active, m in said if kind == "advice_withheld" and active]
+    assert "0.3% of the gradient's squared norm" in withheld
+    assert ("batch_below_noise_scale", False) in [(k, a) for k, a, _ in said]  # the advice given is withdrawn
+    assert not any(active for kind, active, _ in said if kind.startswith("batch_"))
+    said.clear()
+    mon._batch_alerts(30, 4.0, 290.0, coverage=0.95)
+    assert ("advice_withheld", False) in [(k, a) for k, a, _ in said]
+    assert ("batch_below_noise_scale", True) in [(k, a) for k, a, _ in said]

@@ -75,6 +75,8 @@ def _layer_of(param_name: str) -> str:
 
 #: consecutive checks with B_simple undefined before the monitor says so (``b_simple_undefined``)
 _UNDEFINED_CHECKS = 5
+#: the share of the gradient's squared norm the estimate must cover for batch-size advice (see ``_batch_alerts``)
+_ADVICE_COVERAGE = 0.5
 
 
 class GradientNoiseScaleMonitor(Monitor):
@@ -838,7 +840,7 @@ class GradientNoiseScaleMonitor(Monitor):
             if math.isfinite(ema.b_simple):
                 metrics[self.key("b_simple", layer)] = ema.b_simple
         self._coverage_alert(step, self._measured, coverage, partial)
-        self._batch_alerts(step, float(b_big), b_simple, self._epoch_samples(trainer, float(b_big)))
+        self._batch_alerts(step, float(b_big), b_simple, self._epoch_samples(trainer, float(b_big)), coverage)
         return metrics
 
     def _coverage_alert(self, step: int, measured: set[str], coverage: float, partial: bool) -> None:
@@ -911,7 +913,8 @@ class GradientNoiseScaleMonitor(Monitor):
         steps = steps_per_epoch(trainer)
         return None if steps is None else steps * batch
 
-    def _batch_alerts(self, step: int, batch: float, b_simple: float, epoch_samples: Optional[float] = None) -> None:
+    def _batch_alerts(self, step: int, batch: float, b_simple: float, epoch_samples: Optional[float] = None,
+                      coverage: float = 1.0) -> None:
         if self._rolled_back:
             # the guard rolled the run back (the average went back with it): the checks of a run that was diverging,
             # right before or after, gave advice from an unsettled state (the demo's diverging run was told to lower
@@ -919,6 +922,22 @@ class GradientNoiseScaleMonitor(Monitor):
             self._rolled_back = False
             self._advice_from = self.ema.count - 1 + self.min_checks
         if self.ema.count < max(self.min_checks, self._advice_from) or not math.isfinite(b_simple):
+            return
+        # B_simple of a small part of the gradient is no advice for the whole batch (a MobileNetV2, whose BatchNorm
+        # layers couple the examples: 0.3% of the squared norm covered, "raise the batch size" from B_simple 290)
+        withheld = coverage < _ADVICE_COVERAGE
+        self.condition(
+            step, "advice_withheld", withheld, "info",
+            f"No batch-size advice: B_simple ({b_simple:.3g}) is estimated from {coverage:.1%} of the gradient's squared "
+            f"norm (gns/coverage; the rest is left out, see the coverage alert), less than {_ADVICE_COVERAGE:.0%}, so it "
+            "need not be the noise scale of the whole gradient.",
+            value=coverage, threshold=_ADVICE_COVERAGE,
+            clear_message=f"The noise scale covers {coverage:.1%} of the gradient's squared norm again: advice resumes.",
+        )
+        if withheld:
+            for kind in ("batch_below_noise_scale", "batch_above_noise_scale"):
+                if (kind, None) in self.active_conditions():
+                    self.condition(step, kind, False, "info", "", clear_message="Withdrawn: see advice_withheld.")
             return
         # hysteresis: a condition raised at a factor alert_ratio clears at sqrt(alert_ratio), so a noisy
         # estimate near the threshold does not flap
