@@ -1168,6 +1168,8 @@ def test_bimodal_scores_in_the_warm_up_or_under_label_smoothing_are_no_warning(t
     assert [(a["kind"], a["severity"]) for a in said if a["kind"] == "bimodal"] == [("bimodal", "info"),
                                                                                     ("bimodal", "warning")]
     assert "in the warm-up" in said[0]["message"]
+    # in the window, half the samples opposed: the warning names a model near chance beside noisy labels
+    assert "usually noisy labels" in said[1]["message"] and "has not fit its data yet" in said[1]["message"]
     gwa = GradientWeightAlignmentMonitor(warmup_epochs=0)
     logger = TensorBoardLogger(str(tmp_path), name="smoothed")
     x3 = torch.eye(3)[:2].repeat(20, 1)

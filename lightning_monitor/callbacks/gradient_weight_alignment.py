@@ -57,6 +57,8 @@ _RUN_WEIGHT_FLOOR = 1e-3
 #: bimodal scores are taken for samples the model resists (noisy labels: a warning) when at least this share opposes
 #: the weights; below it, the two groups are samples fit closely and less closely (said as info)
 _BIMODAL_OPPOSED = 0.05
+#: from this share of opposed samples on, a bimodal epoch's warning also names a model still near chance
+_HALF_OPPOSED = 0.45
 #: share of negative scores in the first scored epoch above which the targets likely do not match
 _MISMATCH_FRACTION = 0.9
 #: a best score above this many times the scores of both neighbouring epochs is an uncertain pick (a spike)
@@ -1837,6 +1839,11 @@ class GradientWeightAlignmentMonitor(Monitor):
                        "noisy labels (the suspects are ranked against the labels themselves)")
             elif resisted and early:
                 why += "; in the warm-up, also the samples a model still learning has not fit yet"
+            elif opposed >= _HALF_OPPOSED:
+                # a model still near chance (EfficientNet, WavLM, SEW, Longformer and SqueezeBert at their second epoch,
+                # labels not noisy) splits its samples about evenly too
+                why += ("; with about half of them opposed, also a model that has not fit its data yet (near chance): "
+                        "compare the training loss with the loss of a guess")
             self.condition(
                 step, "bimodal", math.isfinite(kurtosis) and kurtosis + GWA_OFFSET <= 0,
                 "warning" if resisted and not smoothed and not early else "info",
