@@ -125,7 +125,8 @@ class GradientNoiseScaleMonitor(Monitor):
     reason and the share they carry: in a ``partial_coverage`` warning alert when the coverage is below
     ``min_coverage``, else in a console warning (the estimate stands; a healthy run raises no alert); a
     check that finds new ones says so again, and so does the first check whose estimate turns partial (the
-    share of the same parameters grew). ``B_simple`` is then that of the covered parameters. When the
+    share of the same parameters grew). ``B_simple`` is then that of the covered parameters; below half of the
+    squared norm it gives no batch-size advice (``advice_withheld``, info). When the
     first backward finds that they cover nothing (no module's rows are the batch's examples), every check logs
     a coverage of 0 with ``gns/partial`` 1 and estimates nothing, and one ``partial_coverage`` warning names
     every module with its reason.
