@@ -77,3 +77,12 @@ def test_writes_into_parameters_are_refused_and_others_run():
             layer.bias.view(2, 2).zero_()  # through a view of its storage too
     assert out.shape == (2, 4)
     torch.testing.assert_close(layer.weight, before, rtol=0, atol=0)
+
+
+def test_an_empty_parameter_does_not_refuse_writes_into_other_empty_tensors():
+    layer = nn.Linear(4, 4)
+    layer.empty = nn.Parameter(torch.zeros(0))
+    with torch.no_grad(), _ParametersReadOnly(list(layer.parameters())):
+        torch.zeros(0).add_(1.0)  # a fresh empty tensor: nothing of a parameter's is written
+        with pytest.raises(ParameterWrite):
+            layer.weight.zero_()

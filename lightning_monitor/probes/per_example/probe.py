@@ -289,7 +289,8 @@ class _ParametersReadOnly(TorchDispatchMode):
 
     def __init__(self, params: list[Tensor]) -> None:
         super().__init__()
-        self._storages = {p.untyped_storage().data_ptr() for p in params if p.device.type != "meta"}
+        # empty tensors have no storage to write into (their address is 0, shared by every empty tensor)
+        self._storages = {p.untyped_storage().data_ptr() for p in params if p.device.type != "meta" and p.numel()}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -299,7 +300,8 @@ class _ParametersReadOnly(TorchDispatchMode):
                     continue
                 value = args[i] if i < len(args) else kwargs.get(arg.name)
                 for t in value if isinstance(value, (list, tuple)) else (value,):
-                    if isinstance(t, Tensor) and t.device.type != "meta" and t.untyped_storage().data_ptr() in self._storages:
+                    if (isinstance(t, Tensor) and t.device.type != "meta" and t.numel()
+                            and t.untyped_storage().data_ptr() in self._storages):
                         raise ParameterWrite(f"{func} writes into a parameter in place")
         return func(*args, **kwargs)
 
