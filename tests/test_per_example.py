@@ -83,7 +83,7 @@ class TinyTransformer(nn.Module):
             self.head.weight = self.tok.weight
 
     def forward(self, idx: Tensor) -> Tensor:
-        pos = torch.arange(idx.shape[1])
+        pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.tok(idx) + self.pos(pos if self.broadcast_pos else pos.expand(idx.shape))
         for blk in self.blocks:
             x = blk(x)

@@ -1,0 +1,190 @@
+"""The suite on a GPU: ``HealthMonitor()`` at its defaults against the same training without it, on the example GPT at
+two sizes (bf16-mixed, batch 32 x 256 tokens), and each monitor alone on the larger one; the guard with its snapshots'
+copies made without waiting (pinned memory, the default) and with the copies that wait (pageable memory, the path
+before); then, on one monitored run, the steps at which the package made the host wait for the device (CUDA's sync
+detector), against the steps where a monitor was due.
+
+Each round runs every variant once, in a rotated order. A run's time per step is the wall time from step ``SKIP`` to
+its last step, the device synchronized at both ends, divided by the steps. Reported: the median per variant, and the
+median over rounds of the per-round ratio to the run without the suite (the same round). Peak device memory is
+``torch.cuda.max_memory_allocated``.
+
+Needs a CUDA device. Run: python benchmarks/bench_cuda.py [--rounds 3] [--steps 150] [--sizes 19m,85m] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from gpt import GPTModule, make_loader  # noqa: E402
+
+import lightning_monitor as lm  # noqa: E402
+from lightning_monitor import snapshot as snapshot_module  # noqa: E402
+
+SIZES = {
+    "19m": {"n_layer": 6, "n_head": 8, "d_model": 512, "block_size": 256},
+    "85m": {"n_layer": 12, "n_head": 12, "d_model": 768, "block_size": 256},
+}
+BATCH = 32
+SKIP = 30
+PACKAGE_DIR = os.path.dirname(os.path.abspath(lm.__file__))
+
+
+class CudaTimer(Callback):
+    """Wall time from the start of step ``SKIP`` to the end of the last step, the device synchronized at both ends."""
+
+    def __init__(self) -> None:
+        self.start = self.end = None
+        self.steps = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == SKIP:
+            torch.cuda.synchronize()
+            self.start = time.perf_counter()
+
+    def on_train_end(self, trainer, pl_module):
+        torch.cuda.synchronize()
+        self.end, self.steps = time.perf_counter(), trainer.global_step - SKIP
+
+    def per_step(self) -> float:
+        return (self.end - self.start) / self.steps
+
+
+def preset(**only: bool) -> Callable[[], list[Callback]]:
+    return lambda: [lm.HealthMonitor(**only)]
+
+
+ALONE = {"sa": "spectral", "gns": "noise_scale", "gwa": "gwa", "guard": "guard"}
+
+
+def alone(name: str) -> Callable[[], list[Callback]]:
+    return preset(**{slot: slot == ALONE[name] for slot in ALONE.values()})
+
+
+def run(config: dict, steps: int, callbacks: list[Callback], root: str, pinned: bool = True) -> tuple[float, float]:
+    snapshot_module._PINNED_COPIES = pinned
+    pl.seed_everything(0, verbose=False)
+    torch.cuda.reset_peak_memory_stats()
+    timer = CudaTimer()
+    trainer = pl.Trainer(max_steps=steps, accelerator="gpu", devices=1, precision="bf16-mixed",
+                         logger=pl.loggers.CSVLogger(root, name="cuda"), callbacks=callbacks + [timer],
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         log_every_n_steps=50)
+    trainer.fit(GPTModule(config, lr=1e-3), make_loader("prose", block_size=config["block_size"], batch_size=BATCH,
+                                                       n_samples=BATCH * steps))
+    snapshot_module._PINNED_COPIES = True
+    return timer.per_step(), torch.cuda.max_memory_allocated() / 2**30
+
+
+def sync_steps(config: dict, steps: int, root: str) -> dict[str, Any]:
+    """One run of ``HealthMonitor()``: the steps at which the package's code made the host wait for the device, and
+    where (file:line function); the due steps of each monitor."""
+    found: list[tuple[int, str]] = []
+    health = lm.HealthMonitor()
+    trainer_ref: list = []
+    show = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" not in str(message):
+            return show(message, category, filename, lineno, file, line)
+        ours = [f for f in traceback.extract_stack() if f.filename.startswith(PACKAGE_DIR)]
+        if ours and trainer_ref:
+            found.append((trainer_ref[0].global_step, f"{os.path.basename(ours[-1].filename)}:{ours[-1].lineno} "
+                                                      f"{ours[-1].name}"))
+
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(max_steps=steps, accelerator="gpu", devices=1, precision="bf16-mixed", logger=False,
+                         callbacks=[health], enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False)
+    trainer_ref.append(trainer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.fit(GPTModule(config, lr=1e-3), make_loader("prose", block_size=config["block_size"],
+                                                               batch_size=BATCH, n_samples=BATCH * steps))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = show
+    due = {m.name: [s for s in range(steps) if m.is_due(s)] for m in health.monitors}
+    by_step: dict[int, list[str]] = {}
+    for s, where in found:
+        by_step.setdefault(s, [])
+        if where not in by_step[s]:
+            by_step[s].append(where)
+    return {"steps": steps, "due": due, "sync_steps": {str(k): v for k, v in sorted(by_step.items())}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--sizes", default="19m,85m")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_cuda.py needs a CUDA device.")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("lightning_monitor").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    root = tempfile.mkdtemp(prefix="bench_cuda_")
+    sizes = args.sizes.split(",")
+    largest = sizes[-1]
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, lightning {pl.__version__}", flush=True)
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "sizes": {}}
+    for size in sizes:
+        config = SIZES[size]
+        params = sum(p.numel() for p in GPTModule(config).parameters()) / 1e6
+        variants: dict[str, tuple[Callable[[], list[Callback]], bool]] = {
+            "none": (lambda: [], True), "suite": (preset(), True)}
+        if size == largest:
+            variants.update({f"{k} alone": (alone(k), True) for k in ALONE})
+            variants["guard alone, copies waiting"] = (alone("guard"), False)
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        memory: dict[str, float] = {}
+        names = list(variants)
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[: r % len(names)]
+            for name in order:
+                make, pinned = variants[name]
+                t, mem = run(config, args.steps, make(), root, pinned)
+                times[name].append(t)
+                memory[name] = max(memory.get(name, 0.0), mem)
+                print(f"  {size} round {r} {name:28s} {1e3 * t:8.2f} ms/step  peak {mem:6.2f} GiB", flush=True)
+        ratios = {k: statistics.median(times[k][i] / times["none"][i] for i in range(args.rounds)) for k in names}
+        print(f"\n{size} ({params:.1f} M parameters), bf16-mixed, batch {BATCH} x {config['block_size']}, "
+              f"{args.steps} steps ({SKIP} untimed), {args.rounds} rounds:")
+        print(f"  {'variant':28s} {'ms/step':>9s} {'ratio':>7s} {'peak GiB':>9s}")
+        for k in names:
+            print(f"  {k:28s} {1e3 * statistics.median(times[k]):9.2f} {ratios[k]:7.3f} {memory[k]:9.2f}")
+        out["sizes"][size] = {"params_m": params, "ms_per_step": {k: [1e3 * t for t in v] for k, v in times.items()},
+                              "ratio": ratios, "peak_gib": memory}
+    syncs = sync_steps(SIZES[largest], 120, root)
+    print(f"\nsyncs from the package, HealthMonitor() at its defaults, {largest}, 120 steps:")
+    print("  due steps: " + "; ".join(f"{k}: {v[:8]}{'...' if len(v) > 8 else ''}" for k, v in syncs["due"].items()))
+    for step, where in syncs["sync_steps"].items():
+        print(f"  step {step}: {', '.join(where)}")
+    out["syncs"] = syncs
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
