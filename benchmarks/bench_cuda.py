@@ -1,20 +1,23 @@
 """The suite on a GPU: ``HealthMonitor()`` at its defaults against the same training without it, on the example GPT at
-two sizes (bf16-mixed, batch 32 x 256 tokens), and each monitor alone on the larger one; the guard with its snapshots'
-copies made without waiting (pinned memory, the default) and with the copies that wait (pageable memory, the path
-before); then, on one monitored run, the steps at which the package made the host wait for the device (CUDA's sync
-detector), against the steps where a monitor was due.
+two sizes (bf16-mixed, batch 32 x 256 tokens). On the larger one, the guard alone with its snapshots' copies to the
+host made three ways (``lightning_monitor.snapshot._DEVICE_COPIES``): staged on the device and carried to pinned memory
+on a side stream (the default), straight to pinned memory on the training stream, and one blocking copy per tensor into
+pageable memory (the path before); ``--alone``: each monitor alone too. Then, per size, the host time inside each
+monitor's hooks; and on one monitored run, the steps at which the package made the host wait for the device (CUDA's
+sync detector), against the steps where a monitor was due.
 
 Each round runs every variant once, in a rotated order. A run's time per step is the wall time from step ``SKIP`` to
 its last step, the device synchronized at both ends, divided by the steps. Reported: the median per variant, and the
 median over rounds of the per-round ratio to the run without the suite (the same round). Peak device memory is
 ``torch.cuda.max_memory_allocated``.
 
-Needs a CUDA device. Run: python benchmarks/bench_cuda.py [--rounds 3] [--steps 150] [--sizes 19m,85m] [--json F]
+Needs a CUDA device. Run: python benchmarks/bench_cuda.py [--rounds 3] [--steps 150] [--sizes 19m,85m] [--alone] [--json F]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -76,8 +79,8 @@ def alone(name: str) -> Callable[[], list[Callback]]:
     return preset(**{slot: slot == ALONE[name] for slot in ALONE.values()})
 
 
-def run(config: dict, steps: int, callbacks: list[Callback], root: str, pinned: bool = True) -> tuple[float, float]:
-    snapshot_module._PINNED_COPIES = pinned
+def run(config: dict, steps: int, callbacks: list[Callback], root: str, copies: str = "staged") -> tuple[float, float]:
+    snapshot_module._DEVICE_COPIES = copies
     pl.seed_everything(0, verbose=False)
     torch.cuda.reset_peak_memory_stats()
     timer = CudaTimer()
@@ -87,7 +90,7 @@ def run(config: dict, steps: int, callbacks: list[Callback], root: str, pinned: 
                          log_every_n_steps=50)
     trainer.fit(GPTModule(config, lr=1e-3), make_loader("prose", block_size=config["block_size"], batch_size=BATCH,
                                                        n_samples=BATCH * steps))
-    snapshot_module._PINNED_COPIES = True
+    snapshot_module._DEVICE_COPIES = "staged"
     return timer.per_step(), torch.cuda.max_memory_allocated() / 2**30
 
 
@@ -131,12 +134,24 @@ def sync_steps(config: dict, steps: int, root: str) -> dict[str, Any]:
     return {"steps": steps, "due": due, "sync_steps": {str(k): v for k, v in sorted(by_step.items())}}
 
 
+def hook_times(config: dict, steps: int, root: str) -> dict[str, float]:
+    """One run of ``HealthMonitor()`` with every monitor's hooks timed on the host (bench_suite's timers): the
+    milliseconds per step spent inside each monitor's per-step hooks from step ``bench_suite.SKIP`` on (on a GPU the
+    hooks' host time adds to the step where the host, not the device, sets the pace)."""
+    import bench_suite
+
+    clocks: dict[str, list[float]] = {}
+    run(config, steps, bench_suite.suite(clocks), root)
+    return {name: 1e3 * clock[1] / (steps - bench_suite.SKIP) for name, clock in clocks.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--sizes", default="19m,85m")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--alone", action="store_true", help="each monitor alone too, on the larger size")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_cuda.py needs a CUDA device.")
@@ -151,19 +166,24 @@ def main() -> None:
     for size in sizes:
         config = SIZES[size]
         params = sum(p.numel() for p in GPTModule(config).parameters()) / 1e6
-        variants: dict[str, tuple[Callable[[], list[Callback]], bool]] = {
-            "none": (lambda: [], True), "suite": (preset(), True)}
+        variants: dict[str, tuple[Callable[[], list[Callback]], str]] = {
+            "none": (lambda: [], "staged"), "suite": (preset(), "staged")}
         if size == largest:
-            variants.update({f"{k} alone": (alone(k), True) for k in ALONE})
-            variants["guard alone, copies waiting"] = (alone("guard"), False)
+            if args.alone:
+                variants.update({f"{k} alone": (alone(k), "staged") for k in ALONE})
+            else:
+                variants["guard alone"] = (alone("guard"), "staged")
+            variants["guard alone, copies pinned"] = (alone("guard"), "pinned")
+            variants["guard alone, copies waiting"] = (alone("guard"), "waiting")
         times: dict[str, list[float]] = {k: [] for k in variants}
         memory: dict[str, float] = {}
         names = list(variants)
         for r in range(args.rounds):
             order = names[r % len(names):] + names[: r % len(names)]
             for name in order:
-                make, pinned = variants[name]
-                t, mem = run(config, args.steps, make(), root, pinned)
+                make, copies = variants[name]
+                t, mem = run(config, args.steps, make(), root, copies)
+                gc.collect()
                 times[name].append(t)
                 memory[name] = max(memory.get(name, 0.0), mem)
                 print(f"  {size} round {r} {name:28s} {1e3 * t:8.2f} ms/step  peak {mem:6.2f} GiB", flush=True)
@@ -175,6 +195,11 @@ def main() -> None:
             print(f"  {k:28s} {1e3 * statistics.median(times[k]):9.2f} {ratios[k]:7.3f} {memory[k]:9.2f}")
         out["sizes"][size] = {"params_m": params, "ms_per_step": {k: [1e3 * t for t in v] for k, v in times.items()},
                               "ratio": ratios, "peak_gib": memory}
+    for size in sizes:
+        hooks = hook_times(SIZES[size], args.steps, root)
+        print(f"\nhost time inside each monitor's hooks, {size}, HealthMonitor() (ms per step, from step 20): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in hooks.items()))
+        out["sizes"][size]["hook_ms_per_step"] = hooks
     syncs = sync_steps(SIZES[largest], 120, root)
     print(f"\nsyncs from the package, HealthMonitor() at its defaults, {largest}, 120 steps:")
     print("  due steps: " + "; ".join(f"{k}: {v[:8]}{'...' if len(v) > 8 else ''}" for k, v in syncs["due"].items()))

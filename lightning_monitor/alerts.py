@@ -348,7 +348,10 @@ class AlertHub:
     a checkpoint (:meth:`resume`) and logs the counts when training starts and ends.
     """
 
-    _hubs: weakref.WeakKeyDictionary[Any, AlertHub] = weakref.WeakKeyDictionary()
+    #: the trainer's attribute holding its hub. Kept on the trainer, not in a registry keyed by it: the hub reaches the
+    #: trainer back (its subscribers are monitors, which hold the module, which holds the trainer), so a registry's entry
+    #: never expired, and every fit of a process kept its model, probes and buffers alive (gigabytes a fit on a GPU)
+    _ATTRIBUTE = "_lightning_monitor_alert_hub"
 
     def __init__(self, trainer: pl.Trainer, run_id: Optional[str] = None) -> None:
         self._trainer_ref = weakref.ref(trainer)
@@ -371,11 +374,11 @@ class AlertHub:
         """The hub of ``trainer``, created (and its log directory checked) on first use; a new fit of the
         same trainer gets a new run id, and continues the counts when it writes the same ``alerts.jsonl``.
         Called in every rank's ``setup`` (the run id is broadcast)."""
-        hub = cls._hubs.get(trainer)
+        hub = getattr(trainer, cls._ATTRIBUTE, None)
         if hub is None:
             hub = cls(trainer, run_id=_shared_run_id(trainer))
             hub._prepare_file(trainer)
-            cls._hubs[trainer] = hub
+            setattr(trainer, cls._ATTRIBUTE, hub)
             hub._attach(trainer)
         elif hub._finished and _fitting(trainer):
             path, counts, count_step, entries = hub.path, hub.counts, hub._count_step, hub._text_entries

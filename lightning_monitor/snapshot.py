@@ -24,10 +24,58 @@ __all__ = ["SnapshotMismatch", "TrainingSnapshot", "scale_learning_rates"]
 _ATOMS = (int, float, bool, str, bytes, type(None))
 
 
-#: copies of CUDA tensors go into pinned host buffers without waiting (an event marks their end; every reader of
-#: the snapshot waits for it: :meth:`TrainingSnapshot.state`). ``False``: the copies wait, one by one, into
-#: pageable memory (the path before; kept for the CUDA benchmark's comparison)
-_PINNED_COPIES = True
+#: how the CUDA tensors of a snapshot reach the host. ``"staged"`` (default): copied on the device first (one fused
+#: copy, at the device's memory bandwidth), then to pinned host memory on a side stream, overlapping the training that
+#: follows; where the device lacks the free memory for the staging copies, as ``"pinned"``: copied to pinned host memory
+#: on the training stream, which waits for the transfer but the host does not. Either way an event marks the end of the
+#: copies and every reader of the snapshot waits for it (:meth:`TrainingSnapshot.state`). ``"waiting"``: one blocking
+#: copy per tensor into pageable memory (the host waits for each). Module-level, for the CUDA benchmark's comparison
+_DEVICE_COPIES = "staged"
+
+#: a staging copy is made when its bytes are at most this share of the device memory free (the allocator's cached
+#: blocks counted as free)
+_STAGING_SHARE = 0.5
+
+_SIDE_STREAMS: dict[Any, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
+def _can_stage(device: torch.device, nbytes: int) -> bool:
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return nbytes <= _STAGING_SHARE * (free + cached)
+
+
+def _copy_from_devices(dst: list[Tensor], src: list[Tensor], pending: list) -> None:
+    """Start the copies of CUDA tensors ``src`` into pinned host tensors ``dst`` (see ``_DEVICE_COPIES``); append to
+    ``pending`` the streams that carry them (an event recorded on each marks their end)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(src):
+        by_device.setdefault(t.device, []).append(i)
+    for device, idx in by_device.items():
+        main = torch.cuda.current_stream(device)
+        sources = [src[i] for i in idx]
+        if _DEVICE_COPIES == "staged" and _can_stage(device, sum(t.numel() * t.element_size() for t in sources)):
+            staged = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in sources]
+            torch._foreach_copy_(staged, sources)  # on the training stream: before any later update of the sources
+            side = _side_stream(device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                for i, t in zip(idx, staged):
+                    dst[i].copy_(t, non_blocking=True)
+            for t in staged:
+                t.record_stream(side)  # its memory is not reused before the side stream's copy has read it
+            pending.append(side)
+        else:
+            for i, t in zip(idx, sources):
+                dst[i].copy_(t, non_blocking=True)
+            pending.append(main)
 
 
 def _to_host(obj: Any, reuse: Any = None, pending: Optional[list] = None) -> Any:
@@ -35,9 +83,9 @@ def _to_host(obj: Any, reuse: Any = None, pending: Optional[list] = None) -> Any
     structure that is no longer needed; a plain host tensor of it with the same shape and dtype is written
     over instead of allocating a new one (fresh host memory costs page faults on every snapshot). The copies
     from host tensors are made by one fused call (per-tensor dispatch dominates for small models). ``pending``:
-    where given, plain CUDA tensors are copied into pinned host memory without waiting (their streams are appended
-    to it: the caller records an event on each before anything reads the copies); else every copy has finished on
-    return."""
+    where given, plain CUDA tensors are copied into pinned host memory without the host waiting (the streams that
+    carry the copies are appended to it: the caller records an event on each before anything reads the copies); else
+    every copy has finished on return."""
     dst: list[Tensor] = []
     src: list[Tensor] = []
     async_dst: list[Tensor] = []
@@ -46,10 +94,8 @@ def _to_host(obj: Any, reuse: Any = None, pending: Optional[list] = None) -> Any
         out = _host_structure(obj, reuse, dst, src, async_dst if pending is not None else None, async_src)
         if dst:
             torch._foreach_copy_(dst, src)
-        for d, t in zip(async_dst, async_src):
-            d.copy_(t, non_blocking=True)
         if async_src and pending is not None:
-            pending.extend({t.device for t in async_src})
+            _copy_from_devices(async_dst, async_src, pending)
     return out
 
 
@@ -188,8 +234,9 @@ class TrainingSnapshot:
             reuse.discard()
         opts, scheds = old.get("optimizers") or [], old.get("schedulers") or []
         scaler = _loss_scaler(trainer)
-        # the module's and optimizers' CUDA tensors are copied without waiting (an event per device marks the end)
-        pending: Optional[list] = [] if _PINNED_COPIES and torch.cuda.is_available() else None
+        # the module's and optimizers' CUDA tensors are copied without the host waiting (an event on each stream that
+        # carries copies marks their end)
+        pending: Optional[list] = [] if _DEVICE_COPIES != "waiting" and torch.cuda.is_available() else None
         state = {
             "module": _to_host(pl_module.state_dict() if module_state is None else module_state, old.get("module"),
                                pending),
@@ -207,9 +254,9 @@ class TrainingSnapshot:
                    module_keys=frozenset(state["module"]), optimizer_types=list(state["optimizer_types"]),
                    trainable=frozenset(n for n, p in pl_module.named_parameters(remove_duplicate=False)
                                        if p.requires_grad))
-        for device in dict.fromkeys(pending or ()):
+        for stream in dict.fromkeys(pending or ()):
             event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
+            event.record(stream)
             snap._copies.append(event)
         if directory is None:
             snap._state = state

@@ -110,10 +110,11 @@ def test_the_whole_suite_fits_on_cuda_and_logs_every_method(tmp_path, tiny_gpt, 
     module, loader = tiny_gpt(n_samples=8 * 40)
     health = HealthMonitor(grades={"every_n_steps": 5, "grace_steps": 10})
     logger = TensorBoardLogger(str(tmp_path), name="tb")
-    trainer = _gpu_trainer(tmp_path, [health], 80, precision=precision, logger=logger, max_epochs=2)
+    where = _OnTheDevice()
+    trainer = _gpu_trainer(tmp_path, [health, where], 80, precision=precision, logger=logger, max_epochs=2)
     trainer.fit(module, loader)
     assert trainer.global_step == 80
-    assert next(module.parameters()).device.type == "cuda"
+    assert where.seen == {"cuda"}
     scalars = tb_scalars(logger.log_dir)
     for prefix in ("sa/", "gns/", "gwa/"):
         tags = [t for t in scalars if t.startswith(prefix)]
@@ -137,47 +138,86 @@ class _OnDevice:
         return Regression(**kw)
 
 
-def test_rollback_on_cuda_restores_the_exact_state_of_its_snapshot(tmp_path):
-    """The snapshot's copies to the host do not wait (pinned memory, an event): the state restored is bit for bit the
-    state a run trained for exactly that many steps holds."""
+class _OnTheDevice(pl.Callback):
+    """Records, at the end of every batch, whether every parameter is on the GPU (Lightning moves the module back to
+    the CPU when the fit ends)."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.seen |= {p.device.type for p in pl_module.parameters()}
+
+
+@pytest.mark.parametrize("copies", ["staged", "pinned", "waiting"])
+def test_rollback_on_cuda_restores_the_exact_state_of_its_snapshot(tmp_path, monkeypatch, copies):
+    """The snapshot's copies to the host, made each of three ways (staged on the device then carried on a side stream,
+    straight to pinned memory, blocking), give back exactly what they copied: the state restored is bit for bit the
+    state a run trained for exactly that many steps holds. On the GPU the guard reads each step's values two steps
+    later (``lag_steps``): the surge at step 61 is acted on at step 63, back to the snapshot of step 55 (the one of
+    step 25 was held back by the detectors, as on the CPU with ``lag_steps=2``)."""
     from test_guard_rollback import _Capture, _assert_same
 
+    from lightning_monitor import snapshot
+
+    monkeypatch.setattr(snapshot, "_DEVICE_COPIES", copies)
     pl.seed_everything(0)
-    guard = DivergenceGuard(every_n_steps=5, snapshot_every_n_checks=5)  # snapshots at 0, 25, 50, ...
-    capture = _Capture(step=62)
+    guard = DivergenceGuard(every_n_steps=5, snapshot_every_n_checks=5)  # a snapshot every 25 steps
+    capture = _Capture(step=64)  # the end of step 63, the one acted at
     pinned: list[bool] = []
+    where = _OnTheDevice()
 
     class Pinned(pl.Callback):
         def on_train_batch_end(self, trainer, *args):
-            if trainer.global_step == 55:
+            if trainer.global_step == 58:
                 state = guard._snapshots[-1].state()
                 pinned.extend(t.is_pinned() for t in [*state["module"].values(), *state["optimizers"][0]["state"][0].values()]
                               if t.is_floating_point())
 
-    trainer = _gpu_trainer(tmp_path / "a", [guard, capture, Pinned()], 120, logger=False)
+    trainer = _gpu_trainer(tmp_path / "a", [guard, capture, Pinned(), where], 120, logger=False)
     trainer.fit(_OnDevice.make(glitch=(60, 61, 62)))
-    assert [(r["step"], r["to_step"]) for r in guard.rollbacks] == [(61, 50)]
+    assert [(r["step"], r["to_step"]) for r in guard.rollbacks] == [(63, 55)]
     assert guard.stopped_step is None and trainer.global_step == 120
-    assert pinned and all(pinned), pinned  # the copies went to pinned memory
+    # the copies that do not wait go to pinned memory
+    assert pinned and (not any(pinned) if copies == "waiting" else all(pinned)), pinned
+    assert where.seen == {"cuda"}
 
     pl.seed_everything(0)
-    ref = _Capture(step=50)
-    _gpu_trainer(tmp_path / "ref", [ref], 50, logger=False).fit(_OnDevice.make())
+    ref = _Capture(step=55)
+    _gpu_trainer(tmp_path / "ref", [ref], 55, logger=False).fit(_OnDevice.make())
     _assert_same(capture.module, ref.module)
+    assert capture.optim.keys() == ref.optim.keys()
     for i in ref.optim:
         _assert_same(capture.optim[i], ref.optim[i])
-    assert all(t.device.type == "cuda" for t in capture.module.values())
+
+
+def test_staged_copies_run_on_a_side_stream_unless_the_device_lacks_the_memory(monkeypatch):
+    from lightning_monitor import snapshot
+
+    src = [torch.randn(1000, device=CUDA), torch.randn(3, 5, device=CUDA)]
+    for share, side in ((0.5, True), (0.0, False)):
+        monkeypatch.setattr(snapshot, "_STAGING_SHARE", share)
+        dst = [torch.empty(t.shape, pin_memory=True) for t in src]
+        pending: list = []
+        snapshot._copy_from_devices(dst, src, pending)
+        assert (pending[0] != torch.cuda.current_stream()) == side and len(pending) == 1
+        event = torch.cuda.Event()
+        event.record(pending[0])
+        event.synchronize()
+        for d, t in zip(dst, src):
+            assert torch.equal(d, t.cpu())
 
 
 def test_a_stop_on_cuda_leaves_the_last_good_weights(tmp_path):
     pl.seed_everything(0)
     guard = DivergenceGuard(every_n_steps=5, snapshot_every_n_checks=2, action="stop")
-    trainer = _gpu_trainer(tmp_path, [guard], 200, logger=False)
+    where = _OnTheDevice()
+    trainer = _gpu_trainer(tmp_path, [guard, where], 200, logger=False)
     module = _OnDevice.make(unstable_from=60)
     trainer.fit(module)
     assert guard.stopped_step is not None and guard.stopped_step < 80
     assert all(torch.isfinite(p).all() for p in module.parameters())
-    assert next(module.parameters()).device.type == "cuda"
+    assert where.seen == {"cuda"}
 
 
 # ----------------------------------------------------------------------------- no host sync where nothing is due

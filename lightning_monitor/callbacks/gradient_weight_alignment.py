@@ -11,6 +11,7 @@ import itertools
 import math
 import os
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -186,17 +187,23 @@ class _HeadWatch:
             if isinstance(output, Tensor) and output.requires_grad:
                 logits = output.detach()
                 cap = self.softcaps.get(name)
+                # held weakly: the hook lives in the autograd graph, and this watch holds the graph's output in
+                # ``calls``, a cycle through the graph that Python's collector cannot see (it outlived the fit)
+                watch = weakref.ref(self)
 
                 def grad_hook(grad: Tensor) -> None:
+                    live = watch()
+                    if live is None:
+                        return
                     if grad.is_floating_point():
-                        self.eps[name] = torch.finfo(grad.dtype).eps
+                        live.eps[name] = torch.finfo(grad.dtype).eps
                     z = logits
                     if cap is not None:
                         # the softmax is the capped logits': its gradient there is this one over the cap's slope
                         squashed = torch.tanh(logits.float() / cap)
                         z, grad = cap * squashed, grad.float() / (1.0 - squashed * squashed).clamp_min(1e-12)
-                    self.grads[name] = softmax_gradient_evidence(grad, z, self.eps.get(name, 0.0))
-                    self.proportional[name] = softmax_proportionality(grad, z)
+                    live.grads[name] = softmax_gradient_evidence(grad, z, live.eps.get(name, 0.0))
+                    live.proportional[name] = softmax_proportionality(grad, z)
 
                 output.register_hook(grad_hook)
         return hook
@@ -1258,9 +1265,14 @@ class GradientWeightAlignmentMonitor(Monitor):
 
     def _capture_gradient(self, output: Tensor, logits: Tensor, targets: Tensor, raw: tuple[Tensor, bool]) -> None:
         """Keep the gradient of the head's output (this micro-batch's) for :meth:`_check_gradient`."""
+        # the monitor is held weakly: the hook lives in the autograd graph, which the collector cannot see into (held
+        # strongly, the monitor, its trainer and model outlived the fit; see _HeadWatch.call_hook)
+        monitor = weakref.ref(self)
+
         def hook(grad: Tensor) -> None:
-            if self._check_capture is None:
-                self._check_capture = (grad.detach(), logits, targets, raw)
+            live = monitor()
+            if live is not None and live._check_capture is None:
+                live._check_capture = (grad.detach(), logits, targets, raw)
         output.register_hook(hook)
 
     def _check_gradient(self, trainer: pl.Trainer) -> None:

@@ -7,9 +7,9 @@ import copy
 import dataclasses
 import fnmatch
 import random
-import functools
 import sys
 import warnings
+import weakref
 from collections import defaultdict, deque
 from collections.abc import Mapping
 from typing import Any, Callable, Literal, NamedTuple, Optional, Union
@@ -367,7 +367,19 @@ class _Uses:
 
     def __init__(self, probe: PerExampleGradNorms, name: str, module: nn.Module, handler: Handler,
                  params: list[tuple[str, int]]) -> None:
-        self.probe, self.name, self.module, self.handler, self.params = probe, name, module, handler, params
+        # the probe is held weakly: the autograd graph holds the callbacks of the uses (tensor and node hooks, the
+        # fused functions' contexts), the graph of a fit's last loss lives as long as the trainer, and Python's
+        # collector cannot see the graph's references; held strongly, the probe (with the model, the trainer and the
+        # activations) outlived every fit of the process
+        self._probe = weakref.ref(probe)
+        self.name, self.module, self.handler, self.params = name, module, handler, params
+
+    @property
+    def probe(self) -> PerExampleGradNorms:
+        probe = self._probe()
+        if probe is None:
+            raise RuntimeError("the per-example probe of this hook is gone")
+        return probe
 
     def note(self, x: Tensor) -> str:
         """Note one call of the module on input ``x``; says what the caller does with it: ``"record"``
@@ -389,7 +401,14 @@ class _Uses:
             self.probe._outstanding[pid] += 1
         self.probe._fwd_uses[self.name] += 1
         use = _Use(self, tuple(x.shape), x if ctx is None else ctx, rule or self.probe._rule)
-        return functools.partial(self.probe._finish, use)
+        probe = self._probe
+
+        def done(*args: Any, **kwargs: Any) -> None:
+            live = probe()
+            if live is not None:  # a graph that outlived its probe: nothing to report to
+                live._finish(use, *args, **kwargs)
+
+        return done
 
     def record(self, x: Tensor, output: Any, rule: LinearRule) -> None:
         """One use with input ``x``: capture it and hook the output gradient."""

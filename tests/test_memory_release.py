@@ -1,0 +1,74 @@
+"""Nothing of a fit outlives it: once the trainer, the module and the monitors are dropped, Python's collector frees
+them (the autograd graph of a fit's last loss, which the trainer keeps, holds the hooks of the monitors; a hook that
+held its monitor or probe strongly made a cycle the collector cannot see, and every fit of a process kept its model,
+activations and buffers: gigabytes a fit on a GPU)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lightning_monitor as lm
+
+
+def _fit_and_drop(make_module, loader, callbacks, root) -> tuple[list[weakref.ref], int]:
+    """Fit, drop every name of the fit, collect; the weak references to the fit's objects still alive, and how many
+    there were."""
+    module = make_module()
+    trainer = pl.Trainer(max_steps=12, accelerator="cpu", logger=False, callbacks=callbacks, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(root))
+    trainer.fit(module, loader)
+    refs = [weakref.ref(module), weakref.ref(trainer)] + [weakref.ref(cb) for cb in callbacks]
+    refs += [weakref.ref(p) for p in module.parameters()]
+    n = len(refs)
+    del module, trainer, callbacks
+    gc.collect()
+    return [r for r in refs if r() is not None], n
+
+
+SLOTS = ("spectral", "noise_scale", "gwa", "guard", "grades")
+
+
+@pytest.mark.parametrize("only", [*SLOTS, "all"])
+def test_a_fit_of_the_gpt_leaves_nothing_alive(tmp_path, tiny_gpt, only):
+    _, loader = tiny_gpt(n_samples=8 * 12)
+    settings = {slot: True for slot in SLOTS} if only == "all" else {slot: slot == only for slot in SLOTS}
+    if settings["grades"]:
+        settings["grades"] = {"every_n_steps": 2, "grace_steps": 2}
+    alive, n = _fit_and_drop(lambda: tiny_gpt()[0], loader, [lm.HealthMonitor(**settings)], tmp_path)
+    assert n > 3 and not alive, f"{len(alive)} of {n} objects of the fit still alive: {[type(r()).__name__ for r in alive][:6]}"
+
+
+class _Convnet(pl.LightningModule):
+    """A small convolutional classifier (the per-example probe's fused convolution path and GWA's head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Linear(8 * 8 * 8, 5)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x)).flatten(1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_fit_of_a_convnet_with_the_whole_suite_leaves_nothing_alive(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(96, 3, 8, 8, generator=g), torch.randint(0, 5, (96,), generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    # (no name in this frame holds the monitor)
+    alive, n = _fit_and_drop(_Convnet, loader, [lm.HealthMonitor(noise_scale={"every_n_steps": 2},
+                                                                 spectral={"every_n_steps": 2})], tmp_path)
+    assert not alive, f"{len(alive)} of {n} objects of the fit still alive: {[type(r()).__name__ for r in alive][:6]}"
