@@ -1,8 +1,9 @@
 """The suite on a GPU: ``HealthMonitor()`` at its defaults against the same training without it, on the example GPT at
 two sizes (bf16-mixed, batch 32 x 256 tokens). On the larger one, the guard alone with its snapshots' copies to the
-host made three ways (``lightning_monitor.snapshot._DEVICE_COPIES``): staged on the device and carried to pinned memory
-on a side stream (the default), straight to pinned memory on the training stream, and one blocking copy per tensor into
-pageable memory (the path before); ``--alone``: each monitor alone too. Then, per size, the host time inside each
+host made four ways (``lightning_monitor.snapshot._DEVICE_COPIES``): gathered into one buffer per dtype on the device and
+carried to pinned memory in one transfer on a side stream (``flat``, the default), the same per tensor (``staged``),
+straight to pinned memory on the training stream (``pinned``), and one blocking copy per tensor into pageable memory
+(``waiting``, the path before); ``--alone``: each monitor alone too. Then, per size, the host time inside each
 monitor's hooks; and on one monitored run, the steps at which the package made the host wait for the device (CUDA's
 sync detector), against the steps where a monitor was due.
 
@@ -11,7 +12,7 @@ its last step, the device synchronized at both ends, divided by the steps. Repor
 median over rounds of the per-round ratio to the run without the suite (the same round). Peak device memory is
 ``torch.cuda.max_memory_allocated``.
 
-Needs a CUDA device. Run: python benchmarks/bench_cuda.py [--rounds 3] [--steps 150] [--sizes 19m,85m] [--alone] [--json F]
+Needs a CUDA device. Run: python benchmarks/bench_cuda.py [--rounds 3] [--steps 150] [--sizes 19m,85m] [--alone] [--ratios-only] [--json F]
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def alone(name: str) -> Callable[[], list[Callback]]:
     return preset(**{slot: slot == ALONE[name] for slot in ALONE.values()})
 
 
-def run(config: dict, steps: int, callbacks: list[Callback], root: str, copies: str = "staged") -> tuple[float, float]:
+def run(config: dict, steps: int, callbacks: list[Callback], root: str, copies: str = "flat") -> tuple[float, float]:
     snapshot_module._DEVICE_COPIES = copies
     pl.seed_everything(0, verbose=False)
     torch.cuda.reset_peak_memory_stats()
@@ -90,7 +91,7 @@ def run(config: dict, steps: int, callbacks: list[Callback], root: str, copies: 
                          log_every_n_steps=50)
     trainer.fit(GPTModule(config, lr=1e-3), make_loader("prose", block_size=config["block_size"], batch_size=BATCH,
                                                        n_samples=BATCH * steps))
-    snapshot_module._DEVICE_COPIES = "staged"
+    snapshot_module._DEVICE_COPIES = "flat"
     return timer.per_step(), torch.cuda.max_memory_allocated() / 2**30
 
 
@@ -152,6 +153,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="19m,85m")
     parser.add_argument("--json", default=None)
     parser.add_argument("--alone", action="store_true", help="each monitor alone too, on the larger size")
+    parser.add_argument("--ratios-only", action="store_true", help="leave out the hook times and the sync count")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_cuda.py needs a CUDA device.")
@@ -167,12 +169,13 @@ def main() -> None:
         config = SIZES[size]
         params = sum(p.numel() for p in GPTModule(config).parameters()) / 1e6
         variants: dict[str, tuple[Callable[[], list[Callback]], str]] = {
-            "none": (lambda: [], "staged"), "suite": (preset(), "staged")}
+            "none": (lambda: [], "flat"), "suite": (preset(), "flat")}
         if size == largest:
             if args.alone:
-                variants.update({f"{k} alone": (alone(k), "staged") for k in ALONE})
+                variants.update({f"{k} alone": (alone(k), "flat") for k in ALONE})
             else:
-                variants["guard alone"] = (alone("guard"), "staged")
+                variants["guard alone"] = (alone("guard"), "flat")
+            variants["guard alone, copies staged"] = (alone("guard"), "staged")
             variants["guard alone, copies pinned"] = (alone("guard"), "pinned")
             variants["guard alone, copies waiting"] = (alone("guard"), "waiting")
         times: dict[str, list[float]] = {k: [] for k in variants}
@@ -195,6 +198,11 @@ def main() -> None:
             print(f"  {k:28s} {1e3 * statistics.median(times[k]):9.2f} {ratios[k]:7.3f} {memory[k]:9.2f}")
         out["sizes"][size] = {"params_m": params, "ms_per_step": {k: [1e3 * t for t in v] for k, v in times.items()},
                               "ratio": ratios, "peak_gib": memory}
+    if args.ratios_only:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return
     for size in sizes:
         hooks = hook_times(SIZES[size], args.steps, root)
         print(f"\nhost time inside each monitor's hooks, {size}, HealthMonitor() (ms per step, from step 20): "

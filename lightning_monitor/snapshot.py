@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -24,13 +24,16 @@ __all__ = ["SnapshotMismatch", "TrainingSnapshot", "scale_learning_rates"]
 _ATOMS = (int, float, bool, str, bytes, type(None))
 
 
-#: how the CUDA tensors of a snapshot reach the host. ``"staged"`` (default): copied on the device first (one fused
-#: copy, at the device's memory bandwidth), then to pinned host memory on a side stream, overlapping the training that
-#: follows; where the device lacks the free memory for the staging copies, as ``"pinned"``: copied to pinned host memory
-#: on the training stream, which waits for the transfer but the host does not. Either way an event marks the end of the
-#: copies and every reader of the snapshot waits for it (:meth:`TrainingSnapshot.state`). ``"waiting"``: one blocking
-#: copy per tensor into pageable memory (the host waits for each). Module-level, for the CUDA benchmark's comparison
-_DEVICE_COPIES = "staged"
+#: how the CUDA tensors of a snapshot reach the host. ``"flat"`` (default): on each device the tensors of a dtype are
+#: gathered into one buffer on the device (one copy at the device's memory bandwidth), which one transfer on a side
+#: stream carries to one pinned host buffer (the snapshot's tensors are views of it), overlapping the training that
+#: follows: a few calls whatever the number of tensors. ``"staged"``: the same per tensor (a staging copy and a transfer
+#: each). Where the device lacks the free memory for the staging copies, either copies straight to pinned host memory on
+#: the training stream, which waits for the transfer but the host does not (``"pinned"`` always does that). Each way an
+#: event marks the end of the copies and every reader of the snapshot waits for it (:meth:`TrainingSnapshot.state`).
+#: ``"waiting"``: one blocking copy per tensor into pageable memory (the host waits for each). Module-level, for the
+#: CUDA benchmark's comparison
+_DEVICE_COPIES = "flat"
 
 #: a staging copy is made when its bytes are at most this share of the device memory free (the allocator's cached
 #: blocks counted as free)
@@ -52,25 +55,50 @@ def _can_stage(device: torch.device, nbytes: int) -> bool:
     return nbytes <= _STAGING_SHARE * (free + cached)
 
 
-def _copy_from_devices(dst: list[Tensor], src: list[Tensor], pending: list) -> None:
-    """Start the copies of CUDA tensors ``src`` into pinned host tensors ``dst`` (see ``_DEVICE_COPIES``); append to
-    ``pending`` the streams that carry them (an event recorded on each marks their end)."""
-    by_device: dict[torch.device, list[int]] = {}
+def _by_device(src: list[Tensor], key: Any = lambda t: t.device) -> dict[Any, list[int]]:
+    groups: dict[Any, list[int]] = {}
     for i, t in enumerate(src):
-        by_device.setdefault(t.device, []).append(i)
-    for device, idx in by_device.items():
+        groups.setdefault(key(t), []).append(i)
+    return groups
+
+
+def _copy_from_devices(dst: list[Tensor], src: list[Tensor], pending: list,
+                       flats: Optional[dict[Any, Tensor]] = None) -> None:
+    """Start the copies of CUDA tensors ``src`` into pinned host tensors ``dst`` (see ``_DEVICE_COPIES``); append to
+    ``pending`` the streams that carry them (an event recorded on each marks their end). ``flats``: per (device,
+    dtype), the pinned buffer the ``dst`` of that group are consecutive views of (``"flat"``)."""
+    if flats is not None:
+        for (device, dtype), idx in _by_device(src, lambda t: (t.device, t.dtype)).items():
+            sources = [src[i] for i in idx]
+            main = torch.cuda.current_stream(device)
+            flat = flats[(device, dtype)]
+            if _can_stage(device, flat.numel() * flat.element_size()):
+                # on the training stream, before any later update of the sources: one gathering copy
+                staged = torch.cat([t.reshape(-1) for t in sources])
+                side = _side_stream(device)
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    flat.copy_(staged, non_blocking=True)
+                staged.record_stream(side)  # its memory is not reused before the side stream's copy has read it
+                pending.append(side)
+            else:
+                for i, t in zip(idx, sources):
+                    dst[i].copy_(t, non_blocking=True)
+                pending.append(main)
+        return
+    for device, idx in _by_device(src).items():
         main = torch.cuda.current_stream(device)
         sources = [src[i] for i in idx]
         if _DEVICE_COPIES == "staged" and _can_stage(device, sum(t.numel() * t.element_size() for t in sources)):
-            staged = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in sources]
-            torch._foreach_copy_(staged, sources)  # on the training stream: before any later update of the sources
+            staged_each = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in sources]
+            torch._foreach_copy_(staged_each, sources)  # on the training stream: before any later update of the sources
             side = _side_stream(device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                for i, t in zip(idx, staged):
+                for i, t in zip(idx, staged_each):
                     dst[i].copy_(t, non_blocking=True)
-            for t in staged:
-                t.record_stream(side)  # its memory is not reused before the side stream's copy has read it
+            for t in staged_each:
+                t.record_stream(side)
             pending.append(side)
         else:
             for i, t in zip(idx, sources):
@@ -78,24 +106,67 @@ def _copy_from_devices(dst: list[Tensor], src: list[Tensor], pending: list) -> N
             pending.append(main)
 
 
-def _to_host(obj: Any, reuse: Any = None, pending: Optional[list] = None) -> Any:
+def _async_source(t: Tensor) -> bool:
+    """Whether the plain tensor ``t`` is copied to the host without the host waiting: a plain strided CUDA tensor."""
+    return type(t) is Tensor and t.is_cuda and t.layout == torch.strided
+
+
+def _cuda_leaves(obj: Any, out: list[Tensor]) -> None:
+    """The plain CUDA tensors of ``obj``, in the order :func:`_host_structure` visits them."""
+    if isinstance(obj, Tensor):
+        t = obj if type(obj) is Tensor else obj.detach()
+        if _async_source(t):
+            out.append(t)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _cuda_leaves(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _cuda_leaves(v, out)
+
+
+def _flat_views(obj: Any, flats: dict[Any, Tensor]) -> list[Tensor]:
+    """Per plain CUDA tensor of ``obj`` (in visiting order), its pinned host destination: a view of the pinned buffer
+    of its (device, dtype) in ``flats``, where they lie one after another. A buffer of ``flats`` of the right size is
+    written over (an earlier snapshot's, given up); else one is allocated (and put in ``flats``)."""
+    leaves: list[Tensor] = []
+    _cuda_leaves(obj, leaves)
+    views: list[Tensor] = [leaves[0]] * len(leaves) if leaves else []
+    for key, idx in _by_device(leaves, lambda t: (t.device, t.dtype)).items():
+        total = sum(leaves[i].numel() for i in idx)
+        flat = flats.get(key)
+        if flat is None or flat.numel() != total:
+            flat = flats[key] = torch.empty(total, dtype=key[1], pin_memory=key[0].type == "cuda")
+        offset = 0
+        for i in idx:
+            n = leaves[i].numel()
+            views[i] = flat[offset:offset + n].view(leaves[i].shape)
+            offset += n
+    return views
+
+
+def _to_host(obj: Any, reuse: Any = None, pending: Optional[list] = None,
+             flats: Optional[dict[Any, Tensor]] = None) -> Any:
     """A deep copy of ``obj`` with every tensor copied to host memory. ``reuse``: an earlier copy of the same
     structure that is no longer needed; a plain host tensor of it with the same shape and dtype is written
     over instead of allocating a new one (fresh host memory costs page faults on every snapshot). The copies
     from host tensors are made by one fused call (per-tensor dispatch dominates for small models). ``pending``:
     where given, plain CUDA tensors are copied into pinned host memory without the host waiting (the streams that
     carry the copies are appended to it: the caller records an event on each before anything reads the copies); else
-    every copy has finished on return."""
+    every copy has finished on return. ``flats``: with ``pending``, under ``"flat"``, the pinned buffers the copies of a
+    (device, dtype) go to (written over where they fit, added where not)."""
     dst: list[Tensor] = []
     src: list[Tensor] = []
     async_dst: list[Tensor] = []
     async_src: list[Tensor] = []
+    flat = pending is not None and flats is not None and _DEVICE_COPIES == "flat"
     with torch.no_grad():  # no copy is recorded by autograd, so no source needs a detached alias
-        out = _host_structure(obj, reuse, dst, src, async_dst if pending is not None else None, async_src)
+        views = iter(_flat_views(obj, flats)) if flat else None
+        out = _host_structure(obj, reuse, dst, src, async_dst if pending is not None else None, async_src, views)
         if dst:
             torch._foreach_copy_(dst, src)
         if async_src and pending is not None:
-            _copy_from_devices(async_dst, async_src, pending)
+            _copy_from_devices(async_dst, async_src, pending, flats if flat else None)
     return out
 
 
@@ -107,20 +178,23 @@ def _fits(reuse: Any, t: Tensor, pinned: bool = False) -> bool:
 
 
 def _host_structure(obj: Any, reuse: Any, dst: list[Tensor], src: list[Tensor], async_dst: Optional[list[Tensor]],
-                    async_src: list[Tensor]) -> Any:
+                    async_src: list[Tensor], views: Optional[Iterator[Tensor]] = None) -> Any:
     """``obj`` with each plain host tensor replaced by the tensor it will be copied into (appended with its
-    source to ``dst`` / ``src``; a plain CUDA tensor to ``async_dst`` / ``async_src``, a pinned buffer, when
-    ``async_dst`` is given); every other tensor is copied here. Runs without autograd (:func:`_to_host`).
-    This walk runs on every snapshot: the common case (a plain host tensor) takes the fewest attribute reads."""
+    source to ``dst`` / ``src``; a plain CUDA tensor to ``async_dst`` / ``async_src``, a pinned buffer (the next of
+    ``views`` where given), when ``async_dst`` is given); every other tensor is copied here. Runs without autograd
+    (:func:`_to_host`). This walk runs on every snapshot: the common case (a plain host tensor) takes the fewest
+    attribute reads."""
     if isinstance(obj, Tensor):
         t = obj if type(obj) is Tensor else obj.detach()  # a Parameter: its plain tensor
+        if async_dst is not None and _async_source(t):
+            if views is not None:
+                reuse = next(views)
+            elif not _fits(reuse, t, pinned=True):
+                reuse = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            async_dst.append(reuse)
+            async_src.append(t)
+            return reuse
         if type(t) is not Tensor or not t.is_cpu or t.layout != torch.strided:
-            if async_dst is not None and type(t) is Tensor and t.is_cuda and t.layout == torch.strided:
-                if not _fits(reuse, t, pinned=True):
-                    reuse = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                async_dst.append(reuse)
-                async_src.append(t)
-                return reuse
             # device tensors (one copy each: the copy to the host waits anyway), DTensors, sparse tensors
             return reuse.copy_(t) if _fits(reuse, t) else t.to("cpu", copy=True)
         if not _fits(reuse, t):
@@ -132,10 +206,10 @@ def _host_structure(obj: Any, reuse: Any, dst: list[Tensor], src: list[Tensor], 
         return obj
     if isinstance(obj, dict):
         old = reuse if isinstance(reuse, dict) else {}
-        return {k: _host_structure(v, old.get(k), dst, src, async_dst, async_src) for k, v in obj.items()}
+        return {k: _host_structure(v, old.get(k), dst, src, async_dst, async_src, views) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         old = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else (None,) * len(obj)
-        return type(obj)(_host_structure(v, r, dst, src, async_dst, async_src) for v, r in zip(obj, old))
+        return type(obj)(_host_structure(v, r, dst, src, async_dst, async_src, views) for v, r in zip(obj, old))
     return copy.deepcopy(obj)
 
 
@@ -211,6 +285,8 @@ class TrainingSnapshot:
     _state: Optional[dict[str, Any]] = field(default=None, repr=False)
     #: events marking the end of the copies from CUDA tensors, still under way (waited for by :meth:`state`)
     _copies: list = field(default_factory=list, repr=False)
+    #: the pinned buffers its copies from CUDA tensors are views of (written over by the snapshot that pushes it out)
+    _flats: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def capture(
@@ -228,9 +304,12 @@ class TrainingSnapshot:
         ``reuse``: a snapshot in host memory that is being given up; its tensors are written over where they
         fit (it is discarded). ``module_state``: ``pl_module.state_dict()`` when the caller already has it."""
         old: dict[str, Any] = {}
+        # the pinned buffers of the copies from CUDA (``"flat"``): the given-up snapshot's are written over
+        flats: dict[Any, Any] = {}
         if reuse is not None:
             reuse._wait()  # its buffers are written over (on the host too)
             old = reuse._state if directory is None and reuse._state is not None else {}
+            flats = reuse._flats if directory is None else {}
             reuse.discard()
         opts, scheds = old.get("optimizers") or [], old.get("schedulers") or []
         scaler = _loss_scaler(trainer)
@@ -239,8 +318,9 @@ class TrainingSnapshot:
         pending: Optional[list] = [] if _DEVICE_COPIES != "waiting" and torch.cuda.is_available() else None
         state = {
             "module": _to_host(pl_module.state_dict() if module_state is None else module_state, old.get("module"),
-                               pending),
-            "optimizers": [_to_host(opt.state_dict(), opts[i] if i < len(opts) else None, pending)
+                               pending, flats.setdefault("module", {})),
+            "optimizers": [_to_host(opt.state_dict(), opts[i] if i < len(opts) else None, pending,
+                                    flats.setdefault(("optimizer", i), {}))
                            for i, opt in enumerate(trainer.optimizers)],
             "schedulers": [_to_host(cfg.scheduler.state_dict(), scheds[i] if i < len(scheds) else None)
                            for i, cfg in enumerate(trainer.lr_scheduler_configs)],
@@ -259,7 +339,7 @@ class TrainingSnapshot:
             event.record(stream)
             snap._copies.append(event)
         if directory is None:
-            snap._state = state
+            snap._state, snap._flats = state, flats
         else:
             snap._wait()
             snap.path = os.path.join(directory, f"guard-snapshot-rank{trainer.global_rank}-step={step}.pt")
@@ -380,6 +460,7 @@ class TrainingSnapshot:
         """Free the memory or the file."""
         self._wait()  # no copy is left writing into memory given back
         self._state = None
+        self._flats = {}
         if self.path is not None and os.path.exists(self.path):
             os.remove(self.path)
 

@@ -149,10 +149,11 @@ class _OnTheDevice(pl.Callback):
         self.seen |= {p.device.type for p in pl_module.parameters()}
 
 
-@pytest.mark.parametrize("copies", ["staged", "pinned", "waiting"])
+@pytest.mark.parametrize("copies", ["flat", "staged", "pinned", "waiting"])
 def test_rollback_on_cuda_restores_the_exact_state_of_its_snapshot(tmp_path, monkeypatch, copies):
-    """The snapshot's copies to the host, made each of three ways (staged on the device then carried on a side stream,
-    straight to pinned memory, blocking), give back exactly what they copied: the state restored is bit for bit the
+    """The snapshot's copies to the host, made each of four ways (gathered into one buffer per dtype on the device then
+    carried on a side stream, the same per tensor, straight to pinned memory, blocking), give back exactly what they
+    copied: the state restored is bit for bit the
     state a run trained for exactly that many steps holds. On the GPU the guard reads each step's values two steps
     later (``lag_steps``): the surge at step 61 is acted on at step 63, back to the snapshot of step 55 (the one of
     step 25 was held back by the detectors, as on the CPU with ``lag_steps=2``)."""
@@ -171,8 +172,9 @@ def test_rollback_on_cuda_restores_the_exact_state_of_its_snapshot(tmp_path, mon
         def on_train_batch_end(self, trainer, *args):
             if trainer.global_step == 58:
                 state = guard._snapshots[-1].state()
-                pinned.extend(t.is_pinned() for t in [*state["module"].values(), *state["optimizers"][0]["state"][0].values()]
-                              if t.is_floating_point())
+                # AdamW's step counts stay on the host (not capturable): copied there, not pinned
+                moments = [t for k, t in state["optimizers"][0]["state"][0].items() if k != "step"]
+                pinned.extend(t.is_pinned() for t in [*state["module"].values(), *moments])
 
     trainer = _gpu_trainer(tmp_path / "a", [guard, capture, Pinned(), where], 120, logger=False)
     trainer.fit(_OnDevice.make(glitch=(60, 61, 62)))
@@ -191,9 +193,34 @@ def test_rollback_on_cuda_restores_the_exact_state_of_its_snapshot(tmp_path, mon
         _assert_same(capture.optim[i], ref.optim[i])
 
 
+@pytest.mark.parametrize("share, side", [(0.5, True), (0.0, False)])
+def test_flat_copies_gather_on_the_device_and_travel_on_a_side_stream(monkeypatch, share, side):
+    """``"flat"``: one pinned buffer per dtype, the copies its views; on a side stream unless the device lacks the
+    memory for the gathering copy (then straight, on the training stream)."""
+    from lightning_monitor import snapshot
+
+    monkeypatch.setattr(snapshot, "_STAGING_SHARE", share)
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    src = {"a": torch.randn(1000, device=CUDA, generator=g), "b": [torch.randn(3, 5, device=CUDA, generator=g).t(),
+           torch.randn(7, device=CUDA, dtype=torch.bfloat16, generator=g)], "c": torch.arange(3)}
+    flats: dict = {}
+    pending: list = []
+    out = snapshot._to_host(src, None, pending, flats)
+    assert len(flats) == 2 and all(f.is_pinned() for f in flats.values())
+    assert {p != torch.cuda.current_stream() for p in pending} == {side}
+    for stream in dict.fromkeys(pending):
+        event = torch.cuda.Event()
+        event.record(stream)
+        event.synchronize()
+    assert torch.equal(out["a"], src["a"].cpu()) and torch.equal(out["b"][0], src["b"][0].cpu())
+    assert torch.equal(out["b"][1], src["b"][1].cpu()) and torch.equal(out["c"], src["c"])
+    assert out["a"].untyped_storage().data_ptr() == out["b"][0].untyped_storage().data_ptr()
+
+
 def test_staged_copies_run_on_a_side_stream_unless_the_device_lacks_the_memory(monkeypatch):
     from lightning_monitor import snapshot
 
+    monkeypatch.setattr(snapshot, "_DEVICE_COPIES", "staged")
     src = [torch.randn(1000, device=CUDA), torch.randn(3, 5, device=CUDA)]
     for share, side in ((0.5, True), (0.0, False)):
         monkeypatch.setattr(snapshot, "_STAGING_SHARE", share)
