@@ -26,7 +26,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from typing import Any, Callable
 
@@ -35,6 +34,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from gpt import GPTModule, make_loader  # noqa: E402
 
 import lightning_monitor as lm  # noqa: E402
@@ -46,7 +46,6 @@ SIZES = {
 }
 BATCH = 32
 SKIP = 30
-PACKAGE_DIR = os.path.dirname(os.path.abspath(lm.__file__))
 
 
 class CudaTimer(Callback):
@@ -97,35 +96,18 @@ def run(config: dict, steps: int, callbacks: list[Callback], root: str, copies: 
 
 def sync_steps(config: dict, steps: int, root: str) -> dict[str, Any]:
     """One run of ``HealthMonitor()``: the steps at which the package's code made the host wait for the device, and
-    where (file:line function); the due steps of each monitor."""
-    found: list[tuple[int, str]] = []
+    where (file:line function), as CUDA's sync detector reports them (tests/test_cuda.py's ``package_syncs``); the
+    due steps of each monitor."""
+    from test_cuda import package_syncs
+
     health = lm.HealthMonitor()
-    trainer_ref: list = []
-    show = warnings.showwarning
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        if "synchronizing" not in str(message):
-            return show(message, category, filename, lineno, file, line)
-        ours = [f for f in traceback.extract_stack() if f.filename.startswith(PACKAGE_DIR)]
-        if ours and trainer_ref:
-            found.append((trainer_ref[0].global_step, f"{os.path.basename(ours[-1].filename)}:{ours[-1].lineno} "
-                                                      f"{ours[-1].name}"))
-
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(max_steps=steps, accelerator="gpu", devices=1, precision="bf16-mixed", logger=False,
                          callbacks=[health], enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False)
-    trainer_ref.append(trainer)
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            trainer.fit(GPTModule(config, lr=1e-3), make_loader("prose", block_size=config["block_size"],
-                                                               batch_size=BATCH, n_samples=BATCH * steps))
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-            warnings.showwarning = show
+    with package_syncs([trainer]) as found:
+        trainer.fit(GPTModule(config, lr=1e-3), make_loader("prose", block_size=config["block_size"],
+                                                           batch_size=BATCH, n_samples=BATCH * steps))
     due = {m.name: [s for s in range(steps) if m.is_due(s)] for m in health.monitors}
     by_step: dict[int, list[str]] = {}
     for s, where in found:

@@ -72,3 +72,25 @@ def test_a_fit_of_a_convnet_with_the_whole_suite_leaves_nothing_alive(tmp_path):
     alive, n = _fit_and_drop(_Convnet, loader, [lm.HealthMonitor(noise_scale={"every_n_steps": 2},
                                                                  spectral={"every_n_steps": 2})], tmp_path)
     assert not alive, f"{len(alive)} of {n} objects of the fit still alive: {[type(r()).__name__ for r in alive][:6]}"
+
+
+def test_after_a_fit_the_module_carries_nothing_of_the_suite_but_the_frozen_components(tmp_path, tiny_gpt):
+    """No hook, no patched ``forward`` left on any submodule or parameter; GradES's frozen components stay frozen (as
+    the docs say), every other parameter trainable."""
+    module, loader = tiny_gpt(n_samples=8 * 60)
+
+    def hooks(m):
+        return {n: (len(x._forward_hooks), len(x._forward_pre_hooks), len(x._backward_hooks),
+                    len(x._backward_pre_hooks), "forward" in x.__dict__) for n, x in m.named_modules()}
+
+    before = hooks(module)
+    health = lm.HealthMonitor(grades={"every_n_steps": 5, "grace_steps": 10, "tau": 10.0})
+    trainer = pl.Trainer(max_steps=60, accelerator="cpu", callbacks=[health], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+                         logger=pl.loggers.TensorBoardLogger(str(tmp_path)))
+    trainer.fit(module, loader)
+    assert hooks(module) == before
+    assert all(not p._backward_hooks for p in module.parameters() if p._backward_hooks is not None)
+    frozen = {id(p) for p in health.grades.frozen_parameters(trainer)}
+    assert frozen, "GradES at tau=10 freezes components"
+    assert all(p.requires_grad == (id(p) not in frozen) for p in module.parameters())
