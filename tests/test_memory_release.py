@@ -94,3 +94,36 @@ def test_after_a_fit_the_module_carries_nothing_of_the_suite_but_the_frozen_comp
     frozen = {id(p) for p in health.grades.frozen_parameters(trainer)}
     assert frozen, "GradES at tau=10 freezes components"
     assert all(p.requires_grad == (id(p) not in frozen) for p in module.parameters())
+
+
+def _graph_tensors(root) -> list:
+    """Tensors with an autograd history reachable from ``root`` through plain containers and the package's own objects
+    (modules and their parameters are not entered: they are the model's)."""
+    import gc as _gc
+
+    seen, out, todo = set(), [], [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (nn.Module, type)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.grad_fn is not None:
+                out.append(obj)
+            continue
+        if isinstance(obj, (dict, list, tuple, set)) or type(obj).__module__.startswith("lightning_monitor"):
+            todo.extend(_gc.get_referents(obj))
+    return out
+
+
+def test_the_noise_scale_probe_holds_no_activations_between_its_checks(tmp_path, tiny_gpt):
+    """Between two checks, the per-example probe keeps nothing of the last probed step: it kept the inputs and outputs of
+    every hooked module of that forward, with their autograd graphs, until the next check."""
+    module, loader = tiny_gpt(n_samples=8 * 30)
+    gns = lm.GradientNoiseScaleMonitor(every_n_steps=4)
+    trainer = pl.Trainer(max_steps=30, accelerator="cpu", callbacks=[gns], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+    trainer.fit(module, loader)
+    assert gns._probe is not None and trainer.callback_metrics.get("gns/b_simple") is not None  # the probe ran
+    held = _graph_tensors(gns)
+    assert not held, f"{len(held)} tensors with a graph held: {[tuple(t.shape) for t in held][:5]}"

@@ -784,7 +784,8 @@ class PerExampleGradNorms:
         for mod in self._patched:
             mod.__dict__.pop("forward", None)
         self._patched.clear()
-        self._depth, self._entry, self._calls = 0, None, []
+        self._depth, self._entry, self._calls, self._nested = 0, None, [], []
+        self._entry_forward = None
         self._active = False
 
     # -------------------------------------------------------------- batch dimension
@@ -872,6 +873,10 @@ class PerExampleGradNorms:
             # `manual_backward` runs inside it): its batch dimensions are then found on it (see _batch_dim)
             self._nested.append((module, args, kwargs, output))  # nothing read now: the common backward needs none
             return
+        if self._depth == 0:
+            # the nested calls serve a backward inside the entry only: held on, they kept the last probed step's
+            # inputs and outputs of every hooked module, with their graphs, until the next probed step
+            self._nested = []
         if self._depth > 0 or self._entry is None:
             return
         entry, calls, self._entry, self._calls = self._entry, self._calls, None, []
