@@ -1983,6 +1983,10 @@ class DivergenceGuard(Monitor):
         # steps from the snapshot's, within the factor asked
         self._refs_before = self._references(step + 1) or self._refs_before
         self._forget_recent()  # skipped data, and losses of weights no longer there
+        # the values still on their way to the host (``lag_steps`` > 0, a GPU's default) are of steps this rollback
+        # undid: judged after it, the losses of the diverged weights entered the restored history as its recent level,
+        # and a second blow-up right after the rollback read as normal (a run left at chance, 2.40 against 0.09)
+        self._ring.clear()
         # the steps that vouched for states are those of the timeline kept: up to the snapshot's step
         self._informative = deque((t for t in self._informative if t <= snap.step), maxlen=self._informative.maxlen)
         best, before = self._lr_at_min, self._lr_ceiling
