@@ -313,9 +313,10 @@ class TrainingSnapshot:
             reuse.discard()
         opts, scheds = old.get("optimizers") or [], old.get("schedulers") or []
         scaler = _loss_scaler(trainer)
-        # the module's and optimizers' CUDA tensors are copied without the host waiting (an event on each stream that
-        # carries copies marks their end)
-        pending: Optional[list] = [] if _DEVICE_COPIES != "waiting" and torch.cuda.is_available() else None
+        # in host memory, the module's and optimizers' CUDA tensors are copied without the host waiting (an event on
+        # each stream that carries copies marks their end); a snapshot saved to a file at once gains nothing by it
+        pending: Optional[list] = ([] if directory is None and _DEVICE_COPIES != "waiting" and torch.cuda.is_available()
+                                   else None)
         state = {
             "module": _to_host(pl_module.state_dict() if module_state is None else module_state, old.get("module"),
                                pending, flats.setdefault("module", {})),
