@@ -3,8 +3,9 @@ two sizes (bf16-mixed, batch 32 x 256 tokens). On the larger one, the guard alon
 host made four ways (``lightning_monitor.snapshot._DEVICE_COPIES``): gathered into one buffer per dtype on the device and
 carried to pinned memory in one transfer on a side stream (``flat``, the default), the same per tensor (``staged``),
 straight to pinned memory on the training stream (``pinned``), and one blocking copy per tensor into pageable memory
-(``waiting``, the path before); ``--alone``: each monitor alone too. Then, per size, the host time inside each
-monitor's hooks; and on one monitored run, the steps at which the package made the host wait for the device (CUDA's
+(``waiting``, the path before); ``--alone``: each monitor alone too; ``--guard-variants``: the guard alone with one of
+its costs taken away at a time (snapshots every 50 steps, no snapshot with ``action="warn"``, checks every 50 steps, non-finite
+gradients not zeroed). Then, per size, the host time inside each monitor's hooks; and on one monitored run, the steps at which the package made the host wait for the device (CUDA's
 sync detector), against the steps where a monitor was due.
 
 Each round runs every variant once, in a rotated order. A run's time per step is the wall time from step ``SKIP`` to
@@ -12,7 +13,8 @@ its last step, the device synchronized at both ends, divided by the steps. Repor
 median over rounds of the per-round ratio to the run without the suite (the same round). Peak device memory is
 ``torch.cuda.max_memory_allocated``.
 
-Needs a CUDA device. Run: python benchmarks/bench_cuda.py [--rounds 3] [--steps 150] [--sizes 19m,85m] [--alone] [--ratios-only] [--json F]
+Needs a CUDA device. Run: python benchmarks/bench_cuda.py [--rounds 3] [--steps 150] [--sizes 19m,85m] [--alone]
+[--guard-variants] [--ratios-only] [--json F]
 """
 
 from __future__ import annotations
@@ -75,8 +77,18 @@ def preset(**only: bool) -> Callable[[], list[Callback]]:
 ALONE = {"sa": "spectral", "gns": "noise_scale", "gwa": "gwa", "guard": "guard"}
 
 
-def alone(name: str) -> Callable[[], list[Callback]]:
-    return preset(**{slot: slot == ALONE[name] for slot in ALONE.values()})
+def alone(name: str, **settings: Any) -> Callable[[], list[Callback]]:
+    """The preset with only monitor ``name``, at the preset's settings updated with ``settings``."""
+    return preset(**{slot: (settings or True) if slot == ALONE[name] else False for slot in ALONE.values()})
+
+
+#: ``--guard-variants``: the guard alone with one of its costs taken away at a time, to tell them apart
+GUARD_VARIANTS = {
+    "guard alone, snapshot every 50 steps": {"snapshot_every_n_checks": 5},
+    "guard alone, no snapshot (action='warn')": {"snapshot_every_n_checks": None, "action": "warn"},
+    "guard alone, checks every 50 steps": {"every_n_steps": 50},
+    "guard alone, gradients not zeroed": {"zero_nonfinite_grads": False},
+}
 
 
 def run(config: dict, steps: int, callbacks: list[Callback], root: str, copies: str = "flat") -> tuple[float, float]:
@@ -136,6 +148,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--alone", action="store_true", help="each monitor alone too, on the larger size")
     parser.add_argument("--ratios-only", action="store_true", help="leave out the hook times and the sync count")
+    parser.add_argument("--guard-variants", action="store_true",
+                        help="the guard alone with one of its costs taken away at a time (snapshots, checks, zeroing)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_cuda.py needs a CUDA device.")
@@ -160,9 +174,12 @@ def main() -> None:
             variants["guard alone, copies staged"] = (alone("guard"), "staged")
             variants["guard alone, copies pinned"] = (alone("guard"), "pinned")
             variants["guard alone, copies waiting"] = (alone("guard"), "waiting")
+            if args.guard_variants:
+                variants.update({k: (alone("guard", **v), "flat") for k, v in GUARD_VARIANTS.items()})
         times: dict[str, list[float]] = {k: [] for k in variants}
         memory: dict[str, float] = {}
         names = list(variants)
+        width = max(len(k) for k in names)
         for r in range(args.rounds):
             order = names[r % len(names):] + names[: r % len(names)]
             for name in order:
@@ -171,13 +188,13 @@ def main() -> None:
                 gc.collect()
                 times[name].append(t)
                 memory[name] = max(memory.get(name, 0.0), mem)
-                print(f"  {size} round {r} {name:28s} {1e3 * t:8.2f} ms/step  peak {mem:6.2f} GiB", flush=True)
+                print(f"  {size} round {r} {name:{width}s} {1e3 * t:8.2f} ms/step  peak {mem:6.2f} GiB", flush=True)
         ratios = {k: statistics.median(times[k][i] / times["none"][i] for i in range(args.rounds)) for k in names}
         print(f"\n{size} ({params:.1f} M parameters), bf16-mixed, batch {BATCH} x {config['block_size']}, "
               f"{args.steps} steps ({SKIP} untimed), {args.rounds} rounds:")
-        print(f"  {'variant':28s} {'ms/step':>9s} {'ratio':>7s} {'peak GiB':>9s}")
+        print(f"  {'variant':{width}s} {'ms/step':>9s} {'ratio':>7s} {'peak GiB':>9s}")
         for k in names:
-            print(f"  {k:28s} {1e3 * statistics.median(times[k]):9.2f} {ratios[k]:7.3f} {memory[k]:9.2f}")
+            print(f"  {k:{width}s} {1e3 * statistics.median(times[k]):9.2f} {ratios[k]:7.3f} {memory[k]:9.2f}")
         out["sizes"][size] = {"params_m": params, "ms_per_step": {k: [1e3 * t for t in v] for k, v in times.items()},
                               "ratio": ratios, "peak_gib": memory}
     if args.ratios_only:
