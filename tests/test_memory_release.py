@@ -35,7 +35,8 @@ def _fit_and_drop(make_module, loader, callbacks, root) -> tuple[list[weakref.re
 SLOTS = ("spectral", "noise_scale", "gwa", "guard", "grades")
 
 
-@pytest.mark.parametrize("only", [*SLOTS, "all"])
+# the monitors whose hooks the autograd graph holds, alone, and the whole suite (every monitor's paths)
+@pytest.mark.parametrize("only", ["noise_scale", "gwa", "all"])
 def test_a_fit_of_the_gpt_leaves_nothing_alive(tmp_path, tiny_gpt, only):
     _, loader = tiny_gpt(n_samples=8 * 12)
     settings = {slot: True for slot in SLOTS} if only == "all" else {slot: slot == only for slot in SLOTS}
