@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -55,11 +55,16 @@ def _can_stage(device: torch.device, nbytes: int) -> bool:
     return nbytes <= _STAGING_SHARE * (free + cached)
 
 
-def _by_device(src: list[Tensor], key: Any = lambda t: t.device) -> dict[Any, list[int]]:
+def _groups(src: list[Tensor], key: Callable[[Tensor], Any]) -> dict[Any, list[int]]:
+    """The indices of ``src`` grouped by ``key``, in order."""
     groups: dict[Any, list[int]] = {}
     for i, t in enumerate(src):
         groups.setdefault(key(t), []).append(i)
     return groups
+
+
+def _device_dtype(t: Tensor) -> tuple[torch.device, torch.dtype]:
+    return t.device, t.dtype
 
 
 def _copy_from_devices(dst: list[Tensor], src: list[Tensor], pending: list,
@@ -67,38 +72,27 @@ def _copy_from_devices(dst: list[Tensor], src: list[Tensor], pending: list,
     """Start the copies of CUDA tensors ``src`` into pinned host tensors ``dst`` (see ``_DEVICE_COPIES``); append to
     ``pending`` the streams that carry them (an event recorded on each marks their end). ``flats``: per (device,
     dtype), the pinned buffer the ``dst`` of that group are consecutive views of (``"flat"``)."""
-    if flats is not None:
-        for (device, dtype), idx in _by_device(src, lambda t: (t.device, t.dtype)).items():
-            sources = [src[i] for i in idx]
-            main = torch.cuda.current_stream(device)
-            flat = flats[(device, dtype)]
-            if _can_stage(device, flat.numel() * flat.element_size()):
-                # on the training stream, before any later update of the sources: one gathering copy
-                staged = torch.cat([t.reshape(-1) for t in sources])
-                side = _side_stream(device)
-                side.wait_stream(main)
-                with torch.cuda.stream(side):
-                    flat.copy_(staged, non_blocking=True)
-                staged.record_stream(side)  # its memory is not reused before the side stream's copy has read it
-                pending.append(side)
-            else:
-                for i, t in zip(idx, sources):
-                    dst[i].copy_(t, non_blocking=True)
-                pending.append(main)
-        return
-    for device, idx in _by_device(src).items():
-        main = torch.cuda.current_stream(device)
+    key = _device_dtype if flats is not None else (lambda t: t.device)
+    for group, idx in _groups(src, key).items():
         sources = [src[i] for i in idx]
-        if _DEVICE_COPIES == "staged" and _can_stage(device, sum(t.numel() * t.element_size() for t in sources)):
-            staged_each = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in sources]
-            torch._foreach_copy_(staged_each, sources)  # on the training stream: before any later update of the sources
+        device = sources[0].device
+        main = torch.cuda.current_stream(device)
+        staging = flats is not None or _DEVICE_COPIES == "staged"
+        if staging and _can_stage(device, sum(t.numel() * t.element_size() for t in sources)):
+            # on the training stream, before any later update of the sources: one gathering copy, or one per tensor
+            if flats is not None:
+                staged, targets = [torch.cat([t.reshape(-1) for t in sources])], [flats[group]]
+            else:
+                staged = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in sources]
+                torch._foreach_copy_(staged, sources)
+                targets = [dst[i] for i in idx]
             side = _side_stream(device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                for i, t in zip(idx, staged_each):
-                    dst[i].copy_(t, non_blocking=True)
-            for t in staged_each:
-                t.record_stream(side)
+                for d, t in zip(targets, staged):
+                    d.copy_(t, non_blocking=True)
+            for t in staged:
+                t.record_stream(side)  # its memory is not reused before the side stream's copy has read it
             pending.append(side)
         else:
             for i, t in zip(idx, sources):
@@ -132,7 +126,7 @@ def _flat_views(obj: Any, flats: dict[Any, Tensor]) -> list[Tensor]:
     leaves: list[Tensor] = []
     _cuda_leaves(obj, leaves)
     views: list[Tensor] = [leaves[0]] * len(leaves) if leaves else []
-    for key, idx in _by_device(leaves, lambda t: (t.device, t.dtype)).items():
+    for key, idx in _groups(leaves, _device_dtype).items():
         total = sum(leaves[i].numel() for i in idx)
         flat = flats.get(key)
         if flat is None or flat.numel() != total:
