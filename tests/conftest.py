@@ -9,6 +9,12 @@ from typing import Any
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one intra-op thread per test worker: the workers share the machine's cores (``-n 2`` on 2 cores)
+    import torch
+
+    torch.set_num_threads(1)
+
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 if EXAMPLES not in sys.path:
     sys.path.insert(0, EXAMPLES)
@@ -141,7 +147,7 @@ def _destroy_process_group_if_initialized() -> None:
 # ----------------------------------------------------------------------------- the slow set
 # Tests that start other processes: the demo and the CLI as subprocesses, the sharded (FSDP2) jobs, the SIGKILL
 # resume, every DDP spawn (2 gloo ranks), the compiled model and every order of the five callbacks. The
-# README's test command runs the rest (`-m "not slow"`, under 2 minutes on 2 cores); CI (`.ci/run`) runs both.
+# README's test command runs the rest (`-m "not slow" -n 2`, about 2 minutes on 2 cores); CI (`.ci/run`) runs both.
 _SLOW_FILES = ("test_demo.py", "test_sharded.py", "test_resume_alerts.py", "test_compile.py", "test_permutations.py",
                "test_noise_scale_ddp_accumulation.py")
 _SLOW_TESTS = ("test_cli.py::test_example_yaml_trains_with_a_short_name_added",
