@@ -124,6 +124,21 @@ def test_the_whole_suite_fits_on_cuda_and_logs_every_method(tmp_path, tiny_gpt, 
     assert not critical, critical
 
 
+
+def test_the_whole_suite_fits_on_cuda_with_deterministic_algorithms(tmp_path, tiny_gpt):
+    """``Trainer(deterministic=True)`` turns on ``torch.use_deterministic_algorithms``, under which a CUDA op with no
+    deterministic kernel raises (GWA's histogram of the scores used ``torch.histc``, one of them)."""
+    pl.seed_everything(0, verbose=False)
+    module, loader = tiny_gpt(n_samples=8 * 40)
+    health = HealthMonitor(grades={"every_n_steps": 5, "grace_steps": 10})
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    trainer = _gpu_trainer(tmp_path, [health], 80, logger=logger, max_epochs=2, deterministic=True)
+    trainer.fit(module, loader)
+    assert trainer.global_step == 80
+    scalars = tb_scalars(logger.log_dir)
+    assert any(t.startswith("gwa/") for t in scalars), sorted(scalars)[:20]
+    assert not [a for a in health.guard.hub.history if a.severity == "critical"]
+
 class _OnDevice:
     """``test_guard_rollback._Regression`` with its data moved to the module's device when the fit starts."""
 

@@ -95,6 +95,16 @@ _TRAINED_FRACTION = 0.5
 _CAUSAL_LM_NAMES = ("GPT2LMHeadModel", "OpenAIGPTLMHeadModel", "CTRLLMHeadModel")
 
 
+def _bin_counts(values: Tensor, bins: int, lo: float, hi: float) -> Tensor:
+    """``torch.histc(values, bins, lo, hi)``: the counts of ``values`` in ``bins`` equal bins over ``[lo, hi]`` (values
+    outside left out, ``hi`` in the last bin), in the dtype of ``values``, with histc's own bin arithmetic, so the same
+    counts. ``histc`` has no deterministic CUDA kernel and raises under ``torch.use_deterministic_algorithms(True)``
+    (``Trainer(deterministic=True)``); this adds whole numbers with ``index_add_``, the same in any order."""
+    inside = (values >= lo) & (values <= hi)
+    pos = torch.where(inside, ((values - lo) * bins / (hi - lo)).clamp(0, bins - 1), 0).long()
+    return torch.zeros(bins, dtype=values.dtype, device=values.device).index_add_(0, pos, inside.to(values.dtype))
+
+
 def _device_of(module: nn.Module) -> torch.device:
     """A module's device, from its first parameter or buffer: not ``next(module.parameters())``, whose StopIteration
     (a head holding its weight as a buffer) Lightning's loop takes for the end of the data when raised in a hook, nor
@@ -1583,7 +1593,7 @@ class GradientWeightAlignmentMonitor(Monitor):
                 outside &= targets != self.ignore_index
             self._out_of_range += outside.sum()
         if self._want_histogram:
-            self._hist += torch.histc(torch.where(finite, scores, 2.0), _HIST_BINS, -1.0, 1.0)  # 2: out of range
+            self._hist += _bin_counts(torch.where(finite, scores, 2.0), _HIST_BINS, -1.0, 1.0)  # 2: out of range
             lo = torch.where(finite, scores, math.inf).min()
             hi = torch.where(finite, scores, -math.inf).max()
             self._minmax = torch.stack([torch.minimum(self._minmax[0], lo), torch.maximum(self._minmax[1], hi)])
