@@ -150,3 +150,33 @@ def test_gwa_scores_every_step_without_syncing_until_epoch_end(tmp_path, tiny_gp
     # global_step after each epoch: 12, 24, 36; the check of the loss's reading ran at step 1 (the head chosen at 0)
     assert gwa._check_state == "done" and gwa._check_step == 1
     assert {step for step in counts if step % 12} == {1}, sorted(counts)
+
+
+class _FakeDevice:
+    def __init__(self, kind: str) -> None:
+        self.type = kind
+
+
+class _RowOn:
+    """A stand-in for a ``[loss, grad norm]`` row on another accelerator: records how it was copied to the host."""
+
+    def __init__(self, kind: str) -> None:
+        self.device = _FakeDevice(kind)
+        self.copies: list[tuple[str, dict]] = []
+
+    def to(self, where, **kwargs):
+        self.copies.append((where, kwargs))
+        return torch.tensor([1.5, 2.0])
+
+
+def test_rows_from_an_accelerator_other_than_cuda_are_copied_so_the_copy_has_finished() -> None:
+    """A copy to the host that does not wait is made only from CUDA, where an event marks its end. From MPS such a
+    copy can still be under way when read: there (and on any other accelerator) the copy waits, and the values read
+    are the row's."""
+    from lightning_monitor.callbacks.divergence_guard import DivergenceGuard
+
+    for kind in ("mps", "xpu"):
+        row = _RowOn(kind)
+        step, host, event, no_loss = DivergenceGuard._copy_to_host(None, 7, row, False)
+        assert row.copies == [("cpu", {})] and event is None and step == 7
+        assert DivergenceGuard._values_to_host([(step, host, event, no_loss)]) == [(7, 1.5, 2.0)]

@@ -186,7 +186,8 @@ class DivergenceGuard(Monitor):
 
     **Every optimizer step, without a host sync:** the step's loss (unscaled under AMP) and the fp32 global
     gradient norm (before clipping), averaged over the ranks, are copied to the host asynchronously and
-    judged ``lag_steps`` steps later (0 on CPU, 2 on an accelerator: the copy is done by then). On one CPU
+    judged ``lag_steps`` steps later (0 on CPU, 2 on an accelerator: the copy is done by then; from an accelerator
+    other than CUDA, such as MPS, the copy waits for the device instead: there is no CUDA event to mark its end). On one CPU
     process, where nothing waits, one fused finiteness check reads the gradients instead, and the norm is taken
     only when it finds something (only a non-finite norm is judged). Non-finite
     gradients are zeroed (``zero_nonfinite_grads``), so a NaN/Inf never reaches the weights. Every
@@ -816,14 +817,17 @@ class DivergenceGuard(Monitor):
 
     # ------------------------------------------------------------------ every step, on host (lagged)
     def _copy_to_host(self, step: int, row: Tensor, no_loss: bool) -> tuple[int, Tensor, Any, bool]:
-        """Start the copy of a step's ``[loss, grad norm]`` to the host; on an accelerator the copy is
-        asynchronous (pinned memory) and an event marks its completion."""
+        """Start the copy of a step's ``[loss, grad norm]`` to the host; on a CUDA device the copy is asynchronous
+        (pinned memory) and an event marks its completion; from another accelerator it has finished on return."""
         if row.device.type == "cpu":
             return step, row, None, no_loss
+        if row.device.type != "cuda":
+            # another accelerator (MPS, XPU ...): a copy that has finished on return. A copy to the host that does not
+            # wait has no event here to mark its end, and on MPS it may still be under way when its values are read
+            return step, row.to("cpu"), None, no_loss
         host = row.to("cpu", non_blocking=True)
-        event = torch.cuda.Event() if row.device.type == "cuda" else None
-        if event is not None:
-            event.record()
+        event = torch.cuda.Event()
+        event.record()
         return step, host, event, no_loss
 
     def _lag(self, trainer: pl.Trainer) -> int:

@@ -1486,7 +1486,9 @@ class GradientWeightAlignmentMonitor(Monitor):
     def _conform_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
         """Targets on the logits' device with their leading shape; checks once with one host sync."""
         if targets.device != logits.device:
-            targets = targets.to(logits.device, non_blocking=True)
+            # to CUDA from the host a copy that does not wait has read its source on return; to MPS it may read it after
+            # the source is freed, so there the copy waits
+            targets = targets.to(logits.device, non_blocking=logits.device.type == "cuda")
         rows = logits.shape[:-1]
         if self._checked and targets.shape == rows and not targets.is_floating_point():
             return targets  # the common case, after the first batch
