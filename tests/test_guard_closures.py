@@ -53,7 +53,6 @@ def _fit(model, loader, steps: int, **kw) -> tuple[pl.Trainer, DivergenceGuard]:
     return trainer, guard
 
 
-@pytest.mark.slow  # over 2.5 s: run with the slow tests
 @pytest.mark.parametrize("seed", [0, 2])
 def test_minibatch_lbfgs_line_search_is_judged_once_a_step(seed: int) -> None:
     x, y = _digits()

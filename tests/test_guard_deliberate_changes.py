@@ -441,7 +441,6 @@ def _unfreeze_run(backbone_lr: float, seed: int, guarded: bool) -> tuple[float, 
         return float((model.head(model.backbone(x)).argmax(-1) == y).float().mean()), guard
 
 
-@pytest.mark.slow  # over 2.5 s: run with the slow tests
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_first_updates_after_an_unfreeze_are_not_a_divergence(seed):
     """Unfrozen at a rate its fresh Adam state takes a few steps to settle at (1e-2): one batch's loss lifts from

@@ -75,7 +75,6 @@ def _fit(peak: float) -> tuple[DivergenceGuard, _TinyLlama]:
     return guard, module
 
 
-@pytest.mark.slow  # over 2.5 s: run with the slow tests
 @pytest.mark.xfail(strict=True, reason="known limit: a slow climb is judged against a quarter of the initial loss")
 def test_a_language_model_climbing_from_its_trained_level_is_rolled_back() -> None:
     guard, module = _fit(300.0)
@@ -84,7 +83,6 @@ def test_a_language_model_climbing_from_its_trained_level_is_rolled_back() -> No
     assert sum(module.losses[-10:]) / 10 < 1.45  # unguarded 1.497; the control (x2) 1.374
 
 
-@pytest.mark.slow  # over 2.5 s: run with the slow tests
 def test_its_matched_control_takes_no_action() -> None:
     guard, _ = _fit(2.0)
     assert not guard.rollbacks and guard.stopped_step is None

@@ -83,7 +83,6 @@ def test_healthy_batch_one_is_not_stopped(tmp_path, seed):
     assert loss < 0.6
 
 
-@pytest.mark.slow  # over 2.5 s: run with the slow tests
 def test_batch_one_collapse_is_rolled_back(tmp_path):
     """Adam at 1e-3, batch 1, the rate raised 30 times at step 400: the loss collapses towards chance (unguarded it ends
     near 2). Before, the rise was attributed on the one example of the current batch, taken for data that shifted and

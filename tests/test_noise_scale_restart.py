@@ -46,7 +46,6 @@ class _SetWeights(pl.Callback):
             self._set(pl_module, self.near)
 
 
-@pytest.mark.slow  # over 2.5 s: run with the slow tests
 def test_a_change_of_scale_restarts_the_averages(tmp_path) -> None:
     torch.manual_seed(0)
     far, near = 1000.0, 0.1

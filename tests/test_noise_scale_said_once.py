@@ -5,8 +5,6 @@ to raise a batch size of 32."""
 
 from __future__ import annotations
 
-import pytest
-
 import os
 from typing import Optional
 
@@ -40,7 +38,6 @@ def _alerts(root: str, name: str) -> list[tuple[int, str, str]]:
     return sorted((a.step, a.kind, a.severity) for a in read_alerts(os.path.join(root, name, "version_0", "alerts.jsonl")))
 
 
-@pytest.mark.slow  # over 2.5 s: run with the slow tests
 def test_a_resumed_run_does_not_say_its_coverage_again(tmp_path) -> None:
     root = str(tmp_path)
     _gpt_fit(root, "straight", 4)
@@ -112,7 +109,6 @@ def test_batches_of_one_example_throughout_are_still_said(tmp_path) -> None:
 
 
 
-@pytest.mark.slow  # over 2.5 s: run with the slow tests
 def test_batch_size_advice_waits_after_a_rollback(tmp_path) -> None:
     """The demo's diverging run (no LayerNorm, a warm-up to a rate past the edge of stability): the guard rolled it back
     at step 99, and the noise scale's check at step 100, of a run that was just diverging, told it to lower its batch
