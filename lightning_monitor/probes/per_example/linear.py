@@ -91,9 +91,9 @@ class LinearHandler(Handler):
                                          device_type=x.device.type, fused=True)
                     use_rule = LinearRule(choice)  # decided here: the plain hook must not decide again
             if mode == "replay":  # the same operations as the recorded forward, nothing recorded
-                return _FusedLinear.apply(x, w, b, None) if choice == "fused" else F.linear(x, w, b)
+                return _FusedLinear.apply(x, w, b, None, None) if choice == "fused" else F.linear(x, w, b)
             if choice == "fused":
-                return _FusedLinear.apply(x, w, b, _sink(uses.expect(x)))
+                return _FusedLinear.apply(x, w, b, _sink(uses.expect(x)), uses.coupled)
             out = F.linear(x, w, b)
             uses.record(x, out, use_rule)
             return out
@@ -137,12 +137,13 @@ class _FusedLinear(torch.autograd.Function):
     per-example norms at almost no extra cost."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], sink: Callable[..., None]) -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], sink: Optional[Callable[..., None]],
+                coupled: Optional[Callable[[], bool]]) -> Tensor:
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         out, x, weight = forward_under_autocast(_linear_not_a_view, x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        ctx.sink = sink
+        ctx.sink, ctx.coupled = sink, coupled
         return out
 
     @staticmethod
@@ -153,7 +154,12 @@ class _FusedLinear(torch.autograd.Function):
         if ctx.sink is None:  # a recomputation by activation checkpointing (its backward does not run)
             grad_w = grad.reshape(-1, grad.shape[-1]).T.matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
             grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-            return grad_x, grad_w, grad_b, None
+            return grad_x, grad_w, grad_b, None, None
+        plain = ctx.coupled is not None and ctx.coupled()
+        if plain:
+            # a layer found to feed a BatchNorm that couples the examples (left out: see :meth:`_Uses.coupled`): the
+            # gradients autograd gives ``F.linear`` on the same tensors (its kernels depend on the input's layout)
+            grad_x, grad_w, grad_b = _plain_linear_grads(x, weight, ctx.has_bias, grad, ctx.needs_input_grad[:3])
         b = x.shape[0]
         a = x.reshape(b, -1, x.shape[-1])
         d = grad.reshape(b, -1, grad.shape[-1])
@@ -169,9 +175,23 @@ class _FusedLinear(torch.autograd.Function):
             return out
 
         ctx.sink(grad, sq_w, sq_b, sum_w, sum_b, grads)
-        grad_w = sum_w.to(ctx.dtypes[0]) if ctx.needs_input_grad[1] else None
-        grad_b = sum_b.to(ctx.dtypes[1]) if sum_b is not None and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None
+        if not plain:
+            grad_w = sum_w.to(ctx.dtypes[0]) if ctx.needs_input_grad[1] else None
+            grad_b = sum_b.to(ctx.dtypes[1]) if sum_b is not None and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+def _plain_linear_grads(x: Tensor, weight: Tensor, has_bias: bool, grad: Tensor,
+                        needs: tuple[bool, ...]) -> tuple[Optional[Tensor], ...]:
+    """The gradients of ``F.linear(x, weight, bias)`` as autograd computes them (``F.linear`` again on detached
+    copies: the bias's value does not enter its gradients, a zero one of its shape takes the same kernels)."""
+    with torch.enable_grad():
+        xs = x.detach().requires_grad_(needs[0])
+        ws = weight.detach().requires_grad_(needs[1])
+        bs = weight.new_zeros(weight.shape[0]).requires_grad_(needs[2]) if has_bias else None
+        inputs = [t for t, n in ((xs, needs[0]), (ws, needs[1]), (bs, needs[2])) if t is not None and n]
+        got = iter(torch.autograd.grad(F.linear(xs, ws, bs), inputs, grad)) if inputs else iter(())
+        return tuple(next(got) if t is not None and n else None for t, n in ((xs, needs[0]), (ws, needs[1]), (bs, needs[2])))
 
 
 @register_by_name("transformers.pytorch_utils.Conv1D")

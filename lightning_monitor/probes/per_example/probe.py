@@ -410,6 +410,13 @@ class _Uses:
 
         return done
 
+    def coupled(self) -> bool:
+        """Whether a BatchNorm normalising with its batch's statistics takes an input that depends on this module's
+        parameters (found in the forward): their per-example gradients are not separable, the module is left out,
+        and a fused backward returns the gradients autograd would (see :meth:`PerExampleGradNorms._coupling_hook`)."""
+        probe = self._probe()
+        return probe is not None and any(pid in probe._coupled for _, pid in self.params)
+
     def record(self, x: Tensor, output: Any, rule: LinearRule) -> None:
         """One use with input ``x``: capture it and hook the output gradient."""
         if not isinstance(output, Tensor) or not output.requires_grad:
