@@ -150,15 +150,14 @@ class _FusedLinear(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
         x, weight = ctx.saved_tensors
         grad = grad.to(weight.dtype)
-        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        # a layer found to feed a BatchNorm that couples the examples (left out: see :meth:`_Uses.coupled`)
+        plain = ctx.sink is not None and ctx.coupled is not None and ctx.coupled()
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] and not plain else None
         if ctx.sink is None:  # a recomputation by activation checkpointing (its backward does not run)
             grad_w = grad.reshape(-1, grad.shape[-1]).T.matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
             grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
             return grad_x, grad_w, grad_b, None, None
-        plain = ctx.coupled is not None and ctx.coupled()
-        if plain:
-            # a layer found to feed a BatchNorm that couples the examples (left out: see :meth:`_Uses.coupled`): the
-            # gradients autograd gives ``F.linear`` on the same tensors (its kernels depend on the input's layout)
+        if plain:  # the gradients autograd gives ``F.linear`` on the same tensors (its kernels depend on their layout)
             grad_x, grad_w, grad_b = _plain_linear_grads(x, weight, ctx.has_bias, grad, ctx.needs_input_grad[:3])
         b = x.shape[0]
         a = x.reshape(b, -1, x.shape[-1])
