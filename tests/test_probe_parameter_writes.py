@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_monitor import GradientNoiseScaleMonitor
-from lightning_monitor.probes.per_example.probe import ParameterWrite, _ParametersReadOnly
+from lightning_monitor.probes.per_example.probe import ParameterWrite, _ParametersReadOnly, _versions_put_back
 
 
 class _Rescaling(nn.Module):
@@ -86,3 +86,68 @@ def test_an_empty_parameter_does_not_refuse_writes_into_other_empty_tensors():
         torch.zeros(0).add_(1.0)  # a fresh empty tensor: nothing of a parameter's is written
         with pytest.raises(ParameterWrite):
             layer.weight.zero_()
+
+
+def test_a_write_that_leaves_a_parameter_as_it_is_is_skipped_and_others_refused():
+    """Gemma 3n clamps a weight's ``.data`` to a range on every forward in training mode: where the values already lie
+    in it, nothing changes, and the write is skipped (not run: the version stays), instead of failing the probe's run
+    on a slice of the batch, which left every layer of the model out (coverage 0)."""
+    layer = nn.Linear(4, 4)
+    with torch.no_grad():
+        layer.weight.clamp_(-0.1, 0.1)
+    params = list(layer.parameters())
+    before, versions = layer.weight.detach().clone(), [p._version for p in params]
+    with _ParametersReadOnly(params):
+        layer.weight.data.clamp_(-0.5, 0.5)  # every value within: skipped, the version untouched (`.data` has its own)
+        assert [p._version for p in params] == versions
+        with torch.no_grad():
+            layer.weight.clamp_(-0.1, 0.1)  # skipped, but autograd counts a version on the parameter itself ...
+        with pytest.raises(ParameterWrite):
+            layer.weight.data.clamp_(-0.05, 0.05)  # would change values: refused, nothing written
+    assert layer.weight._version == versions[0] + 1
+    assert _versions_put_back(params, versions)  # ... which the run on a slice puts back
+    assert [p._version for p in params] == versions
+    torch.testing.assert_close(layer.weight, before, rtol=0, atol=0)
+
+
+class _Clamping(nn.Module):
+    """Clamps a coefficient matrix's ``.data`` in place on every training forward (Gemma 3n's AltUp), then uses it."""
+
+    def __init__(self, via_data: bool) -> None:
+        super().__init__()
+        self.inner, self.coefs, self.head = nn.Linear(8, 16), nn.Linear(16, 16, bias=False), nn.Linear(16, 3)
+        self.via_data = via_data
+
+    def forward(self, x):
+        if self.training:
+            if self.via_data:
+                self.coefs.weight.data.clamp_(-0.1, 0.1)
+            else:  # on the parameter itself: its version moves, and the backward checks it
+                with torch.no_grad():
+                    self.coefs.weight.clamp_(-0.1, 0.1)
+        return self.head(torch.relu(self.coefs(torch.relu(self.inner(x)))))
+
+
+class _ClampingModule(_Module):
+    def __init__(self, via_data: bool) -> None:
+        super().__init__()
+        self.net = _Clamping(via_data)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x.reshape(len(x), 2, 4).repeat(1, 1, 2)).mean(1), y)  # sequences of 2
+
+
+@pytest.mark.parametrize("via_data", [True, False], ids=["data", "parameter"])
+def test_a_model_clamping_a_weight_every_forward_is_measured(via_data):
+    monitor = GradientNoiseScaleMonitor(every_n_steps=1)
+    torch.manual_seed(0)
+    model = _ClampingModule(via_data)
+    data = TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+    trainer = pl.Trainer(max_steps=6, accelerator="cpu", logger=False, callbacks=[monitor], enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, DataLoader(data, batch_size=8))
+    assert monitor.idle_reason is None
+    assert float(trainer.callback_metrics["gns/coverage"]) == pytest.approx(1.0)
+    assert float(model.net.coefs.weight.abs().max()) <= 0.1 + 0.1 * 6  # clamped each step, then one SGD update
+

@@ -175,7 +175,7 @@ class Conv2dHandler(Handler):
             if mode == "replay":  # the same operations as the recorded forward, nothing recorded
                 return _FusedConv.apply(x, w, b, m, None, None) if choice == "fused" else m._conv_forward(x, w, b)
             if choice == "fused":
-                return _FusedConv.apply(x, w, b, m, _sink(uses.expect(x)), uses.coupled)
+                return _FusedConv.apply(x, w, b, m, _sink(uses.expect(x)), uses.left_out)
             out = m._conv_forward(x, w, b)
             uses.record(x, out, LinearRule(choice) if choice is not None else rule)
             return out
@@ -238,17 +238,18 @@ def _sink(done: Callable[..., None]) -> Callable[..., None]:
 class _FusedConv(torch.autograd.Function):
     """A zero-padded convolution whose backward forms the weight gradient as the sum of the per-example
     gradients, taking their squared norms on the way (see :meth:`Conv2dHandler.patch_forward`); the input
-    gradient is autograd's own kernel. ``coupled``: says, in the backward, whether the module turned out to feed a
-    BatchNorm that couples the examples (its per-example gradients are then not its examples' own, and the module is
-    left out): then the gradients returned are autograd's own, so that the step is the same as without the probe."""
+    gradient is autograd's own kernel. ``left_out``: says, after the probe has the backward's results, whether the
+    module is left out (it feeds a BatchNorm that couples the examples, or its input has no batch dimension found: see
+    :meth:`_Uses.left_out`): then the gradients returned are autograd's own, so that the step is the same as without
+    the probe."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], m: nn.Module,
-                sink: Optional[Callable[..., None]], coupled: Optional[Callable[[], bool]]) -> Tensor:
+                sink: Optional[Callable[..., None]], left_out: Optional[Callable[[], bool]]) -> Tensor:
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         out, x, weight = forward_under_autocast(m._conv_forward, x, weight, bias)
         ctx.save_for_backward(x, weight)
-        ctx.m, ctx.sink, ctx.has_bias, ctx.coupled = m, sink, bias is not None, coupled
+        ctx.m, ctx.sink, ctx.has_bias, ctx.left_out = m, sink, bias is not None, left_out
         return out
 
     @staticmethod
@@ -272,8 +273,8 @@ class _FusedConv(torch.autograd.Function):
             if per_b is not None:
                 sqs["bias"], sums["bias"] = per_b.pow(2).sum(1), per_b.sum(0)
             ctx.sink(grad, sqs, sums, lambda: {"weight": per_w, **({"bias": per_b} if per_b is not None else {})})
-        if ctx.coupled is not None and ctx.coupled():
-            # left out: autograd's own weight and bias gradients (its kernel, in one call as autograd makes it)
+        if ctx.left_out is not None and ctx.left_out():
+            # autograd's own weight and bias gradients (its kernel, in one call as autograd makes it)
             grad_x, grad_w, grad_b = torch.ops.aten.convolution_backward(
                 grad, x, weight, [weight.shape[0]] if ctx.has_bias else None, list(m.stride), list(m.padding),
                 list(m.dilation), False, [0] * nd, m.groups, list(ctx.needs_input_grad[:3]),

@@ -93,7 +93,7 @@ class LinearHandler(Handler):
             if mode == "replay":  # the same operations as the recorded forward, nothing recorded
                 return _FusedLinear.apply(x, w, b, None, None) if choice == "fused" else F.linear(x, w, b)
             if choice == "fused":
-                return _FusedLinear.apply(x, w, b, _sink(uses.expect(x)), uses.coupled)
+                return _FusedLinear.apply(x, w, b, _sink(uses.expect(x)), uses.left_out)
             out = F.linear(x, w, b)
             uses.record(x, out, use_rule)
             return out
@@ -138,27 +138,23 @@ class _FusedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], sink: Optional[Callable[..., None]],
-                coupled: Optional[Callable[[], bool]]) -> Tensor:
+                left_out: Optional[Callable[[], bool]]) -> Tensor:
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         out, x, weight = forward_under_autocast(_linear_not_a_view, x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        ctx.sink, ctx.coupled = sink, coupled
+        ctx.sink, ctx.left_out = sink, left_out
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
         x, weight = ctx.saved_tensors
         grad = grad.to(weight.dtype)
-        # a layer found to feed a BatchNorm that couples the examples (left out: see :meth:`_Uses.coupled`)
-        plain = ctx.sink is not None and ctx.coupled is not None and ctx.coupled()
-        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] and not plain else None
         if ctx.sink is None:  # a recomputation by activation checkpointing (its backward does not run)
+            grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
             grad_w = grad.reshape(-1, grad.shape[-1]).T.matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
             grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
             return grad_x, grad_w, grad_b, None, None
-        if plain:  # the gradients autograd gives ``F.linear`` on the same tensors (its kernels depend on their layout)
-            grad_x, grad_w, grad_b = _plain_linear_grads(x, weight, ctx.has_bias, grad, ctx.needs_input_grad[:3])
         b = x.shape[0]
         a = x.reshape(b, -1, x.shape[-1])
         d = grad.reshape(b, -1, grad.shape[-1])
@@ -174,9 +170,13 @@ class _FusedLinear(torch.autograd.Function):
             return out
 
         ctx.sink(grad, sq_w, sq_b, sum_w, sum_b, grads)
-        if not plain:
-            grad_w = sum_w.to(ctx.dtypes[0]) if ctx.needs_input_grad[1] else None
-            grad_b = sum_b.to(ctx.dtypes[1]) if sum_b is not None and ctx.needs_input_grad[2] else None
+        if ctx.left_out is not None and ctx.left_out():
+            # left out (a BatchNorm couples the examples, no batch dimension found: see :meth:`_Uses.left_out`): the
+            # gradients autograd gives ``F.linear`` on the same tensors (its kernels depend on their layout)
+            return (*_plain_linear_grads(x, weight, ctx.has_bias, grad, ctx.needs_input_grad[:3]), None, None)
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_w = sum_w.to(ctx.dtypes[0]) if ctx.needs_input_grad[1] else None
+        grad_b = sum_b.to(ctx.dtypes[1]) if sum_b is not None and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None
 
 

@@ -282,7 +282,7 @@ def _refill(v: Any, saved: Any) -> None:
 
 class _ParametersReadOnly(TorchDispatchMode):
     """Refuses, before it runs, any operation that would write into the storage of one of ``params`` (raises
-    :class:`ParameterWrite`). The model's runs on a slice of the batch work on copies of its buffers, not of its
+    :class:`ParameterWrite`), but skips an in-place operation that would leave the values as they are. The model's runs on a slice of the batch work on copies of its buffers, not of its
     parameters (a copy of every weight costs the model's size again); a model that writes to its own weights in a
     forward (RWKV divides some of them in place when it switches to eval mode) would change the weights the step's
     backward has saved (its version check fails) and keep them changed."""
@@ -295,19 +295,50 @@ class _ParametersReadOnly(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func._schema.is_mutable:
-            for i, arg in enumerate(func._schema.arguments):
-                if arg.alias_info is None or not arg.alias_info.is_write:
-                    continue
+            written = [i for i, arg in enumerate(func._schema.arguments)
+                       if arg.alias_info is not None and arg.alias_info.is_write]
+            for i in written:
+                arg = func._schema.arguments[i]
                 value = args[i] if i < len(args) else kwargs.get(arg.name)
                 for t in value if isinstance(value, (list, tuple)) else (value,):
                     if (isinstance(t, Tensor) and t.device.type != "meta" and t.numel()
                             and t.untyped_storage().data_ptr() in self._storages):
+                        if written == [0] and len(args) > 0 and t is args[0] and self._leaves_as_is(func, args, kwargs):
+                            return t  # skipped: it would write what is there already
                         raise ParameterWrite(f"{func} writes into a parameter in place")
         return func(*args, **kwargs)
+
+    @staticmethod
+    def _leaves_as_is(func: Any, args: tuple[Any, ...], kwargs: Any) -> bool:
+        """Whether the in-place ``func`` on ``args[0]`` would leave every value of it as it is (tried on a copy). A
+        model may clamp a weight on every forward to a range it already lies in (Gemma 3n clamps its AltUp coefficients
+        in training mode): then the write is skipped, nothing of the parameter is touched, not even its version."""
+        trial = args[0].clone()
+        func(trial, *args[1:], **kwargs)
+        return torch.equal(trial, args[0])
 
 
 class ParameterWrite(RuntimeError):
     """A forward run on a slice of the batch tried to write into a parameter (refused, see :class:`_ParametersReadOnly`)."""
+
+
+def _versions_put_back(params: list[Tensor], versions: list[int]) -> bool:
+    """Give ``params`` back the autograd versions they had before a run on a slice of the batch. Only a write that left
+    a parameter's values as they were was let through (and skipped: :class:`_ParametersReadOnly`), but one made on the
+    parameter itself (not on its ``.data``) still counts a version, and the step's backward would take its saved weights
+    for changed. ``False`` where a version moved and this torch cannot set it back."""
+    moved = [(p, v) for p, v in zip(params, versions) if p._version != v]
+    if not moved:
+        return True
+    setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+    if setter is None:
+        return False
+    try:
+        setter(tuple(p for p, _ in moved), tuple(v for _, v in moved))
+    except TypeError:  # torch 2.4: one tensor at a time
+        for p, v in moved:
+            setter(p, v)
+    return all(p._version == v for p, v in moved)
 
 
 def _plain_parameters(module: nn.Module) -> list[Tensor]:
@@ -410,12 +441,13 @@ class _Uses:
 
         return done
 
-    def coupled(self) -> bool:
-        """Whether a BatchNorm normalising with its batch's statistics takes an input that depends on this module's
-        parameters (found in the forward): their per-example gradients are not separable, the module is left out,
-        and a fused backward returns the gradients autograd would (see :meth:`PerExampleGradNorms._coupling_hook`)."""
+    def left_out(self) -> bool:
+        """Whether this module's parameters are left out (:attr:`PerExampleGradNorms.reasons`), as found by the time of
+        its backward: a BatchNorm normalising with its batch's statistics takes an input that depends on them (found in
+        the forward), or no batch dimension was found for its input (found by its backward's first results). A fused
+        backward then returns the gradients autograd would, so that the step is the same as without the probe."""
         probe = self._probe()
-        return probe is not None and any(pid in probe._coupled for _, pid in self.params)
+        return probe is not None and any(probe._names[pid] in probe.reasons for _, pid in self.params)
 
     def record(self, x: Tensor, output: Any, rule: LinearRule) -> None:
         """One use with input ``x``: capture it and hook the output gradient."""
@@ -1056,6 +1088,8 @@ class PerExampleGradNorms:
         # that calls none of their hooked projections: the run would miss the calls the real forward makes
         fastpath = torch.backends.mha.get_fastpath_enabled()
         torch.backends.mha.set_fastpath_enabled(False)
+        params = _plain_parameters(module)
+        versions = [p._version for p in params]
         try:
             for m, _ in modes:
                 m.training = False
@@ -1069,11 +1103,13 @@ class PerExampleGradNorms:
             with torch.no_grad(), torch.random.fork_rng(devices=devices), warnings.catch_warnings(), dry_run():
                 warnings.simplefilter("ignore")  # the model's warnings belong to its real calls
                 sliced = _resize_batch(args, batch, small, dim, order), _resize_batch(kwargs, batch, small, dim, order)
-                with _ParametersReadOnly(_plain_parameters(module)):
+                with _ParametersReadOnly(params):
                     out = _shapes(functional_call(module, buffers, *sliced, strict=False))
         except Exception as err:  # the model may require its batch size: the modules stay unresolved
             error = err
         finally:
+            if error is None and not _versions_put_back(params, versions):
+                error = ParameterWrite("a write into a parameter that left its values as they were changed its version")
             self._dry, self._dry_inputs = None, None
             torch.backends.mha.set_fastpath_enabled(fastpath)
             for m, mode in modes:
