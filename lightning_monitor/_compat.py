@@ -22,6 +22,7 @@ __all__ = [
     "foreach_copy_",
     "foreach_norm",
     "foreach_sub",
+    "fork_rng_of",
     "grad_scaler_scale",
     "has_forward_pre_hooks",
 ]
@@ -157,3 +158,28 @@ def callback_metrics_store(trainer: Any) -> dict[str, Any]:
     without that. Fallback when missing: the public property (correct, with those syncs)."""
     store = getattr(getattr(trainer, "_logger_connector", None), "_callback_metrics", None)
     return store if isinstance(store, dict) else trainer.callback_metrics
+
+
+# ---------------------------------------------------------------- torch: random streams of the devices
+
+
+def fork_rng_of(devices: Sequence[torch.device]) -> Any:
+    """``torch.random.fork_rng`` over the CPU's random stream and those of the accelerator devices among ``devices``
+    (of the first accelerator type found: CUDA, MPS, XPU ...), so that a forward run for the suite's own purposes (the
+    guard's replays, the per-example probe's runs on slices) leaves the run's dropout masks as they were. Public API,
+    but before this, the fork named only CUDA devices: on MPS the replays drew from the MPS stream. A device type
+    torch keeps no random stream for (or a torch whose ``fork_rng`` takes no ``device_type``): the CPU's alone."""
+    kinds = [d for d in devices if d.type not in ("cpu", "meta")]
+    if not kinds:
+        return torch.random.fork_rng(devices=[])
+    kind = kinds[0].type
+    module = getattr(torch, kind, None)
+    if module is None or not hasattr(module, "get_rng_state"):
+        return torch.random.fork_rng(devices=[])
+    indices = sorted({d.index or 0 for d in kinds if d.type == kind})
+    if kind == "cuda":
+        return torch.random.fork_rng(devices=indices)
+    try:
+        return torch.random.fork_rng(devices=indices, device_type=kind)
+    except TypeError:  # a torch whose fork_rng forks CUDA devices only
+        return torch.random.fork_rng(devices=[])

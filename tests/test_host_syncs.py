@@ -180,3 +180,27 @@ def test_rows_from_an_accelerator_other_than_cuda_are_copied_so_the_copy_has_fin
         step, host, event, no_loss = DivergenceGuard._copy_to_host(None, 7, row, False)
         assert row.copies == [("cpu", {})] and event is None and step == 7
         assert DivergenceGuard._values_to_host([(step, host, event, no_loss)]) == [(7, 1.5, 2.0)]
+
+
+def test_the_suites_own_forward_runs_fork_the_random_stream_of_the_models_accelerator(monkeypatch) -> None:
+    """The guard's replays and the probe's runs on slices fork the random streams of the model's devices, so that a
+    run's dropout masks are those of the same run without the suite: CUDA's, and on MPS (or XPU) that device's (the
+    fork named only CUDA devices before: on MPS those runs drew from the training's stream)."""
+    import contextlib
+
+    from lightning_monitor._compat import fork_rng_of
+
+    calls: list[tuple] = []
+
+    def recording(devices=None, enabled=True, device_type=None, **kwargs):
+        calls.append((list(devices), device_type))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(torch.random, "fork_rng", recording)
+    for kind in ("mps", "xpu"):
+        monkeypatch.setattr(getattr(torch, kind), "get_rng_state", lambda *a: None, raising=False)
+    fork_rng_of([torch.device("cpu")])
+    fork_rng_of([torch.device("cuda", 1), torch.device("cpu"), torch.device("cuda", 0)])
+    fork_rng_of([torch.device("mps", 0)])
+    fork_rng_of([torch.device("xpu", 0), torch.device("xpu", 1)])
+    assert calls == [([], None), ([0, 1], None), ([0], "mps"), ([0, 1], "xpu")]

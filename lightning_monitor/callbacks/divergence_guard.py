@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_monitor._args import check_bool, check_fraction, check_int, check_positive, deprecated_aliases
-from lightning_monitor._compat import backward_skipped, foreach_norm, grad_scaler_scale
+from lightning_monitor._compat import backward_skipped, foreach_norm, fork_rng_of, grad_scaler_scale
 from lightning_monitor._sharded import local, nonfinite_on_host, squared_norms
 from lightning_monitor.alerts import SUPERSEDED_FILENAME, Alert, alerts_dir, read_records
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch
@@ -1609,7 +1609,7 @@ class DivergenceGuard(Monitor):
                 silence(opt, "zero_grad", lambda *a, **k: None)
             for cfg in trainer.lr_scheduler_configs:
                 silence(cfg.scheduler, "step", lambda *a, **k: None)
-        devices = [pl_module.device] if pl_module.device.type == "cuda" else []
+        devices = [pl_module.device]
         # the step runs in training mode: BatchNorm would move its running statistics (and count the batch)
         buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
         # under the precision plugin's context (bf16-mixed: autocast), as Lightning runs the step itself
@@ -1617,7 +1617,7 @@ class DivergenceGuard(Monitor):
 
         def replay(grad: bool) -> Any:
             context = precision.train_step_context() if precision is not None else contextlib.nullcontext()
-            with torch.set_grad_enabled(grad), torch.random.fork_rng(devices=devices), context:
+            with torch.set_grad_enabled(grad), fork_rng_of(devices), context:
                 return pl_module.training_step(_kept(batch), batch_idx)  # a fresh copy: each replay may pop from it
 
         try:

@@ -21,6 +21,7 @@ from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
+from lightning_monitor._compat import fork_rng_of
 from lightning_monitor.probes import dry_run
 from lightning_monitor.probes.per_example.kernels import project_matrix
 from lightning_monitor.probes.per_example.registry import Handler, handler_for
@@ -1075,7 +1076,7 @@ class PerExampleGradNorms:
         # the run works on copies of the buffers (BatchNorm statistics stay as they are: the real ones are
         # saved for the backward, and must keep their version)
         buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
-        devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+        devices = sorted({p.device for p in module.parameters()}, key=str)
         error: Optional[BaseException] = None
         self._dry = dry
         used = getattr(self, "_entry_forward", None)
@@ -1100,7 +1101,7 @@ class PerExampleGradNorms:
                 # under DDP / FSDP the entry is the LightningModule running `training_step`: what it logs on the
                 # slice is not the step's (the slice's loss would replace the logged one)
                 module.log = module.log_dict = _no_log  # type: ignore[method-assign]
-            with torch.no_grad(), torch.random.fork_rng(devices=devices), warnings.catch_warnings(), dry_run():
+            with torch.no_grad(), fork_rng_of(devices), warnings.catch_warnings(), dry_run():
                 warnings.simplefilter("ignore")  # the model's warnings belong to its real calls
                 sliced = _resize_batch(args, batch, small, dim, order), _resize_batch(kwargs, batch, small, dim, order)
                 with _ParametersReadOnly(params):
