@@ -25,6 +25,8 @@ __all__ = [
     "fork_rng_of",
     "grad_scaler_scale",
     "has_forward_pre_hooks",
+    "set_versions",
+    "versions_settable",
 ]
 
 # ---------------------------------------------------------------- torch: fused multi-tensor kernels
@@ -183,3 +185,36 @@ def fork_rng_of(devices: Sequence[torch.device]) -> Any:
         return torch.random.fork_rng(devices=indices, device_type=kind)
     except TypeError:  # a torch whose fork_rng forks CUDA devices only
         return torch.random.fork_rng(devices=[])
+
+
+# ---------------------------------------------------------------- torch: autograd's version counters
+
+
+def set_versions(tensors: Sequence[Tensor], versions: Sequence[int]) -> bool:
+    """Set the autograd version counters of ``tensors`` to ``versions``: for a write that changed no value but was
+    counted (the per-example probe's runs on slices skip such writes into parameters; one made on the parameter itself
+    still counts a version, and the step's backward would take its saved weights for changed). No public API sets a
+    version: ``torch._C._autograd._unsafe_set_version_counter`` (private; checked on torch 2.13, where it takes
+    sequences; one tensor at a time in some earlier versions). Returns whether every version is set; ``False`` where the
+    name is missing (then the caller refuses the write as before)."""
+    setter = _version_setter()
+    if setter is None:
+        return False
+    try:
+        try:
+            setter(tuple(tensors), tuple(int(v) for v in versions))
+        except TypeError:
+            for t, v in zip(tensors, versions):
+                setter(t, int(v))
+    except (TypeError, RuntimeError):
+        return False
+    return all(t._version == v for t, v in zip(tensors, versions))
+
+
+def _version_setter() -> Any:
+    return getattr(getattr(torch._C, "_autograd", None), "_unsafe_set_version_counter", None)
+
+
+def versions_settable() -> bool:
+    """Whether :func:`set_versions` can work in this torch (else a write it would have to undo is refused)."""
+    return _version_setter() is not None

@@ -151,3 +151,20 @@ def test_a_model_clamping_a_weight_every_forward_is_measured(via_data):
     assert float(trainer.callback_metrics["gns/coverage"]) == pytest.approx(1.0)
     assert float(model.net.coefs.weight.abs().max()) <= 0.1 + 0.1 * 6  # clamped each step, then one SGD update
 
+
+
+def test_without_a_way_to_put_a_version_back_such_writes_are_refused_as_before(monkeypatch):
+    """Where torch cannot set a version counter back, a skipped write on the parameter itself would leave its version
+    moved (the step's backward would fail its check): every write into a parameter is refused, as before."""
+    import lightning_monitor._compat as compat
+
+    monkeypatch.setattr(compat, "_version_setter", lambda: None)
+    layer = nn.Linear(4, 4)
+    with torch.no_grad():
+        layer.weight.clamp_(-0.1, 0.1)
+    version = layer.weight._version
+    with torch.no_grad(), _ParametersReadOnly(list(layer.parameters())):
+        with pytest.raises(ParameterWrite):
+            layer.weight.clamp_(-0.1, 0.1)
+    assert layer.weight._version == version
+    assert not _versions_put_back([layer.weight], [version - 1])

@@ -21,7 +21,7 @@ from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
-from lightning_monitor._compat import fork_rng_of
+from lightning_monitor._compat import fork_rng_of, set_versions, versions_settable
 from lightning_monitor.probes import dry_run
 from lightning_monitor.probes.per_example.kernels import project_matrix
 from lightning_monitor.probes.per_example.registry import Handler, handler_for
@@ -283,15 +283,18 @@ def _refill(v: Any, saved: Any) -> None:
 
 class _ParametersReadOnly(TorchDispatchMode):
     """Refuses, before it runs, any operation that would write into the storage of one of ``params`` (raises
-    :class:`ParameterWrite`), but skips an in-place operation that would leave the values as they are. The model's runs on a slice of the batch work on copies of its buffers, not of its
-    parameters (a copy of every weight costs the model's size again); a model that writes to its own weights in a
-    forward (RWKV divides some of them in place when it switches to eval mode) would change the weights the step's
-    backward has saved (its version check fails) and keep them changed."""
+    :class:`ParameterWrite`), but skips an in-place operation that would leave the values as they are. The model's
+    runs on a slice of the batch work on copies of its buffers, not of its parameters (a copy of every weight costs
+    the model's size again); a model that writes to its own weights in a forward (RWKV divides some of them in place
+    when it switches to eval mode) would change the weights the step's backward has saved (its version check fails)
+    and keep them changed."""
 
     def __init__(self, params: list[Tensor]) -> None:
         super().__init__()
         # empty tensors have no storage to write into (their address is 0, shared by every empty tensor)
         self._storages = {p.untyped_storage().data_ptr() for p in params if p.device.type != "meta" and p.numel()}
+        # a skipped write may still count a version on the parameter, put back after the run: only where torch can
+        self._skips = versions_settable()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -304,7 +307,8 @@ class _ParametersReadOnly(TorchDispatchMode):
                 for t in value if isinstance(value, (list, tuple)) else (value,):
                     if (isinstance(t, Tensor) and t.device.type != "meta" and t.numel()
                             and t.untyped_storage().data_ptr() in self._storages):
-                        if written == [0] and len(args) > 0 and t is args[0] and self._leaves_as_is(func, args, kwargs):
+                        if (self._skips and written == [0] and len(args) > 0 and t is args[0]
+                                and self._leaves_as_is(func, args, kwargs)):
                             return t  # skipped: it would write what is there already
                         raise ParameterWrite(f"{func} writes into a parameter in place")
         return func(*args, **kwargs)
@@ -313,7 +317,8 @@ class _ParametersReadOnly(TorchDispatchMode):
     def _leaves_as_is(func: Any, args: tuple[Any, ...], kwargs: Any) -> bool:
         """Whether the in-place ``func`` on ``args[0]`` would leave every value of it as it is (tried on a copy). A
         model may clamp a weight on every forward to a range it already lies in (Gemma 3n clamps its AltUp coefficients
-        in training mode): then the write is skipped, nothing of the parameter is touched, not even its version."""
+        in training mode): then the write is skipped and no value changes (a version autograd still counts for a write
+        on the parameter itself, not on its ``.data``, is put back after the run: :func:`_versions_put_back`)."""
         trial = args[0].clone()
         func(trial, *args[1:], **kwargs)
         return torch.equal(trial, args[0])
@@ -329,17 +334,7 @@ def _versions_put_back(params: list[Tensor], versions: list[int]) -> bool:
     parameter itself (not on its ``.data``) still counts a version, and the step's backward would take its saved weights
     for changed. ``False`` where a version moved and this torch cannot set it back."""
     moved = [(p, v) for p, v in zip(params, versions) if p._version != v]
-    if not moved:
-        return True
-    setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
-    if setter is None:
-        return False
-    try:
-        setter(tuple(p for p, _ in moved), tuple(v for _, v in moved))
-    except TypeError:  # torch 2.4: one tensor at a time
-        for p, v in moved:
-            setter(p, v)
-    return all(p._version == v for p, v in moved)
+    return not moved or set_versions([p for p, _ in moved], [v for _, v in moved])
 
 
 def _plain_parameters(module: nn.Module) -> list[Tensor]:
