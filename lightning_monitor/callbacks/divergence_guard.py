@@ -187,8 +187,8 @@ class DivergenceGuard(Monitor):
     **Every optimizer step, without a host sync:** the step's loss (unscaled under AMP) and the fp32 global
     gradient norm (before clipping), averaged over the ranks, are copied to the host asynchronously and
     judged ``lag_steps`` steps later (0 on CPU, 2 on an accelerator: the copy is done by then; from an accelerator
-    other than CUDA, such as MPS, the copy waits for the device instead: there is no CUDA event to mark its end). On one CPU
-    process, where nothing waits, one fused finiteness check reads the gradients instead, and the norm is taken
+    other than CUDA, such as MPS, the copy waits for the device instead: there is no CUDA event to mark its end). On
+    one CPU process, where nothing waits, one fused finiteness check reads the gradients instead, and the norm is taken
     only when it finds something (only a non-finite norm is judged). Non-finite
     gradients are zeroed (``zero_nonfinite_grads``), so a NaN/Inf never reaches the weights. Every
     ``every_n_steps`` steps the guard also checks: snapshots, and the other monitors' critical alerts.

@@ -79,7 +79,7 @@ class LinearHandler(Handler):
         def fused_forward(x: Tensor) -> Tensor:
             w, b = m.weight, m.bias
             mode = uses.note(x)
-            if mode in ("dry", "skip"):
+            if mode in ("dry", "skip") or uses.left_out(every=True):  # a layer left out at an earlier check: plain
                 return F.linear(x, w, b)
             use_rule, choice = rule, None
             needs = x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)
@@ -184,13 +184,13 @@ def _plain_linear_grads(x: Tensor, weight: Tensor, has_bias: bool, grad: Tensor,
                         needs: tuple[bool, ...]) -> tuple[Optional[Tensor], ...]:
     """The gradients of ``F.linear(x, weight, bias)`` as autograd computes them (``F.linear`` again on detached
     copies: the bias's value does not enter its gradients, a zero one of its shape takes the same kernels)."""
+    leaves = [x.detach(), weight.detach(), weight.new_zeros(weight.shape[0]) if has_bias else None]
+    wanted = [t.requires_grad_() for t, n in zip(leaves, needs) if t is not None and n]
+    if not wanted:
+        return None, None, None
     with torch.enable_grad():
-        xs = x.detach().requires_grad_(needs[0])
-        ws = weight.detach().requires_grad_(needs[1])
-        bs = weight.new_zeros(weight.shape[0]).requires_grad_(needs[2]) if has_bias else None
-        inputs = [t for t, n in ((xs, needs[0]), (ws, needs[1]), (bs, needs[2])) if t is not None and n]
-        got = iter(torch.autograd.grad(F.linear(xs, ws, bs), inputs, grad)) if inputs else iter(())
-        return tuple(next(got) if t is not None and n else None for t, n in ((xs, needs[0]), (ws, needs[1]), (bs, needs[2])))
+        got = dict(zip(map(id, wanted), torch.autograd.grad(F.linear(*leaves), wanted, grad)))
+    return tuple(got.get(id(t)) if t is not None else None for t in leaves)
 
 
 @register_by_name("transformers.pytorch_utils.Conv1D")

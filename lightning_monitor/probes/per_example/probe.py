@@ -437,13 +437,17 @@ class _Uses:
 
         return done
 
-    def left_out(self) -> bool:
-        """Whether this module's parameters are left out (:attr:`PerExampleGradNorms.reasons`), as found by the time of
-        its backward: a BatchNorm normalising with its batch's statistics takes an input that depends on them (found in
-        the forward), or no batch dimension was found for its input (found by its backward's first results). A fused
-        backward then returns the gradients autograd would, so that the step is the same as without the probe."""
+    def left_out(self, every: bool = False) -> bool:
+        """Whether this module's parameters (any of them; ``every``: all of them) are left out
+        (:attr:`PerExampleGradNorms.reasons`), as found so far: a BatchNorm normalising with its batch's statistics takes
+        an input that depends on them (found in the forward), or no batch dimension was found for its input (found by
+        its backward's first results). A fused backward then returns the gradients autograd would, so that the step is
+        the same as without the probe; a module all of whose parameters are left out runs its plain forward."""
         probe = self._probe()
-        return probe is not None and any(probe._names[pid] in probe.reasons for _, pid in self.params)
+        if probe is None:
+            return False
+        out = (probe._names[pid] in probe.reasons for _, pid in self.params)
+        return all(out) if every else any(out)
 
     def record(self, x: Tensor, output: Any, rule: LinearRule) -> None:
         """One use with input ``x``: capture it and hook the output gradient."""
