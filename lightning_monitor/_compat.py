@@ -27,6 +27,7 @@ __all__ = [
     "has_forward_pre_hooks",
     "set_versions",
     "versions_settable",
+    "written_tensors",
 ]
 
 # ---------------------------------------------------------------- torch: fused multi-tensor kernels
@@ -218,3 +219,30 @@ def _version_setter() -> Any:
 def versions_settable() -> bool:
     """Whether :func:`set_versions` can work in this torch (else a write it would have to undo is refused)."""
     return _version_setter() is not None
+
+
+# ---------------------------------------------------------------- torch: what an operation writes in place
+
+#: per aten operation, the indices and names of the arguments its schema marks as written in place (read once each)
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[int, Tensor]]:
+    """The tensors the aten operation ``func`` (as a ``TorchDispatchMode`` receives it) writes into in place, each with
+    the index of its argument: the arguments its schema marks as written (``Tensor(a!)``, an in-place method's
+    ``self``, an ``out=``). Read from ``func._schema`` (an ``OpOverload``'s schema: no public API lists what an
+    operation mutates; checked on torch 2.13). Without a schema, an operation is taken to write into nothing."""
+    writes = _WRITES.get(func)
+    if writes is None:
+        schema = getattr(func, "_schema", None)
+        writes = () if schema is None or not schema.is_mutable else tuple(
+            (i, arg.name) for i, arg in enumerate(schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write)
+        _WRITES[func] = writes
+    out: list[tuple[int, Tensor]] = []
+    for i, name in writes:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, Tensor):
+                out.append((i, t))
+    return out

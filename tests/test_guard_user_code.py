@@ -403,3 +403,67 @@ def test_a_creep_soon_after_a_rollback_is_judged_as_a_climb(after_rollback):
             climbs.append(step)
     assert bool(climbs) == after_rollback
     assert not climbs or (climbs[0] < 130 and guard._climb_after_rollback)  # its message says so
+
+
+class _WritesItsWeights(pl.LightningModule):
+    """Token classification through ``nn.Embedding(max_norm=1)``, which renormalises the rows it looks up in place on
+    every forward; ``clamp``: the step also clamps a scale parameter in place through ``.data`` (a projection kept in
+    the step)."""
+
+    def __init__(self, clamp: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(30, 16, max_norm=1.0)
+        self.scale = nn.Parameter(torch.tensor(3.0))
+        self.head = nn.Linear(16, 5)
+        self.clamp = clamp
+
+    def training_step(self, batch, batch_idx):
+        tokens, y = batch
+        if self.clamp:
+            self.scale.data.clamp_(max=1.0 + 0.01 * self.global_step)
+        return F.cross_entropy(self.head(self.scale * torch.tanh(self.emb(tokens)).mean(1)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def _token_loader():
+    g = torch.Generator().manual_seed(0)
+    tokens, y = torch.randint(0, 30, (64, 7), generator=g), torch.randint(0, 5, (64,), generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens, y), batch_size=8, shuffle=True,
+                                       generator=torch.Generator().manual_seed(0))
+
+
+def _fit_weights(tmp_path, callbacks, clamp=False):
+    pl.seed_everything(0, verbose=False)
+    model = _WritesItsWeights(clamp)
+    pl.Trainer(max_steps=30, accelerator="cpu", logger=False, callbacks=callbacks, enable_progress_bar=False,
+               enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path).fit(model, _token_loader())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, model
+
+
+def test_replays_undo_a_steps_writes_into_its_weights(tmp_path):
+    # the end-of-fit check replays kept batches under the last weights: the max_norm embedding renormalised their rows
+    # in place, and the guarded run ended with other weights than the unguarded one (max difference 6e-4)
+    plain, _ = _fit_weights(tmp_path / "plain", [])
+    guard = DivergenceGuard()
+    guarded, model = _fit_weights(tmp_path / "guarded", [guard])
+    assert not guard.rollbacks and guard.stopped_step is None
+    for name in plain:
+        assert torch.equal(plain[name], guarded[name]), name
+    # a replay on demand, of a batch whose rows exceed the norm now, with a clamp that changes a value
+    model.clamp = True
+    with torch.no_grad():
+        model.emb.weight.mul_(3.0)
+        model.scale.fill_(2.0)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    versions = {k: v._version for k, v in model.named_parameters()}
+    loss = guard._batch_loss(model, next(iter(_token_loader())), 0)
+    assert loss is not None and math.isfinite(loss)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    from lightning_monitor._compat import versions_settable
+
+    if versions_settable():
+        assert {k: v._version for k, v in model.named_parameters()} == versions

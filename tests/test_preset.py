@@ -6,13 +6,14 @@ trains, and per-layer statistics are folded into histograms by default."""
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import tb_event_accumulator
+from conftest import tb_event_accumulator, tb_scalars
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
@@ -252,6 +253,44 @@ def test_a_model_with_nothing_to_watch_for_some_monitors_trains(tmp_path) -> Non
     idle = [a for a in hm.guard.hub.history if a.kind == "nothing_to_watch"]
     assert {a.monitor for a in idle} >= {"sa", "gwa"}
     assert all(a.severity == "warning" for a in idle)
+
+
+
+class _ComplexLayer(pl.LightningModule):
+    """A complex ``nn.Linear`` (an FFT-domain filter, say) under a real classifier head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(12, 16, dtype=torch.cfloat)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.a(x.to(torch.cfloat)).abs())
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_complex_layers_are_left_out_not_measured_wrong(tmp_path) -> None:
+    # SA raised "weight must be real" at its first check and stopped the fit; the per-example probe read a complex
+    # Linear as measured (coverage 1.0) with norms off by up to 72%: its rules cast to float, dropping the imaginary part
+    g = torch.Generator().manual_seed(0)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(64, 12, generator=g), torch.randint(0, 5, (64,), generator=g)),
+        batch_size=8)
+    hm = lm.HealthMonitor(**FAST)
+    trainer = _trainer(tmp_path, [hm], max_steps=6)
+    trainer.fit(_ComplexLayer(), loader)
+    assert trainer.global_step == 6
+    assert hm.spectral.idle_reason and "complex weights (a)" in hm.spectral.idle_reason  # and the head left out
+    probe = lm.PerExampleGradNorms(_ComplexLayer())
+    assert "complex" in probe.reasons["a.weight"] and "complex" in probe.reasons["a.bias"]
+    scalars = tb_scalars(os.path.join(str(tmp_path), "run"))
+    coverage = [v for _, v in scalars["gns/coverage"]]
+    assert coverage and all(0.0 < v < 1.0 for v in coverage)
 
 
 

@@ -888,8 +888,10 @@ class GradientWeightAlignmentMonitor(Monitor):
 
     @staticmethod
     def _candidates(pl_module: pl.LightningModule) -> list[tuple[str, nn.Linear]]:
-        """The modules that may be the classifier head: every ``nn.Linear`` with >= 2 outputs, in registration order."""
-        return [(n, m) for n, m in pl_module.named_modules() if isinstance(m, nn.Linear) and m.out_features >= 2]
+        """The modules that may be the classifier head: every real ``nn.Linear`` with >= 2 outputs, in registration
+        order (a complex one gives no softmax logits)."""
+        return [(n, m) for n, m in pl_module.named_modules()
+                if isinstance(m, nn.Linear) and m.out_features >= 2 and not m.weight.is_complex()]
 
     # ------------------------------------------------------------------ which Linear is the head
     def _watch_heads(self, pl_module: pl.LightningModule) -> None:

@@ -304,6 +304,8 @@ class SpectralAlignmentMonitor(Monitor):
     # ------------------------------------------------------------------ setup
     @staticmethod
     def _watchable(module: nn.Module) -> bool:
+        if any(p.is_complex() for p in module.parameters()):
+            return False  # the alignment is defined for real weights (a complex layer is left out)
         if isinstance(module, nn.Conv2d):
             return module.groups == 1
         if isinstance(module, nn.MultiheadAttention):
@@ -312,7 +314,7 @@ class SpectralAlignmentMonitor(Monitor):
 
     def select_layers(self, model: nn.Module) -> dict[str, nn.Module]:
         """The layers this monitor watches in ``model`` (see ``include``/``exclude``/``head``): every
-        ``nn.Linear``, Hugging Face ``Conv1D`` and ungrouped ``nn.Conv2d``.
+        ``nn.Linear``, Hugging Face ``Conv1D`` and ungrouped ``nn.Conv2d`` with real weights (a complex one is left out).
 
         Raises:
             NothingToWatch: (a ``ValueError``) the model has no such layer, or none is left.
@@ -320,11 +322,12 @@ class SpectralAlignmentMonitor(Monitor):
         if not any(self._watchable(m) for m in model.modules()):
             raise NothingToWatch(
                 f"SpectralAlignmentMonitor: {type(model).__name__} has no nn.Linear layer (nor a Hugging Face "
-                "Conv1D or an ungrouped nn.Conv2d), and spectral alignment is defined for layers that multiply "
-                "their input by a weight matrix. Remove the monitor, or use it on a model with such layers."
+                "Conv1D or an ungrouped nn.Conv2d) with real weights, and spectral alignment is defined for layers that "
+                "multiply their input by a real weight matrix. Remove the monitor, or use it on a model with such layers."
             )
         types = linear_types() + (nn.Conv2d, nn.MultiheadAttention)
         selected = select_modules(model, self.include, self.exclude, types, owner="SpectralAlignmentMonitor")
+        complex_ = [n for n, m in selected.items() if any(p.is_complex() for p in m.parameters())]
         selected = {n: m for n, m in selected.items() if self._watchable(m)}
         head = find_output_head(model) if self.head == AUTO else self.head
         if head is not None and head not in self.include:
@@ -337,8 +340,10 @@ class SpectralAlignmentMonitor(Monitor):
         if not selected:
             raise NothingToWatch(
                 "SpectralAlignmentMonitor: no nn.Linear layer (nor Conv1D, ungrouped Conv2d) left to monitor after "
-                f"`include`/`exclude` and leaving out the output head {head!r}. Widen `include`, or pass "
-                "`head=None` to monitor the head too."
+                f"`include`/`exclude` and leaving out the output head {head!r}"
+                + (f" and the layers with complex weights ({', '.join(complex_[:4])}{'...' if len(complex_) > 4 else ''})"
+                   if complex_ else "")
+                + ". Widen `include`, or pass `head=None` to monitor the head too."
             )
         return selected
 

@@ -21,7 +21,7 @@ from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
-from lightning_monitor._compat import fork_rng_of, set_versions, versions_settable
+from lightning_monitor._compat import fork_rng_of, set_versions, versions_settable, written_tensors
 from lightning_monitor.probes import dry_run
 from lightning_monitor.probes.per_example.kernels import project_matrix
 from lightning_monitor.probes.per_example.registry import Handler, handler_for
@@ -298,19 +298,13 @@ class _ParametersReadOnly(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func._schema.is_mutable:
-            written = [i for i, arg in enumerate(func._schema.arguments)
-                       if arg.alias_info is not None and arg.alias_info.is_write]
-            for i in written:
-                arg = func._schema.arguments[i]
-                value = args[i] if i < len(args) else kwargs.get(arg.name)
-                for t in value if isinstance(value, (list, tuple)) else (value,):
-                    if (isinstance(t, Tensor) and t.device.type != "meta" and t.numel()
-                            and t.untyped_storage().data_ptr() in self._storages):
-                        if (self._skips and written == [0] and len(args) > 0 and t is args[0]
-                                and self._leaves_as_is(func, args, kwargs)):
-                            return t  # skipped: it would write what is there already
-                        raise ParameterWrite(f"{func} writes into a parameter in place")
+        written = written_tensors(func, args, kwargs)
+        for _, t in written:
+            if t.device.type != "meta" and t.numel() and t.untyped_storage().data_ptr() in self._storages:
+                if (self._skips and all(i == 0 for i, _ in written) and t is args[0]
+                        and self._leaves_as_is(func, args, kwargs)):
+                    return t  # skipped: it would write what is there already
+                raise ParameterWrite(f"{func} writes into a parameter in place")
         return func(*args, **kwargs)
 
     @staticmethod
@@ -681,8 +675,11 @@ class PerExampleGradNorms:
                 continue
             computed = handler.param_names(mod)
             left: dict[str, str] = {}
-            for ln, _ in own:
-                if computed is not None and ln not in computed:  # a subclass's own (LoRA adapters, weight_norm's g / v)
+            for ln, p in own:
+                if p.is_complex():
+                    left[ln] = (f"{type(mod).__name__}.{ln} is complex ({p.dtype}): the per-example rules here are for "
+                                "real parameters")
+                elif computed is not None and ln not in computed:  # a subclass's own (LoRA adapters, weight_norm's g / v)
                     left[ln] = (f"{type(mod).__name__}.{ln} is not computed by the handler of its module type, which "
                                 f"computes {' and '.join(computed)} only: a parameter the layer holds besides them "
                                 "(LoRA adapters, weight_norm's weight_g / weight_v) has no per-example rule here")
