@@ -889,9 +889,10 @@ class GradientWeightAlignmentMonitor(Monitor):
     @staticmethod
     def _candidates(pl_module: pl.LightningModule) -> list[tuple[str, nn.Linear]]:
         """The modules that may be the classifier head: every real ``nn.Linear`` with >= 2 outputs, in registration
-        order (a complex one gives no softmax logits)."""
+        order (a complex one gives no softmax logits). Its parameters are read, not ``m.weight``: a parametrized weight
+        (spectral_norm) would be computed, and spectral_norm's power iteration would step in training mode."""
         return [(n, m) for n, m in pl_module.named_modules()
-                if isinstance(m, nn.Linear) and m.out_features >= 2 and not m.weight.is_complex()]
+                if isinstance(m, nn.Linear) and m.out_features >= 2 and not any(p.is_complex() for p in m.parameters())]
 
     # ------------------------------------------------------------------ which Linear is the head
     def _watch_heads(self, pl_module: pl.LightningModule) -> None:
