@@ -16,11 +16,10 @@ import torch
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_monitor._args import check_bool, check_fraction, check_int, check_positive, deprecated_aliases
-from lightning_monitor._compat import (backward_skipped, foreach_norm, fork_rng_of, grad_scaler_scale, set_versions,
-                                       written_tensors)
+from lightning_monitor._compat import backward_skipped, foreach_norm, fork_rng_of, grad_scaler_scale
+from lightning_monitor._param_writes import WritesUndone, plain_parameters
 from lightning_monitor._sharded import local, nonfinite_on_host, squared_norms
 from lightning_monitor.alerts import SUPERSEDED_FILENAME, Alert, alerts_dir, read_records
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch
@@ -177,44 +176,6 @@ class _WeightAverage:
                 for name, saved in state["average"].items():
                     if name in current:
                         current[name].copy_(saved)
-
-
-class _WritesUndone(TorchDispatchMode):
-    """Lets every operation of a replay run, but first copies each plain parameter of ``module`` that an operation is
-    about to write into in place (at its first write); :meth:`undo` puts the copies back. A ``training_step`` may
-    write into its own weights: ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up, a clamp or a target
-    network's update may sit in the step. Run again on a kept batch, such a step changed the weights of the run (the
-    end-of-fit check left a max_norm embedding's rows renormalised under the last weights, and the run's final
-    weights differed from the unguarded run's). Only what is written is copied, and only in a replay."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        super().__init__()
-        # empty tensors have no storage to write into; a DTensor's shard is written through the DTensor (left alone)
-        self._by_storage = {p.untyped_storage().data_ptr(): p for p in module.parameters()
-                            if type(p.data) is Tensor and p.device.type != "meta" and p.numel()}
-        self._saved: dict[int, tuple[Tensor, Tensor, int]] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        for _, t in written_tensors(func, args, kwargs):
-            if t.device.type == "meta" or not t.numel():
-                continue
-            key = t.untyped_storage().data_ptr()
-            param = self._by_storage.get(key)
-            if param is not None and key not in self._saved:
-                self._saved[key] = (param, param.detach().clone(), param._version)
-        return func(*args, **kwargs)
-
-    def undo(self) -> None:
-        """Put back the values (and, where torch can, the autograd versions) of the parameters written since the last
-        :meth:`undo`."""
-        if not self._saved:
-            return
-        saved, self._saved = list(self._saved.values()), {}
-        with torch.no_grad():
-            for param, value, _ in saved:
-                param.copy_(value)
-        set_versions([p for p, _, _ in saved], [v for _, _, v in saved])
 
 
 def _is_critical(alert: Optional[Alert]) -> bool:
@@ -1623,7 +1584,7 @@ class DivergenceGuard(Monitor):
     def _batch_loss(self, pl_module: pl.LightningModule, batch: Any = None, batch_idx: Optional[int] = None) -> Optional[float]:
         """The loss of a batch (default: the current one) under the module's present weights, with no side effect on
         the module (its buffers, BatchNorm's running statistics among them, are put back, and so are its parameters
-        where the step writes into them: :class:`_WritesUndone`; the random state too).
+        where the step writes into them: :class:`~lightning_monitor._param_writes.WritesUndone`; the random state too).
         Under manual optimization (one optimizer) the step's backward, optimizer steps, gradient clipping and
         scheduler steps do nothing during the replay (the gradients about to be applied are left as they are), and
         the loss is what the step gives ``manual_backward``."""
@@ -1657,7 +1618,7 @@ class DivergenceGuard(Monitor):
         precision = getattr(getattr(pl_module, "_trainer", None), "precision_plugin", None)
 
         # a step that writes into the module's own weights (a max_norm embedding, a clamp): the writes are undone
-        writes = _WritesUndone(pl_module)
+        writes = WritesUndone(plain_parameters(pl_module))
 
         def replay(grad: bool) -> Any:
             context = precision.train_step_context() if precision is not None else contextlib.nullcontext()

@@ -18,10 +18,10 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
-from lightning_monitor._compat import fork_rng_of, set_versions, versions_settable, written_tensors
+from lightning_monitor._compat import fork_rng_of, set_versions, versions_settable
+from lightning_monitor._param_writes import ParameterWrite, ParametersReadOnly, WritesUndone, plain_parameters
 from lightning_monitor.probes import dry_run
 from lightning_monitor.probes.per_example.kernels import project_matrix
 from lightning_monitor.probes.per_example.registry import Handler, handler_for
@@ -281,60 +281,12 @@ def _refill(v: Any, saved: Any) -> None:
         v.extend(item for item, _ in saved)
 
 
-class _ParametersReadOnly(TorchDispatchMode):
-    """Refuses, before it runs, any operation that would write into the storage of one of ``params`` (raises
-    :class:`ParameterWrite`), but skips an in-place operation that would leave the values as they are. The model's
-    runs on a slice of the batch work on copies of its buffers, not of its parameters (a copy of every weight costs
-    the model's size again); a model that writes to its own weights in a forward (RWKV divides some of them in place
-    when it switches to eval mode) would change the weights the step's backward has saved (its version check fails)
-    and keep them changed."""
-
-    def __init__(self, params: list[Tensor]) -> None:
-        super().__init__()
-        # empty tensors have no storage to write into (their address is 0, shared by every empty tensor)
-        self._storages = {p.untyped_storage().data_ptr() for p in params if p.device.type != "meta" and p.numel()}
-        # a skipped write may still count a version on the parameter, put back after the run: only where torch can
-        self._skips = versions_settable()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        written = written_tensors(func, args, kwargs)
-        for _, t in written:
-            if t.device.type != "meta" and t.numel() and t.untyped_storage().data_ptr() in self._storages:
-                if (self._skips and all(i == 0 for i, _ in written) and t is args[0]
-                        and self._leaves_as_is(func, args, kwargs)):
-                    return t  # skipped: it would write what is there already
-                raise ParameterWrite(f"{func} writes into a parameter in place")
-        return func(*args, **kwargs)
-
-    @staticmethod
-    def _leaves_as_is(func: Any, args: tuple[Any, ...], kwargs: Any) -> bool:
-        """Whether the in-place ``func`` on ``args[0]`` would leave every value of it as it is (tried on a copy). A
-        model may clamp a weight on every forward to a range it already lies in (Gemma 3n clamps its AltUp coefficients
-        in training mode): then the write is skipped and no value changes (a version autograd still counts for a write
-        on the parameter itself, not on its ``.data``, is put back after the run: :func:`_versions_put_back`)."""
-        trial = args[0].clone()
-        func(trial, *args[1:], **kwargs)
-        return torch.equal(trial, args[0])
-
-
-class ParameterWrite(RuntimeError):
-    """A forward run on a slice of the batch tried to write into a parameter (refused, see :class:`_ParametersReadOnly`)."""
-
-
 def _versions_put_back(params: list[Tensor], versions: list[int]) -> bool:
-    """Give ``params`` back the autograd versions they had before a run on a slice of the batch. Only a write that left
-    a parameter's values as they were was let through (and skipped: :class:`_ParametersReadOnly`), but one made on the
-    parameter itself (not on its ``.data``) still counts a version, and the step's backward would take its saved weights
-    for changed. ``False`` where a version moved and this torch cannot set it back."""
+    """Give ``params`` back the autograd versions they had before a run on a slice of the batch (a safety net: the run's
+    writes are undone with their versions by :class:`~lightning_monitor._param_writes.WritesUndone`). ``False`` where a
+    version moved and this torch cannot set it back."""
     moved = [(p, v) for p, v in zip(params, versions) if p._version != v]
     return not moved or set_versions([p for p, _ in moved], [v for _, v in moved])
-
-
-def _plain_parameters(module: nn.Module) -> list[Tensor]:
-    """The module's parameters that are plain tensors (a DTensor's local shard is left out: the dispatch mode sees its
-    operations on the DTensor, not on the shard)."""
-    return [p for p in module.parameters() if type(p.data) is Tensor]
 
 
 def _restore_attributes(saved: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]) -> list[str]:
@@ -1085,8 +1037,11 @@ class PerExampleGradNorms:
         # that calls none of their hooked projections: the run would miss the calls the real forward makes
         fastpath = torch.backends.mha.get_fastpath_enabled()
         torch.backends.mha.set_fastpath_enabled(False)
-        params = _plain_parameters(module)
+        params = plain_parameters(module)
         versions = [p._version for p in params]
+        # a model that writes into its weights in a forward (RWKV rescales some on entering eval mode): the writes run,
+        # and are undone after the run; where torch cannot set a version back, they are refused
+        writes: Any = WritesUndone(params) if versions_settable() else ParametersReadOnly(params)
         try:
             for m, _ in modes:
                 m.training = False
@@ -1100,13 +1055,16 @@ class PerExampleGradNorms:
             with torch.no_grad(), fork_rng_of(devices), warnings.catch_warnings(), dry_run():
                 warnings.simplefilter("ignore")  # the model's warnings belong to its real calls
                 sliced = _resize_batch(args, batch, small, dim, order), _resize_batch(kwargs, batch, small, dim, order)
-                with _ParametersReadOnly(params):
+                with writes:
                     out = _shapes(functional_call(module, buffers, *sliced, strict=False))
         except Exception as err:  # the model may require its batch size: the modules stay unresolved
             error = err
         finally:
-            if error is None and not _versions_put_back(params, versions):
-                error = ParameterWrite("a write into a parameter that left its values as they were changed its version")
+            # the run's writes into parameters are undone (values and versions), failed or not; without a way to set a
+            # version back they were refused instead
+            undone = writes.undo() if isinstance(writes, WritesUndone) else True
+            if not (_versions_put_back(params, versions) and undone) and error is None:
+                error = ParameterWrite("a write into a parameter during the run on a slice changed its version")
             self._dry, self._dry_inputs = None, None
             torch.backends.mha.set_fastpath_enabled(fastpath)
             for m, mode in modes:
