@@ -227,11 +227,11 @@ def versions_settable() -> bool:
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
 
 
-def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[int, Tensor]]:
-    """The tensors the aten operation ``func`` (as a ``TorchDispatchMode`` receives it) writes into in place, each with
-    the index of its argument: the arguments its schema marks as written (``Tensor(a!)``, an in-place method's
-    ``self``, an ``out=``). Read from ``func._schema`` (an ``OpOverload``'s schema: no public API lists what an
-    operation mutates; checked on torch 2.13). Without a schema, an operation is taken to write into nothing."""
+def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+    """The tensors the aten operation ``func`` (as a ``TorchDispatchMode`` receives it) writes into in place: the
+    arguments its schema marks as written (``Tensor(a!)``, an in-place method's ``self``, an ``out=``). Read from
+    ``func._schema`` (an ``OpOverload``'s schema: no public API lists what an operation mutates; checked on torch
+    2.13). Without a schema, an operation is taken to write into nothing."""
     writes = _WRITES.get(func)
     if writes is None:
         schema = getattr(func, "_schema", None)
@@ -239,10 +239,8 @@ def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
             (i, arg.name) for i, arg in enumerate(schema.arguments)
             if arg.alias_info is not None and arg.alias_info.is_write)
         _WRITES[func] = writes
-    out: list[tuple[int, Tensor]] = []
+    out: list[Tensor] = []
     for i, name in writes:
         value = args[i] if i < len(args) else kwargs.get(name)
-        for t in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(t, Tensor):
-                out.append((i, t))
+        out.extend(t for t in (value if isinstance(value, (list, tuple)) else (value,)) if isinstance(t, Tensor))
     return out

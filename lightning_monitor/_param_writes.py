@@ -42,16 +42,11 @@ def _by_storage(params: Iterable[Tensor]) -> dict[int, list[Tensor]]:
     return out
 
 
-def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-             storages: dict[int, list[Tensor]]) -> list[tuple[int, Tensor, int]]:
-    """``(argument index, tensor, storage address)`` of each tensor ``func`` writes into that lies in ``storages``."""
-    out = []
-    for i, t in written_tensors(func, args, kwargs):
-        if t.device.type != "meta" and t.numel():
-            key = t.untyped_storage().data_ptr()
-            if key in storages:
-                out.append((i, t, key))
-    return out
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], storages: dict[int, list[Tensor]]) -> list[int]:
+    """The addresses in ``storages`` of the storages ``func`` writes into."""
+    keys = (t.untyped_storage().data_ptr() for t in written_tensors(func, args, kwargs)
+            if t.device.type != "meta" and t.numel())
+    return [key for key in keys if key in storages]
 
 
 class WritesUndone(TorchDispatchMode):
@@ -65,7 +60,7 @@ class WritesUndone(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        for _, _, key in _written(func, args, kwargs, self._storages):
+        for key in _written(func, args, kwargs, self._storages):
             if key not in self._saved:  # the version is counted after the operation: this is the one before it
                 self._saved[key] = [(p, p.detach().clone(), p._version) for p in self._storages[key]]
         return func(*args, **kwargs)
