@@ -258,6 +258,17 @@ def test_a_buffer_that_turns_nan_is_still_caught_beside_a_mask(tmp_path):
     assert guard.rollbacks or guard.stopped_step is not None
 
 
+class _Calls:
+    """What each call of a step saw, in an object the guard's replays do not put back (they put back the module's own
+    lists)."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def append(self, value: bool) -> None:
+        self.seen.append(value)
+
+
 class _InputPenalty(pl.LightningModule):
     """A classifier with an input-gradient penalty (``torch.autograd.grad`` inside ``training_step``) on a
     curriculum: classes 0-4 until step ``switch``, all 10 after (the loss rises: the data got harder). Records
@@ -267,7 +278,7 @@ class _InputPenalty(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 10))
-        self.switch, self.n, self.autocast = switch, n, []
+        self.switch, self.n, self.autocast = switch, n, _Calls()
 
     def training_step(self, batch, batch_idx):
         self.autocast.append(torch.is_autocast_enabled("cpu"))
@@ -313,8 +324,8 @@ def test_replays_run_under_the_precision_plugins_autocast(tmp_path):
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          default_root_dir=str(tmp_path))
     trainer.fit(model)
-    assert len(model.autocast) > 120  # the replays of the weights-or-data test are among the calls
-    assert all(model.autocast)
+    assert len(model.autocast.seen) > 120  # the replays of the weights-or-data test are among the calls
+    assert all(model.autocast.seen)
 
 
 def test_an_anomaly_at_the_first_step_after_a_resume_rolls_back_to_the_checkpoints_state(tmp_path):
@@ -467,3 +478,59 @@ def test_replays_undo_a_steps_writes_into_its_weights(tmp_path):
 
     if versions_settable():
         assert {k: v._version for k, v in model.named_parameters()} == versions
+
+
+class _RescalesForEval(pl.LightningModule):
+    """Hugging Face RWKV's habit: the second layer's weight is halved in place on the first forward in eval mode and
+    doubled back on the first one in training mode, with a flag on the module saying which; ``calls`` counts the
+    training steps run (a counter a step keeps)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.head = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+        self.rescaled, self.calls = False, 0
+
+    def forward(self, x):
+        if self.training == self.rescaled:
+            with torch.no_grad():
+                (self.b.weight.mul_ if self.training else self.b.weight.div_)(2.0)
+            self.rescaled = not self.training
+        return self.head(torch.relu(self.b(torch.relu(self.a(x)))))
+
+    def training_step(self, batch, batch_idx):
+        self.calls += 1
+        return F.cross_entropy(self(batch["x"]), batch["y"])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.cross_entropy(self(batch["x"]), batch["y"]))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_replays_put_back_what_the_step_sets_on_its_modules(tmp_path):
+    # the end-of-fit check replayed `training_step` after the last validation: in training mode the model doubled its
+    # weight back and set its flag; the weight was put back, the flag was not, and the next eval forward halved the
+    # weight again (a 12-layer RWKV's eval logits were 0.6 off). The step's counter moved too
+    data = _data()
+    def fit(callbacks):
+        pl.seed_everything(0, verbose=False)
+        model = _RescalesForEval()
+        trainer = pl.Trainer(max_steps=24, accelerator="cpu", logger=False, callbacks=callbacks, enable_progress_bar=False,
+                             enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
+                             val_check_interval=8, num_sanity_val_steps=0)
+        loader = lambda part: torch.utils.data.DataLoader(part, batch_size=BATCH, collate_fn=torch.utils.data.default_collate)
+        trainer.fit(model, loader(data[:768]), loader(data[768:]))
+        return model
+
+    plain, guard = fit([]), DivergenceGuard()
+    guarded = fit([guard])
+    assert not guard.rollbacks and guard.stopped_step is None
+    assert plain.rescaled and guarded.rescaled and guarded.calls == plain.calls == 24
+    for (name, a), b in zip(guarded.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name
+    x = torch.stack([d["x"] for d in data[:8]])
+    plain.eval(), guarded.eval()
+    with torch.no_grad():
+        assert torch.equal(guarded(x), plain(x))

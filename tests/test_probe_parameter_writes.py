@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_monitor import GradientNoiseScaleMonitor
 from lightning_monitor import PerExampleGradNorms
-from lightning_monitor._param_writes import ParameterWrite, ParametersReadOnly, WritesUndone
+from lightning_monitor._replays import ParameterWrite, ParametersReadOnly, WritesUndone
 from lightning_monitor.probes.per_example.probe import _versions_put_back
 
 

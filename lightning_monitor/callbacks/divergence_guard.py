@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lightning_monitor._args import check_bool, check_fraction, check_int, check_positive, deprecated_aliases
 from lightning_monitor._compat import backward_skipped, foreach_norm, fork_rng_of, grad_scaler_scale
-from lightning_monitor._param_writes import WritesUndone, plain_parameters
+from lightning_monitor._replays import WritesUndone, attributes, plain_parameters, restore_attributes
 from lightning_monitor._sharded import local, nonfinite_on_host, squared_norms
 from lightning_monitor.alerts import SUPERSEDED_FILENAME, Alert, alerts_dir, read_records
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch
@@ -1584,7 +1584,7 @@ class DivergenceGuard(Monitor):
     def _batch_loss(self, pl_module: pl.LightningModule, batch: Any = None, batch_idx: Optional[int] = None) -> Optional[float]:
         """The loss of a batch (default: the current one) under the module's present weights, with no side effect on
         the module (its buffers, BatchNorm's running statistics among them, are put back, and so are its parameters
-        where the step writes into them: :class:`~lightning_monitor._param_writes.WritesUndone`; the random state too).
+        where the step writes into them: :class:`~lightning_monitor._replays.WritesUndone`; the random state too).
         Under manual optimization (one optimizer) the step's backward, optimizer steps, gradient clipping and
         scheduler steps do nothing during the replay (the gradients about to be applied are left as they are), and
         the loss is what the step gives ``manual_backward``."""
@@ -1617,8 +1617,22 @@ class DivergenceGuard(Monitor):
         # under the precision plugin's context (bf16-mixed: autocast), as Lightning runs the step itself
         precision = getattr(getattr(pl_module, "_trainer", None), "precision_plugin", None)
 
-        # a step that writes into the module's own weights (a max_norm embedding, a clamp): the writes are undone
+        # a step that writes into the module's own weights (a max_norm embedding, a clamp): the writes are undone; and
+        # what it sets on its modules (a flag such as RWKV's `layers_are_rescaled`, a counter, a list appended to) is put
+        # back (after the silencing above, which the restore below undoes in turn)
         writes = WritesUndone(plain_parameters(pl_module))
+        kept = attributes(pl_module)
+
+        def put_back() -> None:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+            writes.undo()
+            lost = restore_attributes(kept)
+            if lost and not self._warned_lost:
+                self._warned_lost = True
+                rank_zero_warn(f"DivergenceGuard: its replay of `training_step` wrote into the large tensor attribute(s) "
+                               f"{', '.join(lost[:4])} in place, which it does not copy: those writes stay.")
 
         def replay(grad: bool) -> Any:
             context = precision.train_step_context() if precision is not None else contextlib.nullcontext()
@@ -1633,10 +1647,7 @@ class DivergenceGuard(Monitor):
                     raise
                 # a step that differentiates itself (`torch.autograd.grad`) fails without gradients: once more with
                 # them, and so from now on if that runs
-                for buffer, saved in buffers:
-                    with torch.no_grad():
-                        buffer.copy_(saved)
-                writes.undo()
+                put_back()
                 out = replay(True)
                 self._replay_grad = True
         except Exception as err:  # noqa: BLE001
@@ -1649,10 +1660,7 @@ class DivergenceGuard(Monitor):
                                f"({type(err).__name__}: {err}); loss rises are judged without asking older weights.")
             return None
         finally:
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
-            writes.undo()
+            put_back()
             for obj, name, had, value in reversed(patched):
                 if had:
                     setattr(obj, name, value)
@@ -2166,6 +2174,7 @@ class DivergenceGuard(Monitor):
         self._loss_acc: Optional[Tensor] = None
         self._judged_through = -1  # the last step judged
         self._warned_replay = False  # a replay of `training_step` failed once (said once)
+        self._warned_lost = False  # a replay wrote into a large tensor attribute, not put back (said once)
         self._batch_start: Optional[int] = None  # the optimizer step at the start of the current batch
         self._steps_per_batch = 1  # the most optimizer steps one batch made (manual optimization may make several)
         # several optimizers, `loss_rules=None`: whether they minimise one loss is read off the first batches

@@ -3,14 +3,13 @@ collects what their hooks compute, sums the uses of shared parameters and verifi
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import fnmatch
 import random
 import sys
 import warnings
 import weakref
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any, Callable, Literal, NamedTuple, Optional, Union
 
@@ -21,7 +20,9 @@ from torch.func import functional_call
 from torch.utils.hooks import RemovableHandle
 
 from lightning_monitor._compat import fork_rng_of, set_versions, versions_settable
-from lightning_monitor._param_writes import ParameterWrite, ParametersReadOnly, WritesUndone, plain_parameters
+from lightning_monitor._replays import (ParameterWrite, ParametersReadOnly, WritesUndone, plain_parameters,
+                                       restore_attributes)
+from lightning_monitor._replays import attributes as module_attributes
 from lightning_monitor.probes import dry_run
 from lightning_monitor.probes.per_example.kernels import project_matrix
 from lightning_monitor.probes.per_example.registry import Handler, handler_for
@@ -37,11 +38,6 @@ __all__ = ["PerExampleGradNorms"]
 #: container's forward, which then calls them: nn.MultiheadAttention's handler does).
 _OPAQUE: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 #: the attributes every nn.Module keeps for itself (parameters, buffers, submodules, hooks, mode)
-_MODULE_OWN = frozenset(vars(nn.Module()))
-#: plain tensors kept as attributes (a metric's counts, a memory bank) up to this many elements are copied before the
-#: batch-size run; a larger one written in place by it is named in a warning
-_SMALL_TENSOR = 1 << 22
-
 #: a parameter's gradient may differ from the sum of its per-example parts, before it counts as used outside its
 #: module, by this many machine epsilons of the precision the backward ran in (relative; at least 1e-2): bf16's
 #: eps of 2^-7 gives 0.125 (seen: up to 0.053 on a LayerNorm's weights), fp16's 0.016, fp32's 1e-2
@@ -216,27 +212,6 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _attributes(root: nn.Module) -> list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]:
-    """What the probe's batch-size run could change in ``root``'s modules besides their parameters and buffers: each
-    module's other attributes (a forward that keeps its auxiliary loss, ``self.aux_loss = ...``, a training step that
-    appends to a list), with copies of the containers among them (lists, deques, dicts and sets, a container inside one
-    copied too), of the plain tensors (a metric's counts, a memory bank updated in place) and the states of the random
-    generators a module owns. :func:`_restore_attributes` puts them back."""
-    out = []
-    for m in root.modules():
-        attrs = {k: v for k, v in vars(m).items() if k not in _MODULE_OWN}
-        kept: dict[str, Any] = {}
-        for k, v in attrs.items():
-            if isinstance(v, (list, deque, dict, set)):
-                kept[k] = _copy_container(v)
-            elif type(v) is Tensor and not v.is_inference():
-                kept[k] = (v._version, v.detach().clone() if v.numel() <= _SMALL_TENSOR else None)
-            elif isinstance(v, torch.Generator):
-                kept[k] = v.get_state()
-        out.append((m, attrs, kept))
-    return out
-
-
 def _host_random_states() -> tuple[Any, Any]:
     """Python's and numpy's global random states (a model may draw from them: Hugging Face's SpecAugment masks do)."""
     try:
@@ -254,64 +229,12 @@ def _set_host_random_states(states: tuple[Any, Any]) -> None:
         np.random.set_state(states[1])
 
 
-def _copy_container(v: Any) -> Any:
-    """A copy of a container and of the containers directly inside it (their items are not copied)."""
-    inner = (lambda x: copy.copy(x) if isinstance(x, (list, deque, dict, set)) else x)
-    if isinstance(v, dict):
-        return [(k, x, inner(x)) for k, x in v.items()]
-    return [(x, inner(x)) for x in v]
-
-
-def _refill(v: Any, saved: Any) -> None:
-    """Put back the contents :func:`_copy_container` saved, in place (the object stays the one the model holds)."""
-    for entry in saved:
-        item, contents = entry[-2], entry[-1]
-        if item is not contents and isinstance(item, (list, deque, dict, set)):
-            item.clear()
-            if isinstance(item, (dict, set)):
-                item.update(contents)
-            else:
-                item.extend(contents)
-    v.clear()
-    if isinstance(v, dict):
-        v.update((k, item) for k, item, _ in saved)
-    elif isinstance(v, set):
-        v.update(item for item, _ in saved)
-    else:
-        v.extend(item for item, _ in saved)
-
-
 def _versions_put_back(params: list[Tensor], versions: list[int]) -> bool:
     """Give ``params`` back the autograd versions they had before a run on a slice of the batch (a safety net: the run's
-    writes are undone with their versions by :class:`~lightning_monitor._param_writes.WritesUndone`). ``False`` where a
+    writes are undone with their versions by :class:`~lightning_monitor._replays.WritesUndone`). ``False`` where a
     version moved and this torch cannot set it back."""
     moved = [(p, v) for p, v in zip(params, versions) if p._version != v]
     return not moved or set_versions([p for p, _ in moved], [v for _, v in moved])
-
-
-def _restore_attributes(saved: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]]) -> list[str]:
-    """Undo the batch-size run's changes to the attributes :func:`_attributes` saved: attributes set anew get their old
-    object back, attributes added go, the saved containers, tensors and generators get their old contents. Returns the
-    large tensors (not copied) that the run wrote in place: they cannot be put back."""
-    lost: list[str] = []
-    for m, attrs, kept in saved:
-        d = vars(m)
-        for k in [k for k in d if k not in _MODULE_OWN and k not in attrs]:
-            del d[k]
-        d.update(attrs)
-        for k, old in kept.items():
-            v = attrs[k]
-            if isinstance(v, (list, deque, dict, set)):
-                _refill(v, old)
-            elif isinstance(v, torch.Generator):
-                v.set_state(old)
-            elif v._version != old[0]:
-                if old[1] is None:
-                    lost.append(f"{type(m).__name__}.{k}")
-                else:
-                    with torch.no_grad():
-                        v.copy_(old[1])
-    return lost
 
 
 def _project_sparse(c: Tensor, u: Tensor, v: Tensor) -> Tensor:
@@ -1018,7 +941,7 @@ class PerExampleGradNorms:
         the rows of the hooked modules' inputs named in ``inputs`` (module -> input shape -> batch dimension, prints)
         added to it."""
         module, args, kwargs = entry
-        attributes = _attributes(module)
+        attributes = module_attributes(module)
         dry: list[tuple[str, tuple[int, ...]]] = []
         out: list[tuple[int, ...]] = []
         # the run works on copies of the buffers (BatchNorm statistics stay as they are: the real ones are
@@ -1074,7 +997,7 @@ class PerExampleGradNorms:
                     module.__dict__.pop("forward", None)
                 else:
                     module.forward = now  # type: ignore[method-assign]
-            lost = _restore_attributes(attributes)
+            lost = restore_attributes(attributes)
             _set_host_random_states(states)
             for name in lost:
                 if name not in self._said_lost:

@@ -1,5 +1,9 @@
-"""Runs of a model that must leave its parameters as they were: the guard's replays of ``training_step`` on a kept
-batch, the per-example probe's runs of the model on a slice of the batch.
+"""Runs of a model that must leave it as it was: the guard's replays of ``training_step`` on a kept batch, the
+per-example probe's runs of the model on a slice of the batch.
+
+Besides its parameters and buffers, a forward may change a module's other attributes (``self.aux_loss = ...``, a list
+appended to, RWKV's ``layers_are_rescaled`` flag): :func:`attributes` keeps them and :func:`restore_attributes` puts
+them back.
 
 A model may write into its own weights in a forward: ``nn.Embedding(max_norm=...)`` renormalises the rows it looks up,
 Hugging Face's RWKV divides some weights in place when it enters eval mode and multiplies them back in training mode,
@@ -13,6 +17,8 @@ for a torch that cannot put a version back.
 
 from __future__ import annotations
 
+import copy
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,7 +28,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_monitor._compat import set_versions, written_tensors
 
-__all__ = ["ParameterWrite", "ParametersReadOnly", "WritesUndone", "plain_parameters"]
+__all__ = ["ParameterWrite", "ParametersReadOnly", "WritesUndone", "attributes", "plain_parameters", "restore_attributes"]
+
+_MODULE_OWN = frozenset(vars(torch.nn.Module()))
+#: plain tensors kept as attributes (a metric's counts, a memory bank) up to this many elements are copied before a
+#: run; a larger one written in place by it is named in a warning
+_SMALL_TENSOR = 1 << 22
 
 
 def plain_parameters(module: torch.nn.Module) -> list[Tensor]:
@@ -97,3 +108,76 @@ class ParametersReadOnly(TorchDispatchMode):
         if _written(func, args, kwargs, self._storages):
             raise ParameterWrite(f"{func} writes into a parameter in place")
         return func(*args, **kwargs)
+
+
+def attributes(root: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, Any], dict[str, Any]]]:
+    """What the probe's batch-size run could change in ``root``'s modules besides their parameters and buffers: each
+    module's other attributes (a forward that keeps its auxiliary loss, ``self.aux_loss = ...``, a training step that
+    appends to a list), with copies of the containers among them (lists, deques, dicts and sets, a container inside one
+    copied too), of the plain tensors (a metric's counts, a memory bank updated in place) and the states of the random
+    generators a module owns. :func:`restore_attributes` puts them back."""
+    out = []
+    for m in root.modules():
+        attrs = {k: v for k, v in vars(m).items() if k not in _MODULE_OWN}
+        kept: dict[str, Any] = {}
+        for k, v in attrs.items():
+            if isinstance(v, (list, deque, dict, set)):
+                kept[k] = _copy_container(v)
+            elif type(v) is Tensor and not v.is_inference():
+                kept[k] = (v._version, v.detach().clone() if v.numel() <= _SMALL_TENSOR else None)
+            elif isinstance(v, torch.Generator):
+                kept[k] = v.get_state()
+        out.append((m, attrs, kept))
+    return out
+
+
+def _copy_container(v: Any) -> Any:
+    """A copy of a container and of the containers directly inside it (their items are not copied)."""
+    inner = (lambda x: copy.copy(x) if isinstance(x, (list, deque, dict, set)) else x)
+    if isinstance(v, dict):
+        return [(k, x, inner(x)) for k, x in v.items()]
+    return [(x, inner(x)) for x in v]
+
+
+def _refill(v: Any, saved: Any) -> None:
+    """Put back the contents :func:`_copy_container` saved, in place (the object stays the one the model holds)."""
+    for entry in saved:
+        item, contents = entry[-2], entry[-1]
+        if item is not contents and isinstance(item, (list, deque, dict, set)):
+            item.clear()
+            if isinstance(item, (dict, set)):
+                item.update(contents)
+            else:
+                item.extend(contents)
+    v.clear()
+    if isinstance(v, dict):
+        v.update((k, item) for k, item, _ in saved)
+    elif isinstance(v, set):
+        v.update(item for item, _ in saved)
+    else:
+        v.extend(item for item, _ in saved)
+
+
+def restore_attributes(saved: list[tuple[torch.nn.Module, dict[str, Any], dict[str, Any]]]) -> list[str]:
+    """Undo the batch-size run's changes to the attributes :func:`attributes` saved: attributes set anew get their old
+    object back, attributes added go, the saved containers, tensors and generators get their old contents. Returns the
+    large tensors (not copied) that the run wrote in place: they cannot be put back."""
+    lost: list[str] = []
+    for m, attrs, kept in saved:
+        d = vars(m)
+        for k in [k for k in d if k not in _MODULE_OWN and k not in attrs]:
+            del d[k]
+        d.update(attrs)
+        for k, old in kept.items():
+            v = attrs[k]
+            if isinstance(v, (list, deque, dict, set)):
+                _refill(v, old)
+            elif isinstance(v, torch.Generator):
+                v.set_state(old)
+            elif v._version != old[0]:
+                if old[1] is None:
+                    lost.append(f"{type(m).__name__}.{k}")
+                else:
+                    with torch.no_grad():
+                        v.copy_(old[1])
+    return lost
