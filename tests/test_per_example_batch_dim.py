@@ -366,3 +366,47 @@ def test_a_dataclass_batch_passed_whole_is_sliced_through_its_fields() -> None:
                                                                y[i:i + 1].reshape(-1)) * (7 / 35) * 5, p)[0].pow(2).sum()
                            for i in range(5)])
         torch.testing.assert_close(per[name], ref, rtol=1e-4, atol=1e-8)
+
+
+class _LayerDrop(nn.Module):
+    """Residual Linear blocks on sequences, each skipped at random in training mode (LayerDrop, as BART's and
+    wav2vec2's encoders do); ``force``: the blocks to run, for the oracle; ``ran``: the blocks the last forward ran."""
+
+    def __init__(self, p: float = 0.4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(6))
+        self.head = nn.Linear(8, 3)
+        self.p, self.force, self.ran = p, None, []
+
+    def forward(self, x: Tensor) -> Tensor:
+        ran = []
+        for i, block in enumerate(self.blocks):
+            keep = i in self.force if self.force is not None else not (self.training and float(torch.rand(())) < self.p)
+            if keep:
+                x = x + torch.tanh(block(x))
+                ran.append(i)
+        self.ran = ran
+        return self.head(x).mean(1)
+
+
+def test_layers_skipped_at_random_are_measured_where_they_ran() -> None:
+    # the run on a slice of the batch draws its own skips: a block the real forward ran and the slice's run skipped
+    # "runs a different number of times on a smaller batch" and stayed out for the whole fit (BART with LayerDrop 0.3:
+    # 4 of 12 layers). Such calls are now compared with a run in eval mode, where nothing is skipped
+    torch.manual_seed(3)
+    model = _LayerDrop()
+    x, y = torch.randn(6, 5, 8), torch.randint(0, 3, (6,))
+    with PerExampleGradNorms(model) as probe:
+        F.cross_entropy(model(x), y).backward()
+    ran = list(model.ran)
+    assert 0 < len(ran) < 6
+    assert not any("different number of times" in why for why in probe.reasons.values()), probe.reasons
+    norms = probe.per_parameter()
+    model.force = ran
+    for i in ran:
+        for kind in ("weight", "bias"):
+            name = f"blocks.{i}.{kind}"
+            p = dict(model.named_parameters())[name]
+            expected = torch.stack([torch.autograd.grad(F.cross_entropy(model(x[j:j + 1]), y[j:j + 1]), p)[0].pow(2).sum()
+                                    for j in range(len(x))])
+            torch.testing.assert_close(norms[name], expected, rtol=1e-4, atol=1e-10)

@@ -842,6 +842,19 @@ class PerExampleGradNorms:
             full[name].append(shape)
         for name, shape in dry:
             part[name].append(shape)
+        if error is None and any(len(full[name]) != len(part[name]) for name, _ in todo):
+            # a module called as often as in the real forward only when both draw the same random layer skips (LayerDrop:
+            # BART's, wav2vec2's layers are skipped at random in training mode): in eval mode nothing is skipped, so a
+            # layer the real forward called runs as often there. Its calls on the slice in eval mode are compared
+            # instead (a module that runs a different number of times in eval mode too stays left out)
+            redo, redo_error, _ = self._dry_run(entry, batch, small, slice_dim, eval_mode=True)
+            if redo_error is None:
+                again: dict[str, list[tuple[int, ...]]] = defaultdict(list)
+                for name, shape in redo:
+                    again[name].append(shape)
+                for name in {name for name, _ in todo if len(full[name]) != len(part[name])}:
+                    if len(again[name]) == len(full[name]):
+                        part[name] = again[name]
         for name, shape in todo:
             if error is not None:
                 why = f"{type(error).__name__}: {str(error)[:120]}"
@@ -934,12 +947,13 @@ class PerExampleGradNorms:
     def _dry_run(self, entry: tuple[nn.Module, tuple[Any, ...], dict[str, Any]], batch: int, small: int,
                  dim: int, order: Optional[list[int]] = None,
                  inputs: Optional[dict[str, dict[tuple[int, ...], tuple[int, list[Tensor]]]]] = None,
+                 eval_mode: bool = False,
                  ) -> tuple[list[tuple[str, tuple[int, ...]]], Optional[BaseException], list[tuple[int, ...]]]:
         """Run the entry call without gradients on ``small`` examples of its batch (``batch`` along dimension ``dim``
         of its tensors), leaving no trace; returns the hooked calls it made, its error (if it failed) and the shapes
         of its output. With ``order``: on the examples of those indices, every module in eval mode, and the prints of
         the rows of the hooked modules' inputs named in ``inputs`` (module -> input shape -> batch dimension, prints)
-        added to it."""
+        added to it. ``eval_mode``: every module in eval mode (else as the real forward runs them)."""
         module, args, kwargs = entry
         attributes = module_attributes(module)
         dry: list[tuple[str, tuple[int, ...]]] = []
@@ -955,7 +969,7 @@ class PerExampleGradNorms:
         now = module.__dict__.get("forward", missing)
         swap = used is not None and now is not used
         states = _host_random_states()
-        modes = [(m, m.training) for m in module.modules()] if order is not None else []
+        modes = [(m, m.training) for m in module.modules()] if order is not None or eval_mode else []
         # without gradients, in eval mode, nn.MultiheadAttention and nn.TransformerEncoderLayer take a fused fast path
         # that calls none of their hooked projections: the run would miss the calls the real forward makes
         fastpath = torch.backends.mha.get_fastpath_enabled()
