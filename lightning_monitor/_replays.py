@@ -30,6 +30,7 @@ from lightning_monitor._compat import set_versions, written_tensors
 
 __all__ = ["ParameterWrite", "ParametersReadOnly", "WritesUndone", "attributes", "plain_parameters", "restore_attributes"]
 
+#: the attributes every nn.Module keeps for itself (parameters, buffers, submodules, hooks, mode)
 _MODULE_OWN = frozenset(vars(torch.nn.Module()))
 #: plain tensors kept as attributes (a metric's counts, a memory bank) up to this many elements are copied before a
 #: run; a larger one written in place by it is named in a warning
@@ -111,11 +112,12 @@ class ParametersReadOnly(TorchDispatchMode):
 
 
 def attributes(root: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, Any], dict[str, Any]]]:
-    """What the probe's batch-size run could change in ``root``'s modules besides their parameters and buffers: each
-    module's other attributes (a forward that keeps its auxiliary loss, ``self.aux_loss = ...``, a training step that
-    appends to a list), with copies of the containers among them (lists, deques, dicts and sets, a container inside one
-    copied too), of the plain tensors (a metric's counts, a memory bank updated in place) and the states of the random
-    generators a module owns. :func:`restore_attributes` puts them back."""
+    """What a run (the probe's on a slice of the batch, the guard's replay) could change in ``root``'s modules besides
+    their parameters and buffers: each module's other attributes (a forward that keeps its auxiliary loss,
+    ``self.aux_loss = ...``, a training step that appends to a list), with copies of the containers among them (lists,
+    deques, dicts and sets, a container inside one copied too), of the plain tensors (a metric's counts, a memory bank
+    updated in place) and the states of the random generators a module owns. :func:`restore_attributes` puts them
+    back."""
     out = []
     for m in root.modules():
         attrs = {k: v for k, v in vars(m).items() if k not in _MODULE_OWN}

@@ -37,7 +37,6 @@ __all__ = ["PerExampleGradNorms"]
 #: Container types whose submodules' parameters are used without calling those submodules (unless the probe patches the
 #: container's forward, which then calls them: nn.MultiheadAttention's handler does).
 _OPAQUE: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
-#: the attributes every nn.Module keeps for itself (parameters, buffers, submodules, hooks, mode)
 #: a parameter's gradient may differ from the sum of its per-example parts, before it counts as used outside its
 #: module, by this many machine epsilons of the precision the backward ran in (relative; at least 1e-2): bf16's
 #: eps of 2^-7 gives 0.125 (seen: up to 0.053 on a LayerNorm's weights), fp16's 0.016, fp32's 1e-2
