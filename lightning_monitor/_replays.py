@@ -18,6 +18,7 @@ for a torch that cannot put a version back.
 from __future__ import annotations
 
 import copy
+import random
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -28,7 +29,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_monitor._compat import set_versions, written_tensors
 
-__all__ = ["ParameterWrite", "ParametersReadOnly", "WritesUndone", "attributes", "plain_parameters", "restore_attributes"]
+__all__ = [
+    "ParameterWrite", "ParametersReadOnly", "WritesUndone", "attributes", "host_random_states", "plain_parameters",
+    "restore_attributes", "set_host_random_states",
+]
 
 #: the attributes every nn.Module keeps for itself (parameters, buffers, submodules, hooks, mode)
 _MODULE_OWN = frozenset(vars(torch.nn.Module()))
@@ -111,13 +115,14 @@ class ParametersReadOnly(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def attributes(root: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, Any], dict[str, Any]]]:
+def attributes(root: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, Any], dict[str, Any], Any]]:
     """What a run (the probe's on a slice of the batch, the guard's replay) could change in ``root``'s modules besides
     their parameters and buffers: each module's other attributes (a forward that keeps its auxiliary loss,
     ``self.aux_loss = ...``, a training step that appends to a list), with copies of the containers among them (lists,
     deques, dicts and sets, a container inside one copied too), of the plain tensors (a metric's counts, a memory bank
-    updated in place) and the states of the random generators a module owns. :func:`restore_attributes` puts them
-    back."""
+    updated in place), of numpy arrays, the states of the random generators a module owns, and which tensors its
+    buffers and parameters are (what lies further in, an object's fields, a container three levels deep, is not
+    kept). :func:`restore_attributes` puts them back."""
     out = []
     for m in root.modules():
         attrs = {k: v for k, v in vars(m).items() if k not in _MODULE_OWN}
@@ -129,13 +134,27 @@ def attributes(root: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, A
                 kept[k] = (v._version, v.detach().clone() if v.numel() <= _SMALL_TENSOR else None)
             elif isinstance(v, torch.Generator):
                 kept[k] = v.get_state()
-        out.append((m, attrs, kept))
+            elif type(v).__name__ == "ndarray" and type(v).__module__ == "numpy":
+                kept[k] = v.copy()  # counts kept in a numpy array
+        # the module's own buffers and parameters as objects, and each parameter's data: a step may reassign a buffer
+        # (`self.queue = torch.cat(...)`, which replaces it in `_buffers`) or a parameter's data (`p.data = ...`, a
+        # momentum update no operation writes in place)
+        own = (dict(m._buffers), dict(m._parameters), {k: p.data for k, p in m._parameters.items() if p is not None})
+        out.append((m, attrs, kept, own))
     return out
 
 
 def _copy_container(v: Any) -> Any:
-    """A copy of a container and of the containers directly inside it (their items are not copied)."""
-    inner = (lambda x: copy.copy(x) if isinstance(x, (list, deque, dict, set)) else x)
+    """A copy of a container, of the containers directly inside it (their items are not copied) and of the plain
+    tensors directly inside it (up to ``_SMALL_TENSOR`` elements: a dict holding a memory bank)."""
+
+    def inner(x: Any) -> Any:
+        if isinstance(x, (list, deque, dict, set)):
+            return copy.copy(x)
+        if type(x) is Tensor and not x.is_inference() and x.numel() <= _SMALL_TENSOR:
+            return x.detach().clone()
+        return x
+
     if isinstance(v, dict):
         return [(k, x, inner(x)) for k, x in v.items()]
     return [(x, inner(x)) for x in v]
@@ -151,6 +170,11 @@ def _refill(v: Any, saved: Any) -> None:
                 item.update(contents)
             else:
                 item.extend(contents)
+        elif item is not contents and isinstance(item, Tensor):
+            if item.shape != contents.shape:
+                item.data = contents
+            elif not torch.equal(item, contents):
+                item.data.copy_(contents)
     v.clear()
     if isinstance(v, dict):
         v.update((k, item) for k, item, _ in saved)
@@ -160,12 +184,14 @@ def _refill(v: Any, saved: Any) -> None:
         v.extend(item for item, _ in saved)
 
 
-def restore_attributes(saved: list[tuple[torch.nn.Module, dict[str, Any], dict[str, Any]]]) -> list[str]:
-    """Undo the batch-size run's changes to the attributes :func:`attributes` saved: attributes set anew get their old
-    object back, attributes added go, the saved containers, tensors and generators get their old contents. Returns the
-    large tensors (not copied) that the run wrote in place: they cannot be put back."""
+def restore_attributes(saved: list[tuple[torch.nn.Module, dict[str, Any], dict[str, Any], Any]]) -> list[str]:
+    """Undo a run's changes to what :func:`attributes` saved: attributes set anew get their old object back, attributes
+    added go, the saved containers, tensors and generators get their old contents (a tensor written through its
+    ``.data``, whose version does not move, is found by its values), buffers and parameters reassigned get their old
+    tensors back, a parameter whose data was reassigned its old data. Returns the large tensors (not copied) that the
+    run wrote in place: they cannot be put back."""
     lost: list[str] = []
-    for m, attrs, kept in saved:
+    for m, attrs, kept, (buffers, params, datas) in saved:
         d = vars(m)
         for k in [k for k in d if k not in _MODULE_OWN and k not in attrs]:
             del d[k]
@@ -176,10 +202,44 @@ def restore_attributes(saved: list[tuple[torch.nn.Module, dict[str, Any], dict[s
                 _refill(v, old)
             elif isinstance(v, torch.Generator):
                 v.set_state(old)
-            elif v._version != old[0]:
-                if old[1] is None:
-                    lost.append(f"{type(m).__name__}.{k}")
+            elif not isinstance(v, Tensor):  # a numpy array, its contents put back in place
+                if v.shape == old.shape:
+                    v[...] = old
                 else:
-                    with torch.no_grad():
-                        v.copy_(old[1])
+                    d[k] = old
+            elif old[1] is None:
+                if v._version != old[0]:
+                    lost.append(f"{type(m).__name__}.{k}")
+            elif v.shape != old[1].shape:
+                v.data = old[1]
+            elif v._version != old[0] or not torch.equal(v, old[1]):
+                v.data.copy_(old[1])
+        if any(m._buffers.get(k) is not b for k, b in buffers.items()) or len(m._buffers) != len(buffers):
+            m._buffers.clear()
+            m._buffers.update(buffers)
+        if any(m._parameters.get(k) is not p for k, p in params.items()) or len(m._parameters) != len(params):
+            m._parameters.clear()
+            m._parameters.update(params)
+        for k, data in datas.items():
+            p = params[k]
+            if p.untyped_storage().data_ptr() != data.untyped_storage().data_ptr() or p.shape != data.shape:
+                with torch.no_grad():
+                    p.data = data
     return lost
+
+
+def host_random_states() -> tuple[Any, Any]:
+    """Python's and numpy's global random states (a model may draw from them: Hugging Face's SpecAugment masks do)."""
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy comes with the test and benchmark extras
+        return random.getstate(), None
+    return random.getstate(), np.random.get_state()
+
+
+def set_host_random_states(states: tuple[Any, Any]) -> None:
+    random.setstate(states[0])
+    if states[1] is not None:
+        import numpy as np
+
+        np.random.set_state(states[1])

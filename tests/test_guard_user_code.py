@@ -5,8 +5,10 @@ after the guard has capped it (a warm-up in ``optimizer_step`` or in the module'
 from __future__ import annotations
 
 import math
+import random
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -534,3 +536,68 @@ def test_replays_put_back_what_the_step_sets_on_its_modules(tmp_path):
     plain.eval(), guarded.eval()
     with torch.no_grad():
         assert torch.equal(guarded(x), plain(x))
+
+
+class _StatefulStep(pl.LightningModule):
+    """A step that keeps state the ways users' steps do: a MoCo queue reassigned as a registered buffer, a teacher
+    moved by reassigning its parameters' data (MoCo's own momentum update), a memory bank in a dict, counts in a numpy
+    array, a plain tensor written through ``.data``, Python's and numpy's random streams, and a rate set from
+    ``batch_idx``; ``surge_at``: one step whose loss is 20 times its own (the guard replays kept batches to judge it)."""
+
+    def __init__(self, surge_at=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.teacher = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).requires_grad_(False)
+        self.register_buffer("queue", torch.zeros(8, 4))
+        self.bank = {"q": torch.zeros(8, 4)}
+        self.counts = np.zeros(4)
+        self.seen = torch.zeros(4)
+        self.surge_at, self.surged = surge_at, False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch["x"], batch["y"]
+        with torch.no_grad():
+            for pt, ps in zip(self.teacher.parameters(), self.net.parameters()):
+                pt.data = pt.data * 0.9 + ps.data * 0.1
+            soft = self.teacher(x).softmax(-1)
+        self.queue = torch.cat([soft, self.queue])[:8]
+        self.bank["q"] = torch.cat([soft, self.bank["q"]])[:8]
+        self.counts += np.bincount(y.numpy(), minlength=4)
+        self.seen.data[y] += 1.0
+        for group in self.trainer.optimizers[0].param_groups:
+            group["lr"] = 1e-3 * (1.0 + 0.01 * (batch_idx % 5))
+        x = x + 0.01 * random.gauss(0.0, 1.0) + 0.01 * float(np.random.randn())
+        loss = F.cross_entropy(self.net(x), y) + 0.1 * (self.queue.mean() + self.bank["q"].mean())
+        if self.global_step == self.surge_at and not self.surged:
+            self.surged = True
+            loss = loss * 20
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.net.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("surge_at", [None, 60], ids=["healthy", "one_surge"])
+def test_replays_put_back_a_stateful_steps_state(tmp_path, surge_at):
+    # each of these was left as the replays had made it: the buffer's new tensor stayed in `_buffers`, the teacher's
+    # reassigned data and the `.data` write were not seen, the dict's tensor, the numpy counts and Python's and numpy's
+    # random streams were not kept, and the surge test's replay set the kept batch's rate for the update about to run
+    def fit(callbacks):
+        pl.seed_everything(0, verbose=False)
+        model = _StatefulStep(surge_at)
+        pl.Trainer(max_steps=100, accelerator="cpu", logger=False, callbacks=callbacks, enable_progress_bar=False,
+                   enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path).fit(
+            model, torch.utils.data.DataLoader(_data(), batch_size=BATCH, collate_fn=torch.utils.data.default_collate))
+        return model, random.random(), float(np.random.rand())
+
+    (plain, *draws), guard = fit([]), DivergenceGuard()
+    guarded, *guarded_draws = fit([guard])
+    assert not guard.rollbacks and guard.stopped_step is None
+    if surge_at is not None:  # the surge was tested on kept batches (a hard batch: no action)
+        assert guard._hard_batch is not None
+    for (name, a), b in zip(guarded.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert torch.equal(guarded.bank["q"], plain.bank["q"]) and torch.equal(guarded.seen, plain.seen)
+    assert (guarded.counts == plain.counts).all()
+    assert guarded_draws == draws

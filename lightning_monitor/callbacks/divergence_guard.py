@@ -19,7 +19,8 @@ from torch import Tensor
 
 from lightning_monitor._args import check_bool, check_fraction, check_int, check_positive, deprecated_aliases
 from lightning_monitor._compat import backward_skipped, foreach_norm, fork_rng_of, grad_scaler_scale
-from lightning_monitor._replays import WritesUndone, attributes, plain_parameters, restore_attributes
+from lightning_monitor._replays import (WritesUndone, attributes, host_random_states, plain_parameters, restore_attributes,
+                                       set_host_random_states)
 from lightning_monitor._sharded import local, nonfinite_on_host, squared_norms
 from lightning_monitor.alerts import SUPERSEDED_FILENAME, Alert, alerts_dir, read_records
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch
@@ -1622,13 +1623,23 @@ class DivergenceGuard(Monitor):
         # back (after the silencing above, which the restore below undoes in turn)
         writes = WritesUndone(plain_parameters(pl_module))
         kept = attributes(pl_module)
+        # and what lies beside the module that a step may set: Python's and numpy's random streams (torch's are forked
+        # below), the optimizers' hyperparameters (a rate set from `batch_idx` inside the step would be the kept batch's
+        # for the update about to be made)
+        host_states = host_random_states()
+        trainer = getattr(pl_module, "_trainer", None)
+        groups = [(g, {k: v for k, v in g.items() if k != "params"})
+                  for opt in (trainer.optimizers if trainer is not None else []) for g in opt.param_groups]
 
         def put_back() -> None:
+            lost = restore_attributes(kept)  # first: a buffer reassigned by the step gets its tensor back, filled below
             with torch.no_grad():
                 for buffer, saved in buffers:
                     buffer.copy_(saved)
             writes.undo()
-            lost = restore_attributes(kept)
+            set_host_random_states(host_states)
+            for group, hyper in groups:
+                group.update(hyper)
             if lost and not self._warned_lost:
                 self._warned_lost = True
                 rank_zero_warn(f"DivergenceGuard: its replay of `training_step` wrote into the large tensor attribute(s) "

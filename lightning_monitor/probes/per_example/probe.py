@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import random
 import sys
 import warnings
 import weakref
@@ -20,8 +19,8 @@ from torch.func import functional_call
 from torch.utils.hooks import RemovableHandle
 
 from lightning_monitor._compat import fork_rng_of, set_versions, versions_settable
-from lightning_monitor._replays import (ParameterWrite, ParametersReadOnly, WritesUndone, plain_parameters,
-                                       restore_attributes)
+from lightning_monitor._replays import (ParameterWrite, ParametersReadOnly, WritesUndone, host_random_states,
+                                       plain_parameters, restore_attributes, set_host_random_states)
 from lightning_monitor._replays import attributes as module_attributes
 from lightning_monitor.probes import dry_run
 from lightning_monitor.probes.per_example.kernels import project_matrix
@@ -209,23 +208,6 @@ def _follows(first: Tensor, second: Tensor, dim: int, per: int, batch: int, orde
 
 def _no_log(*args: Any, **kwargs: Any) -> None:
     return None
-
-
-def _host_random_states() -> tuple[Any, Any]:
-    """Python's and numpy's global random states (a model may draw from them: Hugging Face's SpecAugment masks do)."""
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy comes with the test and benchmark extras
-        return random.getstate(), None
-    return random.getstate(), np.random.get_state()
-
-
-def _set_host_random_states(states: tuple[Any, Any]) -> None:
-    random.setstate(states[0])
-    if states[1] is not None:
-        import numpy as np
-
-        np.random.set_state(states[1])
 
 
 def _versions_put_back(params: list[Tensor], versions: list[int]) -> bool:
@@ -967,7 +949,7 @@ class PerExampleGradNorms:
         missing = object()
         now = module.__dict__.get("forward", missing)
         swap = used is not None and now is not used
-        states = _host_random_states()
+        states = host_random_states()
         modes = [(m, m.training) for m in module.modules()] if order is not None or eval_mode else []
         # without gradients, in eval mode, nn.MultiheadAttention and nn.TransformerEncoderLayer take a fused fast path
         # that calls none of their hooked projections: the run would miss the calls the real forward makes
@@ -1011,7 +993,7 @@ class PerExampleGradNorms:
                 else:
                     module.forward = now  # type: ignore[method-assign]
             lost = restore_attributes(attributes)
-            _set_host_random_states(states)
+            set_host_random_states(states)
             for name in lost:
                 if name not in self._said_lost:
                     self._said_lost.add(name)
