@@ -138,8 +138,11 @@ def attributes(root: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, A
                 kept[k] = v.copy()  # counts kept in a numpy array
         # the module's own buffers and parameters as objects, and each parameter's data: a step may reassign a buffer
         # (`self.queue = torch.cat(...)`, which replaces it in `_buffers`) or a parameter's data (`p.data = ...`, a
-        # momentum update no operation writes in place)
-        own = (dict(m._buffers), dict(m._parameters), {k: p.data for k, p in m._parameters.items() if p is not None})
+        # momentum update no operation writes in place). A module with sharded parameters (FSDP2's DTensors) has them
+        # swapped for gathered ones by FSDP in each forward, by its own bookkeeping: left to it
+        plain = all(p is None or type(p.data) is Tensor for p in m._parameters.values())
+        own = (dict(m._buffers), dict(m._parameters) if plain else None,
+               {k: p.data for k, p in m._parameters.items() if p is not None} if plain else {})
         out.append((m, attrs, kept, own))
     return out
 
@@ -217,14 +220,17 @@ def restore_attributes(saved: list[tuple[torch.nn.Module, dict[str, Any], dict[s
         if any(m._buffers.get(k) is not b for k, b in buffers.items()) or len(m._buffers) != len(buffers):
             m._buffers.clear()
             m._buffers.update(buffers)
-        if any(m._parameters.get(k) is not p for k, p in params.items()) or len(m._parameters) != len(params):
+        if params is not None and (any(m._parameters.get(k) is not p for k, p in params.items())
+                                   or len(m._parameters) != len(params)):
             m._parameters.clear()
             m._parameters.update(params)
         for k, data in datas.items():
             p = params[k]
-            if p.untyped_storage().data_ptr() != data.untyped_storage().data_ptr() or p.shape != data.shape:
-                with torch.no_grad():
-                    p.data = data
+            if type(p.data) is not Tensor or (p.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+                                              and p.shape == data.shape):
+                continue
+            with torch.no_grad():
+                p.data = data
     return lost
 
 
