@@ -410,3 +410,33 @@ def test_layers_skipped_at_random_are_measured_where_they_ran() -> None:
             expected = torch.stack([torch.autograd.grad(F.cross_entropy(model(x[j:j + 1]), y[j:j + 1]), p)[0].pow(2).sum()
                                     for j in range(len(x))])
             torch.testing.assert_close(norms[name], expected, rtol=1e-4, atol=1e-10)
+
+
+class _SliceOfBatch(nn.Module):
+    """A block run on the first 4 examples of the batch only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.extra, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.a(x))
+        k = min(4, x.shape[0])
+        return self.head(torch.cat([h[:k] + torch.tanh(self.extra(h[:k])), h[k:]], 0))
+
+
+def test_a_layer_run_on_a_slice_of_the_batch_is_left_out_with_that_reason() -> None:
+    # its reason said the batch was "folded ... together with other positions", which it is not
+    model = _SliceOfBatch()
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    with PerExampleGradNorms(model) as probe:
+        F.cross_entropy(model(x), y).backward()
+    assert "extra.weight" in probe.uncovered
+    assert "4 rows for the batch's 8 examples" in probe.reasons["extra.weight"]
+    norms = probe.per_parameter()
+    for name in ("a.weight", "a.bias"):
+        p = dict(model.named_parameters())[name]
+        out = model(x)
+        expected = torch.stack([torch.autograd.grad(F.cross_entropy(out[j:j + 1], y[j:j + 1]), p, retain_graph=True)[0]
+                                .pow(2).sum() for j in range(len(x))])
+        torch.testing.assert_close(norms[name], expected, rtol=1e-4, atol=1e-10)

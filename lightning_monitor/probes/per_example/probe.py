@@ -142,6 +142,9 @@ def _scaling_dim(shape: tuple[int, ...], small_shape: tuple[int, ...], batch: in
     per = shape[i] // batch
     if per > 1 and shape[i] == batch * per and small_shape[i] == small * per:
         return _Folded(i, per)
+    if shape[i] < batch:
+        return (f"dimension {i} of its input {shape} holds {shape[i]} rows for the batch's {batch} examples (a layer run on "
+                "a slice or a selection of the batch): which example each row belongs to is not known")
     return f"the batch is folded into dimension {i} of its input {shape} together with other positions"
 
 
