@@ -252,6 +252,30 @@ def test_a_buffer_of_minus_inf_by_design_does_not_stop_the_run(tmp_path):
     assert len(said) == 1 and "mask" in said[0].message and "stat" not in said[0].message
 
 
+class _LargeConstants(_MaskedLM):
+    """The masked LM with buffers of large finite constants: float32's lowest value (the masking constant many models
+    keep, ``torch.finfo(dtype).min``) and a float64 1e300."""
+
+    def __init__(self, nan_at=None):
+        super().__init__(nan_at)
+        self.register_buffer("fill", torch.full((4,), torch.finfo(torch.float32).min))
+        self.register_buffer("wide", torch.full((2,), 1e300, dtype=torch.float64))
+
+
+def test_buffers_of_large_finite_constants_do_not_stop_the_run(tmp_path):
+    # the check before each snapshot read a tensor's 2-norm, whose squares overflow float32 from 1.8e19 on: the buffer
+    # of finfo.min read as non-finite, no snapshot was ever taken, and the guard stopped the run at step 0
+    guard = DivergenceGuard()
+    trainer = _fit(tmp_path, _LargeConstants(), guard, 40)
+    assert trainer.global_step == 40 and guard.stopped_step is None and not guard.rollbacks
+    assert not [a for a in guard.hub.history if a.kind == "nonfinite"]
+    # ... and a buffer that does turn NaN beside them is still caught
+    guard = DivergenceGuard()
+    _fit(tmp_path, _LargeConstants(nan_at=25), guard, 40)
+    assert ("nonfinite", "critical") in [(a.kind, a.severity) for a in guard.hub.history if a.monitor == "guard"]
+    assert guard.rollbacks or guard.stopped_step is not None
+
+
 def test_a_buffer_that_turns_nan_is_still_caught_beside_a_mask(tmp_path):
     guard = DivergenceGuard()
     _fit(tmp_path, _MaskedLM(nan_at=25), guard, 40)

@@ -39,8 +39,13 @@ def test_the_guards_cached_zscore_equals_the_functional_one():
         z = watch.zscore(x, abs_floor=0.05)
         if watch.ready:
             assert z == pytest.approx(robust_zscore(x, list(watch.history), 10, 0.02, 0.05), rel=1e-12, abs=1e-12)
+            # the noise kept up to date value by value (a sorted copy of the differences, the oldest pushed out as the
+            # window moves) is the median of the same differences: equal, not just close
+            assert watch.noise() == difference_noise(list(watch.history))
             compared += 1
         watch.update(step, x, abs_floor=0.05)
+        if step in (150, 151, 220):  # a reload (a resume) mid-run, then more values: the differences are rebuilt
+            watch.load_state_dict(watch.state_dict())
     assert compared > 250
 
 

@@ -17,6 +17,7 @@ with this z-score, keeping the level and noise of its history between changes.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -31,6 +32,13 @@ def median(values: Sequence[float]) -> float:
     if not values:
         raise ValueError("median of an empty sequence")
     s = sorted(values)
+    n = len(s)
+    mid = n // 2
+    return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
+
+
+def _sorted_median(s: Sequence[float]) -> float:
+    """Median of a non-empty sorted sequence."""
     n = len(s)
     mid = n // 2
     return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
@@ -81,8 +89,10 @@ class SeriesWatch:
 
     def __init__(self, window: int, min_history: int, threshold: float, rel_floor: float, recent: int = 10) -> None:
         self.history: deque[float] = deque(maxlen=window)
-        # |history[t + 1] - history[t]|, kept along with the history: the noise needs no pass over it per value
+        # |history[t + 1] - history[t]|, kept along with the history, in order and sorted: the noise (their median)
+        # needs no pass over them, and no sort, per value
         self._diffs: deque[float] = deque(maxlen=max(window - 1, 1))
+        self._sorted_diffs: list[float] = []
         self.min_history = min_history
         self.threshold = threshold
         self.rel_floor = rel_floor
@@ -100,11 +110,13 @@ class SeriesWatch:
         """(level, noise), computed once per change of the history."""
         if self._cache is None:
             values = list(self.history)
-            if len(self._diffs) != max(len(values) - 1, 0):  # the history was changed from outside: rebuild
+            if len(self._diffs) != max(len(values) - 1, 0) or len(self._sorted_diffs) != len(self._diffs):
+                # the history was changed from outside: rebuilt
                 self._diffs.clear()
                 self._diffs.extend(abs(b - a) for a, b in zip(values, values[1:]))
+                self._sorted_diffs = sorted(self._diffs)
             # difference_noise(values), from the kept differences
-            noise = MAD_TO_STD * median(list(self._diffs)) / math.sqrt(2.0) if len(values) > 1 else 0.0
+            noise = MAD_TO_STD * _sorted_median(self._sorted_diffs) / math.sqrt(2.0) if len(values) > 1 else 0.0
             self._cache = (median(values[-self.recent:]), noise)
         return self._cache
 
@@ -136,10 +148,21 @@ class SeriesWatch:
         else:
             self.run, self.start = 0, None
             if self.history:
-                self._diffs.append(abs(x - self.history[-1]))
+                self._add_diff(abs(x - self.history[-1]))
             self.history.append(x)
             self._cache = None
         return anomalous, z
+
+    def _add_diff(self, d: float) -> None:
+        """Append a consecutive difference, keeping the sorted copy in step (the one pushed out leaves it)."""
+        diffs, ordered = self._diffs, self._sorted_diffs
+        if len(ordered) != len(diffs):  # changed from outside (a reload): rebuilt by _stats
+            diffs.append(d)
+            return
+        if len(diffs) == diffs.maxlen:
+            del ordered[bisect_left(ordered, diffs[0])]
+        diffs.append(d)
+        insort(ordered, d)
 
     def reseed(self, values: list[float]) -> None:
         """Make ``values`` the new normal (after a data shift): no anomalous run."""
@@ -152,5 +175,6 @@ class SeriesWatch:
         self.history.clear()
         self.history.extend(state.get("history", []))
         self._diffs.clear()  # rebuilt by _stats
+        self._sorted_diffs = []
         self._cache = None
         self.run, self.start = int(state.get("run", 0)), state.get("start")
