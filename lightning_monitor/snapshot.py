@@ -242,6 +242,11 @@ def pruned_since(saved: Collection[str], present: Collection[str]) -> list[str]:
                   if k.endswith("_mask") and k[: -len("_mask")] + "_orig" in present and k not in saved)
 
 
+def _shapes(module_state: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor of a saved module state."""
+    return {k: tuple(v.shape) for k, v in module_state.items() if isinstance(v, Tensor)}
+
+
 def _loss_scaler(trainer: pl.Trainer) -> Any:
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     return scaler if scaler is not None and hasattr(scaler, "state_dict") else None
@@ -273,6 +278,8 @@ class TrainingSnapshot:
     group_sizes: Optional[list[list[int]]] = None
     first_of_fit: bool = False
     module_keys: Optional[frozenset[str]] = None
+    #: the shape of each tensor of the module's state it holds (``None``: read from the stored state)
+    module_shapes: Optional[dict[str, tuple[int, ...]]] = None
     #: the parameters that were trainable (``requires_grad``) when the snapshot was taken
     trainable: Optional[frozenset[str]] = None
     optimizer_types: Optional[list[Optional[str]]] = None
@@ -327,6 +334,7 @@ class TrainingSnapshot:
         snap = cls(step=step, epoch=trainer.current_epoch, lr_scale=lr_scale,
                    group_sizes=[[len(g["params"]) for g in opt.param_groups] for opt in trainer.optimizers],
                    module_keys=frozenset(state["module"]), optimizer_types=list(state["optimizer_types"]),
+                   module_shapes=_shapes(state["module"]),
                    trainable=frozenset(n for n, p in pl_module.named_parameters(remove_duplicate=False)
                                        if p.requires_grad))
         for stream in dict.fromkeys(pending or ()):
@@ -408,6 +416,17 @@ class TrainingSnapshot:
             if added:
                 problem = (f"{len(added)} trainable parameter(s) added to the module since step {self.step}: "
                            f"{', '.join(added[:4])}{'...' if len(added) > 4 else ''}")
+        if problem is None and module is not None:
+            # a tensor resized since (`resize_token_embeddings`, a grown layer): the saved one cannot be copied into it
+            assert self.module_shapes is not None  # read by saved_keys() above
+            state = module.state_dict()
+            resized = [(saved, now, self.module_shapes[saved], tuple(state[now].shape))
+                       for saved, now in present_names(self.module_shapes, state).items()
+                       if isinstance(state[now], Tensor) and tuple(state[now].shape) != self.module_shapes[saved]]
+            if resized:
+                problem = (f"{len(resized)} tensor(s) of the module resized since step {self.step}: "
+                           + ", ".join(f"{now} {list(then)} -> {list(shape)}" for _, now, then, shape in resized[:3])
+                           + ("..." if len(resized) > 3 else ""))
         return problem
 
     def saved_keys(self) -> frozenset[str]:
@@ -419,10 +438,12 @@ class TrainingSnapshot:
     def _read_layout(self) -> None:
         """A snapshot adopted from a checkpoint's list of files: its group sizes, module keys and optimizer classes,
         read from the file once (kept from then on)."""
-        if self.group_sizes is None or self.module_keys is None or self.optimizer_types is None:
+        if (self.group_sizes is None or self.module_keys is None or self.optimizer_types is None
+                or self.module_shapes is None):
             state = self.state()
             self.group_sizes = [[len(g["params"]) for g in saved["param_groups"]] for saved in state["optimizers"]]
             self.module_keys = frozenset(state["module"])
+            self.module_shapes = _shapes(state["module"])
             self.optimizer_types = list(state.get("optimizer_types") or [None] * len(state["optimizers"]))
 
     def _swapped(self, trainer: pl.Trainer) -> list[bool]:

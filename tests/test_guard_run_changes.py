@@ -527,3 +527,87 @@ def test_a_rollback_takes_the_ema_average_back_too(tmp_path):
         torch.testing.assert_close(avg.detach(), want, rtol=1e-5, atol=1e-6)
     for p, want in zip(model.parameters(), expected):  # and the model ends with that average
         torch.testing.assert_close(p.detach(), want, rtol=1e-5, atol=1e-6)
+
+
+class _GrowingVocab(pl.LightningModule):
+    """A bigram language model whose vocabulary grows from 24 to 32 tokens before step ``grow`` (the embedding and the
+    head resized, the old rows kept, as ``resize_token_embeddings`` does; the optimizer rebuilt), with data that uses
+    the new tokens from then on: the loss rises by design. ``hot``: the learning rate times 10,000 from that step on (a
+    divergence after the change)."""
+
+    V0, V1, T = 24, 32, 16
+
+    def __init__(self, grow: int, hot=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(self.V0, 32), nn.Linear(32, self.V0)
+        self.grow, self.hot, self.grown = grow, hot, False
+        g = torch.Generator().manual_seed(1)
+        self.next0 = torch.randint(0, self.V0, (self.V0,), generator=g)
+        self.next1 = torch.randint(0, self.V1, (self.V1,), generator=g)
+
+    def _resize(self):
+        emb, head = nn.Embedding(self.V1, 32), nn.Linear(32, self.V1)
+        with torch.no_grad():
+            emb.weight[: self.V0] = self.emb.weight
+            head.weight[: self.V0], head.bias[: self.V0] = self.head.weight, self.head.bias
+        self.emb, self.head, self.grown = emb, head, True
+        self.trainer.strategy.optimizers = [torch.optim.Adam(self.parameters(), lr=3e-3)]
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_step + 1 == self.grow and not self.grown:
+            self._resize()
+        if self.hot is not None and self.global_step == self.hot:
+            for group in self.trainer.optimizers[0].param_groups:
+                group["lr"] = 30.0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.head(self.emb(x)).reshape(-1, self.head.out_features), y.reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(_Tokens(self), batch_size=None)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """Batches of 16 sequences of the model's present vocabulary (the new tokens once it has grown) and their next
+    tokens."""
+
+    def __init__(self, model: _GrowingVocab) -> None:
+        self.model = model
+
+    def __len__(self) -> int:
+        return 400
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.model
+        vocab, nxt = (m.V1, m.next1) if m.grown else (m.V0, m.next0)
+        x = torch.randint(0, vocab, (16, m.T), generator=torch.Generator().manual_seed(1000 + i))
+        return x, nxt[x]
+
+
+@pytest.mark.parametrize("grow", [62, 66])
+def test_a_vocabulary_grown_mid_run_is_no_divergence(tmp_path, grow):
+    """The embedding and head resized (``resize_token_embeddings``) after the snapshot of step 60, and the data using
+    the new tokens at once. The snapshots from before hold the old shapes: asked about the rise, the guard copied them
+    into the resized weights and the fit died (a size mismatch); told they do not fit, it found no state to go back to
+    and stopped a healthy run. The resized model still finds the last batches from before the rise easy: the rise is
+    the change's, and the guard rebases."""
+    guard = DivergenceGuard()
+    trainer = _trainer(tmp_path, [guard], max_steps=120)
+    trainer.fit(_GrowingVocab(grow))
+    assert trainer.global_step == 120 and guard.stopped_step is None and not guard.rollbacks
+    rebased = [a for a in guard.hub.history if a.kind == "rebased"]
+    assert len(rebased) <= 1 and all("resized since step 60" in a.message for a in rebased)
+    assert not [a for a in guard.hub.history if a.severity == "critical"]
+
+
+def test_a_divergence_after_a_grown_vocabulary_is_still_rolled_back(tmp_path):
+    guard = DivergenceGuard()
+    trainer = _trainer(tmp_path, [guard], max_steps=160)
+    trainer.fit(_GrowingVocab(62, hot=100))
+    assert guard.rollbacks and guard.rollbacks[0]["to_step"] >= 70 and 100 <= guard.rollbacks[0]["step"] <= 110
+    assert guard.stopped_step is None and trainer.global_step == 160

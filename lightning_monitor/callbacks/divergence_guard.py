@@ -1204,7 +1204,8 @@ class DivergenceGuard(Monitor):
             self._new_normal([loss])
             return []
         if loss is not None and (self._pruned(trainer, pl_module, start, loss, level)
-                                 or self._unfrozen(pl_module, start, loss, level)):
+                                 or self._unfrozen(pl_module, start, loss, level)
+                                 or self._restructured(trainer, pl_module, start, loss, level)):
             return []
         verdict = self._attribute(trainer, pl_module, start, level, climb) if self.attribute else None
         found = None if verdict is None else verdict[0]
@@ -1363,6 +1364,27 @@ class DivergenceGuard(Monitor):
         self._say_changed(step, "model_pruned", loss, level, masked, f"pruned since step {snap.step}",
                           "the pruning's effect, not a divergence. No action taken; the new level is the normal from here.")
         self._new_normal([loss])
+        return True
+
+    def _restructured(self, trainer: pl.Trainer, pl_module: pl.LightningModule, start: int, loss: float,
+                      level: float) -> bool:
+        """Whether the model or its optimizers changed shape since the newest snapshot from before ``start`` (a vocabulary
+        grown by ``resize_token_embeddings``, a layer added, the optimizer rebuilt with other groups: the snapshot no
+        longer fits the run, see :meth:`TrainingSnapshot.mismatch`) and the weights did not break with it: the last
+        normal batches from before the rise, evaluated again, are about as easy as when they were trained on. The rise
+        is then the change's (new tokens in the data), and the older state can neither be gone back to nor asked about
+        the batches. The guard rebases (:meth:`rebase`, said as ``rebased``): the rise is not acted on, the loss is
+        judged afresh, and the present state is the one to go back to. Left to judge, the rise found no snapshot that
+        fits and stopped a healthy run. Weights that did break with the change (a layer added at a rate that blows it
+        up) are judged as ever, and the guard stops, saying the snapshots no longer fit. Every rank changes its model
+        alike and judges the same mean loss: no reduction."""
+        snap = next((s for s in reversed(self._snapshots) if s.step < start), None)
+        misfit = None if snap is None else snap.mismatch(trainer)
+        if misfit is None or not self._references_intact(trainer, pl_module, start, loss - level):
+            return False
+        self.rebase(trainer, f"the loss rose to {loss:.4g} (recent level about {level:.4g}) after the model or its "
+                             f"optimizers changed since step {snap.step} ({misfit}): the change's effect, not a "
+                             "divergence; the state from before it no longer fits the run")
         return True
 
     def _normal_so_far(self) -> bool:
