@@ -113,7 +113,7 @@ class EmbeddingHandler(Handler):
         if m.padding_idx is not None:
             keep = ids != m.padding_idx
             ids, d = ids[keep], d[keep]
-        return {"weight": (u[:, ids] * (d @ v.T).T).sum(1)}
+        return {"weight": (u[:, ids] * (v @ d.T)).sum(1)}
 
 
 _GEMMA_SCALED = ("transformers.models.gemma3.modeling_gemma3", "Gemma3TextScaledWordEmbedding")

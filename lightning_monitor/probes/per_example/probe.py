@@ -209,6 +209,22 @@ def _follows(first: Tensor, second: Tensor, dim: int, per: int, batch: int, orde
     return None if by_position else True
 
 
+_TWICE = ("its module's output received gradients in more than one backward pass of a step (`torch.autograd.grad` inside "
+          "`training_step`, e.g. a gradient penalty, or a graph differentiated twice): the parameter's gradient sums the "
+          "passes, while each pass's per-example parts are taken alone")
+
+
+_SUBSTITUTED = ("its module ran and its output received a gradient, but the parameter received none: the module computed "
+                "with another tensor in its place (torch.func.functional_call with a generated weight, a hypernetwork)")
+
+
+def _pruned_reason(module_type: str, name: str) -> str:
+    """Why the parameter ``name + "_orig"`` of a module pruned by ``torch.nn.utils.prune`` is left out."""
+    return (f"{module_type}.{name} is pruned (torch.nn.utils.prune, e.g. Lightning's ModelPruning): the layer computes with "
+            f"{name}_orig * {name}_mask, whose gradient is masked, while the per-example rule of the layer gives the "
+            f"gradient of the weight it computes with")
+
+
 def _no_log(*args: Any, **kwargs: Any) -> None:
     return None
 
@@ -282,11 +298,20 @@ class _Uses:
         self.probe._fwd_uses[self.name] += 1
         use = _Use(self, tuple(x.shape), x if ctx is None else ctx, rule or self.probe._rule)
         probe = self._probe
+        finished = []
 
         def done(*args: Any, **kwargs: Any) -> None:
             live = probe()
-            if live is not None:  # a graph that outlived its probe: nothing to report to
-                live._finish(use, *args, **kwargs)
+            if live is None:  # a graph that outlived its probe: nothing to report to
+                return
+            if finished:
+                # a second backward pass through this use's output in one step (`torch.autograd.grad` inside
+                # `training_step`, a gradient penalty; `backward(retain_graph=True)` run twice): the parameter's gradient
+                # is the sum over the passes, whose per-example parts were squared pass by pass
+                live._leave_out(self.params, _TWICE)
+                return
+            finished.append(True)
+            live._finish(use, *args, **kwargs)
 
         return done
 
@@ -538,6 +563,9 @@ class PerExampleGradNorms:
                 if p.is_complex():
                     left[ln] = (f"{type(mod).__name__}.{ln} is complex ({p.dtype}): the per-example rules here are for "
                                 "real parameters")
+                elif (computed is not None and ln not in computed and ln.endswith("_orig")
+                      and isinstance(getattr(mod, ln[: -len("_orig")] + "_mask", None), Tensor)):
+                    left[ln] = _pruned_reason(type(mod).__name__, ln[: -len("_orig")])
                 elif computed is not None and ln not in computed:  # a subclass's own (LoRA adapters, weight_norm's g / v)
                     left[ln] = (f"{type(mod).__name__}.{ln} is not computed by the handler of its module type, which "
                                 f"computes {' and '.join(computed)} only: a parameter the layer holds besides them "
@@ -634,6 +662,7 @@ class PerExampleGradNorms:
         """Arm the hooks (idempotent)."""
         if self._active:
             return
+        self._check_registrations()
         covered = set(self._covered_ids)
         hooked: list[str] = []
         for mname, (mod, handler, params) in self._modules.items():
@@ -670,6 +699,25 @@ class PerExampleGradNorms:
                 self._handles.append(mod.register_forward_pre_hook(self._coupling_hook))
         self._depth, self._entry, self._calls = 0, None, []
         self._active = True
+
+    def _check_registrations(self) -> None:
+        """Leave out each covered parameter that its module no longer holds under its name: pruned since the probe was
+        built (``torch.nn.utils.prune`` moves ``weight`` to ``weight_orig`` and computes ``weight`` before each forward,
+        Lightning's ``ModelPruning`` at an epoch's end), or moved by a parametrization registered since. The layer then
+        computes with another tensor than the parameter, and its per-example rule would measure that tensor's gradient.
+        A dictionary lookup per covered parameter, at each arming."""
+        for mod, _, params in self._modules.values():
+            held = mod._parameters
+            for ln, pid in params:
+                if held.get(ln) is self._params[pid] or self._names[pid] in self.reasons:
+                    continue
+                if held.get(ln + "_orig") is self._params[pid]:
+                    reason = _pruned_reason(type(mod).__name__, ln)
+                else:
+                    reason = (f"{type(mod).__name__}.{ln} is no longer the parameter its module holds under that name "
+                              "(a parametrization registered since the probe was built): the layer computes with "
+                              "another tensor, whose gradient its per-example rule would measure")
+                self._leave_out([(ln, pid)], reason)
 
     def detach(self) -> None:
         """Remove every hook (idempotent); the norms recorded so far stay readable."""
@@ -1214,6 +1262,8 @@ class PerExampleGradNorms:
             self._check_projections()
         out: dict[str, Tensor] = {}
         unused: list[str] = []  # covered, but no gradient reached them in these backward passes
+        # a backward populated `.grad` (not `torch.autograd.grad` on chosen inputs, which leaves every `.grad` as it is)
+        any_grad = any(self._params[pid].grad is not None for pid in self._covered_ids)
         for pid in self._covered_ids:
             name = self._names[pid]
             if name in self._not_reached:
@@ -1230,6 +1280,12 @@ class PerExampleGradNorms:
                     self.reasons[name] = self._refused.get(owner, (
                         "has a gradient, but no output of its module received one: it is used outside its module"
                         if self._fwd_uses.get(owner) else self._never_called(owner)))
+                continue
+            if any_grad and self._params[pid].grad is None and self._params[pid].requires_grad:
+                # its module ran and its output received a gradient, but the parameter got none: the module computed
+                # with another tensor in its place (`torch.func.functional_call(module, {"weight": generated}, x)`,
+                # a hypernetwork), whose gradient the hooks measured
+                self._leave_out([(name, pid)], _SUBSTITUTED)
                 continue
             if self._outstanding.get(pid, 0) or pid in self._pending:
                 raise RuntimeError(
