@@ -125,12 +125,12 @@ class _Epochs(Dataset):
         return self.x[i], self.y[i]
 
 
-def _fit_pruned(tmp_path, make, amount: float, rewind: bool, steps: int) -> tuple[pl.Trainer, DivergenceGuard]:
+def _fit_pruned(tmp_path, make, amount, rewind: bool, steps: int) -> tuple[pl.Trainer, DivergenceGuard]:
     """Epochs of the digits (37 steps each) under Lightning's ModelPruning, which prunes ``amount`` (L1, global) at the
-    end of epoch 2, with or without the lottery-ticket rewind."""
+    end of epoch 2 (or ``amount(epoch)`` at each epoch's end), with or without the lottery-ticket rewind."""
     from lightning.pytorch.callbacks import ModelPruning
 
-    pruning = ModelPruning("l1_unstructured", amount=lambda epoch: amount if epoch == 2 else 0.0,
+    pruning = ModelPruning("l1_unstructured", amount=amount if callable(amount) else lambda epoch: amount if epoch == 2 else 0.0,
                            parameter_names=["weight"], use_lottery_ticket_hypothesis=rewind, verbose=0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -175,6 +175,21 @@ def test_a_divergence_after_model_pruning_is_rolled_back_into_the_pruned_weights
     weights = torch.cat([module.net[i].weight.flatten() for i in (0, 2, 4)])
     assert float((weights == 0).float().mean()) == pytest.approx(0.8, abs=0.01)
     assert final < 0.5  # trained on after the rollback (the diverged run is at the chance level's 2.3 and beyond)
+
+
+def test_a_rollback_across_a_second_pruning_keeps_its_masks(tmp_path):
+    # half the weights pruned at the end of epoch 2 (step 111), half of the rest at the end of epoch 3 (step 148), the
+    # rate x300 at step 150: the rollback goes to the snapshot of step 140, taken between the two prunings. It restored
+    # that snapshot's masks too, undoing the second pruning: the run ended 50% sparse instead of 75%
+    trainer, guard = _fit_pruned(tmp_path, lambda: _Clf(jump_at=150, factor=300.0),
+                                 lambda epoch: 0.5 if epoch in (2, 3) else 0.0, False, steps=220)
+    module = trainer.lightning_module
+    assert guard.stopped_step is None and guard.rollbacks and guard.rollbacks[0]["to_step"] < 148
+    weights = torch.cat([module.net[i].weight.flatten() for i in (0, 2, 4)])
+    assert float((weights == 0).float().mean()) == pytest.approx(0.75, abs=0.01)
+    x, y = _digits()
+    with torch.no_grad():
+        assert float(F.cross_entropy(module.net(x), y)) < 0.5
 
 
 class _HeadReset(Callback):
