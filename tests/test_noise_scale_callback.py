@@ -400,3 +400,64 @@ def test_batch_size_advice_waits_for_half_the_gradient() -> None:
     mon._batch_alerts(30, 4.0, 290.0, coverage=0.95)
     assert ("advice_withheld", False) in [(k, a) for k, a, _ in said]
     assert ("batch_below_noise_scale", True) in [(k, a) for k, a, _ in said]
+
+
+def test_b_simple_undefined_counts_on_across_a_resume():
+    # the checks in a row without B_simple are part of the saved state: a run resumed after 2 of them says so at its
+    # 3rd check, as the run it continues would have (it counted from 0 again and said it 2 checks late, or never)
+    from lightning_monitor import GradientNoiseScaleMonitor
+
+    def monitor():
+        mon = GradientNoiseScaleMonitor(smoothing=0.0)
+        mon.raised = []
+        mon.condition = lambda step, kind, active, severity, message, **kw: mon.raised.append((step, kind, active))
+        mon._batch_alerts = lambda *a, **kw: None
+        mon._measured = set()
+        return mon
+
+    first = monitor()
+    for step in range(2):
+        first.judge(None, step, {"\x00g2": -0.5, "\x00tr": 4.0, "\x00batch": 8.0})
+    resumed = monitor()
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    for step in range(2, 5):
+        resumed.judge(None, step, {"\x00g2": -0.5, "\x00tr": 4.0, "\x00batch": 8.0})
+    said = [(step, active) for step, kind, active in resumed.raised if kind == "b_simple_undefined"]
+    assert said == [(2, False), (3, False), (4, True)]
+
+
+class _TwoLoaders(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(6, 3)
+
+    def training_step(self, batch, batch_idx):
+        parts = batch.values() if isinstance(batch, dict) else [batch]
+        return sum(torch.nn.functional.cross_entropy(self.net(x), y) for x, y in parts)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("mode", ["max_size_cycle", "min_size"])
+def test_batches_combining_several_loaders_leave_the_noise_scale_idle_saying_why(mode):
+    # a dict of two loaders (16 and 8 a batch): the batch size was read from the first sub-batch (gns/batch_size 16 for
+    # 24 examples a step) and the reason given for the layers left out was a sequence-first input
+    from lightning.pytorch.utilities import CombinedLoader
+
+    g = torch.Generator().manual_seed(0)
+    loaders = {name: torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g)),
+        batch_size=size) for name, size in (("a", 16), ("b", 8))}
+    monitor = GradientNoiseScaleMonitor(every_n_steps=1)
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, callbacks=[monitor], enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(_TwoLoaders(), CombinedLoader(loaders, mode=mode))
+    assert "combines 2 data loaders" in monitor.idle_reason
+    assert not any(k.startswith("gns/") for k in trainer.callback_metrics)
+    # one loader: measured
+    monitor = GradientNoiseScaleMonitor(every_n_steps=1)
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, callbacks=[monitor], enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(_TwoLoaders(), loaders["a"])
+    assert monitor.idle_reason is None and trainer.callback_metrics["gns/batch_size"] == 16.0

@@ -550,15 +550,30 @@ def test_gwa_scores_enough_samples_an_epoch_on_a_small_dataset(tmp_path) -> None
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :3].argmax(1)), batch_size=16)
     hm = lm.HealthMonitor(**FAST)
     key = hm.gwa.state_key
-    trainer = _trainer(tmp_path, [hm], max_steps=24)
+    saved = ModelCheckpoint(dirpath=str(tmp_path / "checkpoints"), every_n_epochs=1, save_top_k=-1)
+    trainer = _trainer(tmp_path, [hm, saved], max_steps=24, enable_checkpointing=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(_Net(3, torch.nn.functional.cross_entropy), loader)
     assert hm.gwa.every_n_steps == 1 and hm.gwa.state_key == key
     said = [a for a in hm.guard.hub.history if a.kind == "cadence"]
     assert len(said) == 1 and said[0].severity == "info" and said[0].step == 1  # after the first step
+    # 96 samples an epoch cannot reach 256 even at every step: said, not promised
+    assert "Even so an epoch gives fewer samples than min_epoch_samples" in said[0].message
     assert [h["count"] for h in hm.gwa.history][1:] == [96, 96, 96]  # the first epoch lost the step before the change
     assert not [w for w in caught if "GWA skipped" in str(w.message)]
+
+    # resumed from the end of the second epoch, the run scores at the cadence chosen, from its first step: it went back
+    # to every 10th step until its first scored step, and its first epoch scored 80 samples of 96, as the run it
+    # continues did not
+    (path,) = [str(p) for p in (tmp_path / "checkpoints").glob("epoch=1-*.ckpt")]
+    resumed = lm.HealthMonitor(**FAST)
+    more = _trainer(tmp_path / "resumed", [resumed], max_steps=24)
+    more.fit(_Net(3, torch.nn.functional.cross_entropy), loader, ckpt_path=path)
+    assert resumed.gwa.every_n_steps == 1 and resumed.gwa.state_key == key
+    assert not [a for a in resumed.guard.hub.history if a.kind == "cadence"]
+    # every one of its 12 steps scored (Lightning runs the resumed epochs one batch off the straight run's)
+    assert sum(h["count"] for h in resumed.gwa.history[2:]) == 16 * 12
 
 
 class _Unsized(torch.utils.data.IterableDataset):

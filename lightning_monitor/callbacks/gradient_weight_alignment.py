@@ -530,6 +530,10 @@ class GradientWeightAlignmentMonitor(Monitor):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state.update(history=[dict(h) for h in self.history], stopped_epoch=self.stopped_epoch, **self._selection_state())
+        # the cadence min_epoch_samples chose (once per fit): a resumed run scores at it from its first step, as the run
+        # it continues did (it went back to the configured cadence until its first scored step, and an epoch resumed
+        # at its end scored 192 samples against 256)
+        state["cadence"] = self.every_n_steps if self._scored_rows == -1 else None
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -540,6 +544,9 @@ class GradientWeightAlignmentMonitor(Monitor):
         self.history = [dict(h) for h in state_dict.get("history", [])]
         self._load_selection_state(state_dict)
         self.stopped_epoch = state_dict.get("stopped_epoch")
+        cadence = state_dict.get("cadence")
+        if cadence is not None:  # decided by the run saved (a state saved before the decision leaves it as it is now)
+            self.every_n_steps, self._scored_rows, self._unsized_rows = int(cadence), -1, None
 
     def snapshot_state(self) -> dict[str, Any]:
         """The :meth:`state_dict` and this rank's scores of the epoch under way: a rollback takes the scores of the
@@ -1740,14 +1747,22 @@ class GradientWeightAlignmentMonitor(Monitor):
         accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
         per_epoch = steps * rows * accumulate * max(trainer.world_size, 1)
         every = max(1, min(self.every_n_steps, per_epoch // self.min_epoch_samples))
+        # an epoch too small for min_epoch_samples even when every step is scored (overfit_batches, a tiny data set)
+        short = (f" Even so an epoch gives fewer samples than min_epoch_samples: each epoch's score rests on about "
+                 f"{per_epoch}, and expect noisier scores and picks (and more of them called uncertain)."
+                 if per_epoch < self.min_epoch_samples else "")
         if every >= self.every_n_steps:
+            if short:
+                self.alert(trainer.global_step, "cadence", "info",
+                           f"An epoch holds about {per_epoch} samples ({steps} steps), scored at every "
+                           f"{'step' if every == 1 else f'{every} steps'}.{short}", value=float(self.every_n_steps))
             return
         was, self.every_n_steps = self.every_n_steps, every
         self.alert(
             trainer.global_step, "cadence", "info",
             f"An epoch holds about {per_epoch} samples ({steps} steps): scoring every {was} steps would give about "
             f"{per_epoch // was} an epoch, too few for the kurtosis GWA divides by (min_epoch_samples="
-            f"{self.min_epoch_samples}); scoring every {every} step{'s' if every > 1 else ''} from here.",
+            f"{self.min_epoch_samples}); scoring every {every} step{'s' if every > 1 else ''} from here.{short}",
             value=float(every),
         )
 

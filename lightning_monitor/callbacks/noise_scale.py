@@ -266,6 +266,9 @@ class GradientNoiseScaleMonitor(Monitor):
         state["ema_names"] = None if self._ema_names is None else sorted(self._ema_names)
         state["said"] = {"reported": sorted(self._reported), "partial": self._said_partial,
                          "single": self._warned_single}
+        # the checks in a row without B_simple (b_simple_undefined is said after a few): a resumed run goes on counting
+        # (it counted from 0 again: the alert came 30 steps late, or not at all)
+        state["undefined"] = self._undefined
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -282,6 +285,7 @@ class GradientNoiseScaleMonitor(Monitor):
         # a state restored mid-run (the guard's rollback, which keeps GradES's frozen set) may average another set of
         # parameters than the one measured now: compared at the next check
         self._compare_selection = True
+        self._undefined = int(state_dict.get("undefined", 0))
         said = state_dict.get("said") or {}
         self._reported = set(said.get("reported", ()))
         self._said_partial = bool(said.get("partial", False))
@@ -521,6 +525,22 @@ class GradientNoiseScaleMonitor(Monitor):
 
             model.register_comm_hook(state=None, hook=hook)
             self._ddp_registered = True
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning.pytorch.utilities import CombinedLoader
+
+        # several loaders given to the fit (a dict or list, a CombinedLoader): Lightning zips them for training (each
+        # batch a dict or list of sub-batches; its `sequential` mode is for evaluation only)
+        given = trainer.train_dataloader if self.idle_reason is None else None
+        loaders = 1 if given is None else len(CombinedLoader(given).flattened)
+        if loaders > 1:
+            # the batch size of a step was read from the first sub-batch (16 of 16 + 8), and the examples of the others
+            # weigh otherwise in the loss (each loader's mean): the gradient is no mean over one batch of examples
+            self.nothing_to_watch(
+                trainer, f"each training batch combines {loaders} data loaders (a CombinedLoader, or a dict or list of "
+                "loaders): the noise scale needs each step's gradient to be the mean over one batch of examples, and "
+                "the sub-batches' examples enter the loss as the step combines them. Give the fit one loader to measure "
+                "it", training=True)
 
     # ------------------------------------------------------------------ arming
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
