@@ -489,6 +489,10 @@ class GradientWeightAlignmentMonitor(Monitor):
         self.history: list[dict[str, Any]] = []
         # said once the first batch's targets fit (a regression or multi-label run goes idle with one warning instead)
         self._pending_no_softmax: Optional[tuple[int, str]] = None
+        self._drift_said = False  # the reading of the loss found off at a later epoch (inexact_scores), once per run
+        self._recheck_counts: Optional[tuple[Tensor, int, str]] = None  # _recheck's counts, read at the epoch's end
+        self._recheck_epoch: Optional[int] = None  # the epoch of the last check of that reading
+        self._recheck_step: Optional[int] = None  # and its step
         self._pending_several: Optional[tuple[int, str]] = None
         self._dropped: Optional[tuple[Optional[int], str]] = None  # the epoch whose kept batches were dropped, and why
         self._load_selection_state({})
@@ -1149,6 +1153,12 @@ class GradientWeightAlignmentMonitor(Monitor):
             return False
         if self._check_state == "pending":
             self._check_state, self._check_step = "armed", step
+            self._recheck_epoch = trainer.current_epoch
+        elif (self._check_state == "done" and not self._drift_said and self._recheck_epoch is not None
+              and trainer.current_epoch > self._recheck_epoch):
+            # the reading of the loss, checked again at the first due step of each later epoch (see _recheck)
+            self._check_state, self._recheck_step = "recheck", step
+            self._recheck_epoch = trainer.current_epoch
         if self._head_watch is None:
             self.keep(self._head.register_forward_hook(self._on_head_forward))
 
@@ -1176,6 +1186,8 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._resolve_head(trainer, pl_module)
         if self._check_state == "armed" and self._check_step == trainer.global_step and self.idle_reason is None:
             self._check_gradient(trainer)
+        elif self._check_state == "recheck" and self._recheck_step == trainer.global_step and self.idle_reason is None:
+            self._recheck(trainer)
         # the hook stays for a head that runs only after a first optimizer step (manual optimization); a batch
         # whose head never runs is released by on_train_batch_end
         if self._pending is None:
@@ -1194,7 +1206,7 @@ class GradientWeightAlignmentMonitor(Monitor):
             # a causal LM's logits at position t predict the label at t + 1 (its loss shifts the labels);
             # the last position predicts nothing
             targets = self._shifted(targets)
-        if self._check_state == "armed" and self._check_capture is None:
+        if self._check_state in ("armed", "recheck") and self._check_capture is None:
             self._check_raw = (raw, targets is not raw)  # the labels, and whether they were shifted
         # a sequence classifier that pools its per-token logits afterwards (a decoder-only model's `score` head: the
         # logits of the last real token are the sequence's): where that token is, from the attention mask
@@ -1260,7 +1272,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         if raw is not None and output.requires_grad and self._check_capture is None:
             self._capture_gradient(output, out, targets, raw)
         # until the check, kept (it may find they were read the wrong way), within reason
-        if self._stashed >= _FLUSH_ELEMENTS * (1 if self._check_state == "done" else 8):
+        if self._stashed >= _FLUSH_ELEMENTS * (1 if self._check_state in ("done", "recheck") else 8):
             self._flush()
 
     def _shifted(self, targets: Tensor) -> Tensor:
@@ -1273,6 +1285,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         """Before a fit: the reading of the loss (shift, transform of the logits) is checked again."""
         self._check_state = "pending"  # -> "armed" on a due step -> "done" (or "pending" again: nothing captured)
         self._check_step: Optional[int] = None
+        self._check_step_done: Optional[int] = None  # the step whose gradient the reading of the loss was taken from
         self._check_tries = 0
         #: the scored batch's targets as ``target_fn`` gave them, and whether GWA shifted them
         self._check_raw: Optional[tuple[Tensor, bool]] = None
@@ -1349,6 +1362,7 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._check_state = "pending" if self._check_tries < _CHECK_TRIES else "done"
             return
         self._check_state = "done"
+        self._check_step_done = step
         changed = shift_changed = False
         if targeted_other > 0 and hit < 0.5 * targeted and hit_other >= _HIT_FRACTION * targeted_other:
             # every rank read its labels the same way (the same rule on the same kind of batch)
@@ -1453,14 +1467,63 @@ class GradientWeightAlignmentMonitor(Monitor):
             if shift_changed:
                 self._drop_kept("their labels were read the other way")
         elif judged > 0 and off > _OFF_FRACTION * judged:
+            self._drift_said = True  # said: the later checks of the reading (_recheck) have nothing to add
             self.alert(
                 step, "inexact_scores", "warning",
                 f"In {off:.0f} of {judged:.0f} rows the gradient of `{self._head_name}`'s output differs from the "
                 "softmax cross-entropy's on the targets GWA reads (p - y): the loss is another one (label smoothing, "
-                "a z-loss or other term on the logits, distillation's soft targets, a focal loss, logits averaged with "
+                "a z-loss or other term on the logits, distillation's soft targets, logits averaged with "
                 "another head's as in a distilled model ...), so the scores "
                 "are approximate. Soft targets of the loss's own (`target_fn` returning probabilities) make them exact "
                 "for label smoothing and distillation.",
+                value=off / judged, threshold=_OFF_FRACTION,
+            )
+
+    def _recheck(self, trainer: pl.Trainer) -> None:
+        """The reading of the loss adopted at the first check (a plain softmax cross-entropy, a logit scale or bias, a
+        label smoothing), compared with the head's output gradient at the first due step of a later epoch. Near the
+        random init's uniform softmax some readings cannot be told apart (a temperature with label smoothing reads as
+        one logit scale; soft targets smoothed again read as the targets given), and the scores followed the wrong
+        one all run without a word; once the softmax has sharpened they part. The counts stay on the device until the
+        epoch's end (:meth:`_say_drift`), where more than a tenth of the rows off raises ``inexact_scores`` (once per
+        run); the reading stays."""
+        capture, self._check_capture = self._check_capture, None
+        self._check_state = "done"
+        reading: dict[str, Any] = {}
+        if self._label_smoothing is not None:
+            reading["label_smoothing"] = self._label_smoothing
+        if self._logit_scale is not None:
+            reading["logit_scale"] = self._logit_scale
+        if self._logit_bias is not None:
+            reading["logit_bias"] = self._logit_bias
+        counts = torch.zeros(2, dtype=torch.float64, device=_device_of(self._head))
+        if capture is not None and capture[1].shape[-1] == self._head.out_features:
+            grad, logits, targets, _ = capture
+            counts = head_gradient_agreement(grad, logits, targets, ignore_index=self.ignore_index,
+                                             softcap=self._softcap, **reading)[:2].to(counts.device)
+        said = ", ".join(f"{k.replace('_', ' ')} {v:.4g}" for k, v in reading.items() if not isinstance(v, Tensor))
+        self._recheck_counts = (counts, trainer.global_step, said or "on the targets as given")
+
+    def _say_drift(self, trainer: pl.Trainer) -> None:
+        """At an epoch's end (a collective where the epoch's sums are reduced anyway): the counts of :meth:`_recheck`,
+        read, and said if the reading no longer fits."""
+        pending, self._recheck_counts = self._recheck_counts, None
+        if pending is None:
+            return
+        counts, step, said = pending
+        if trainer.world_size > 1:
+            counts = trainer.strategy.reduce(counts, reduce_op="sum")
+        judged, off = counts.tolist()
+        if judged > 0 and off > _OFF_FRACTION * judged and not self._drift_said:
+            self._drift_said = True
+            self.alert(
+                trainer.global_step, "inexact_scores", "warning",
+                f"In {off:.0f} of {judged:.0f} rows the gradient of `{self._head_name}`'s output at step {step} differs "
+                f"from the softmax cross-entropy's GWA reads ({said}, read at step {self._check_step_done}): near the "
+                "start's uniform softmax the loss passed for that reading, and it does not fit the sharper softmax of "
+                "later steps. The loss combines what GWA reads apart (a temperature with label smoothing, soft targets "
+                "smoothed again, ...), so the scores are approximate. Soft targets of the loss's own (`target_fn` "
+                "returning probabilities) make them exact.",
                 value=off / judged, threshold=_OFF_FRACTION,
             )
 
@@ -1545,9 +1608,10 @@ class GradientWeightAlignmentMonitor(Monitor):
                 )
             return
         t = targets.long()
-        valid = (t >= 0) & (t < num_classes)
-        if self.ignore_index is not None:
-            valid |= t == self.ignore_index
+        # a negative target is a sample the loss ignores with an index of its own (`ignore_index=-1`), counted and said
+        # at the epoch's end (`targets_out_of_range`) as in any later batch: in the first batch it stopped the fit (or
+        # left the preset's monitor idle). A class beyond the head's outputs is a wrong `target_fn` or `head`
+        valid = t < num_classes
         if not bool(valid.all().item()):
             raise ValueError(
                 f"`target_fn` returned class targets {t[~valid][:5].tolist()} outside [0, {num_classes}) for head "
@@ -1802,6 +1866,7 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._plan_by_time(trainer, epoch)
         self._say_if_frozen(step, during=True)  # the head frozen since (GradES): said once (the flag is every rank's)
         state, negative, lo, hi, hist, top = self._reduce(trainer)
+        self._say_drift(trainer)
         outside = int(self._out_of_range)
         if outside and not self._said_out_of_range:
             self._said_out_of_range = True
