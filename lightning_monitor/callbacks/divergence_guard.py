@@ -902,6 +902,7 @@ class DivergenceGuard(Monitor):
                 oldest = self._judged_lrs[0] if self._judged_lrs else None
                 self._lr_at_min = oldest if oldest is not None else self._lr_at_min
                 self._wd_at_min = self._float_decays(trainer)
+                self._types_at_min = [type(opt).__name__ for opt in trainer.optimizers]
             self._judged_through = s
             if reasons and first_bad is None:
                 first_bad = start
@@ -1289,7 +1290,8 @@ class DivergenceGuard(Monitor):
             # before any history the references are the first batches, and the first updates of a healthy run can
             # overshoot and settle: at once only if the weights broke by ``blowup`` on those batches too
             return []
-        if self._pruned(trainer, pl_module, step, loss, level) or self._unfrozen(pl_module, step, loss, level):
+        if (self._pruned(trainer, pl_module, step, loss, level) or self._unfrozen(pl_module, step, loss, level)
+                or self._restructured(trainer, pl_module, step, loss, level, (now, then))):
             return []
         if math.isfinite(now) and self._objective_changed(trainer, pl_module, step, loss, level, [b for b, _ in refs],
                                                           then, now):
@@ -1367,20 +1369,41 @@ class DivergenceGuard(Monitor):
         return True
 
     def _restructured(self, trainer: pl.Trainer, pl_module: pl.LightningModule, start: int, loss: float,
-                      level: float) -> bool:
+                      level: float, replayed: Optional[tuple[Optional[float], float]] = None) -> bool:
         """Whether the model or its optimizers changed shape since the newest snapshot from before ``start`` (a vocabulary
-        grown by ``resize_token_embeddings``, a layer added, the optimizer rebuilt with other groups: the snapshot no
-        longer fits the run, see :meth:`TrainingSnapshot.mismatch`) and the weights did not break with it: the last
-        normal batches from before the rise, evaluated again, are about as easy as when they were trained on. The rise
-        is then the change's (new tokens in the data), and the older state can neither be gone back to nor asked about
-        the batches. The guard rebases (:meth:`rebase`, said as ``rebased``): the rise is not acted on, the loss is
-        judged afresh, and the present state is the one to go back to. Left to judge, the rise found no snapshot that
-        fits and stopped a healthy run. Weights that did break with the change (a layer added at a rate that blows it
-        up) are judged as ever, and the guard stops, saying the snapshots no longer fit. Every rank changes its model
-        alike and judges the same mean loss: no reduction."""
+        grown or shrunk by ``resize_token_embeddings``, a layer added, a parametrization registered, the optimizer
+        rebuilt with other groups: the snapshot no longer fits the run, see :meth:`TrainingSnapshot.mismatch`) and the
+        weights did not break with it. The older state can then neither be gone back to nor asked about the batches,
+        and the rise is the change's (new tokens in the data, the first updates under the new structure): the guard
+        rebases (:meth:`rebase`, said as ``rebased``), the rise is not acted on, the loss is judged afresh, and the
+        present state is the one to go back to. Left to judge, such rises found no snapshot that fits and stopped
+        healthy runs.
+
+        The weights broke with the change when the last normal batches from before the rise, evaluated again
+        (``replayed``: as the surge test found them), now lose more than ``blowup`` times the most of what they lost
+        then and the initial loss (the untrained model's), or nothing finite: a layer added at a rate that blows it up
+        (1.39 to 14.6, the initial loss 1.39), a rate x300 with the change. The share of the rise the other tests take
+        cannot tell them apart here: the change itself moves those batches (the run's own rate, under SGD with
+        momentum, forgot some of a grown vocabulary's old batches in two steps: 1.20 to 4.06, 73% of the rise, where
+        the broken layer's moved 56%; still short of twice the untrained model's 3.7). Batches that cannot be run on
+        the changed model at all (token ids beyond a shrunk vocabulary) say nothing against it. Every rank changes its
+        model alike and judges the same mean loss."""
         snap = next((s for s in reversed(self._snapshots) if s.step < start), None)
         misfit = None if snap is None else snap.mismatch(trainer)
-        if misfit is None or not self._references_intact(trainer, pl_module, start, loss - level):
+        if misfit is None or not self._replayable(pl_module):
+            return False
+        if replayed is None:
+            refs = self._references(start)
+            if not refs:
+                return False
+            self._replay_failed = False
+            replayed = self._replayed(trainer, pl_module, refs)
+        now, then = replayed
+        if now is None:
+            failed = self._replay_failed if trainer.world_size <= 1 else self.decide(trainer, self._replay_failed)
+            if not failed:
+                return False
+        elif not math.isfinite(now) or now > self.blowup * max(then, self._anchor()):
             return False
         self.rebase(trainer, f"the loss rose to {loss:.4g} (recent level about {level:.4g}) after the model or its "
                              f"optimizers changed since step {snap.step} ({misfit}): the change's effect, not a "
@@ -1687,6 +1710,7 @@ class DivergenceGuard(Monitor):
             # a step that cannot run twice (it consumes something of the batch's or of its own; under manual
             # optimization, it needs what the replay turns off, such as a closure's loss from `opt.step`): the batch
             # cannot be evaluated, and the rise is judged without the replay's test. The fit goes on.
+            self._replay_failed = True
             if not self._warned_replay:
                 self._warned_replay = True
                 rank_zero_warn(f"DivergenceGuard could not run `training_step` again on a kept batch "
@@ -1994,6 +2018,10 @@ class DivergenceGuard(Monitor):
         then, best = self._wd_at_min, self._lr_at_min
         if then is None or best is None:
             return None
+        if self._types_at_min is not None and self._types_at_min != [type(opt).__name__ for opt in trainer.optimizers]:
+            # an optimizer swapped since (SGD then, AdamW now): its decay is another optimizer's setting (AdamW's default
+            # 0.01 against SGD's 0 read as a decay that rose, and a rise the rollback had not cured was excused)
+            return None
         lrs = self._float_lrs(trainer)
         for i, row in enumerate(lrs):
             for j, n in enumerate(row):
@@ -2217,6 +2245,7 @@ class DivergenceGuard(Monitor):
         self._loss_acc: Optional[Tensor] = None
         self._judged_through = -1  # the last step judged
         self._warned_replay = False  # a replay of `training_step` failed once (said once)
+        self._replay_failed = False  # a replay failed since this was last cleared (see _restructured)
         self._warned_lost = False  # a replay wrote into a large tensor attribute, not put back (said once)
         self._batch_start: Optional[int] = None  # the optimizer step at the start of the current batch
         self._steps_per_batch = 1  # the most optimizer steps one batch made (manual optimization may make several)
@@ -2272,6 +2301,7 @@ class DivergenceGuard(Monitor):
             "creep": {"ema": self._ema, "weight": self._ema_weight, "min": self._ema_min, "warned_at": self._creep_warned_at},
             "lr_at_min": self._lr_at_min,
             "wd_at_min": _copy_rows(self._wd_at_min),
+            "types_at_min": None if self._types_at_min is None else list(self._types_at_min),
             "lr_peak": _copy_rows(self._lr_peak),  # copies: the guard's own rows change in place
             "lr_low": _copy_rows(self._lr_low),
         }
@@ -2293,6 +2323,8 @@ class DivergenceGuard(Monitor):
         self._plateau: Optional[tuple[int, float]] = None  # (step, smoothed loss) of the creep episode's last look
         self._lr_at_min = state.get("lr_at_min")
         self._wd_at_min: Optional[list[list[Optional[float]]]] = _copy_rows(state.get("wd_at_min"))
+        types = state.get("types_at_min")
+        self._types_at_min: Optional[list[str]] = None if types is None else list(types)
 
         # per optimizer and group: the highest rate at a normal step, and the lowest since (see _lr_restart)
         self._lr_peak: Optional[list[list[Optional[float]]]] = _copy_rows(state.get("lr_peak"))
