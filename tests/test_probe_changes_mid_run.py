@@ -175,8 +175,10 @@ def test_weights_pruned_at_an_epochs_end_are_left_out_and_the_rest_stays_exact(m
     seen, oracle = _Seen(monkeypatch, module), _Oracle(_Pruned.terms, twin)
     _fit(module, _batches(4), [oracle, pruning, monitor], 8)  # epochs of 4 steps: pruned at each end
     assert hasattr(module.net[0], "weight_mask")
-    assert monitor._probe.uncovered == ["net.0.weight"]
-    assert "pruned (torch.nn.utils.prune" in monitor._probe.reasons["net.0.weight"]
+    # the pruning re-registers the parameter (`weight_orig`): the monitor builds its probe again at the next check, which
+    # finds it pruned
+    assert monitor._probe.uncovered == ["net.0.weight_orig"]
+    assert "pruned (torch.nn.utils.prune" in monitor._probe.reasons["net.0.weight_orig"]
     # pruned after the first epoch (steps 0-3): measured before, left out from step 4, the rest exact throughout
     assert all("net.0.weight" in seen.norms[s] for s in range(4))
     assert all("net.0.weight" not in seen.norms[s] for s in range(4, 8))
@@ -215,3 +217,43 @@ def test_a_weight_generated_by_a_hypernetwork_is_left_out_not_measured():
     oracle = torch.stack([torch.autograd.grad(F.cross_entropy(net(x[i:i + 1]), y[i:i + 1]), net.target.bias)[0]
                           .pow(2).sum() for i in range(B)])
     torch.testing.assert_close(norms["target.bias"], oracle, rtol=1e-4, atol=1e-10)
+
+
+class _Widened(pl.LightningModule):
+    """A hidden layer widened at step 3 (Net2Net: new, wider Linears; the optimizer rebuilt over the new parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = nn.Linear(D, H), nn.Linear(H, C)
+
+    @staticmethod
+    def terms(module, batch, step):
+        return F.cross_entropy(module.out(torch.tanh(module.inp(batch[0]))), batch[1], reduction="none")
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_step == 3 and self.inp.out_features == H:
+            self.inp, self.out = nn.Linear(D, 2 * H), nn.Linear(2 * H, C)
+            self.trainer.strategy.optimizers = [torch.optim.SGD(self.parameters(), lr=0.1)]
+
+    def training_step(self, batch, batch_idx):
+        return self.terms(self, batch, self.global_step).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_layer_replaced_mid_run_is_measured_in_its_place(monkeypatch):
+    # the probe kept the replaced layers' hooks and parameters: the new layers went unmeasured ("layers not called",
+    # coverage 0 from the replacement on). The parameters' identities are compared at each check, as their flags are
+    module = _Widened()
+    monitor = GradientNoiseScaleMonitor(every_n_steps=1)
+    seen, oracle = _Seen(monkeypatch, module), _Oracle(_Widened.terms)
+    _fit(module, _batches(6), [oracle, monitor], 6)
+    assert monitor._probe.uncovered == [] and all(monitor._probe._params[pid] is p for pid, p in
+                                                  ((id(p), p) for p in module.parameters()))
+    # the layers are replaced in the module's own batch-start hook, after the monitor's had armed the check of step 3:
+    # that check measures nothing of them; from step 4 on, the new layers are measured, exactly
+    for step in (0, 1, 2, 4, 5):
+        _exact(seen, oracle, step, ["inp.weight", "inp.bias", "out.weight", "out.bias"])
+    assert "inp.weight" not in seen.norms.get(3, {})

@@ -209,7 +209,7 @@ class GradientNoiseScaleMonitor(Monitor):
         self._unclipped: Optional[dict[str, Tensor]] = None  # manual optimization: the due step's norms before clipping
         self._ddp_registered = False
         self._module: Optional[nn.Module] = None  # the model, to re-read the trainable set at arming
-        self._flags: tuple[bool, ...] = ()  # requires_grad of every parameter when last selected
+        self._flags: tuple[tuple[int, bool], ...] = ()  # each parameter (identity, requires_grad) when last selected
         self._measurable = False  # something trainable is measured (else checks are skipped)
         self._lazy = True  # parameters may still be uninitialized (lazy modules) until a due step finds none
         self._batch_start = 0  # the optimizer step at the start of the current batch
@@ -400,8 +400,10 @@ class GradientNoiseScaleMonitor(Monitor):
         return out
 
     @staticmethod
-    def _trainable_flags(pl_module: nn.Module) -> tuple[bool, ...]:
-        return tuple(p.requires_grad for p in pl_module.parameters())
+    def _trainable_flags(pl_module: nn.Module) -> tuple[tuple[int, bool], ...]:
+        # each parameter's identity too: a layer replaced mid-run (a hidden layer widened, a block stacked, a vocabulary
+        # resized) kept the old layer's probe and parameters, and the new one went unmeasured for the rest of the run
+        return tuple((id(p), p.requires_grad) for p in pl_module.parameters())
 
     def _select(self, pl_module: nn.Module, initial: bool) -> Optional[str]:
         """Read what this monitor measures: the trainable parameters, the per-example probe over them and
@@ -575,11 +577,11 @@ class GradientNoiseScaleMonitor(Monitor):
         self._micro_sizes = []
         self._small = {}
         # the trainable set may have changed since the last selection (GradientEarlyStopping froze a
-        # component, a resumed run re-froze them, the user unfroze a layer): re-read it. Comparing the
-        # flags costs one attribute read per parameter, on due steps only.
+        # component, a resumed run re-froze them, the user unfroze a layer, or replaced one): re-read it. Comparing
+        # the flags costs one attribute read per parameter, on due steps only.
         if self._module is not None and self._trainable_flags(self._module) != self._flags:
             self._select(self._module, initial=False)
-            self._selection_why = "a component frozen or unfrozen"
+            self._selection_why = "a component frozen or unfrozen, or a layer replaced"
         elif self._compare_selection:
             self._selection_why = "a state restored from before a freeze or unfreeze, a rollback's"
         self._compare_selection = False
