@@ -257,3 +257,26 @@ def test_a_layer_replaced_mid_run_is_measured_in_its_place(monkeypatch):
     for step in (0, 1, 2, 4, 5):
         _exact(seen, oracle, step, ["inp.weight", "inp.bias", "out.weight", "out.bias"])
     assert "inp.weight" not in seen.norms.get(3, {})
+
+
+def test_spectral_alignment_watches_a_layer_replaced_mid_run():
+    # SA kept the replaced layers: never called again, said as `layers_not_called`, the new (wider) ones unmeasured
+    from lightning_monitor import SpectralAlignmentMonitor
+
+    class Seen(pl.Callback):
+        def __init__(self):
+            self.sigma = {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            value = trainer.callback_metrics.get("sa/inp/sigma")
+            if value is not None:
+                self.sigma[trainer.global_step] = float(value)
+
+    module, seen = _Widened(), Seen()
+    sa = SpectralAlignmentMonitor(every_n_steps=1, head=None)
+    _fit(module, _batches(6), [sa, seen], 6)
+    assert not [a for a in sa.hub.history if a.kind == "layers_not_called"]
+    assert sa.layers["inp"] is module.inp and sa.layers["out"] is module.out
+    # the sigma logged after the replacement is the new layer's top singular value
+    torch.testing.assert_close(seen.sigma[6], float(torch.linalg.matrix_norm(module.inp.weight, ord=2)), rtol=1e-3,
+                               atol=0)

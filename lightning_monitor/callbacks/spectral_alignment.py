@@ -77,6 +77,14 @@ from lightning_monitor.selection import as_patterns, linear_types, select_module
 
 __all__ = ["SpectralAlignmentMonitor", "find_output_head"]
 
+
+def _module_at(model: nn.Module, name: str) -> Optional[nn.Module]:
+    """The submodule of ``model`` named ``name`` now, or ``None`` where there is none."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
 #: prefix of the per-layer flag "inputs all >= 0 at this check", carried from compute to judge (never logged)
 _ONE_SIGN = "\x00one_sign/"
 #: a check's drop of sign diversity counts only beyond this many standard deviations of its sampling noise
@@ -375,6 +383,8 @@ class SpectralAlignmentMonitor(Monitor):
 
     def arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[bool]:
         assert self._capture is not None
+        if self._replaced(trainer, pl_module):
+            return False
         # frozen layers are not watched (a LoRA model's base layers, a component GradientEarlyStopping froze): their
         # weights no longer train, so their alignment says nothing of the run's, and they would dilute the collapse
         # fractions; a layer named in `include` is watched frozen or not
@@ -394,6 +404,29 @@ class SpectralAlignmentMonitor(Monitor):
         watched = set(self._watched)
         self._route_handles = [h for name, mha in getattr(self, "_routes", {}).items()
                                if name + ".out_proj" in watched for h in route_out_proj(mha)]
+
+    def _replaced(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Select the layers again where one was replaced since (a hidden layer widened, a block stacked: a new module
+        under the name); the replaced ones' state (singular vectors, alignment history, sigmas) is dropped, being of
+        another weight. One lookup per watched layer, on due steps only; ``True`` when nothing is left to watch.
+        Before, the replaced modules stayed watched: never called, said once as ``layers_not_called``, and the new
+        layers went unmeasured."""
+        changed = [name for name, layer in self.layers.items() if _module_at(pl_module, name) is not layer]
+        if not changed:
+            return False
+        for name in changed:
+            self._vectors.pop(name, None)
+            self._history.pop(name, None)
+            self._not_called.discard(name)
+        self._sigma_history = [(t, {k: v for k, v in sig.items() if k not in changed}) for t, sig in self._sigma_history]
+        self._capture.release()
+        self._sampler_state = self._capture.state_dict()
+        try:
+            self.select(trainer, pl_module)
+        except NothingToWatch as err:
+            self.nothing_to_watch(trainer, str(err).removeprefix(f"{type(self).__name__}: "), training=True)
+            return True
+        return False
 
     @staticmethod
     def _trains(layer: nn.Module) -> bool:
@@ -464,7 +497,9 @@ class SpectralAlignmentMonitor(Monitor):
         assert self._capture is not None
         rows = self._capture.take()
         self._unroute()
-        silent = [n for n in self._watched if n not in rows and n not in self._not_called]
+        # a layer replaced since this step was armed is not silent: the new one is selected at the next check
+        silent = [n for n in self._watched if n not in rows and n not in self._not_called
+                  and _module_at(pl_module, n) is self.layers[n]]
         if silent:  # said once per layer: a layer whose forward does not run has no input to align
             self._not_called.update(silent)
             self.alert(
