@@ -440,7 +440,7 @@ class _TwoLoaders(pl.LightningModule):
 
 
 @pytest.mark.parametrize("mode", ["max_size_cycle", "min_size"])
-def test_batches_combining_several_loaders_leave_the_noise_scale_idle_saying_why(mode):
+def test_batches_combining_several_loaders_leave_the_noise_scale_idle_saying_why(tmp_path, mode):
     # a dict of two loaders (16 and 8 a batch): the batch size was read from the first sub-batch (gns/batch_size 16 for
     # 24 examples a step) and the reason given for the layers left out was a sequence-first input
     from lightning.pytorch.utilities import CombinedLoader
@@ -451,13 +451,13 @@ def test_batches_combining_several_loaders_leave_the_noise_scale_idle_saying_why
         batch_size=size) for name, size in (("a", 16), ("b", 8))}
     monitor = GradientNoiseScaleMonitor(every_n_steps=1)
     trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, callbacks=[monitor], enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
     trainer.fit(_TwoLoaders(), CombinedLoader(loaders, mode=mode))
     assert "combines 2 data loaders" in monitor.idle_reason
     assert not any(k.startswith("gns/") for k in trainer.callback_metrics)
     # one loader: measured
     monitor = GradientNoiseScaleMonitor(every_n_steps=1)
     trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, callbacks=[monitor], enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
     trainer.fit(_TwoLoaders(), loaders["a"])
     assert monitor.idle_reason is None and trainer.callback_metrics["gns/batch_size"] == 16.0

@@ -9,6 +9,7 @@ never received. Each is now left out with its reason, and what stays covered is 
 from __future__ import annotations
 
 import copy
+import tempfile
 
 import lightning.pytorch as pl
 import torch
@@ -21,7 +22,7 @@ from lightning_monitor import GradientNoiseScaleMonitor, PerExampleGradNorms
 B, D, H, C = 6, 10, 8, 3
 
 
-def _batches(n: int, extra=None):
+def _batches(n: int):
     g = torch.Generator().manual_seed(0)
     return [(torch.randn(B, D, generator=g), torch.randint(0, C, (B,), generator=g)) for _ in range(n)]
 
@@ -43,9 +44,10 @@ class _Seen:
 
 
 def _fit(module, batches, callbacks, steps):
-    pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, callbacks=callbacks, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False,
-               ).fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
+    with tempfile.TemporaryDirectory() as root:  # the alerts file: each run its own folder
+        pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, callbacks=callbacks, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+                   ).fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
 
 
 class _Oracle(pl.Callback):
@@ -70,6 +72,16 @@ def _exact(seen: _Seen, oracle: _Oracle, step: int, names) -> None:
     for name in names:
         # the monitor's loss is the batch mean: its per-example norms are those of each example's own loss term
         torch.testing.assert_close(seen.norms[step][name], oracle.norms[step][name], rtol=1e-4, atol=1e-9)
+
+
+class _ByTerms(pl.LightningModule):
+    """Trained on the mean of ``terms`` (each example's loss term, which the oracle differentiates one by one)."""
+
+    def training_step(self, batch, batch_idx):
+        return self.terms(self, batch, self.global_step).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 class _Penalised(pl.LightningModule):
@@ -103,7 +115,7 @@ def test_a_gradient_penalty_switched_on_after_the_first_check_leaves_the_layers_
     assert all("more than one backward pass" in probe.reasons[n] for n in probe.uncovered)
 
 
-class _TiedLater(pl.LightningModule):
+class _TiedLater(_ByTerms):
     """An encoder with a classifier head and, from step 1 on, a reconstruction term decoding with the encoder's weight
     transposed (``F.linear(h, enc.weight.t())``, a tied decoder outside the encoder's module)."""
 
@@ -121,12 +133,6 @@ class _TiedLater(pl.LightningModule):
             t = t + (F.linear(h, module.enc.weight.t()) - x).pow(2).mean(1)
         return t
 
-    def training_step(self, batch, batch_idx):
-        return self.terms(self, batch, self.global_step).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
 
 def test_a_weight_tied_outside_its_module_from_the_second_batch_on_is_found_at_the_next_verification(monkeypatch):
     # checks every step: the projections' check runs at the 1st, 2nd, 4th ... check; the tied use starts at the 2nd
@@ -140,7 +146,7 @@ def test_a_weight_tied_outside_its_module_from_the_second_batch_on_is_found_at_t
         _exact(seen, oracle, step, ["enc.bias", "head.weight", "head.bias"] + (["enc.weight"] if step == 0 else []))
 
 
-class _Pruned(pl.LightningModule):
+class _Pruned(_ByTerms):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -149,12 +155,6 @@ class _Pruned(pl.LightningModule):
     @staticmethod
     def terms(module, batch, step):
         return F.cross_entropy(module.net(batch[0]), batch[1], reduction="none")
-
-    def training_step(self, batch, batch_idx):
-        return self.terms(self, batch, self.global_step).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 def test_weights_pruned_at_an_epochs_end_are_left_out_and_the_rest_stays_exact(monkeypatch):
@@ -219,7 +219,7 @@ def test_a_weight_generated_by_a_hypernetwork_is_left_out_not_measured():
     torch.testing.assert_close(norms["target.bias"], oracle, rtol=1e-4, atol=1e-10)
 
 
-class _Widened(pl.LightningModule):
+class _Widened(_ByTerms):
     """A hidden layer widened at step 3 (Net2Net: new, wider Linears; the optimizer rebuilt over the new parameters)."""
 
     def __init__(self) -> None:
@@ -235,12 +235,6 @@ class _Widened(pl.LightningModule):
         if self.global_step == 3 and self.inp.out_features == H:
             self.inp, self.out = nn.Linear(D, 2 * H), nn.Linear(2 * H, C)
             self.trainer.strategy.optimizers = [torch.optim.SGD(self.parameters(), lr=0.1)]
-
-    def training_step(self, batch, batch_idx):
-        return self.terms(self, batch, self.global_step).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 def test_a_layer_replaced_mid_run_is_measured_in_its_place(monkeypatch):

@@ -31,10 +31,7 @@ def median(values: Sequence[float]) -> float:
     """Median of a non-empty sequence of floats."""
     if not values:
         raise ValueError("median of an empty sequence")
-    s = sorted(values)
-    n = len(s)
-    mid = n // 2
-    return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
+    return _sorted_median(sorted(values))
 
 
 def _sorted_median(s: Sequence[float]) -> float:
