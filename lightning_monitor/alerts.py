@@ -44,6 +44,7 @@ import math
 import os
 import secrets
 import sys
+import tempfile
 import time
 import weakref
 from collections.abc import Callable
@@ -417,9 +418,10 @@ class AlertHub:
             return
         try:
             os.makedirs(directory, exist_ok=True)
-            probe = os.path.join(directory, f".{ALERTS_FILENAME}.probe")
-            with open(probe, "w", encoding="utf-8") as fh:
-                fh.write("")
+            # a probe file of its own: runs started together in one folder (a sweep's, tests in parallel) shared one
+            # name, and one run's removal of it failed another's check ("cannot write alerts")
+            handle, probe = tempfile.mkstemp(prefix=f".{ALERTS_FILENAME}.", suffix=".probe", dir=directory)
+            os.close(handle)
             os.remove(probe)
         except OSError as err:
             raise PermissionError(

@@ -131,6 +131,34 @@ def test_unwritable_log_dir_fails_at_setup(tmp_path, tiny_gpt):
     assert trainer.global_step == 0
 
 
+def test_runs_started_together_in_one_folder_each_find_it_writable(tmp_path, monkeypatch):
+    # the check wrote and removed one fixed probe file: runs preparing one folder at once (a sweep's, tests run in
+    # parallel) removed it under each other, and 57 of 1200 checks from 4 threads said the folder was not writable
+    import threading
+    from types import SimpleNamespace
+
+    import lightning_monitor.alerts as alerts_module
+    from lightning_monitor.alerts import AlertHub
+
+    monkeypatch.setattr(alerts_module, "writes_files", lambda trainer: True)
+    monkeypatch.setattr(alerts_module, "alerts_dir", lambda trainer: str(tmp_path))
+    errors = []
+
+    def prepare():
+        for _ in range(300):
+            try:
+                AlertHub.__new__(AlertHub)._prepare_file(SimpleNamespace(global_rank=0))
+            except OSError as err:
+                errors.append(err)
+
+    threads = [threading.Thread(target=prepare) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and [p.name for p in tmp_path.iterdir()] == []  # no probe file left behind
+
+
 def test_cadence_and_validation():
     m = Monitor(every_n_steps=5, warmup_steps=3)
     assert [s for s in range(20) if m.is_due(s)] == [3, 8, 13, 18]
