@@ -775,7 +775,7 @@ def test_bf16_autocast_recomputes_wz_in_fp32(tmp_path) -> None:
     gwa._reset_epoch(None)
     gwa._pending = (torch.zeros(4, dtype=torch.long), None)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        gwa.keep(model.fc.register_forward_hook(gwa._on_head_forward))
+        gwa.keep(model.fc.register_forward_hook(gwa._on_head_forward, with_kwargs=True))
         out = model(x)
     assert out.dtype == torch.bfloat16 and gwa._stash[0].wz.dtype == torch.float32
     gwa.release()

@@ -28,7 +28,7 @@ from lightning_monitor._values import publish, write_csv
 from lightning_monitor._args import check_bool, check_fraction, check_int, deprecated_aliases, resolve_callable
 from lightning_monitor._compat import backward_skipped, steps_per_epoch
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch, reading_weights
-from lightning_monitor.probes import in_dry_run
+from lightning_monitor.probes import call_args, in_dry_run
 from lightning_monitor.functional.gwa import (
     GWA_OFFSET,
     PROPORTIONAL_TOLERANCE,
@@ -190,9 +190,10 @@ class _HeadWatch:
 
     def call_hook(self, name: str) -> Callable[..., None]:
         @torch.compiler.disable
-        def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+        def hook(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if in_dry_run() or name in self.calls:
                 return
+            inputs = call_args(inputs, kwargs)
             self.calls[name] = (module, inputs, output, len(self.calls))
             if isinstance(output, Tensor) and output.requires_grad:
                 logits = output.detach()
@@ -918,7 +919,7 @@ class GradientWeightAlignmentMonitor(Monitor):
             if name in holders:
                 watch.handles.append(module.register_forward_hook(watch.returned_hook(name)))
         for name, module in self._head_candidates:
-            watch.handles.append(module.register_forward_hook(watch.call_hook(name)))
+            watch.handles.append(module.register_forward_hook(watch.call_hook(name), with_kwargs=True))
         self._head_watch = watch
 
     def _adopt_head(self, name: str, module: nn.Linear, pl_module: pl.LightningModule) -> bool:
@@ -1088,8 +1089,8 @@ class GradientWeightAlignmentMonitor(Monitor):
             rank_zero_info(f"GradientWeightAlignmentMonitor: classifier head `{chosen}` ({module}).")
         self._say_if_frozen(step)
         if self._armed_step == trainer.global_step and self._pending is not None and call is not None:
-            self._on_head_forward(module, call[1], call[2])
-            self.keep(module.register_forward_hook(self._on_head_forward))  # the step's further micro-batches
+            self._on_head_forward(module, call[1], {}, call[2])
+            self.keep(module.register_forward_hook(self._on_head_forward, with_kwargs=True))  # the step's further micro-batches
 
     def _say_if_frozen(self, step: int, during: bool = False) -> None:
         """An info alert, once per fit, when the scored head's weight does not train (a LoRA fine-tune that leaves
@@ -1160,7 +1161,7 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._check_state, self._recheck_step = "recheck", step
             self._recheck_epoch = trainer.current_epoch
         if self._head_watch is None:
-            self.keep(self._head.register_forward_hook(self._on_head_forward))
+            self.keep(self._head.register_forward_hook(self._on_head_forward, with_kwargs=True))
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if (self._head_candidates is not None and self._head_watch is None and self.idle_reason is None
@@ -1222,10 +1223,11 @@ class GradientWeightAlignmentMonitor(Monitor):
     # never traced by torch.compile: it keeps Python state that changes every step (a traced hook would recompile
     # each step until dynamo gives up); the head's own forward stays compiled
     @torch.compiler.disable
-    def _on_head_forward(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+    def _on_head_forward(self, module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         """Keep what the step's scores need: a few detached tensors, one or two small kernels."""
         if in_dry_run():  # another monitor running the head on a batch of its own: not the step's forward
             return
+        inputs = call_args(inputs, kwargs)
         pending, self._pending = self._pending, None
         if pending is None or not inputs or not isinstance(output, Tensor):
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any
 
 _DRY_RUN: ContextVar[bool] = ContextVar("lightning_monitor_dry_run", default=False)
 
@@ -23,3 +24,12 @@ def dry_run() -> Iterator[None]:
 def in_dry_run() -> bool:
     """Whether the current forward is a :func:`dry_run`."""
     return _DRY_RUN.get()
+
+
+def call_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The positional inputs of a module's call as a forward hook registered ``with_kwargs=True`` sees them, with an
+    input passed by keyword (``layer(input=x)``: the name ``nn.Linear``, the convolutions, ``nn.Embedding`` and the
+    norms give their input) put first, so that a layer called either way is read the same."""
+    if not args and "input" in kwargs:
+        return (kwargs["input"],)
+    return args

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_monitor.probes import in_dry_run
+from lightning_monitor.probes import call_args, in_dry_run
 
 __all__ = ["InputCapture"]
 
@@ -59,7 +59,7 @@ class InputCapture:
         for name in self.modules if names is None else names:
             if name in self._handles or name in self._captured:
                 continue
-            self._handles[name] = self.modules[name].register_forward_pre_hook(self._make_hook(name))
+            self._handles[name] = self.modules[name].register_forward_pre_hook(self._make_hook(name), with_kwargs=True)
 
     def disarm(self) -> None:
         """Remove every hook still installed."""
@@ -96,9 +96,10 @@ class InputCapture:
 
     def _make_hook(self, name: str) -> Any:
         @torch.compiler.disable  # eager under torch.compile: traced, it recompiled per layer (its name, its state)
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if in_dry_run():  # another monitor's run of the module on a batch of its own
                 return
+            args = call_args(args, kwargs)
             if not args or not isinstance(args[0], Tensor):
                 self._disarm(name)
                 return

@@ -155,8 +155,8 @@ class Conv2dHandler(Handler):
         if not fusable:
             return None
 
-        def fused_forward(x: Tensor) -> Tensor:
-            w, b = m.weight, m.bias
+        def fused_forward(input: Tensor) -> Tensor:  # the parameter's name of the convolutions' forward: `m(input=x)`
+            x, w, b = input, m.weight, m.bias
             mode = uses.note(x)
             if uses.left_out(every=True):  # nothing of it is measured (left out at an earlier check): autograd's own
                 return m._conv_forward(x, w, b)

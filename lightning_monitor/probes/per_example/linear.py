@@ -78,8 +78,8 @@ class LinearHandler(Handler):
         if not fusable:
             return None
 
-        def fused_forward(x: Tensor) -> Tensor:
-            w, b = m.weight, m.bias
+        def fused_forward(input: Tensor) -> Tensor:  # the parameter's name of `nn.Linear.forward`: `m(input=x)`
+            x, w, b = input, m.weight, m.bias
             mode = uses.note(x)
             if mode in ("dry", "skip") or uses.left_out(every=True):  # a layer left out at an earlier check: plain
                 return F.linear(x, w, b)

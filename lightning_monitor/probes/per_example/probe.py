@@ -22,7 +22,7 @@ from lightning_monitor._compat import fork_rng_of, set_versions, versions_settab
 from lightning_monitor._replays import (ParameterWrite, ParametersReadOnly, WritesUndone, host_random_states,
                                        plain_parameters, restore_attributes, set_host_random_states)
 from lightning_monitor._replays import attributes as module_attributes
-from lightning_monitor.probes import dry_run
+from lightning_monitor.probes import call_args, dry_run
 from lightning_monitor.probes.per_example.kernels import project_matrix
 from lightning_monitor.probes.per_example.registry import Handler, handler_for
 from lightning_monitor.probes.per_example.strategy import (
@@ -374,10 +374,11 @@ class _Uses:
         self._own_output = output
 
     @torch.compiler.disable
-    def forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    def forward_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         # the gradient of the module's own output is read (through the hooks that replaced it: their masks count),
         # by a tensor hook registered after theirs (a hook that scales the gradient on that output counts too)
         own = self.__dict__.pop("_own_output", None)
+        args = call_args(args, kwargs)
         if args and isinstance(args[0], Tensor) and self.note(args[0]) == "record":
             self.record(args[0], output if own is None else own, self.probe._rule)
 
@@ -678,7 +679,7 @@ class PerExampleGradNorms:
                 self._patched.append(mod)
             else:
                 self._handles.append(mod.register_forward_hook(uses.own_output_hook, prepend=True))
-                self._handles.append(mod.register_forward_hook(uses.forward_hook))
+                self._handles.append(mod.register_forward_hook(uses.forward_hook, with_kwargs=True))
         # entry hooks on every module holding a hooked one (registered after the hooks above, so that a
         # hooked module called as an entry has noted its call before its entry hook ends)
         key = tuple(hooked)
