@@ -668,6 +668,18 @@ class GradientNoiseScaleMonitor(Monitor):
             return (float(accumulate) / max(self._examples, 1)) ** 2
         return 1.0 if micro == accumulate else (float(accumulate) / micro) ** 2
 
+    def _weighted_big(self, b_big: float) -> float:
+        """``B_big`` of the per-example method for the estimators. With each micro-batch's loss a mean over its own
+        examples, the accumulated gradient weighs an example of a micro-batch of ``n_k`` by ``1 / n_k``: with micro-batches
+        of unequal sizes (an epoch's short last batch inside an accumulation window) it is no plain mean over the
+        examples. A weighted mean ``sum_i w_i g_i`` (``sum_i w_i = 1``) has ``E|G_w|^2 = |G|^2 + tr(Sigma) sum_i w_i^2``:
+        the plain mean of ``1 / sum_i w_i^2`` examples, ``K^2 / sum_k 1 / n_k`` for ``K`` micro-batches (the number of
+        examples when the sizes are equal), times the ranks."""
+        sizes = [n for n in self._micro_sizes if n > 0]
+        if self.loss_reduction != "mean" or len(set(sizes)) <= 1:
+            return b_big
+        return b_big * len(sizes) ** 2 / (sum(sizes) * sum(1.0 / n for n in sizes))
+
     # the small-batch squared norms of each method: (parameter names, {name: |g_small|^2}, B_small, B_big), from
     # `micro` micro-batches, each loss divided by `accumulate` (Lightning's division, also in an epoch's last, shorter
     # accumulation window)
@@ -801,6 +813,8 @@ class GradientNoiseScaleMonitor(Monitor):
         small_vec = torch.stack([small[n] for n in names]).to(big_vec.device)
 
         raw: dict[str, Any] = {"\x00batch": float(b_big)}
+        if method == "per_example":
+            b_big = self._weighted_big(b_big)  # the estimators' B_big: the examples as the accumulated gradient weighs them
         g2, tr = noise_scale_estimates(small_vec.sum(), big_vec.sum(), b_small, b_big)
         raw["\x00g2"], raw["\x00tr"] = g2, tr
         if rest:  # the share of the gradient's squared norm the measured parameters carry, on device
