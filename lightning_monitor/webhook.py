@@ -14,7 +14,9 @@ and stays idle. Only global rank 0 posts.
 
 Delivery: each alert at or above ``min_severity`` joins a bounded queue that one daemon thread drains
 with the standard library's ``urllib.request``; a failed post (connection refused, timeout, HTTP 5xx,
-408 or 429) is retried ``retries`` times with exponential backoff, other HTTP errors are not. When the
+408 or 429) is retried ``retries`` times with exponential backoff, other HTTP errors are not. A redirect
+is not followed: it fails the post, naming the address it points to (``urllib`` would re-send a POST
+redirected by 301, 302 or 303 as a GET without its body, and count the alert delivered). When the
 queue is full the oldest alert is dropped and counted. At the end of the fit (or on an exception) the
 sink waits at most ``flush_timeout`` seconds for the queue to drain and logs what was not delivered.
 An instance also works without a Trainer: call it with an :class:`~lightning_monitor.Alert`, or pass it
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import threading
 import time
@@ -46,13 +49,23 @@ ENV_VAR = "LIGHTNING_MONITOR_WEBHOOK_URL"
 _RETRY_STATUSES = frozenset({408, 429})
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Refuses every redirect: the response's 3xx status is raised as an ``HTTPError`` (see ``AlertWebhook._send``)."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
 class AlertWebhook(pl.Callback):
     """Posts alerts to a Slack/Teams-compatible webhook without ever blocking training.
 
     Args:
         url: the webhook URL; ``None`` reads ``$LIGHTNING_MONITOR_WEBHOOK_URL``.
         min_severity: the least severe alert posted (``"info"``, ``"warning"`` or ``"critical"``).
-        timeout: seconds one HTTP request may take.
+        timeout: seconds one HTTP request may take (> 0).
         retries: further attempts after a failed post.
         backoff: seconds before the first retry, doubled at each further one (capped at 60 s).
         max_queue: alerts waiting to be posted at most; when full, the oldest is dropped and counted
@@ -79,12 +92,17 @@ class AlertWebhook(pl.Callback):
         super().__init__()
         if min_severity not in SEVERITY_LEVELS:
             raise ValueError(f"`min_severity` must be one of {sorted(SEVERITY_LEVELS)}, got {min_severity!r}.")
-        for name, value in (("timeout", timeout), ("backoff", backoff), ("flush_timeout", flush_timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"`{name}` must be a number >= 0, got {value!r}.")
+        for name, value, positive in (("timeout", timeout, True), ("backoff", backoff, False),
+                                      ("flush_timeout", flush_timeout, False)):
+            # a timeout of 0 makes the socket non-blocking: every post would fail ("operation now in progress")
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or value < 0 or (positive and value == 0)):
+                raise ValueError(f"`{name}` must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}.")
         for name, value, least in (("retries", retries, 0), ("max_queue", max_queue, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"`{name}` must be an int >= {least}, got {value!r}.")
+        if url is not None and not isinstance(url, str):
+            raise TypeError(f"`url` must be a string (an http:// or https:// address) or None, got {url!r}.")
         self.url = url or os.environ.get(ENV_VAR) or None
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"The webhook URL must start with http:// or https://, got {self.url!r}.")
@@ -231,11 +249,17 @@ class AlertWebhook(pl.Callback):
                 headers={"Content-Type": "application/json", "User-Agent": "lightning-monitor"},
             )
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                with _OPENER.open(request, timeout=self.timeout) as response:
                     response.read()
                 return True
             except urllib.error.HTTPError as err:
                 self.last_error = f"HTTP {err.code} {err.reason}"
+                if 300 <= err.code < 400:
+                    where = err.headers.get("Location") if err.headers is not None else None
+                    self.last_error += (f" to {where!r}" if where else "") + (
+                        ": redirects are not followed (a POST redirected by 301, 302 or 303 arrives as a GET without "
+                        "its body, and the alert would be lost though the post looked delivered); give the sink the "
+                        "address the server redirects to")
                 if err.code < 500 and err.code not in _RETRY_STATUSES:
                     return False
             except (urllib.error.URLError, OSError, ValueError) as err:  # refused, unreachable, timed out

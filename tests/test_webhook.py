@@ -166,3 +166,69 @@ def test_slow_server_does_not_block_training(tmp_path, tiny_gpt, server_factory)
     start = time.perf_counter()
     assert hook.flush(timeout=0.2) is False
     assert time.perf_counter() - start < 1.0
+
+
+class _Redirecting:
+    """A server that answers a POST to ``/old`` with ``status`` and ``Location: /new``, and records every request
+    (method, path, body)."""
+
+    def __init__(self, status: int) -> None:
+        self.requests: list[tuple[str, str, bytes]] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                server.requests.append((self.command, self.path, body))
+                if self.path == "/old":
+                    self.send_response(status)
+                    self.send_header("Location", "/new")
+                else:
+                    self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_POST = do_GET = _answer
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/old"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307])
+def test_a_redirect_fails_the_post_and_names_the_new_address(status):
+    """``urllib`` follows a 301/302/303 answer to a POST with a GET without the body, which the new address answered
+    with 200: the alert was lost and counted as sent. A redirect now fails the post (not retried), naming where it
+    points."""
+    server = _Redirecting(status)
+    try:
+        hook = AlertWebhook(server.url, min_severity="info", retries=2, backoff=0.0)
+        hook(Alert(3, "guard", "stopped", "info", "Training stopped.", layer=None, run_id="r1"))
+        assert hook.flush(timeout=10)
+        assert (hook.sent, hook.failed) == (0, 1)
+        assert hook.last_error is not None and str(status) in hook.last_error and "'/new'" in hook.last_error
+        assert [(method, path) for method, path, _ in server.requests] == [("POST", "/old")]
+        assert json.loads(server.requests[0][2])["text"].endswith("Training stopped.")
+    finally:
+        server.httpd.shutdown()
+        server.httpd.server_close()
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(timeout=0), "timeout"),  # a non-blocking socket: every post failed with "operation now in progress"
+    (dict(timeout=float("nan")), "timeout"),
+    (dict(flush_timeout=float("nan")), "flush_timeout"),
+    (dict(backoff=float("inf")), "backoff"),
+])
+def test_bad_timeouts_are_refused_at_construction(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        AlertWebhook("http://127.0.0.1:9/hook", **kwargs)
+
+
+def test_a_url_that_is_not_a_string_is_refused():
+    with pytest.raises(TypeError, match="`url` must be a string"):
+        AlertWebhook(5)
