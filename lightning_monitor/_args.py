@@ -46,6 +46,13 @@ def check_positive(name: str, value: Any) -> float:
     return float(value)
 
 
+def check_nonnegative(name: str, value: Any) -> float:
+    """``value`` as a float when it is a finite number ``>= 0``, else a ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"`{name}` must be a finite number >= 0, got {value!r}.")
+    return float(value)
+
+
 _Init = TypeVar("_Init", bound=Callable[..., None])
 
 

@@ -281,6 +281,13 @@ def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
         GradientEarlyStopping(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs", [{"include": 5}, {"exclude": [3]}, {"include": ["blocks.*", None]}])
+def test_patterns_that_are_not_strings_are_refused_at_construction(kwargs: dict[str, Any]) -> None:
+    """``include=5`` was accepted, and ``Trainer(callbacks=[...])`` then failed with "'int' object is not iterable"."""
+    with pytest.raises(TypeError, match="must be a string or a sequence of non-empty strings"):
+        GradientEarlyStopping(**kwargs)
+
+
 class NoBlocks(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()

@@ -322,11 +322,32 @@ def test_no_loss_warns_and_still_checks_gradients(tmp_path):
         ({"patience": 0}, "patience"),
         ({"creep": 0.0}, "creep"),
         ({"smoothing": 1.0}, "smoothing"),
+        # accepted before and failing inside the first step (a string floor), or taken silently (a NaN floor)
+        ({"loss_rel_floor": "0.02"}, "`loss_rel_floor` must be a finite number >= 0"),
+        ({"loss_rel_floor": -0.1}, "`loss_rel_floor`"),
+        ({"initial_floor": float("nan")}, "`initial_floor` must be a finite number >= 0"),
+        ({"initial_floor": -1}, "`initial_floor`"),
+        ({"lr_factor": "0.5"}, "`lr_factor`"),
+        ({"lr_factor": 1.5}, "`lr_factor`"),
+        ({"blowup": "3"}, "`blowup`"),
+        ({"blowup": 1.0}, "`blowup`"),
+        ({"skip_batches": [1, 2]}, r"`skip_batches` must be .* pairs of integers, got the entry 1"),
+        ({"skip_batches": [(0, 1.5)]}, "`skip_batches`"),
     ],
 )
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DivergenceGuard(**kwargs)
+
+
+def test_corroborate_with_takes_one_kind_or_a_sequence_of_them():
+    """A single string was split into its characters, so no alert kind ever matched and corroboration was off."""
+    assert DivergenceGuard(corroborate_with="sa/collapse").corroborate_with == ("sa/collapse",)
+    assert DivergenceGuard(corroborate_with=["sa/collapse", "gns/high"]).corroborate_with == ("sa/collapse", "gns/high")
+    for bad in (5, [1], ["sa/collapse", ""]):
+        with pytest.raises(TypeError, match="`corroborate_with` must be an alert kind"):
+            DivergenceGuard(corroborate_with=bad)
+    assert DivergenceGuard(skip_batches=[(0, 1), [2, 3]])._skip_given == {(0, 1), (2, 3)}
 
 
 # ----------------------------------------------------------------------------- DDP (2 gloo ranks)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import operator
 import os
 import re
 from collections import deque
@@ -17,7 +18,8 @@ from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from lightning_monitor._args import check_bool, check_fraction, check_int, check_positive, deprecated_aliases
+from lightning_monitor._args import (check_bool, check_fraction, check_int, check_nonnegative, check_positive,
+                                     deprecated_aliases)
 from lightning_monitor._compat import backward_skipped, foreach_norm, fork_rng_of, grad_scaler_scale
 from lightning_monitor._replays import (WritesUndone, attributes, host_random_states, plain_parameters, restore_attributes,
                                        set_host_random_states)
@@ -361,12 +363,23 @@ class DivergenceGuard(Monitor):
         self.patience = check_int("patience", patience, 1)
         if min_history > window:
             raise ValueError(f"`min_history` ({min_history}) must not exceed `window` ({window}).")
-        if not (0.0 < lr_factor <= 1.0):
+        if check_positive("lr_factor", lr_factor) > 1.0:
             raise ValueError(f"`lr_factor` must be in (0, 1], got {lr_factor!r}.")
         self.creep = creep if creep is None else check_positive("creep", creep)
         self.smoothing = check_fraction("smoothing", smoothing, 0.0, 1.0, high_inclusive=False)
-        if blowup <= 1.0 or not math.isfinite(blowup):
+        if check_positive("blowup", blowup) <= 1.0:
             raise ValueError(f"`blowup` must be a number > 1, got {blowup!r}.")
+        check_nonnegative("initial_floor", initial_floor)
+        check_nonnegative("loss_rel_floor", loss_rel_floor)
+        if isinstance(corroborate_with, str):  # one kind, not its characters
+            corroborate_with = (corroborate_with,)
+        try:
+            kinds = tuple(corroborate_with)
+        except TypeError:
+            kinds = (None,)
+        if not all(isinstance(k, str) and k for k in kinds):
+            raise TypeError("`corroborate_with` must be an alert kind ('sa/collapse') or a sequence of them, got "
+                            f"{corroborate_with!r}.")
         self.lag_steps = lag_steps if lag_steps is None else check_int("lag_steps", lag_steps, 0)
         self.surge = check_positive("surge", surge)
         self.optimizer_index = check_int("optimizer_index", optimizer_index, 0)
@@ -383,10 +396,10 @@ class DivergenceGuard(Monitor):
         self.zero_nonfinite_grads = check_bool("zero_nonfinite_grads", zero_nonfinite_grads)
         self.act_on_alerts = check_bool("act_on_alerts", act_on_alerts)
         self.corroborate = check_bool("corroborate", corroborate)
-        self.corroborate_with = tuple(corroborate_with)
+        self.corroborate_with = kinds
         self.dirpath = dirpath
         self._skip_given = frozenset(self._read_skip(skip_batches))
-        self._loss_watch = SeriesWatch(window, min_history, self.z_threshold, loss_rel_floor)
+        self._loss_watch = SeriesWatch(window, min_history, self.z_threshold, float(loss_rel_floor))
         # the last batches (references only) and the losses of the last normal steps: a surge is tested on them
         self._recent_batches: deque[tuple[int, Any, int]] = deque(maxlen=_REFERENCES + 3)
         self._normal_recent: deque[tuple[int, float]] = deque(maxlen=_REFERENCES)
@@ -436,7 +449,17 @@ class DivergenceGuard(Monitor):
                     if record.get("kind") == "rolled_back" and record.get("details"):
                         out += [(int(e), int(b)) for e, b in record["details"].get("batches", [])]
             return sorted(set(out))
-        return [(int(e), int(b)) for e, b in skip]
+        out = []
+        for entry in skip:
+            pair = tuple(entry) if isinstance(entry, (list, tuple)) else ()
+            try:
+                if len(pair) != 2 or any(isinstance(v, bool) for v in pair):
+                    raise TypeError
+                out.append((operator.index(pair[0]), operator.index(pair[1])))
+            except TypeError:
+                raise ValueError("`skip_batches` must be an alerts.jsonl path or a list of (epoch, batch_idx) pairs of "
+                                 f"integers, got the entry {entry!r}.") from None
+        return out
 
     # ------------------------------------------------------------------ lifecycle
     def select(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -15,6 +15,7 @@ from torch import Tensor
 from lightning_monitor._sharded import is_sharded, local, replication
 from lightning_monitor._args import check_bool, check_fraction, check_int, deprecated_aliases
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch, reading_weights
+from lightning_monitor.selection import as_patterns
 from lightning_monitor.functional.grades import (
     Component,
     block_container,
@@ -243,6 +244,8 @@ class GradientEarlyStopping(Monitor):
         self.tau = float(tau)
         self.criterion: Criterion = criterion
         self.threshold: Threshold = threshold
+        as_patterns(include, "include")  # a number or a module: a clear error here, not a TypeError inside Trainer()
+        as_patterns(exclude, "exclude")
         self.include = include
         self.exclude = exclude
         self.stop = check_bool("stop", stop)
