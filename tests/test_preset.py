@@ -643,3 +643,22 @@ def test_a_typo_in_a_monitors_arguments_names_the_argument_meant() -> None:
         lm.HealthMonitor(sa=False)
     with pytest.warns(DeprecationWarning, match="beta"):
         assert lm.HealthMonitor(noise_scale=dict(beta=0.9)).noise_scale.smoothing == 0.9
+
+
+def test_monitors_pickle_after_a_fit_and_run_again(tmp_path, tiny_gpt) -> None:
+    """A monitor that had run a fit held its trainer's alert hub, whose weak reference to the trainer does not pickle:
+    ``pickle.dumps`` failed for every monitor (a ``ddp_spawn`` trainer pickles its callbacks). The hub stays with its
+    trainer; the copy gets the next trainer's at setup and runs."""
+    import pickle
+
+    module, loader = tiny_gpt()
+    hm = lm.HealthMonitor(grades=True)
+    _trainer(tmp_path / "first", [hm], max_steps=6).fit(module, loader)
+    assert hm.guard.hub.history is not None
+    copy = pickle.loads(pickle.dumps(hm))
+    for name in ("spectral", "noise_scale", "gwa", "guard", "grades"):
+        assert type(getattr(copy, name)) is type(getattr(hm, name))
+    module, loader = tiny_gpt()
+    trainer = _trainer(tmp_path / "second", [copy], max_steps=6)
+    trainer.fit(module, loader)
+    assert trainer.global_step == 6 and copy.guard.hub is not hm.guard.hub

@@ -427,6 +427,14 @@ class Monitor(Callback):
         self.nothing_to_watch(trainer, f"the model has {n} optimizers{why}")
         return True
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The monitor's state for ``pickle`` and ``copy``, without its alert hub: the hub holds a weak reference to
+        the trainer it ran in, which does not pickle (a monitor that had run a fit could no longer travel to spawned
+        processes), and it belongs to that trainer. A copy gets the hub of the trainer it is set up in."""
+        state = self.__dict__.copy()
+        state["_hub"] = None
+        return state
+
     @property
     def hub(self) -> AlertHub:
         if self._hub is None:
