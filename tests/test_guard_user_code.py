@@ -625,3 +625,30 @@ def test_replays_put_back_a_stateful_steps_state(tmp_path, surge_at):
     assert torch.equal(guarded.bank["q"], plain.bank["q"]) and torch.equal(guarded.seen, plain.seen)
     assert (guarded.counts == plain.counts).all()
     assert guarded_draws == draws
+
+
+class _UnpicklableScheduler(_PopLabels):
+    """A scheduler holding a closure of the user's (``sched.note = lambda: ...``): its state does not pickle."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: self.boost if s >= self.boost_at else 1.0)
+        sched.note = lambda: "a closure"
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_a_stop_whose_checkpoint_cannot_be_written_still_stops_cleanly(tmp_path):
+    """The stop saves a checkpoint; a state that does not pickle made that save raise, and the fit ended with the error
+    (the weights already restored, no `stopped` alert). The stop now goes on, says the checkpoint could not be written,
+    and leaves the restored state in memory."""
+    healthy = _fit(tmp_path / "healthy", _UnpicklableScheduler(_data(), boost_at=10**6), DivergenceGuard(action="stop"), 90)
+    assert healthy.global_step == 90
+    guard = DivergenceGuard(action="stop")
+    model = _UnpicklableScheduler(_data(), boost_at=60, boost=1000.0)
+    trainer = _fit(tmp_path / "run", model, guard, 200)
+    assert guard.stopped_step is not None and trainer.global_step < 200
+    assert guard.stop_checkpoint is None
+    (stopped,) = [a for a in guard.hub.history if a.kind == "stopped"]
+    assert stopped.severity == "warning" and "could not be written" in stopped.message
+    assert stopped.details["checkpoint"] is None and stopped.details["to_step"] <= 60
+    assert _held_out_loss(model) < 1.0  # the restored state from before the jump, not the diverged weights

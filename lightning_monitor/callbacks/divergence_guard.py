@@ -2181,12 +2181,24 @@ class DivergenceGuard(Monitor):
         else:
             why = "no earlier snapshot fits the run" if self._misfit else "no earlier snapshot to go back to"
             state = f"the state after step {step} ({why})"
-        path = os.path.join(self._checkpoint_dir(trainer), f"guard-step={step}.ckpt")
-        trainer.save_checkpoint(path)
+        path: Optional[str] = os.path.join(self._checkpoint_dir(trainer), f"guard-step={step}.ckpt")
+        where = f"{path} holds {state}."
+        try:
+            trainer.save_checkpoint(path)
+        except Exception as err:  # noqa: BLE001 - the stop goes on: the state is in memory
+            if trainer.world_size > 1:
+                # the other ranks may wait in the save's barrier, or have failed alike: which, only a collective could
+                # tell, and one there would pair with that barrier. Raised, as Lightning's own save would
+                raise
+            # a state that does not pickle (a scheduler holding a lambda): the fit ended with this error, after the
+            # weights had been restored, and no `stopped` alert was raised
+            path = None
+            where = (f"Its checkpoint could not be written ({type(err).__name__}: {err}); the model and optimizers in "
+                     f"memory hold {state} when `fit` returns.")
         trainer.should_stop = True
         self.stop_checkpoint, self.stopped_step = path, step
-        self.alert(step, "stopped", "info",
-                   f"Training stopped at step {step} ({reasons}). {path} holds {state}.",
+        self.alert(step, "stopped", "info" if path is not None else "warning",
+                   f"Training stopped at step {step} ({reasons}). {where}",
                    details={"step": step, "to_step": None if snap is None else snap.step, "checkpoint": path,
                             "reasons": reasons, "holds": state})
 
