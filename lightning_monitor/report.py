@@ -8,7 +8,8 @@ folder, or ``--html PATH``) with inline SVG plots of the model-level signals, al
 
 Exit status: 0 when every run was read; 1 when a run is partial or corrupt (no scalars, alerts
 without event files, an event file or a line of ``alerts.jsonl`` that cannot be read: the message
-says which); 2 when ``LOGDIR`` does not exist or holds no run. Importing this module imports
+says which), or when a folder under ``LOGDIR`` cannot be listed (a run in it would be missing: said); 2 when ``LOGDIR``
+does not exist or holds no run. Importing this module imports
 neither torch nor Lightning.
 """
 
@@ -74,11 +75,17 @@ class RunReport:
 
 
 # ---------------------------------------------------------------------------------------------- reading
-def find_runs(logdir: str) -> list[str]:
+def find_runs(logdir: str, unreadable: Optional[list[tuple[str, str]]] = None) -> list[str]:
     """Every folder under ``logdir`` (itself included) holding TensorBoard event files, a CSVLogger's
-    ``metrics.csv`` or an ``alerts.jsonl``, sorted."""
+    ``metrics.csv`` or an ``alerts.jsonl``, sorted. ``unreadable``: where given, each folder that could not be listed
+    is appended to it with the reason (a run in it would be missing from the list)."""
     runs = []
-    for dirpath, dirnames, filenames in os.walk(logdir):
+
+    def failed(error: OSError) -> None:
+        if unreadable is not None:
+            unreadable.append((str(error.filename or logdir), error.strerror or str(error)))
+
+    for dirpath, dirnames, filenames in os.walk(logdir, onerror=failed):
         dirnames.sort()
         if (ALERTS_FILENAME in filenames or CSV_FILENAME in filenames
                 or any(name.startswith(EVENT_PREFIX) for name in filenames)):
@@ -554,8 +561,13 @@ def report(logdir: str, html_path: Optional[str] = None, write_html: bool = True
         what = "is not a directory" if os.path.exists(logdir) else "does not exist"
         print(f"lightning-monitor report: {logdir!r} {what}.", file=err)
         return 2
-    runs = find_runs(logdir)
+    unreadable: list[tuple[str, str]] = []
+    runs = find_runs(logdir, unreadable)
+    for path, why in unreadable:  # a run in such a folder is not reported: said, and the report is partial
+        print(f"lightning-monitor report: {path}: cannot be read ({why}); a run in it is not reported.", file=err)
     if not runs:
+        if unreadable:
+            return 1
         print(f"lightning-monitor report: no run under {logdir!r} (no TensorBoard event file, no "
               f"{ALERTS_FILENAME}). Pass the logger's save_dir or log_dir.", file=err)
         return 2
@@ -563,7 +575,7 @@ def report(logdir: str, html_path: Optional[str] = None, write_html: bool = True
         print(f"lightning-monitor report: --html names one file but {logdir!r} holds {len(runs)} runs; each "
               f"run's page is written to its folder instead.", file=err)
         html_path = None
-    status = 0
+    status = 1 if unreadable else 0
     for i, path in enumerate(runs):
         try:
             run = load_run(path)

@@ -345,3 +345,26 @@ def test_few_noise_scale_checks_and_an_abandoned_fits_alerts_are_said(tmp_path):
     assert "(from 1 check only: not settled)" in summarize(few)
     many = RunReport("x", scalars={"gns/b_simple": [(s, 290.0) for s in range(5)], "gns/batch_size": [(4, 8.0)]})
     assert "not settled" not in summarize(many)
+
+
+def test_folders_that_cannot_be_listed_are_said_and_make_the_report_partial(tmp_path, real_run, capsys, monkeypatch):
+    """A folder the reader may not list (permissions) was skipped by the walk without a word: a run under it was left
+    out with exit 0, and a run folder that could not be read itself was said to hold "no run". (Simulated: the tests
+    may run as root, whom permissions do not stop.)"""
+    _, _, run_dir = real_run
+    shutil.copytree(run_dir, tmp_path / "readable")
+    shutil.copytree(run_dir, tmp_path / "locked" / "run")
+    listing = os.scandir
+
+    def scandir(path="."):
+        if os.path.basename(os.fspath(path)) == "locked":
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return listing(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    rc, out, err = _report(capsys, str(tmp_path), "--no-html")
+    assert rc == 1
+    assert f"Run: {tmp_path / 'readable'}" in out and "locked" not in out
+    assert f"{tmp_path / 'locked'}: cannot be read (Permission denied); a run in it is not reported." in err
+    rc, out, err = _report(capsys, str(tmp_path / "locked"), "--no-html")
+    assert rc == 1 and "cannot be read (Permission denied)" in err and "no run under" not in err
