@@ -203,17 +203,56 @@ def _unit_rows(x: Tensor, fallback: Tensor) -> Tensor:
     return torch.where(ok, x / torch.where(ok, norm, torch.ones_like(norm)), fallback)
 
 
+def residuals(w: Tensor, sigma: Tensor, u: Tensor, v: Tensor) -> Tensor:
+    """``||W^T u - sigma v|| / sigma`` per matrix of the batch ``w`` ``(B, out, in)`` (0 where ``sigma`` is 0): how far
+    ``(sigma, u, v)`` is from a singular triple. Where it is ``r``, ``sigma`` is low by about ``r^2 / 2`` relative at
+    most, and ``v`` is within an angle of about ``r / (1 - (s_2 / s_1)^2)`` of the top singular vector."""
+    tiny = torch.finfo(w.dtype).tiny
+    wtu = (u[:, None, :] @ w)[:, 0, :]
+    res = torch.linalg.vector_norm(wtu - sigma[:, None] * v, dim=-1)
+    return torch.where(sigma > tiny, res / sigma.clamp_min(tiny), torch.zeros_like(res))
+
+
 def _block_iteration(
-    w: Tensor, basis: Tensor, previous: Optional[Tensor], n_iter: int
+    w: Tensor, basis: Tensor, previous: Optional[Tensor], n_iter: int, tol: Optional[float] = None,
+    max_iter: Optional[int] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Batched core of :func:`top_singular_subspace`: ``w`` ``(B, out, in)``, ``basis`` ``(B, in, k)``
     orthonormal, ``previous`` ``(B, in)`` sign references or ``None``. Returns ``sigma (B,)``,
-    ``u (B, out)``, ``v (B, in)`` and the rotated basis ``(B, in, k)`` whose first column is ``v``."""
-    n_batch, n_out, _ = w.shape
-    k = basis.shape[-1]
+    ``u (B, out)``, ``v (B, in)`` and the rotated basis ``(B, in, k)`` whose first column is ``v``.
+
+    ``tol``: after the ``n_iter`` iterations, while a matrix's :func:`residuals` exceeds ``tol``, ``n_iter`` more, up to
+    ``max_iter`` in all (one host read of the largest residual per round); ``None``: exactly ``n_iter``, no host sync.
+    Each matrix is divided by its largest magnitude first (its products are its entries squared: a weight of entries
+    near 1e-23 underflowed in fp32 and its sigma came out 0), and sigma multiplied back."""
+    tiny = torch.finfo(w.dtype).tiny
+    scale = w.abs().amax(dim=(1, 2)).clamp_min(tiny)
+    w = w / scale[:, None, None]
     for _ in range(n_iter):
         # W^T W V, written (W V)^T W: a transposed BLAS call is much slower on CPU
         basis = _orthonormalize(((w @ basis).transpose(1, 2) @ w).transpose(1, 2))
+    sigma, u, v, rotated = _rayleigh_ritz(w, basis, previous)
+    done = n_iter
+    while tol is not None and max_iter is not None and done < max_iter:
+        # only the matrices not converged yet iterate on (one host read a round: which they are)
+        todo = (residuals(w, sigma, u, v) > tol).nonzero()[:, 0]
+        if todo.numel() == 0:
+            break
+        rounds = min(n_iter, max_iter - done)
+        sub, prev = w[todo], None if previous is None else previous[todo]
+        b = rotated[todo]
+        for _ in range(rounds):
+            b = _orthonormalize(((sub @ b).transpose(1, 2) @ sub).transpose(1, 2))
+        parts = _rayleigh_ritz(sub, b, prev)
+        sigma, u, v, rotated = (t.index_copy(0, todo, p) for t, p in zip((sigma, u, v, rotated), parts))
+        done += rounds
+    return sigma * scale, u, v, rotated
+
+
+def _rayleigh_ritz(w: Tensor, basis: Tensor, previous: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The best unit vector of each ``span(basis)`` for ``w`` (see :func:`_block_iteration`)."""
+    n_batch, n_out, _ = w.shape
+    k = basis.shape[-1]
     # Rayleigh-Ritz: top eigenvector of the k x k Gram matrix by repeated squaring (no eigensolver)
     wb = w @ basis
     gram = wb.transpose(1, 2) @ wb
@@ -242,7 +281,8 @@ def _block_iteration(
 
 
 def top_singular_subspaces(
-    weights: list[Tensor], bases0: list[Optional[Tensor]], n_iter: int, n_vectors: int = 4
+    weights: list[Tensor], bases0: list[Optional[Tensor]], n_iter: int, n_vectors: int = 4,
+    tol: Optional[float] = None, max_iter: Optional[int] = None,
 ) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
     """:func:`top_singular_subspace` of several weights, batched: weights of one shape, dtype and
     device whose ``basis0`` are all given (or all ``None``) run as one batch of matrix products
@@ -253,7 +293,15 @@ def top_singular_subspaces(
         bases0: for each weight, its previous basis ``(in, k)`` or ``None``.
         n_iter: iterations for warm-started weights (cold ones run ``COLD_BLOCK_ITERATIONS``).
         n_vectors: block size for cold starts.
+        tol, max_iter: iterate a batch further, ``n_iter`` (cold: ``COLD_BLOCK_ITERATIONS``) at a time, while one of its
+            weights has a relative residual ``||W^T u - sigma v|| / sigma`` above ``tol``, up to ``max_iter``
+            iterations in all (at least the first round's); one host read per round. ``None`` (default): no
+            check, no host sync.
     """
+    if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0):
+        raise ValueError(f"`tol` must be a number > 0 or None, got {tol!r}.")
+    if max_iter is not None and (isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1):
+        raise ValueError(f"`max_iter` must be an integer >= 1 or None, got {max_iter!r}.")
     if len(weights) != len(bases0):
         raise ValueError("`weights` and `bases0` must have the same length.")
     mats = [_as_matrix(w) for w in weights]
@@ -282,7 +330,8 @@ def top_singular_subspaces(
                 previous = _unit_rows(b[:, :, 0], torch.zeros_like(b[:, :, 0]))
                 basis = _orthonormalize(b)
                 iters = n_iter
-            sigma, u, v, basis = _block_iteration(w, basis, previous, iters)
+            cap = None if max_iter is None else max(max_iter, iters)
+            sigma, u, v, basis = _block_iteration(w, basis, previous, iters, tol, cap)
             for j, i in enumerate(chunk):
                 out[i] = (sigma[j], u[j], v[j], basis[j])
     return out  # type: ignore[return-value]
