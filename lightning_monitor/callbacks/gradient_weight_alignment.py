@@ -263,6 +263,7 @@ class _Kept(NamedTuple):
     targets: Tensor
     w_norm: Tensor  # ||W||_F of that step
     indices: Optional[Tensor]  # index_fn's sample indices, or None
+    step: int  # the optimizer step whose batch it is (``trainer.global_step`` at its start)
 
 
 class GradientWeightAlignmentMonitor(Monitor):
@@ -486,6 +487,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         if "_configured_every" in self.__dict__:  # a new run scores at the configured cadence until it is set again
             self.every_n_steps = self._configured_every
         self._scored_rows: Optional[int] = None  # the samples of the fit's first scored micro-batch (min_epoch_samples)
+        self._batch_step = 0  # the optimizer step of the batch under way (trainer.global_step at its start)
         self._unsized_rows: Optional[int] = None  # those of an epoch of unknown length, until it ends (_set_cadence)
         self.history: list[dict[str, Any]] = []
         # said once the first batch's targets fit (a regression or multi-label run goes idle with one warning instead)
@@ -562,7 +564,9 @@ class GradientWeightAlignmentMonitor(Monitor):
         state = self.state_dict()
         if self.idle_reason is None and self._epoch_open is not None:
             self._stash_key += 1
-            self._snapshot_stashes[self._stash_key] = list(self._stash)
+            # the state before this step's update: its own batch's scores are not in it (they stay kept, unfolded,
+            # until the update). Kept in, a rollback to this snapshot, which undoes the batch, kept its scores
+            self._snapshot_stashes[self._stash_key] = [k for k in self._stash if k.step < self._batch_step]
             for old in [k for k in self._snapshot_stashes if k <= self._stash_key - _SNAPSHOT_STASHES]:
                 del self._snapshot_stashes[old]
             state["epoch_scores"] = {
@@ -1168,6 +1172,7 @@ class GradientWeightAlignmentMonitor(Monitor):
                 and self._head is not None):
             self._watch_heads(pl_module)
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)  # arms the hook on a due step
+        self._batch_step = trainer.global_step
         if not self._trained:  # read until a batch of the epoch trains: after that it makes no difference
             if backward_skipped(trainer):
                 self._forward_only = True
@@ -1266,16 +1271,17 @@ class GradientWeightAlignmentMonitor(Monitor):
                 z_norm = torch.linalg.vector_norm(z32, dim=-1)
         if self._stash and self._stash[-1].targets.is_floating_point() != targets.is_floating_point():
             self._flush()
-        self._stash.append(_Kept(z_norm, wz, out, targets, w_norm, indices))
+        self._stash.append(_Kept(z_norm, wz, out, targets, w_norm, indices, self._batch_step))
         self._stashed += 2 * out.numel()
         if self._scored_rows is None and self.min_epoch_samples is not None:
             self._scored_rows = out.numel() // max(out.shape[-1], 1)
         raw, self._check_raw = self._check_raw, None
         if raw is not None and output.requires_grad and self._check_capture is None:
             self._capture_gradient(output, out, targets, raw)
-        # until the check, kept (it may find they were read the wrong way), within reason
+        # until the check, kept (it may find they were read the wrong way), within reason. This step's own batches stay
+        # kept until its update: a snapshot of the guard taken before the update leaves them out (see snapshot_state)
         if self._stashed >= _FLUSH_ELEMENTS * (1 if self._check_state in ("done", "recheck") else 8):
-            self._flush()
+            self._flush(before=self._batch_step)
 
     def _shifted(self, targets: Tensor) -> Tensor:
         """A causal LM's labels as its loss reads them: the logits at ``t`` predict the label at ``t + 1``."""
@@ -1627,11 +1633,17 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._dropped = (self._epoch_open, why)
         self._stash, self._stashed = [], 0
 
-    def _flush(self) -> None:
-        """Score the kept steps and fold them into the epoch accumulators (on device, no host sync)."""
-        if not self._stash:
+    def _flush(self, before: Optional[int] = None) -> None:
+        """Score the kept steps and fold them into the epoch accumulators (on device, no host sync); ``before``: only
+        those of earlier steps than it (the others stay kept)."""
+        if before is None:
+            stash, self._stash, self._stashed = self._stash, [], 0
+        else:
+            stash = [k for k in self._stash if k.step < before]
+            self._stash = [k for k in self._stash if k.step >= before]
+            self._stashed = sum(2 * k.logits.numel() for k in self._stash)
+        if not stash:
             return
-        stash, self._stash, self._stashed = self._stash, [], 0
         with torch.autocast(device_type=stash[0].logits.device.type, enabled=False):
             self._fold(stash)
 
