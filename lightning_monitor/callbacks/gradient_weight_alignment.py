@@ -187,6 +187,8 @@ class _HeadWatch:
         #: per candidate, on its device: how far its gradient's positive entries follow its softmax
         #: (``softmax_proportionality``): a head trained on class indices, not a layer behind LayerNorms
         self.proportional: dict[str, Tensor] = {}
+        #: per candidate, which rows of its output the loss gave a gradient (see ``_weighted_rows``)
+        self.weighted: dict[str, list[Optional[Tensor]]] = {}
 
     def call_hook(self, name: str) -> Callable[..., None]:
         @torch.compiler.disable
@@ -196,6 +198,8 @@ class _HeadWatch:
             inputs = call_args(inputs, kwargs)
             self.calls[name] = (module, inputs, output, len(self.calls))
             if isinstance(output, Tensor) and output.requires_grad:
+                self.weighted[name] = [None]
+                output.register_hook(_weighted_rows(self.weighted[name]))
                 logits = output.detach()
                 cap = self.softcaps.get(name)
                 # held weakly: the hook lives in the autograd graph, and this watch holds the graph's output in
@@ -254,6 +258,18 @@ def default_target_fn(batch: Any) -> Tensor:
     )
 
 
+def _weighted_rows(holder: list[Optional[Tensor]]) -> Callable[[Tensor], None]:
+    """A tensor hook on the head's output: puts in ``holder`` which rows of its gradient are not all 0 (flat, in the
+    rows' order of the scores); over several backward passes through the output (`torch.autograd.grad` of a part of
+    the loss after the backward), the rows any of them reached."""
+
+    def hook(grad: Tensor) -> None:
+        rows = grad.detach().ne(0).any(-1).reshape(-1)
+        holder[0] = rows if holder[0] is None else holder[0] | rows
+
+    return hook
+
+
 class _Kept(NamedTuple):
     """What one step keeps for its scores (see ``_on_head_forward``), scored with others by ``_flush``."""
 
@@ -264,6 +280,8 @@ class _Kept(NamedTuple):
     w_norm: Tensor  # ||W||_F of that step
     indices: Optional[Tensor]  # index_fn's sample indices, or None
     step: int  # the optimizer step whose batch it is (``trainer.global_step`` at its start)
+    #: filled by the backward: per row, whether the loss gave it a gradient (``None`` until then, or with no backward)
+    weighted: list[Optional[Tensor]]
 
 
 class GradientWeightAlignmentMonitor(Monitor):
@@ -507,6 +525,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._run: Optional[SampleMeans] = None  # this rank's per-sample sums over the run (run_suspects)
         self._run_saved: Optional[Any] = None  # those of a checkpoint, reduced over the ranks
         self._said_out_of_range = False  # targets_out_of_range, once per run
+        self._said_unweighted = False  # unweighted_rows, once per run
         self._run_warned = False
 
     def _selection_state(self) -> dict[str, Any]:
@@ -1093,7 +1112,7 @@ class GradientWeightAlignmentMonitor(Monitor):
             rank_zero_info(f"GradientWeightAlignmentMonitor: classifier head `{chosen}` ({module}).")
         self._say_if_frozen(step)
         if self._armed_step == trainer.global_step and self._pending is not None and call is not None:
-            self._on_head_forward(module, call[1], {}, call[2])
+            self._on_head_forward(module, call[1], {}, call[2], weighted=watch.weighted.get(chosen))
             self.keep(module.register_forward_hook(self._on_head_forward, with_kwargs=True))  # the step's further micro-batches
 
     def _say_if_frozen(self, step: int, during: bool = False) -> None:
@@ -1123,6 +1142,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._moments = GWAMoments(device)
         self._negative = torch.zeros((), dtype=torch.float64, device=device)
         self._out_of_range = torch.zeros((), dtype=torch.float64, device=device)  # class targets outside [0, C)
+        self._unweighted = torch.zeros((), dtype=torch.float64, device=device)  # rows with a target but no gradient
         self._hist = torch.zeros(_HIST_BINS, dtype=torch.float64, device=device)
         self._minmax = torch.tensor([math.inf, -math.inf], dtype=torch.float64, device=device)
         # suspects: score, index, position, target, predicted (float64 keeps integers exact)
@@ -1228,8 +1248,10 @@ class GradientWeightAlignmentMonitor(Monitor):
     # never traced by torch.compile: it keeps Python state that changes every step (a traced hook would recompile
     # each step until dynamo gives up); the head's own forward stays compiled
     @torch.compiler.disable
-    def _on_head_forward(self, module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        """Keep what the step's scores need: a few detached tensors, one or two small kernels."""
+    def _on_head_forward(self, module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], output: Any,
+                         weighted: Optional[list[Optional[Tensor]]] = None) -> None:
+        """Keep what the step's scores need: a few detached tensors, one or two small kernels. ``weighted``: the rows
+        the loss weighs, read already (a call kept by the head's choice, after its backward)."""
         if in_dry_run():  # another monitor running the head on a batch of its own: not the step's forward
             return
         inputs = call_args(inputs, kwargs)
@@ -1271,7 +1293,15 @@ class GradientWeightAlignmentMonitor(Monitor):
                 z_norm = torch.linalg.vector_norm(z32, dim=-1)
         if self._stash and self._stash[-1].targets.is_floating_point() != targets.is_floating_point():
             self._flush()
-        self._stash.append(_Kept(z_norm, wz, out, targets, w_norm, indices, self._batch_step))
+        read = weighted is not None
+        weighted = weighted if read else [None]
+        self._stash.append(_Kept(z_norm, wz, out, targets, w_norm, indices, self._batch_step, weighted))
+        if output.requires_grad and not read:
+            # which rows the loss weighs at all: a row of exactly 0 gradient (a mask or a sample weight of 0 multiplied
+            # into per-row losses, padding left at a real class, a loss read at some positions only) trains nothing and
+            # is not scored. From the scores' closed form alone such rows were scored as trained: the masked-token idiom
+            # `(cross_entropy(..., reduction="none") * mask).sum() / mask.sum()` gave a mean of the wrong sign
+            output.register_hook(_weighted_rows(weighted))
         self._stashed += 2 * out.numel()
         if self._scored_rows is None and self.min_epoch_samples is not None:
             self._scored_rows = out.numel() // max(out.shape[-1], 1)
@@ -1666,14 +1696,29 @@ class GradientWeightAlignmentMonitor(Monitor):
                 w_norm = w_norm.repeat_interleave(rows[0])
             else:
                 w_norm = w_norm.repeat_interleave(torch.tensor(rows, device=w_norm.device), output_size=sum(rows))
+        weighted = None
+        if any(e.weighted[0] is not None for e in stash):
+            weighted = torch.cat([e.weighted[0] if e.weighted[0] is not None
+                                  else torch.ones(e.logits.numel() // c, dtype=torch.bool, device=e.logits.device)
+                                  for e in stash])
+
         def score(label_smoothing: Optional[float]) -> Tensor:
-            return alignment_from_parts(
+            scores = alignment_from_parts(
                 None, wz, logits, targets, w_norm, ignore_index=self.ignore_index, feature_norm=z_norm,
                 softcap=self._softcap, logit_scale=self._logit_scale, logit_bias=self._logit_bias,
                 label_smoothing=label_smoothing,
             ).double()
+            # rows the loss gave no gradient are not scored (NaN: left out of every statistic)
+            return scores if weighted is None else torch.where(weighted, scores, math.nan)
 
         scores = score(self._label_smoothing)
+        if weighted is not None:  # rows with a target to score that the loss did not weigh (said at the epoch's end)
+            unweighted = ~weighted
+            if not soft:
+                unweighted &= (targets >= 0) & (targets < c)
+                if self.ignore_index is not None:
+                    unweighted &= targets != self.ignore_index
+            self._unweighted += unweighted.sum()
         self._moments.update(scores)
         finite = torch.isfinite(scores)
         self._negative += (scores < 0).sum()
@@ -1890,6 +1935,16 @@ class GradientWeightAlignmentMonitor(Monitor):
                 f"(GWA's ignore_index is {self.ignore_index}): a loss with another ignore index (e.g. "
                 "`cross_entropy(..., ignore_index=-1)`) trains on the others. Pass that `ignore_index=` to the monitor.",
                 value=float(outside),
+            )
+        unweighted = int(self._unweighted)
+        if unweighted and not self._said_unweighted:
+            self._said_unweighted = True
+            self.alert(
+                step, "unweighted_rows", "info",
+                f"{unweighted} row(s) of epoch {epoch} had a target but no gradient from the loss (a mask or sample "
+                "weights of 0 multiplied into per-row losses, or logits the loss does not read): they train nothing "
+                "and are not scored. (Said once.)",
+                value=float(unweighted),
             )
         stats = GWAMoments.from_state(state).compute(GWA_OFFSET, min_count=_MIN_SAMPLES)
         count = int(stats.count)
