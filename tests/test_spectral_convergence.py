@@ -108,7 +108,9 @@ def test_each_check_matches_the_svd(case: str, tmp_path) -> None:
         got = values.seen[key]
         assert got["sigma"] == pytest.approx(want["sigma"], rel=1e-4), key
         assert abs(got["sign_diversity"] - want["sign_diversity"]) <= 2.0 / want["rows"], key
-        assert got["mean_abs"] == pytest.approx(want["mean_abs"], rel=2e-3), key
+        # the vector is within about 1e-3 / (1 - (s2/s1)^2) rad of v_1: mean |cos| within 1% (its own sampling noise over
+        # the default 256 rows is about 6%); unconverged, it was 18% off
+        assert got["mean_abs"] == pytest.approx(want["mean_abs"], rel=1e-2), key
 
 
 def test_a_stale_basis_is_iterated_to_convergence_and_only_with_tol() -> None:

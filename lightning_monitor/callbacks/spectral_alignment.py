@@ -89,7 +89,7 @@ def _module_at(model: nn.Module, name: str) -> Optional[nn.Module]:
 _ONE_SIGN = "\x00one_sign/"
 #: a check's top singular triple is iterated until its relative residual ``||W^T u - sigma v|| / sigma`` is at most
 #: this (sigma then within 5e-7 relative; v within about 1e-3 / (1 - (s_2/s_1)^2) radians of the top singular vector)
-CONVERGENCE_TOL = 1e-4
+CONVERGENCE_TOL = 1e-3
 #: block iterations of a check at most (the warm ones included)
 MAX_ITERATIONS = 100
 #: a check's drop of sign diversity counts only beyond this many standard deviations of its sampling noise
@@ -130,7 +130,9 @@ class SpectralAlignmentMonitor(Monitor):
             to keep every ``nn.Linear``.
         max_rows: input rows (tokens / samples) sampled at random per layer and check.
         n_iter: block power iterations per check, warm-started from the previous check's basis (the
-            first check runs ``COLD_BLOCK_ITERATIONS``, 30).
+            first check runs ``COLD_BLOCK_ITERATIONS``, 30); a layer whose relative residual
+            ``||W^T u - sigma v|| / sigma`` is then above ``CONVERGENCE_TOL`` (1e-3) iterates on, up to
+            ``MAX_ITERATIONS`` (100), so a check's values are those of the converged triple.
         n_vectors: size of the block of right singular directions tracked per layer (its first
             column is ``v_1``); a block finds a new top direction that overtakes the old one in a
             few iterations, where a single vector needs many (see ``top_singular_subspace``).

@@ -221,8 +221,9 @@ def _block_iteration(
     orthonormal, ``previous`` ``(B, in)`` sign references or ``None``. Returns ``sigma (B,)``,
     ``u (B, out)``, ``v (B, in)`` and the rotated basis ``(B, in, k)`` whose first column is ``v``.
 
-    ``tol``: after the ``n_iter`` iterations, while a matrix's :func:`residuals` exceeds ``tol``, ``n_iter`` more, up to
-    ``max_iter`` in all (one host read of the largest residual per round); ``None``: exactly ``n_iter``, no host sync.
+    ``tol``: after the ``n_iter`` iterations, while a matrix's :func:`residuals` exceeds ``tol``, that matrix iterates on
+    in rounds of half the iterations so far (at least ``n_iter``), up to ``max_iter`` in all (one host read per round:
+    which matrices are not converged); ``None``: exactly ``n_iter``, no host sync.
     Each matrix is divided by its largest magnitude first (its products are its entries squared: a weight of entries
     near 1e-23 underflowed in fp32 and its sigma came out 0), and sigma multiplied back."""
     tiny = torch.finfo(w.dtype).tiny
@@ -238,7 +239,7 @@ def _block_iteration(
         todo = (residuals(w, sigma, u, v) > tol).nonzero()[:, 0]
         if todo.numel() == 0:
             break
-        rounds = min(n_iter, max_iter - done)
+        rounds = min(max(n_iter, done // 2), max_iter - done)  # rounds of growing length: fewer checks and host reads
         sub, prev = w[todo], None if previous is None else previous[todo]
         b = rotated[todo]
         for _ in range(rounds):
@@ -293,10 +294,10 @@ def top_singular_subspaces(
         bases0: for each weight, its previous basis ``(in, k)`` or ``None``.
         n_iter: iterations for warm-started weights (cold ones run ``COLD_BLOCK_ITERATIONS``).
         n_vectors: block size for cold starts.
-        tol, max_iter: iterate a batch further, ``n_iter`` (cold: ``COLD_BLOCK_ITERATIONS``) at a time, while one of its
-            weights has a relative residual ``||W^T u - sigma v|| / sigma`` above ``tol``, up to ``max_iter``
-            iterations in all (at least the first round's); one host read per round. ``None`` (default): no
-            check, no host sync.
+        tol, max_iter: iterate further the weights whose relative residual ``||W^T u - sigma v|| / sigma`` is above
+            ``tol`` after the first ``n_iter`` (cold: ``COLD_BLOCK_ITERATIONS``) iterations, in rounds of half the
+            iterations so far, up to ``max_iter`` iterations in all (at least the first round's); one host read per
+            round. ``None`` (default): no check, no host sync.
     """
     if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0):
         raise ValueError(f"`tol` must be a number > 0 or None, got {tol!r}.")
