@@ -13,7 +13,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -85,7 +85,7 @@ _SMOOTHING_MIN = 1e-3
 #: mean 1 - cosine between the gradient rows and the smoothed closed form at or below which the smoothing is exact (or
 #: 16 squared machine epsilons of the gradient's dtype, if more)
 _SMOOTHING_MISFIT = 1e-6
-#: share of the judged rows whose gradient may differ from the closed form's before the scores are said to be inexact
+#: share of the judged rows whose gradient may differ from the closed form's for a reading to be adopted
 _OFF_FRACTION = 0.1
 #: share of the rows whose gradient is most negative at the target above which the targets are the loss's
 _HIT_FRACTION = 0.95
@@ -198,8 +198,20 @@ class _HeadWatch:
             inputs = call_args(inputs, kwargs)
             self.calls[name] = (module, inputs, output, len(self.calls))
             if isinstance(output, Tensor) and output.requires_grad:
-                self.weighted[name] = [None]
-                output.register_hook(_weighted_rows(self.weighted[name]))
+                self.weighted[name] = [None, None, None]
+                features = inputs[0].detach() if inputs and isinstance(inputs[0], Tensor) else None
+
+                def wz() -> Optional[Tensor]:  # W z in fp32, for the scores read from the gradient (one product)
+                    if features is None:
+                        return None
+                    with reading_weights((module,)):  # a parametrized weight read without stepping its state
+                        weight = getattr(module, "weight", None)
+                    if not isinstance(weight, Tensor) or is_sharded(weight):
+                        return None
+                    with torch.no_grad(), torch.autocast(device_type=features.device.type, enabled=False):
+                        return features.float() @ weight.detach().float().T
+
+                output.register_hook(_weighted_rows(self.weighted[name], wz))
                 logits = output.detach()
                 cap = self.softcaps.get(name)
                 # held weakly: the hook lives in the autograd graph, and this watch holds the graph's output in
@@ -258,14 +270,25 @@ def default_target_fn(batch: Any) -> Tensor:
     )
 
 
-def _weighted_rows(holder: list[Optional[Tensor]]) -> Callable[[Tensor], None]:
-    """A tensor hook on the head's output: puts in ``holder`` which rows of its gradient are not all 0 (flat, in the
+def _weighted_rows(holder: list[Optional[Tensor]],
+                   wz: Optional[Union[Tensor, Callable[[], Tensor]]] = None) -> Callable[[Tensor], None]:
+    """A tensor hook on the head's output: puts in ``holder[0]`` which rows of its gradient are not all 0 (flat, in the
     rows' order of the scores); over several backward passes through the output (`torch.autograd.grad` of a part of
-    the loss after the backward), the rows any of them reached."""
+    the loss after the backward), the rows any of them reached. With ``wz`` (the rows' ``W z``), also each row's
+    ``g . W z`` and ``||g||`` from the first pass in ``holder[1]`` and ``holder[2]``: the score read from the gradient
+    itself (``_Kept.weighted``); ``wz`` may be a function that makes it then (from the forward's features and the
+    weights, which the backward has not changed yet)."""
 
     def hook(grad: Tensor) -> None:
-        rows = grad.detach().ne(0).any(-1).reshape(-1)
-        holder[0] = rows if holder[0] is None else holder[0] | rows
+        g = grad.detach()
+        rows = g.ne(0).any(-1).reshape(-1)
+        first = holder[0] is None
+        holder[0] = rows if first else holder[0] | rows
+        made = wz() if callable(wz) else wz
+        if first and made is not None and g.shape == made.shape:
+            g = g.to(made.dtype)
+            holder[1] = (g * made).sum(-1).reshape(-1)
+            holder[2] = torch.linalg.vector_norm(g, dim=-1).reshape(-1)
 
     return hook
 
@@ -280,7 +303,8 @@ class _Kept(NamedTuple):
     w_norm: Tensor  # ||W||_F of that step
     indices: Optional[Tensor]  # index_fn's sample indices, or None
     step: int  # the optimizer step whose batch it is (``trainer.global_step`` at its start)
-    #: filled by the backward: per row, whether the loss gave it a gradient (``None`` until then, or with no backward)
+    #: filled by the backward: per row, whether the loss gave it a gradient (``None`` until then, or with no backward);
+    #: where asked, then each row's ``g . W z`` and ``||g||`` of its output gradient ``g`` (``_weighted_rows``)
     weighted: list[Optional[Tensor]]
 
 
@@ -387,8 +411,9 @@ class GradientWeightAlignmentMonitor(Monitor):
     measured from the gradient (``logit_transform``, info); a loss that smooths its labels (``cross_entropy(...,
     label_smoothing=eps)``; near a uniform softmax it passes for a logit scale of ``1 / (1 - eps)``) is scored
     against the smoothed targets, ``eps`` measured (``label_smoothing``, info); what none of these explains (a z-loss,
-    distillation's soft targets: pass soft targets via ``target_fn`` where the loss uses them) is said in one
-    ``inexact_scores`` warning with the share of rows off. When in fewer than half of the rows the gradient points at
+    distillation's soft targets, class weights with label smoothing) makes each row's score read from the row's own
+    output gradient from then on, ``cos(-g z^T, W)`` (``scores_from_gradient``, info; exact for any loss computed row
+    by row). When in fewer than half of the rows the gradient points at
     the targets read, the loss trains other targets (a tuple batch whose ``batch[1]`` is an attention mask,
     sequence-first logits against batch-first labels, labels the loss shifts while ``shift_targets=False``) or
     ``head`` is not the layer that makes the logits (a tied head applied as ``x @ embedding.weight.T``): GWA then
@@ -510,7 +535,9 @@ class GradientWeightAlignmentMonitor(Monitor):
         self.history: list[dict[str, Any]] = []
         # said once the first batch's targets fit (a regression or multi-label run goes idle with one warning instead)
         self._pending_no_softmax: Optional[tuple[int, str]] = None
-        self._drift_said = False  # the reading of the loss found off at a later epoch (inexact_scores), once per run
+        self._drift_said = False  # the reading of the loss found off (scores_from_gradient), once per run
+        #: the scores are read from the head output's gradient, row by row (the loss is not one the closed form reads)
+        self._scores_from_gradient = False
         self._recheck_counts: Optional[tuple[Tensor, int, str]] = None  # _recheck's counts, read at the epoch's end
         self._recheck_epoch: Optional[int] = None  # the epoch of the last check of that reading
         self._recheck_step: Optional[int] = None  # and its step
@@ -1294,14 +1321,17 @@ class GradientWeightAlignmentMonitor(Monitor):
         if self._stash and self._stash[-1].targets.is_floating_point() != targets.is_floating_point():
             self._flush()
         read = weighted is not None
-        weighted = weighted if read else [None]
+        weighted = (weighted + [None, None])[:3] if read else [None, None, None]
         self._stash.append(_Kept(z_norm, wz, out, targets, w_norm, indices, self._batch_step, weighted))
         if output.requires_grad and not read:
             # which rows the loss weighs at all: a row of exactly 0 gradient (a mask or a sample weight of 0 multiplied
             # into per-row losses, padding left at a real class, a loss read at some positions only) trains nothing and
             # is not scored. From the scores' closed form alone such rows were scored as trained: the masked-token idiom
             # `(cross_entropy(..., reduction="none") * mask).sum() / mask.sum()` gave a mean of the wrong sign
-            output.register_hook(_weighted_rows(weighted))
+            # until the reading of the loss is checked, and once it was found inexact, the rows' scores are also read
+            # from the gradient itself (two reductions): see _read_from_gradient
+            asked = self._scores_from_gradient or self._check_state != "done"
+            output.register_hook(_weighted_rows(weighted, wz if asked else None))
         self._stashed += 2 * out.numel()
         if self._scored_rows is None and self.min_epoch_samples is not None:
             self._scored_rows = out.numel() // max(out.shape[-1], 1)
@@ -1504,18 +1534,16 @@ class GradientWeightAlignmentMonitor(Monitor):
             # with a logit scale (Granite) its first epoch's scores, with a warning that blamed the cadence
             if shift_changed:
                 self._drop_kept("their labels were read the other way")
-        elif judged > 0 and off > _OFF_FRACTION * judged:
-            self._drift_said = True  # said: the later checks of the reading (_recheck) have nothing to add
-            self.alert(
-                step, "inexact_scores", "warning",
-                f"In {off:.0f} of {judged:.0f} rows the gradient of `{self._head_name}`'s output differs from the "
-                "softmax cross-entropy's on the targets GWA reads (p - y): the loss is another one (label smoothing, "
-                "a z-loss or other term on the logits, distillation's soft targets, logits averaged with "
-                "another head's as in a distilled model ...), so the scores "
-                "are approximate. Soft targets of the loss's own (`target_fn` returning probabilities) make them exact "
-                "for label smoothing and distillation.",
-                value=off / judged, threshold=_OFF_FRACTION,
-            )
+        # the reading adopted, against the gradient: exact to its rounding, or the scores are read from the gradient
+        judged_a, off_a, misfit = self._agreement(trainer, mine, scored, [self._reading()])[0]
+        eps = torch.finfo(mine[0].dtype).eps if mine is not None else torch.finfo(torch.float32).eps
+        if judged_a > 0 and misfit > max(_SMOOTHING_MISFIT, 16 * eps**2):
+            self._read_from_gradient(
+                step, judged_a, off_a,
+                f"The gradient of `{self._head_name}`'s output is not the softmax cross-entropy's that GWA reads on its "
+                f"targets (mean 1 - cosine {misfit:.2g}): the loss is another one (class weights with label smoothing, "
+                "a z-loss or another term on the logits, distillation's soft targets, logits averaged with another "
+                "head's ...).")
 
     def _recheck(self, trainer: pl.Trainer) -> None:
         """The reading of the loss adopted at the first check (a plain softmax cross-entropy, a logit scale or bias, a
@@ -1523,22 +1551,18 @@ class GradientWeightAlignmentMonitor(Monitor):
         random init's uniform softmax some readings cannot be told apart (a temperature with label smoothing reads as
         one logit scale; soft targets smoothed again read as the targets given), and the scores followed the wrong
         one all run without a word; once the softmax has sharpened they part. The counts stay on the device until the
-        epoch's end (:meth:`_say_drift`), where more than a tenth of the rows off raises ``inexact_scores`` (once per
-        run); the reading stays."""
+        epoch's end (:meth:`_say_drift`), where a mean misfit above the reading's tolerance turns the scores to the
+        gradient's own (``scores_from_gradient``, once per run)."""
         capture, self._check_capture = self._check_capture, None
         self._check_state = "done"
-        reading: dict[str, Any] = {}
-        if self._label_smoothing is not None:
-            reading["label_smoothing"] = self._label_smoothing
-        if self._logit_scale is not None:
-            reading["logit_scale"] = self._logit_scale
-        if self._logit_bias is not None:
-            reading["logit_bias"] = self._logit_bias
-        counts = torch.zeros(2, dtype=torch.float64, device=_device_of(self._head))
+        reading = self._reading()
+        counts = torch.zeros(3, dtype=torch.float64, device=_device_of(self._head))
         if capture is not None and capture[1].shape[-1] == self._head.out_features:
             grad, logits, targets, _ = capture
-            counts = head_gradient_agreement(grad, logits, targets, ignore_index=self.ignore_index,
-                                             softcap=self._softcap, **reading)[:2].to(counts.device)
+            found = head_gradient_agreement(grad, logits, targets, ignore_index=self.ignore_index,
+                                            softcap=self._softcap, misfit=True, **reading)
+            counts = found[[0, 1, 4]].to(counts.device)
+            counts[2] /= max(_SMOOTHING_MISFIT, 16 * torch.finfo(grad.dtype).eps ** 2)  # the misfit in its tolerances
         said = ", ".join(f"{k.replace('_', ' ')} {v:.4g}" for k, v in reading.items() if not isinstance(v, Tensor))
         self._recheck_counts = (counts, trainer.global_step, said or "on the targets as given")
 
@@ -1551,19 +1575,38 @@ class GradientWeightAlignmentMonitor(Monitor):
         counts, step, said = pending
         if trainer.world_size > 1:
             counts = trainer.strategy.reduce(counts, reduce_op="sum")
-        judged, off = counts.tolist()
-        if judged > 0 and off > _OFF_FRACTION * judged and not self._drift_said:
-            self._drift_said = True
-            self.alert(
-                trainer.global_step, "inexact_scores", "warning",
-                f"In {off:.0f} of {judged:.0f} rows the gradient of `{self._head_name}`'s output at step {step} differs "
-                f"from the softmax cross-entropy's GWA reads ({said}, read at step {self._check_step_done}): near the "
-                "start's uniform softmax the loss passed for that reading, and it does not fit the sharper softmax of "
-                "later steps. The loss combines what GWA reads apart (a temperature with label smoothing, soft targets "
-                "smoothed again, ...), so the scores are approximate. Soft targets of the loss's own (`target_fn` "
-                "returning probabilities) make them exact.",
-                value=off / judged, threshold=_OFF_FRACTION,
-            )
+        judged, off, misfit = counts.tolist()
+        if judged > 0 and misfit > judged and not self._scores_from_gradient:  # a mean misfit above its tolerance
+            self._read_from_gradient(
+                trainer.global_step, judged, off,
+                f"The gradient of `{self._head_name}`'s output at step {step} no longer fits the reading of the loss "
+                f"taken at step {self._check_step_done} ({said}): near the start's uniform softmax the loss passed for "
+                "it, and the sharper softmax of later steps parts them (a temperature with label smoothing, soft "
+                "targets smoothed again ...).")
+
+    def _reading(self) -> dict[str, Any]:
+        """The reading of the loss adopted (keyword arguments of :func:`head_gradient_agreement`)."""
+        reading: dict[str, Any] = {}
+        if self._label_smoothing is not None:
+            reading["label_smoothing"] = self._label_smoothing
+        if self._logit_scale is not None:
+            reading["logit_scale"] = self._logit_scale
+        if self._logit_bias is not None:
+            reading["logit_bias"] = self._logit_bias
+        return reading
+
+    def _read_from_gradient(self, step: int, judged: float, off: float, why: str) -> None:
+        """From now on, score each row from its own output gradient (the loss is not one the closed form reads
+        exactly); said once (``scores_from_gradient``). The steps kept and not folded yet whose gradient was read are
+        scored so too."""
+        self._scores_from_gradient = self._drift_said = True
+        self.alert(
+            step, "scores_from_gradient", "info",
+            f"{why} {off:.0f} of {judged:.0f} rows are off by more than 1e-3 in cosine. From here on each row's score "
+            "is read from its own output gradient g, cos(-g z^T, W) (two reductions a scored step): exact for any "
+            "loss computed row by row.",
+            value=off / judged if judged else None,
+        )
 
     def _agreement(self, trainer: pl.Trainer, mine: Optional[tuple[Any, ...]], targets: Optional[Tensor],
                    readings: list[dict[str, Any]]) -> list[tuple[float, float, float]]:
@@ -1712,6 +1755,17 @@ class GradientWeightAlignmentMonitor(Monitor):
             return scores if weighted is None else torch.where(weighted, scores, math.nan)
 
         scores = score(self._label_smoothing)
+        if self._scores_from_gradient and any(e.weighted[1] is not None for e in stash):
+            # the loss is not one the closed form reads exactly: each row's score from its own output gradient g,
+            # cos(-g z^T, W) = -(g . W z) / (||g|| ||z|| ||W||), where the backward gave it (the rows scored above)
+            dot = torch.cat([e.weighted[1] if e.weighted[1] is not None
+                             else torch.full((e.logits.numel() // c,), math.nan, device=e.logits.device)
+                             for e in stash]).double()
+            norm = torch.cat([e.weighted[2] if e.weighted[2] is not None
+                              else torch.full((e.logits.numel() // c,), math.nan, device=e.logits.device)
+                              for e in stash]).double()
+            read = -dot / (norm * z_norm.double() * w_norm.double())
+            scores = torch.where(torch.isfinite(scores) & torch.isfinite(read), read, scores)
         if weighted is not None:  # rows with a target to score that the loss did not weigh (said at the epoch's end)
             unweighted = ~weighted
             if not soft:
