@@ -306,6 +306,7 @@ class SpectralAlignmentMonitor(Monitor):
         self._one_sign: set[str] = set()  # layers whose inputs at the last check were all >= 0
         # persistent state (state_dict)
         self._vectors: dict[str, Tensor] = {}
+        self._start_iterations = self.n_iter  # the warm iterations the next check starts with (see measure)
         self._history: dict[str, list[float]] = {}
         self._sigma_history: list[tuple[int, dict[str, float]]] = []
         self._n_checks = 0
@@ -457,10 +458,19 @@ class SpectralAlignmentMonitor(Monitor):
         # the warm iterations go on while a layer's relative residual is above CONVERGENCE_TOL (a weight that moved far
         # since the last check, written over by `copy_`, or whose top singular values are close: four iterations left
         # sigma 1-3% low and the sign diversity up to 0.2 off, logged as if exact)
+        # the warm layers start from the iterations the layers needed at the last check (one count for all, so that
+        # layers of one shape stay one batch): most then converge in their first round, and the rounds' own cost (a
+        # Rayleigh-Ritz step and a host read each) is not paid again
+        used: list[int] = []
+        warm = [n for n in plain if n in self._vectors]
         found = dict(zip(plain, top_singular_subspaces(
-            [mats[n] for n in plain], [self._vectors.get(n) for n in plain], n_iter=self.n_iter, n_vectors=self.n_vectors,
-            tol=CONVERGENCE_TOL, max_iter=MAX_ITERATIONS,
+            [mats[n] for n in plain], [self._vectors.get(n) for n in plain], n_iter=self._start_iterations,
+            n_vectors=self.n_vectors, tol=CONVERGENCE_TOL, max_iter=MAX_ITERATIONS, iterations=used,
         )))
+        if warm:
+            ran = max(r for n, r in zip(plain, used) if n in warm)
+            start = self._start_iterations  # next: what the slowest needed, or a little less when the first round was
+            self._start_iterations = max(self.n_iter, start - self.n_iter) if ran <= start else min(ran, MAX_ITERATIONS)
         # FSDP2 (DTensor weights): each sharded layer is gathered alone (one all-gather of its weight, on due
         # steps only) and freed before the next, so the peak is one layer; the iteration then runs on the full
         # matrix, identical on every rank, exactly as unsharded

@@ -17,7 +17,8 @@ Everything here is pure tensor code: no Lightning, no hooks, no host synchronisa
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Sequence
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -215,7 +216,7 @@ def residuals(w: Tensor, sigma: Tensor, u: Tensor, v: Tensor) -> Tensor:
 
 def _block_iteration(
     w: Tensor, basis: Tensor, previous: Optional[Tensor], n_iter: int, tol: Optional[float] = None,
-    max_iter: Optional[int] = None,
+    max_iter: Optional[int] = None, used: Optional[list[int]] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Batched core of :func:`top_singular_subspace`: ``w`` ``(B, out, in)``, ``basis`` ``(B, in, k)``
     orthonormal, ``previous`` ``(B, in)`` sign references or ``None``. Returns ``sigma (B,)``,
@@ -223,7 +224,8 @@ def _block_iteration(
 
     ``tol``: after the ``n_iter`` iterations, while a matrix's :func:`residuals` exceeds ``tol``, that matrix iterates on
     in rounds of half the iterations so far (at least ``n_iter``), up to ``max_iter`` in all (one host read per round:
-    which matrices are not converged); ``None``: exactly ``n_iter``, no host sync.
+    which matrices are not converged); ``None``: exactly ``n_iter``, no host sync. ``used``: where given, extended with
+    the iterations each matrix ran.
     Each matrix is divided by its largest magnitude first (its products are its entries squared: a weight of entries
     near 1e-23 underflowed in fp32 and its sigma came out 0), and sigma multiplied back."""
     tiny = torch.finfo(w.dtype).tiny
@@ -233,7 +235,7 @@ def _block_iteration(
         # W^T W V, written (W V)^T W: a transposed BLAS call is much slower on CPU
         basis = _orthonormalize(((w @ basis).transpose(1, 2) @ w).transpose(1, 2))
     sigma, u, v, rotated = _rayleigh_ritz(w, basis, previous)
-    done = n_iter
+    done, each = n_iter, [n_iter] * w.shape[0]
     while tol is not None and max_iter is not None and done < max_iter:
         # only the matrices not converged yet iterate on (one host read a round: which they are)
         todo = (residuals(w, sigma, u, v) > tol).nonzero()[:, 0]
@@ -247,6 +249,10 @@ def _block_iteration(
         parts = _rayleigh_ritz(sub, b, prev)
         sigma, u, v, rotated = (t.index_copy(0, todo, p) for t, p in zip((sigma, u, v, rotated), parts))
         done += rounds
+        for i in todo.tolist():
+            each[i] = done
+    if used is not None:
+        used.extend(each)
     return sigma * scale, u, v, rotated
 
 
@@ -282,8 +288,8 @@ def _rayleigh_ritz(w: Tensor, basis: Tensor, previous: Optional[Tensor]) -> tupl
 
 
 def top_singular_subspaces(
-    weights: list[Tensor], bases0: list[Optional[Tensor]], n_iter: int, n_vectors: int = 4,
-    tol: Optional[float] = None, max_iter: Optional[int] = None,
+    weights: list[Tensor], bases0: list[Optional[Tensor]], n_iter: Union[int, Sequence[int]], n_vectors: int = 4,
+    tol: Optional[float] = None, max_iter: Optional[int] = None, iterations: Optional[list[int]] = None,
 ) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
     """:func:`top_singular_subspace` of several weights, batched: weights of one shape, dtype and
     device whose ``basis0`` are all given (or all ``None``) run as one batch of matrix products
@@ -292,12 +298,14 @@ def top_singular_subspaces(
     Args:
         weights: list of ``(out, in)`` weights.
         bases0: for each weight, its previous basis ``(in, k)`` or ``None``.
-        n_iter: iterations for warm-started weights (cold ones run ``COLD_BLOCK_ITERATIONS``).
+        n_iter: iterations for warm-started weights (cold ones run ``COLD_BLOCK_ITERATIONS``); one per weight, or
+            one for all.
         n_vectors: block size for cold starts.
         tol, max_iter: iterate further the weights whose relative residual ``||W^T u - sigma v|| / sigma`` is above
             ``tol`` after the first ``n_iter`` (cold: ``COLD_BLOCK_ITERATIONS``) iterations, in rounds of half the
             iterations so far, up to ``max_iter`` iterations in all (at least the first round's); one host read per
             round. ``None`` (default): no check, no host sync.
+        iterations: where given, filled with the iterations each weight ran (in the order of ``weights``).
     """
     if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0):
         raise ValueError(f"`tol` must be a number > 0 or None, got {tol!r}.")
@@ -306,12 +314,17 @@ def top_singular_subspaces(
     if len(weights) != len(bases0):
         raise ValueError("`weights` and `bases0` must have the same length.")
     mats = [_as_matrix(w) for w in weights]
+    counts = [n_iter] * len(mats) if isinstance(n_iter, int) else list(n_iter)
+    if len(counts) != len(mats):
+        raise ValueError("`n_iter` must be one integer or one per weight.")
     groups: dict[tuple, list[int]] = {}
     for i, (w, b) in enumerate(zip(mats, bases0)):
         k = b.shape[-1] if b is not None and b.dim() == 2 else min(n_vectors, w.shape[1])
-        groups.setdefault((tuple(w.shape), w.dtype, w.device, b is None, k), []).append(i)
+        groups.setdefault((tuple(w.shape), w.dtype, w.device, b is None, k, None if b is None else counts[i]),
+                          []).append(i)
     out: list[Optional[tuple[Tensor, Tensor, Tensor, Tensor]]] = [None] * len(mats)
-    for (shape, dtype, device, cold, k), idx in groups.items():
+    ran = [0] * len(mats)
+    for (shape, dtype, device, cold, k, warm_iter), idx in groups.items():
         per = max(1, MAX_BATCH_ELEMENTS // (shape[0] * shape[1]))
         for start in range(0, len(idx), per):
             chunk = idx[start : start + per]
@@ -330,11 +343,15 @@ def top_singular_subspaces(
                 b = torch.where(torch.isfinite(b), b, torch.zeros_like(b))
                 previous = _unit_rows(b[:, :, 0], torch.zeros_like(b[:, :, 0]))
                 basis = _orthonormalize(b)
-                iters = n_iter
+                iters = warm_iter
             cap = None if max_iter is None else max(max_iter, iters)
-            sigma, u, v, basis = _block_iteration(w, basis, previous, iters, tol, cap)
+            used: list[int] = []
+            sigma, u, v, basis = _block_iteration(w, basis, previous, iters, tol, cap, used)
             for j, i in enumerate(chunk):
+                ran[i] = used[j]
                 out[i] = (sigma[j], u[j], v[j], basis[j])
+    if iterations is not None:
+        iterations[:] = ran
     return out  # type: ignore[return-value]
 
 
