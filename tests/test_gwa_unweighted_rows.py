@@ -92,3 +92,50 @@ def test_rows_the_loss_does_not_weigh_are_not_scored(weighting, tmp_path):
         assert h["kurtosis"] == pytest.approx(kurtosis, rel=1e-4, abs=1e-5)
     (said,) = [a for a in gwa.hub.history if a.kind == "unweighted_rows"]
     assert said.value == N * T - trained
+
+
+class _Confident(pl.LightningModule):
+    """A two-class head whose logits are 150 apart on most rows (lr 0): their softmax saturates, and the fp32 gradient
+    of each such row is exactly 0 though the loss weighs it. Such rows stay scored (the closed form is exact there)."""
+
+    def __init__(self, mask_some: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(4, 2)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.tensor([[40.0, 0, 0, 0], [-40.0, 0, 0, 0]]))
+            self.head.bias.zero_()
+        self.mask_some = mask_some
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        per = F.cross_entropy(self.head(x), y, reduction="none")
+        w = (torch.arange(len(y)) % 4 != 0).float() if self.mask_some else torch.ones_like(per)
+        return (per * w).sum() / w.sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize("mask_some", [False, True])
+def test_rows_whose_softmax_saturated_stay_scored(mask_some, tmp_path):
+    from lightning_monitor.functional import gwa_scores
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, generator=g)
+    x[:, 0] = x[:, 0].sign() * (2.0 + x[:, 0].abs())  # |logit gap| >= 160 on every row
+    y = (x[:, 0] < 0).long()
+    model = _Confident(mask_some)
+    assert (torch.autograd.grad(F.cross_entropy(model.head(x), y, reduction="sum"), model.head.weight)[0] == 0).all()
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                         callbacks=[gwa])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
+    with torch.no_grad():
+        want = gwa_scores(x.double(), model.head(x).double(), y, model.head.weight.double())
+    (h,) = gwa.history
+    assert h["count"] == 64 and h["mean"] == pytest.approx(float(want.mean()), rel=1e-6)
+    assert "unweighted_rows" not in {a.kind for a in gwa.hub.history}

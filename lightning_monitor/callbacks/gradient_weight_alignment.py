@@ -293,6 +293,33 @@ def _weighted_rows(holder: list[Optional[Tensor]],
     return hook
 
 
+#: a row whose softmax puts less than this on the other classes than its target may have a gradient rounded to 0 in
+#: fp32 (exp underflows near 1e-38, and the loss divides by its rows): such a row is not taken for one the loss weighs 0
+_SATURATED = 1e-20
+
+
+def _unsaturated(logits: Tensor, targets: Tensor, ignore_index: Optional[int], scale: Optional[float] = None,
+                 bias: Optional[Tensor] = None) -> Tensor:
+    """Per row (flat), whether it has a target to score and a softmax far enough from its target that a loss weighing
+    it would give it a gradient other than 0 (``_SATURATED``), in float64 from the logits (``[rows, C]``)."""
+    z = logits.reshape(-1, logits.shape[-1]).double()
+    if scale is not None:
+        z = z * scale
+    if bias is not None:
+        z = z + bias.to(device=z.device, dtype=z.dtype)
+    if targets.is_floating_point():  # soft targets: the largest gap between the softmax and the target
+        gap = (torch.softmax(z, -1) - targets.reshape(z.shape).to(z.dtype)).abs().amax(-1)
+        return gap >= _SATURATED
+    t = targets.reshape(-1)
+    valid = (t >= 0) & (t < z.shape[-1])
+    if ignore_index is not None:
+        valid &= t != ignore_index
+    idx = t.clamp(0, z.shape[-1] - 1).unsqueeze(-1)
+    # the mass on the other classes is at least exp(their largest logit - the target's): one max, no exponentials
+    gap = z.scatter(-1, idx, -math.inf).amax(-1) - z.gather(-1, idx).squeeze(-1)
+    return valid & (gap >= math.log(_SATURATED))
+
+
 class _Kept(NamedTuple):
     """What one step keeps for its scores (see ``_on_head_forward``), scored with others by ``_flush``."""
 
@@ -1326,11 +1353,13 @@ class GradientWeightAlignmentMonitor(Monitor):
         if output.requires_grad and not read:
             # which rows the loss weighs at all: a row of exactly 0 gradient (a mask or a sample weight of 0 multiplied
             # into per-row losses, padding left at a real class, a loss read at some positions only) trains nothing and
-            # is not scored. From the scores' closed form alone such rows were scored as trained: the masked-token idiom
-            # `(cross_entropy(..., reduction="none") * mask).sum() / mask.sum()` gave a mean of the wrong sign
-            # until the reading of the loss is checked, and once it was found inexact, the rows' scores are also read
-            # from the gradient itself (two reductions): see _read_from_gradient
-            asked = self._scores_from_gradient or self._check_state != "done"
+            # is not scored (unless its softmax saturated: see _unsaturated). From the scores' closed form alone they
+            # were scored as trained: the masked-token idiom `(cross_entropy(..., reduction="none") * mask).sum() /
+            # mask.sum()` gave a mean of the wrong sign. Until the reading of the loss is checked (at the first check,
+            # and from a later epoch's check to that epoch's end, where it is judged), and once it was found inexact,
+            # the rows' scores are also read from the gradient itself (two reductions): see _read_from_gradient
+            asked = (self._scores_from_gradient or self._check_state != "done"
+                     or self._recheck_counts is not None)
             output.register_hook(_weighted_rows(weighted, wz if asked else None))
         self._stashed += 2 * out.numel()
         if self._scored_rows is None and self.min_epoch_samples is not None:
@@ -1338,9 +1367,11 @@ class GradientWeightAlignmentMonitor(Monitor):
         raw, self._check_raw = self._check_raw, None
         if raw is not None and output.requires_grad and self._check_capture is None:
             self._capture_gradient(output, out, targets, raw)
-        # until the check, kept (it may find they were read the wrong way), within reason. This step's own batches stay
+        # until the check (and from a later epoch's check to its judgement at the epoch's end), kept: it may find they
+        # were read the wrong way (within reason). This step's own batches stay
         # kept until its update: a snapshot of the guard taken before the update leaves them out (see snapshot_state)
-        if self._stashed >= _FLUSH_ELEMENTS * (1 if self._check_state in ("done", "recheck") else 8):
+        settled = self._check_state in ("done", "recheck") and self._recheck_counts is None
+        if self._stashed >= _FLUSH_ELEMENTS * (1 if settled else 8):
             self._flush(before=self._batch_step)
 
     def _shifted(self, targets: Tensor) -> Tensor:
@@ -1498,12 +1529,12 @@ class GradientWeightAlignmentMonitor(Monitor):
             # whose direction is nearer the gradients' is kept
             readings = [{"label_smoothing": smoothing}, {}] + ([transform] if transform else [])
             found = self._agreement(trainer, mine, scored, readings)
-            (s_judged, s_off, s_misfit), others = found[0], found[1:]
+            (s_judged, s_off, s_misfit, _), others = found[0], found[1:]
             # exact to the gradient's rounding (a z-loss is explained better by some smoothing than by none, not
             # exactly), where the plain reading is not (two classes: every reading points the same way)
             tolerance = max(_SMOOTHING_MISFIT, 16 * (smoothing_eps / smoothing_rows) ** 2)
             exact = s_misfit <= tolerance < others[0][2]
-            if exact and s_judged > 0 and s_off <= _OFF_FRACTION * s_judged and all(m > s_misfit for _, _, m in others):
+            if exact and s_judged > 0 and s_off <= _OFF_FRACTION * s_judged and all(m > s_misfit for _, _, m, _ in others):
                 self._label_smoothing, self._logit_scale, self._logit_bias = smoothing, None, None
                 self.alert(
                     step, "label_smoothing", "info",
@@ -1514,7 +1545,7 @@ class GradientWeightAlignmentMonitor(Monitor):
                 )
                 transform, changed = None, True  # no transform besides
         if transform is not None:
-            judged_t, off_t, _ = self._agreement(trainer, mine, scored, [transform])[0]
+            judged_t, off_t, _, _ = self._agreement(trainer, mine, scored, [transform])[0]
             if judged_t > 0 and off_t <= _OFF_FRACTION * judged_t:  # scoring through it agrees with the gradients
                 self._logit_scale = transform["logit_scale"]
                 self._logit_bias = None if transform["logit_bias"] is None else transform["logit_bias"].to(torch.float32)
@@ -1535,9 +1566,8 @@ class GradientWeightAlignmentMonitor(Monitor):
             if shift_changed:
                 self._drop_kept("their labels were read the other way")
         # the reading adopted, against the gradient: exact to its rounding, or the scores are read from the gradient
-        judged_a, off_a, misfit = self._agreement(trainer, mine, scored, [self._reading()])[0]
-        eps = torch.finfo(mine[0].dtype).eps if mine is not None else torch.finfo(torch.float32).eps
-        if judged_a > 0 and misfit > max(_SMOOTHING_MISFIT, 16 * eps**2):
+        judged_a, off_a, misfit, allowed = self._agreement(trainer, mine, scored, [self._reading()])[0]
+        if judged_a > 0 and misfit > max(_SMOOTHING_MISFIT, allowed):
             self._read_from_gradient(
                 step, judged_a, off_a,
                 f"The gradient of `{self._head_name}`'s output is not the softmax cross-entropy's that GWA reads on its "
@@ -1556,13 +1586,12 @@ class GradientWeightAlignmentMonitor(Monitor):
         capture, self._check_capture = self._check_capture, None
         self._check_state = "done"
         reading = self._reading()
-        counts = torch.zeros(3, dtype=torch.float64, device=_device_of(self._head))
+        counts = torch.zeros(4, dtype=torch.float64, device=_device_of(self._head))
         if capture is not None and capture[1].shape[-1] == self._head.out_features:
             grad, logits, targets, _ = capture
             found = head_gradient_agreement(grad, logits, targets, ignore_index=self.ignore_index,
                                             softcap=self._softcap, misfit=True, **reading)
-            counts = found[[0, 1, 4]].to(counts.device)
-            counts[2] /= max(_SMOOTHING_MISFIT, 16 * torch.finfo(grad.dtype).eps ** 2)  # the misfit in its tolerances
+            counts[:4] = found[[0, 1, 4, 5]].to(counts.device)  # judged, off, misfit, what rounding allows
         said = ", ".join(f"{k.replace('_', ' ')} {v:.4g}" for k, v in reading.items() if not isinstance(v, Tensor))
         self._recheck_counts = (counts, trainer.global_step, said or "on the targets as given")
 
@@ -1575,8 +1604,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         counts, step, said = pending
         if trainer.world_size > 1:
             counts = trainer.strategy.reduce(counts, reduce_op="sum")
-        judged, off, misfit = counts.tolist()
-        if judged > 0 and misfit > judged and not self._scores_from_gradient:  # a mean misfit above its tolerance
+        judged, off, misfit, allowed = counts.tolist()
+        if judged > 0 and misfit > max(_SMOOTHING_MISFIT * judged, allowed) and not self._scores_from_gradient:
             self._read_from_gradient(
                 trainer.global_step, judged, off,
                 f"The gradient of `{self._head_name}`'s output at step {step} no longer fits the reading of the loss "
@@ -1613,15 +1642,15 @@ class GradientWeightAlignmentMonitor(Monitor):
         """``(judged, off, mean misfit)`` of the gradients against each reading of the logits (keyword arguments of
         :func:`head_gradient_agreement`), over the rows of every rank (reduced: every rank decides alike)."""
         dev = _device_of(self._head)
-        counts = torch.zeros(len(readings), 3, dtype=torch.float64, device=dev)
+        counts = torch.zeros(len(readings), 4, dtype=torch.float64, device=dev)
         if mine is not None and targets is not None:
             for i, reading in enumerate(readings):
                 found = head_gradient_agreement(mine[0], mine[1], targets, ignore_index=self.ignore_index,
                                                 softcap=self._softcap, misfit=True, **reading)
-                counts[i] = found[[0, 1, 4]].to(dev)
+                counts[i] = found[[0, 1, 4, 5]].to(dev)
         if trainer.world_size > 1:
             counts = trainer.strategy.reduce(counts, reduce_op="sum")
-        return [(j, o, m / j if j > 0 else math.inf) for j, o, m in counts.tolist()]
+        return [(j, o, m / j if j > 0 else math.inf, a / j if j > 0 else 0.0) for j, o, m, a in counts.tolist()]
 
     def _pooled_targets(self, targets: Tensor, length: int) -> Tensor:
         """One label per sequence for logits of every token (``[B, T, C]``): the label goes to the sequence's last
@@ -1739,11 +1768,16 @@ class GradientWeightAlignmentMonitor(Monitor):
                 w_norm = w_norm.repeat_interleave(rows[0])
             else:
                 w_norm = w_norm.repeat_interleave(torch.tensor(rows, device=w_norm.device), output_size=sum(rows))
-        weighted = None
+        unweighted = None
         if any(e.weighted[0] is not None for e in stash):
+            # rows with a target the loss gave no gradient: weighed 0 (a mask multiplied into per-row losses), unless
+            # their softmax has saturated (a gradient rounded to 0: scored, the closed form is exact there)
             weighted = torch.cat([e.weighted[0] if e.weighted[0] is not None
                                   else torch.ones(e.logits.numel() // c, dtype=torch.bool, device=e.logits.device)
                                   for e in stash])
+            unweighted = ~weighted & _unsaturated(logits, targets, self.ignore_index, self._logit_scale,
+                                                  self._logit_bias)
+            self._unweighted += unweighted.sum()
 
         def score(label_smoothing: Optional[float]) -> Tensor:
             scores = alignment_from_parts(
@@ -1752,7 +1786,7 @@ class GradientWeightAlignmentMonitor(Monitor):
                 label_smoothing=label_smoothing,
             ).double()
             # rows the loss gave no gradient are not scored (NaN: left out of every statistic)
-            return scores if weighted is None else torch.where(weighted, scores, math.nan)
+            return scores if unweighted is None else torch.where(unweighted, math.nan, scores)
 
         scores = score(self._label_smoothing)
         if self._scores_from_gradient and any(e.weighted[1] is not None for e in stash):
@@ -1766,13 +1800,6 @@ class GradientWeightAlignmentMonitor(Monitor):
                               for e in stash]).double()
             read = -dot / (norm * z_norm.double() * w_norm.double())
             scores = torch.where(torch.isfinite(scores) & torch.isfinite(read), read, scores)
-        if weighted is not None:  # rows with a target to score that the loss did not weigh (said at the epoch's end)
-            unweighted = ~weighted
-            if not soft:
-                unweighted &= (targets >= 0) & (targets < c)
-                if self.ignore_index is not None:
-                    unweighted &= targets != self.ignore_index
-            self._unweighted += unweighted.sum()
         self._moments.update(scores)
         finite = torch.isfinite(scores)
         self._negative += (scores < 0).sum()
@@ -1970,6 +1997,9 @@ class GradientWeightAlignmentMonitor(Monitor):
             return
         self._finished = True
         self.release()  # no scoring in a validation loop that follows
+        # the check of the reading taken at this epoch's first due step, judged before its steps still kept are scored:
+        # a reading found off has them scored from their gradient (read since that check)
+        self._say_drift(trainer)
         self._flush()
         if self._forward_only and not self._trained:
             return  # nothing was trained (StochasticWeightAveraging's BatchNorm epoch): nothing to score or select
@@ -1979,7 +2009,6 @@ class GradientWeightAlignmentMonitor(Monitor):
             self._plan_by_time(trainer, epoch)
         self._say_if_frozen(step, during=True)  # the head frozen since (GradES): said once (the flag is every rank's)
         state, negative, lo, hi, hist, top = self._reduce(trainer)
-        self._say_drift(trainer)
         outside = int(self._out_of_range)
         if outside and not self._said_out_of_range:
             self._said_out_of_range = True

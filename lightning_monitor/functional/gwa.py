@@ -686,7 +686,12 @@ def head_gradient_agreement(
 
     Soft targets are judged on their direction only (``targeted = hit = 0``). ``label_smoothing``: integer targets
     smoothed as :func:`gwa_scores`'s. ``misfit``: a fifth entry, the sum of ``1 - cosine`` over the judged rows (how
-    far the closed form's direction is from the gradient's, to compare readings of the same rows)."""
+    far the closed form's direction is from the gradient's, to compare readings of the same rows), and a sixth, the sum
+    over them of what the gradient's rounding alone may make it: ``max(eps^2 / 16, (eps / ||r||_inf)^2)``, ``r`` the
+    closed form's row (an entry rounded to its dtype moves the row by up to ``eps`` of its size; a confident row's
+    ``p_y - 1`` is rounded to a unit of ``eps``, a large share of a small ``1 - p_y``). In bf16 a softmax
+    cross-entropy's rows come out at a mean ``1 - cosine`` of 2-6e-7, class weights with label smoothing at 1e-3 to
+    1e-2, against an allowance of about 1e-4."""
     c = logits.shape[-1]
     g = grad.detach().reshape(-1, c).double()
     o = logits.detach().reshape(-1, c).double()
@@ -723,6 +728,8 @@ def head_gradient_agreement(
     out = [judged.double().sum(), off.double().sum(), targeted, hit]
     if misfit:
         out.append(torch.where(judged, 1.0 - cos, torch.zeros_like(cos)).sum())
+        allowed = torch.clamp_min((eps / r.abs().amax(-1).clamp_min(1e-300)) ** 2, eps * eps / 16.0)
+        out.append(torch.where(judged, allowed, torch.zeros_like(allowed)).sum())
     return torch.stack(out)
 
 
