@@ -86,3 +86,42 @@ def test_monitors_read_layers_called_by_keyword_as_positional_ones(tmp_path) -> 
     assert positional["gns/coverage"] == 1.0
     assert keyword == pytest.approx(positional, rel=1e-5, abs=1e-7)
     assert said_keyword == said_positional
+
+
+class _Attention(pl.LightningModule):
+    def __init__(self, keyword: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.keyword = keyword
+        self.inp = nn.Linear(6, 8)
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.inp(x)
+        a = self.mha(query=h, key=h, value=h)[0] if self.keyword else self.mha(h, h, h)[0]
+        return F.cross_entropy(self.head(a.mean(1)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_attention_called_with_query_by_keyword_is_aligned(tmp_path) -> None:
+    """SA's input capture took only a keyword named `input`: `mha(query=h, key=h, value=h)` was said not to run
+    (`layers_not_called`) and left out of every check. The first parameter of the module's own forward is read now."""
+    got = {}
+    for keyword in (False, True):
+        torch.manual_seed(1)
+        x, y = torch.randn(32, 5, 6), torch.randint(0, 3, (32,))
+        mon = lm.SpectralAlignmentMonitor(every_n_steps=1, warmup_steps=0)
+        trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             default_root_dir=str(tmp_path / str(keyword)), callbacks=[mon])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(_Attention(keyword), DataLoader(TensorDataset(x, y), batch_size=8))
+        got[keyword] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("sa/")}
+        assert "layers_not_called" not in {a.kind for a in mon.hub.history}
+    assert any(k.startswith("sa/mha") for k in got[True])
+    assert got[True] == pytest.approx(got[False], rel=1e-6, abs=1e-9)

@@ -195,7 +195,7 @@ class _HeadWatch:
         def hook(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if in_dry_run() or name in self.calls:
                 return
-            inputs = call_args(inputs, kwargs)
+            inputs = call_args(inputs, kwargs, module)
             self.calls[name] = (module, inputs, output, len(self.calls))
             if isinstance(output, Tensor) and output.requires_grad:
                 self.weighted[name] = [None, None, None]
@@ -1308,7 +1308,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         the loss weighs, read already (a call kept by the head's choice, after its backward)."""
         if in_dry_run():  # another monitor running the head on a batch of its own: not the step's forward
             return
-        inputs = call_args(inputs, kwargs)
+        inputs = call_args(inputs, kwargs, module)
         pending, self._pending = self._pending, None
         if pending is None or not inputs or not isinstance(output, Tensor):
             return

@@ -306,7 +306,10 @@ class SpectralAlignmentMonitor(Monitor):
         self._one_sign: set[str] = set()  # layers whose inputs at the last check were all >= 0
         # persistent state (state_dict)
         self._vectors: dict[str, Tensor] = {}
-        self._start_iterations = self.n_iter  # the warm iterations the next check starts with (see measure)
+        # per weight shape, the warm iterations the next check starts with (see measure)
+        self._start_iterations: dict[tuple[int, ...], int] = {}
+        self._unconverged: list[str] = []  # the layers of the last check still short of CONVERGENCE_TOL at the cap
+        self._unconverged_said: set[str] = set()
         self._history: dict[str, list[float]] = {}
         self._sigma_history: list[tuple[int, dict[str, float]]] = []
         self._n_checks = 0
@@ -462,24 +465,36 @@ class SpectralAlignmentMonitor(Monitor):
         # layers of one shape stay one batch): most then converge in their first round, and the rounds' own cost (a
         # Rayleigh-Ritz step and a host read each) is not paid again
         used: list[int] = []
-        warm = [n for n in plain if n in self._vectors]
+        stuck: list[bool] = []
+        shape = {n: tuple(mats[n].shape) for n in plain}
         found = dict(zip(plain, top_singular_subspaces(
-            [mats[n] for n in plain], [self._vectors.get(n) for n in plain], n_iter=self._start_iterations,
-            n_vectors=self.n_vectors, tol=CONVERGENCE_TOL, max_iter=MAX_ITERATIONS, iterations=used,
+            [mats[n] for n in plain], [self._vectors.get(n) for n in plain],
+            n_iter=[self._start_iterations.get(shape[n], self.n_iter) for n in plain], n_vectors=self.n_vectors,
+            tol=CONVERGENCE_TOL, max_iter=MAX_ITERATIONS, iterations=used, unconverged=stuck,
         )))
-        if warm:
-            ran = max(r for n, r in zip(plain, used) if n in warm)
-            start = self._start_iterations  # next: what the slowest needed, or a little less when the first round was
-            self._start_iterations = max(self.n_iter, start - self.n_iter) if ran <= start else min(ran, MAX_ITERATIONS)
+        # per weight shape (the layers iterated as one batch), what the slowest converged layer needed: next check's
+        # start, or a little less when the first round was enough. A layer that reached the cap unconverged (top
+        # singular values nearly equal) does not raise the others' start: it would have every layer run 100 iterations
+        needed: dict[tuple[int, ...], int] = {}
+        for n, ran, short in zip(plain, used, stuck):
+            if n in self._vectors and not short:
+                needed[shape[n]] = max(needed.get(shape[n], 0), ran)
+        for key, ran in needed.items():
+            start = self._start_iterations.get(key, self.n_iter)
+            self._start_iterations[key] = max(self.n_iter, start - self.n_iter) if ran <= start else min(ran, MAX_ITERATIONS)
+        self._unconverged = [n for n, short in zip(plain, stuck) if short]
         # FSDP2 (DTensor weights): each sharded layer is gathered alone (one all-gather of its weight, on due
         # steps only) and freed before the next, so the peak is one layer; the iteration then runs on the full
         # matrix, identical on every rank, exactly as unsharded
         for n in names:
             if n not in found:
                 full = mats[n].full_tensor()
+                short: list[bool] = []
                 found[n] = top_singular_subspaces([full], [self._vectors.get(n)], n_iter=self.n_iter,
                                                   n_vectors=self.n_vectors, tol=CONVERGENCE_TOL,
-                                                  max_iter=MAX_ITERATIONS)[0]
+                                                  max_iter=MAX_ITERATIONS, unconverged=short)[0]
+                if short[0]:
+                    self._unconverged.append(n)
                 del full
         # layers whose rows have one shape, dtype and device are aligned as one batch (a small model's check
         # is dominated by kernel launches: a dozen per layer otherwise)
@@ -541,6 +556,18 @@ class SpectralAlignmentMonitor(Monitor):
         return metrics
 
     def judge(self, trainer: pl.Trainer, step: int, values: dict[str, float]) -> dict[str, float]:
+        new = [n for n in self._unconverged if n not in self._unconverged_said]
+        if new:  # said once per layer: its values are of a vector of the top subspace
+            self._unconverged_said.update(new)
+            self.alert(
+                step, "unconverged", "info",
+                f"The top singular vector of {len(new)} layer(s) did not converge in {MAX_ITERATIONS} iterations at this "
+                f"check (relative residual above {CONVERGENCE_TOL:g}): {', '.join(new[:8])}{' ...' if len(new) > 8 else ''}. "
+                "Their top singular values are nearly equal: sigma is within about the residual squared, but the sign "
+                "diversity and mean |cos| are those of a vector of the top subspace, not of v_1 (which is ill-defined "
+                "there). Said once per layer.",
+                details={"layers": new},
+            )
         for key in [k for k in values if k.startswith(_ONE_SIGN)]:
             name = key[len(_ONE_SIGN):]
             if values.pop(key) > 0.5:

@@ -216,7 +216,7 @@ def residuals(w: Tensor, sigma: Tensor, u: Tensor, v: Tensor) -> Tensor:
 
 def _block_iteration(
     w: Tensor, basis: Tensor, previous: Optional[Tensor], n_iter: int, tol: Optional[float] = None,
-    max_iter: Optional[int] = None, used: Optional[list[int]] = None,
+    max_iter: Optional[int] = None, used: Optional[list[int]] = None, unconverged: Optional[list[bool]] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Batched core of :func:`top_singular_subspace`: ``w`` ``(B, out, in)``, ``basis`` ``(B, in, k)``
     orthonormal, ``previous`` ``(B, in)`` sign references or ``None``. Returns ``sigma (B,)``,
@@ -225,7 +225,8 @@ def _block_iteration(
     ``tol``: after the ``n_iter`` iterations, while a matrix's :func:`residuals` exceeds ``tol``, that matrix iterates on
     in rounds of half the iterations so far (at least ``n_iter``), up to ``max_iter`` in all (one host read per round:
     which matrices are not converged); ``None``: exactly ``n_iter``, no host sync. ``used``: where given, extended with
-    the iterations each matrix ran.
+    the iterations each matrix ran; ``unconverged``: with ``tol``, extended with whether each is still above it after
+    ``max_iter`` (read only when the cap was reached).
     Each matrix is divided by its largest magnitude first (its products are its entries squared: a weight of entries
     near 1e-23 underflowed in fp32 and its sigma came out 0), and sigma multiplied back."""
     tiny = torch.finfo(w.dtype).tiny
@@ -253,6 +254,11 @@ def _block_iteration(
             each[i] = done
     if used is not None:
         used.extend(each)
+    if unconverged is not None:
+        if tol is not None and max_iter is not None and done >= max_iter:
+            unconverged.extend((residuals(w, sigma, u, v) > tol).tolist())
+        else:
+            unconverged.extend([False] * w.shape[0])
     return sigma * scale, u, v, rotated
 
 
@@ -290,6 +296,7 @@ def _rayleigh_ritz(w: Tensor, basis: Tensor, previous: Optional[Tensor]) -> tupl
 def top_singular_subspaces(
     weights: list[Tensor], bases0: list[Optional[Tensor]], n_iter: Union[int, Sequence[int]], n_vectors: int = 4,
     tol: Optional[float] = None, max_iter: Optional[int] = None, iterations: Optional[list[int]] = None,
+    unconverged: Optional[list[bool]] = None,
 ) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
     """:func:`top_singular_subspace` of several weights, batched: weights of one shape, dtype and
     device whose ``basis0`` are all given (or all ``None``) run as one batch of matrix products
@@ -306,6 +313,9 @@ def top_singular_subspaces(
             iterations so far, up to ``max_iter`` iterations in all (at least the first round's); one host read per
             round. ``None`` (default): no check, no host sync.
         iterations: where given, filled with the iterations each weight ran (in the order of ``weights``).
+        unconverged: where given (with ``tol``), filled with whether each weight's residual is still above ``tol`` after
+            ``max_iter`` iterations (its top singular values nearly equal: sigma is close, ``v`` a vector of the top
+            subspace).
     """
     if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0):
         raise ValueError(f"`tol` must be a number > 0 or None, got {tol!r}.")
@@ -324,6 +334,7 @@ def top_singular_subspaces(
                           []).append(i)
     out: list[Optional[tuple[Tensor, Tensor, Tensor, Tensor]]] = [None] * len(mats)
     ran = [0] * len(mats)
+    stuck = [False] * len(mats)
     for (shape, dtype, device, cold, k, warm_iter), idx in groups.items():
         per = max(1, MAX_BATCH_ELEMENTS // (shape[0] * shape[1]))
         for start in range(0, len(idx), per):
@@ -346,12 +357,15 @@ def top_singular_subspaces(
                 iters = warm_iter
             cap = None if max_iter is None else max(max_iter, iters)
             used: list[int] = []
-            sigma, u, v, basis = _block_iteration(w, basis, previous, iters, tol, cap, used)
+            short: list[bool] = []
+            sigma, u, v, basis = _block_iteration(w, basis, previous, iters, tol, cap, used, short)
             for j, i in enumerate(chunk):
-                ran[i] = used[j]
+                ran[i], stuck[i] = used[j], short[j]
                 out[i] = (sigma[j], u[j], v[j], basis[j])
     if iterations is not None:
         iterations[:] = ran
+    if unconverged is not None:
+        unconverged[:] = stuck
     return out  # type: ignore[return-value]
 
 

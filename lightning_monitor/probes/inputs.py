@@ -99,7 +99,7 @@ class InputCapture:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if in_dry_run():  # another monitor's run of the module on a batch of its own
                 return
-            args = call_args(args, kwargs)
+            args = call_args(args, kwargs, module)
             if not args or not isinstance(args[0], Tensor):
                 self._disarm(name)
                 return

@@ -378,7 +378,7 @@ class _Uses:
         # the gradient of the module's own output is read (through the hooks that replaced it: their masks count),
         # by a tensor hook registered after theirs (a hook that scales the gradient on that output counts too)
         own = self.__dict__.pop("_own_output", None)
-        args = call_args(args, kwargs)
+        args = call_args(args, kwargs, module)
         if args and isinstance(args[0], Tensor) and self.note(args[0]) == "record":
             self.record(args[0], output if own is None else own, self.probe._rule)
 
