@@ -51,6 +51,19 @@ def truth(per: dict[str, Tensor], window: range, method: str) -> tuple[float, fl
     return (b_big * big - b_small * small) / (b_big - b_small), (small - big) / (1 / b_small - 1 / b_big)
 
 
+def _fit_logged(tmp_path, model: pl.LightningModule, x: Tensor, y: Tensor, method: str, epochs: int,
+                accumulate: int) -> dict[str, list[tuple[int, float]]]:
+    """Every step's raw estimates (lr 0, no smoothing), read back from the TensorBoard event file."""
+    mon = GradientNoiseScaleMonitor(method=method, every_n_steps=1, smoothing=0.0, per_layer=False)
+    trainer = pl.Trainer(max_epochs=epochs, accumulate_grad_batches=accumulate, accelerator="cpu", log_every_n_steps=1,
+                         logger=TensorBoardLogger(str(tmp_path), name="tb"), enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[mon])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=BATCH))
+    return tb_scalars(str(tmp_path))
+
+
 @pytest.mark.parametrize("method", ["accumulation", "per_example"])
 def test_short_last_accumulation_window_exact(method: str, tmp_path) -> None:
     g = torch.Generator().manual_seed(0)
@@ -58,14 +71,7 @@ def test_short_last_accumulation_window_exact(method: str, tmp_path) -> None:
     y = torch.randint(0, 3, (BATCH * BATCHES,), generator=g)
     model = Clf()
     per = loop_grads(model.net, F.cross_entropy, x, y)
-    mon = GradientNoiseScaleMonitor(method=method, every_n_steps=1, smoothing=0.0, per_layer=False)
-    trainer = pl.Trainer(max_epochs=2, accumulate_grad_batches=ACCUMULATE, accelerator="cpu", log_every_n_steps=1,
-                         logger=TensorBoardLogger(str(tmp_path), name="tb"), enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[mon])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=BATCH))
-    logged = tb_scalars(str(tmp_path))
+    logged = _fit_logged(tmp_path, model, x, y, method, epochs=2, accumulate=ACCUMULATE)
     windows = [range(s, min(s + ACCUMULATE, BATCHES)) for s in range(0, BATCHES, ACCUMULATE)] * 2
     assert [int(v) for _, v in logged["gns/batch_size"]] == [BATCH * len(w) for w in windows]
     for (step, g2), (_, tr), window in zip(logged["gns/g2"], logged["gns/trace_sigma"], windows):
@@ -136,14 +142,7 @@ def test_unequal_micro_batches_in_a_window_per_example(tmp_path) -> None:
     y = torch.randint(0, 3, (43,), generator=g)
     model = Clf()
     per = loop_grads(model.net, F.cross_entropy, x, y)
-    mon = GradientNoiseScaleMonitor(method="per_example", every_n_steps=1, smoothing=0.0, per_layer=False)
-    trainer = pl.Trainer(max_epochs=1, accumulate_grad_batches=3, accelerator="cpu", log_every_n_steps=1,
-                         logger=TensorBoardLogger(str(tmp_path), name="tb"), enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[mon])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=BATCH))
-    logged = tb_scalars(str(tmp_path))
+    logged = _fit_logged(tmp_path, model, x, y, "per_example", epochs=1, accumulate=3)
     assert [int(v) for _, v in logged["gns/batch_size"]] == [24, 19]  # the examples seen
     for (step, g2), (_, tr), (sizes, start) in zip(logged["gns/g2"], logged["gns/trace_sigma"],
                                                    [([8, 8, 8], 0), ([8, 8, 3], 24)]):
