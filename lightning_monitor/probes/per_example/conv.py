@@ -21,6 +21,7 @@ from lightning_monitor._compat import has_forward_pre_hooks
 from lightning_monitor.probes.per_example.kernels import forward_under_autocast, linear_sq_norms, project_matrix
 from lightning_monitor.probes.per_example.registry import Handler, register
 from lightning_monitor.probes.per_example.strategy import LinearRule, examples_at_once
+from lightning_monitor.probes.per_example.linear import full_precision
 
 
 def _padded(m: nn.Module, x: Tensor) -> tuple[Tensor, list[int]]:
@@ -172,7 +173,7 @@ class Conv2dHandler(Handler):
                 for size, k, st, dil, pad in zip(x.shape[2:], m.kernel_size, m.stride, m.dilation, m.padding):
                     length *= max((size + 2 * pad - dil * (k - 1) - 1) // st + 1, 1)
                 choice = rule.choose(t=length, d_in=w[0].numel(), d_out=m.out_channels // m.groups,
-                                     batch=x.shape[0], device_type=x.device.type, fused=True, groups=m.groups,
+                                     batch=x.shape[0], device_type=x.device.type, fused=full_precision(x, w), groups=m.groups,
                                      held_examples=x.shape[0])
             if mode == "replay":  # the same operations as the recorded forward, nothing recorded
                 return _FusedConv.apply(x, w, b, m, None, None) if choice == "fused" else m._conv_forward(x, w, b)

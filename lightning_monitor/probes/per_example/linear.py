@@ -90,7 +90,7 @@ class LinearHandler(Handler):
                 t = x.numel() // max(batch * x.shape[-1], 1)
                 if t > 1:
                     choice = rule.choose(t=t, d_in=m.in_features, d_out=m.out_features, batch=batch,
-                                         device_type=x.device.type, fused=True)
+                                         device_type=x.device.type, fused=full_precision(x, w))
                     use_rule = LinearRule(choice)  # decided here: the plain hook must not decide again
             if mode == "replay":  # the same operations as the recorded forward, nothing recorded
                 return _FusedLinear.apply(x, w, b, None, None) if choice == "fused" else F.linear(x, w, b)
@@ -101,6 +101,18 @@ class LinearHandler(Handler):
             return out
 
         return fused_forward
+
+
+def full_precision(x: Tensor, w: Tensor) -> bool:
+    """Whether a layer's product runs in fp32 or fp64 (no autocast to a lower type, inputs and weight of that type). The
+    fused path forms the weight gradient as a sum of per-example products; in bf16 or fp16 each is rounded before the
+    sum, where autograd's one product rounds once, and training's gradients came out a rounding unit apart (under
+    `bf16-mixed` the noise scale changed the run's loss in its fifth digit). Below fp32 the norms are taken beside the
+    plain backward, which stays autograd's own."""
+    if torch.is_autocast_enabled(x.device.type) and torch.get_autocast_dtype(x.device.type) not in (torch.float32,
+                                                                                                   torch.float64):
+        return False
+    return w.dtype in (torch.float32, torch.float64) and x.dtype == w.dtype
 
 
 def _sink(done: Callable[..., None]) -> Callable[..., None]:
