@@ -394,3 +394,42 @@ def test_two_ranks_read_the_same_smoothing(tmp_path) -> None:
     assert ranks[0]["smoothing"] == ranks[1]["smoothing"] == pytest.approx(0.1, abs=1e-5)
     assert ranks[0]["scale"] is None and ranks[1]["scale"] is None
     assert ranks[0]["history"] == ranks[1]["history"] and ranks[0]["history"][0]["count"] == 64 * T
+
+
+def test_plain_cross_entropy_in_bf16_is_not_read_as_a_scale(tmp_path) -> None:
+    """A tiny BERT sequence classifier (3 classes, logits 0.02 apart at init) under `bf16-mixed`: the slope fitted to
+    its bf16 gradient came out 0.93-1.11 on plain cross-entropy, adopted as a logit scale (`logit_transform`) and used
+    all run. The slope's own error (the gradient's rounding over the logits' spread) now bounds what counts as a scale."""
+    import lightning_monitor as lm
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=64, num_labels=3))
+    g = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(160):
+        s = int(torch.randint(3, 64, (1,), generator=g))
+        data.append({"input_ids": (torch.arange(16) + s) % 61 + 3, "attention_mask": torch.ones(16, dtype=torch.long),
+                     "labels": torch.tensor(s % 3)})
+
+    class Clf(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    gwa = lm.GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=12, precision="bf16-mixed", logger=False, callbacks=[gwa],
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         default_root_dir=str(tmp_path))
+    trainer.fit(Clf(), DataLoader(data, batch_size=8))
+    assert gwa._check_step_done is not None
+    assert gwa._logit_scale is None and gwa._logit_bias is None
+    assert not {"logit_transform", "scores_from_gradient"} & {a.kind for a in gwa.hub.history}
