@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import os
 import threading
 import time
@@ -38,6 +37,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_monitor._args import check_nonnegative, check_positive
 from lightning_monitor.alerts import SEVERITY_LEVELS, Alert, AlertHub, log
 
 __all__ = ["AlertWebhook", "ENV_VAR"]
@@ -92,12 +92,10 @@ class AlertWebhook(pl.Callback):
         super().__init__()
         if min_severity not in SEVERITY_LEVELS:
             raise ValueError(f"`min_severity` must be one of {sorted(SEVERITY_LEVELS)}, got {min_severity!r}.")
-        for name, value, positive in (("timeout", timeout, True), ("backoff", backoff, False),
-                                      ("flush_timeout", flush_timeout, False)):
-            # a timeout of 0 makes the socket non-blocking: every post would fail ("operation now in progress")
-            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-                    or value < 0 or (positive and value == 0)):
-                raise ValueError(f"`{name}` must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}.")
+        # a timeout of 0 makes the socket non-blocking: every post would fail ("operation now in progress")
+        check_positive("timeout", timeout)
+        check_nonnegative("backoff", backoff)
+        check_nonnegative("flush_timeout", flush_timeout)
         for name, value, least in (("retries", retries, 0), ("max_queue", max_queue, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"`{name}` must be an int >= {least}, got {value!r}.")

@@ -1348,7 +1348,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         if self._stash and self._stash[-1].targets.is_floating_point() != targets.is_floating_point():
             self._flush()
         read = weighted is not None
-        weighted = (weighted + [None, None])[:3] if read else [None, None, None]
+        weighted = weighted if read else [None, None, None]
         self._stash.append(_Kept(z_norm, wz, out, targets, w_norm, indices, self._batch_step, weighted))
         if output.requires_grad and not read:
             # which rows the loss weighs at all: a row of exactly 0 gradient (a mask or a sample weight of 0 multiplied

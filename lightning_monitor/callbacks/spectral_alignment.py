@@ -461,9 +461,9 @@ class SpectralAlignmentMonitor(Monitor):
         # the warm iterations go on while a layer's relative residual is above CONVERGENCE_TOL (a weight that moved far
         # since the last check, written over by `copy_`, or whose top singular values are close: four iterations left
         # sigma 1-3% low and the sign diversity up to 0.2 off, logged as if exact)
-        # the warm layers start from the iterations the layers needed at the last check (one count for all, so that
-        # layers of one shape stay one batch): most then converge in their first round, and the rounds' own cost (a
-        # Rayleigh-Ritz step and a host read each) is not paid again
+        # the warm layers start from the iterations their shape's layers needed at the last check (one count per shape,
+        # so that layers of one shape stay one batch): most then converge in their first round, and the rounds' own
+        # cost (a Rayleigh-Ritz step and a host read each) is not paid again
         used: list[int] = []
         stuck: list[bool] = []
         shape = {n: tuple(mats[n].shape) for n in plain}

@@ -232,10 +232,7 @@ def _block_iteration(
     tiny = torch.finfo(w.dtype).tiny
     scale = w.abs().amax(dim=(1, 2)).clamp_min(tiny)
     w = w / scale[:, None, None]
-    for _ in range(n_iter):
-        # W^T W V, written (W V)^T W: a transposed BLAS call is much slower on CPU
-        basis = _orthonormalize(((w @ basis).transpose(1, 2) @ w).transpose(1, 2))
-    sigma, u, v, rotated = _rayleigh_ritz(w, basis, previous)
+    sigma, u, v, rotated = _rayleigh_ritz(w, _iterate(w, basis, n_iter), previous)
     done, each = n_iter, [n_iter] * w.shape[0]
     while tol is not None and max_iter is not None and done < max_iter:
         # only the matrices not converged yet iterate on (one host read a round: which they are)
@@ -244,10 +241,7 @@ def _block_iteration(
             break
         rounds = min(max(n_iter, done // 2), max_iter - done)  # rounds of growing length: fewer checks and host reads
         sub, prev = w[todo], None if previous is None else previous[todo]
-        b = rotated[todo]
-        for _ in range(rounds):
-            b = _orthonormalize(((sub @ b).transpose(1, 2) @ sub).transpose(1, 2))
-        parts = _rayleigh_ritz(sub, b, prev)
+        parts = _rayleigh_ritz(sub, _iterate(sub, rotated[todo], rounds), prev)
         sigma, u, v, rotated = (t.index_copy(0, todo, p) for t, p in zip((sigma, u, v, rotated), parts))
         done += rounds
         for i in todo.tolist():
@@ -260,6 +254,14 @@ def _block_iteration(
         else:
             unconverged.extend([False] * w.shape[0])
     return sigma * scale, u, v, rotated
+
+
+def _iterate(w: Tensor, basis: Tensor, n_iter: int) -> Tensor:
+    """``n_iter`` block power iterations of the orthonormal bases ``basis`` (``(B, in, k)``) under ``w``."""
+    for _ in range(n_iter):
+        # W^T W V, written (W V)^T W: a transposed BLAS call is much slower on CPU
+        basis = _orthonormalize(((w @ basis).transpose(1, 2) @ w).transpose(1, 2))
+    return basis
 
 
 def _rayleigh_ritz(w: Tensor, basis: Tensor, previous: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
