@@ -83,21 +83,27 @@ def squared_norms(tensors: Sequence[Tensor]) -> tuple[Optional[Tensor], Optional
 _ONE = torch.ones(1)
 
 
-def nonfinite_on_host(tensors: Sequence[Tensor]) -> Optional[bool]:
+def nonfinite_on_host(tensors: Sequence[Tensor], found: Optional[Tensor] = None) -> Optional[bool]:
     """Whether any of the plain host tensors holds a NaN or an infinity, read by one fused kernel
     (``torch._amp_foreach_non_finite_check_and_unscale_`` with a scale of 1: every value is left bit for bit). On
     CPU that kernel costs a third of the per-tensor norms, whose launches dominate a small model's step. ``None``
     where it does not apply (a DTensor, a sparse or device tensor, a torch without it): the caller measures
-    otherwise."""
+    otherwise. ``found``: a float32 host tensor of one zero the kernel flags (kept by a caller that checks every
+    step, to allocate nothing); it holds zero again on return."""
     fn = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
     if fn is None or not tensors or not all(type(t) is Tensor and t.is_cpu for t in tensors):
         return None
-    found = torch.zeros(1)
+    if found is None:
+        found = torch.zeros(1)
     try:
         fn(list(tensors), found, _ONE)
     except (RuntimeError, NotImplementedError, TypeError):  # a sparse or integer tensor: not this kernel's
+        found.zero_()  # a kernel that failed part way may have flagged a tensor it had checked
         return None
-    return bool(found)
+    if not found:
+        return False
+    found.zero_()
+    return True
 
 
 def full(t: Tensor) -> Tensor:

@@ -427,6 +427,8 @@ class DivergenceGuard(Monitor):
         self.stop_checkpoint: Optional[str] = None
         #: step at which the guard stopped the run, else None
         self.stopped_step: Optional[int] = None
+        # the flag the fused finiteness check of the gradients sets (kept at 0 between steps: no allocation a step)
+        self._found = torch.zeros(1)
         self._reset_run_state()  # the run state, empty
 
     def _state_key(self) -> str:
@@ -624,13 +626,13 @@ class DivergenceGuard(Monitor):
         batch = _kept(batch)  # `training_step` may pop from it (`batch.pop("labels")`): the replays need it whole
         if self._ref_batches is None:
             self._size_references(trainer, batch)
-        self._batch_start = trainer.global_step
+        step = self._batch_start = trainer.global_step  # a property that walks the loops: read once a hook
         self._batch, self._batch_idx = batch, batch_idx
-        self._recent_batches.append((trainer.global_step, batch, batch_idx))
+        self._recent_batches.append((step, batch, batch_idx))
         self._apply_lr_ceiling(trainer)
         key = (trainer.current_epoch, batch_idx)
         if self.snapshot_every_n_steps is not None:
-            self._seen.append((trainer.global_step, *key))
+            self._seen.append((step, *key))
         hit = key in self._skip and self._drop is None
         if self._skip and trainer.world_size > 1:
             # every rank undoes the same steps (a batch's index may come at another step on another rank: epochs of
@@ -638,7 +640,7 @@ class DivergenceGuard(Monitor):
             hit = self.decide(trainer, hit) and self._drop is None
         if hit:
             # a batch an earlier attempt rolled back over: its update is undone at the end of the step
-            self._drop = TrainingSnapshot.capture(trainer, pl_module, {}, trainer.global_step, self._lr_scale)
+            self._drop = TrainingSnapshot.capture(trainer, pl_module, {}, step, self._lr_scale)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self.idle_reason is not None:
@@ -685,13 +687,13 @@ class DivergenceGuard(Monitor):
         no_loss = loss is None
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         lag = self._lag(trainer)
-        on_host = pl_module.device.type == "cpu" and lag == 0
+        on_host = lag == 0 and self._fit_cpu
         if on_host and trainer.world_size == 1:
             # nothing to wait for and nothing to reduce: the two numbers are read at once, no row is built. Only a
             # non-finite gradient norm is judged (and reported with its value): one fused finiteness check, and the
             # norm itself only when the check finds something (0.0 stands for a finite norm, never reported)
             gnorm = 0.0
-            if nonfinite_on_host(grads) is not False:
+            if nonfinite_on_host(grads, self._found) is not False:
                 plain_sq, shard_sq = squared_norms(grads)
                 gnorm = math.sqrt(sum(float(t) for t in (plain_sq, shard_sq) if t is not None))
             values_now = (math.nan if no_loss else float(loss), gnorm)
@@ -762,18 +764,19 @@ class DivergenceGuard(Monitor):
         if self._losses_watched:
             self._read_losses(trainer)
         # (several optimizers, one step each: their steps are not replayed anyway, see _replayable)
-        made = trainer.global_step - self._batch_start if self._batch_start is not None else 0
+        now = trainer.global_step
+        made = now - self._batch_start if self._batch_start is not None else 0
         if made > self._steps_per_batch and len(trainer.optimizers) == 1:
             if self._steps_per_batch == 1:  # the first batch seen to make several: said once
                 self.alert(
-                    trainer.global_step, "several_steps_per_batch", "info",
+                    now, "several_steps_per_batch", "info",
                     f"`training_step` made {made} optimizer steps on one batch (manual optimization): the loss of each "
                     "step is judged, but a kept batch can no longer be evaluated again as the step saw it, so loss "
                     "surges and rises are judged without asking older weights (a sustained rise still acts; a single "
                     "surge is taken for a hard batch).",
                 )
             self._steps_per_batch = made
-        if self._drop is not None and trainer.global_step > self._drop.step:
+        if self._drop is not None and now > self._drop.step:
             self._drop.restore(trainer, pl_module, {})
             self._drop = None
         # a scheduler that stepped after the update set its rate again: held under the ceiling at once, so that what
@@ -856,13 +859,12 @@ class DivergenceGuard(Monitor):
         return step, host, event, no_loss
 
     def _lag(self, trainer: pl.Trainer) -> int:
-        if self.lag_steps is not None:
-            return self.lag_steps
         # the strategy's device is looked up once per fit (the lookup costs as much as reading the step's values)
         lag = self.__dict__.get("_fit_lag")
         if lag is None:
-            lag = self._fit_lag = 0 if trainer.strategy.root_device.type == "cpu" else 2
-        return lag
+            self._fit_cpu = trainer.strategy.root_device.type == "cpu"
+            lag = self._fit_lag = 0 if self._fit_cpu else 2
+        return lag if self.lag_steps is None else self.lag_steps
 
     def _read_ready(self, step: int, lag: int) -> list[tuple[int, Optional[float], float]]:
         """The host values of the steps at least ``lag`` steps old (after those restored from a checkpoint). Their

@@ -28,6 +28,7 @@ from lightning_monitor.functional.grades import (
     mean_abs_update,
     no_component_reason,
     relative_ratio,
+    shared_outside,
     uncovered_matrices,
 )
 
@@ -286,6 +287,7 @@ class GradientEarlyStopping(Monitor):
         self.grace_end: Optional[int] = None
         self.stopped_at: Optional[int] = None
         self._said_unused = False
+        self._shared: dict[str, list[str]] = {}
         self._ref_sum: Optional[Tensor] = None
         self._ref_cnt: Optional[Tensor] = None
         self._smoothed: Optional[Tensor] = None
@@ -532,6 +534,18 @@ class GradientEarlyStopping(Monitor):
                     "stops once the components are frozen (`stop=False` trains on).",
                     value=float(len(left)),
                 )
+        # a parameter a component shares with a module outside it (a weight tied by assignment) freezes there too
+        self._shared = shared_outside(pl_module, self._components)
+        if self._shared:
+            listed = [f"{n} (with {', '.join(o[:3])}{' ...' if len(o) > 3 else ''})" for n, o in self._shared.items()]
+            self.alert(
+                trainer.global_step, "shared_parameters", "info",
+                f"{len(listed)} component(s) share a parameter with a module outside them: {'; '.join(listed[:4])}"
+                f"{' ...' if len(listed) > 4 else ''}. The gradient that module adds counts in the component's "
+                "statistic, and freezing the component freezes the shared parameter in that module too. Pass "
+                "`exclude=` to leave such a component trainable.",
+                value=float(len(listed)),
+            )
         self._training = False
         # a frozen set loaded before the run is applied at on_train_start (see there)
         self._freeze_pending = bool(self.frozen or self.cut)
@@ -881,7 +895,9 @@ class GradientEarlyStopping(Monitor):
             self.alert(
                 step, "frozen", "info",
                 f"Froze {name}: its smoothed {self.criterion} statistic {how} (< tau={self.tau:g}); "
-                f"{len(self.frozen)}/{len(self._names)} components frozen.",
+                f"{len(self.frozen)}/{len(self._names)} components frozen."
+                + (f" Its parameters shared with {', '.join(self._shared[name])} are frozen there too."
+                   if name in self._shared else ""),
                 value=value, threshold=self.tau, layer=name,
             )
         if newly:

@@ -56,6 +56,7 @@ __all__ = [
     "find_components",
     "no_component_reason",
     "uncovered_matrices",
+    "shared_outside",
     "mean_abs",
     "mean_abs_update",
     "relative_ratio",
@@ -156,6 +157,29 @@ def uncovered_matrices(model: nn.Module, components: dict[str, Component]) -> li
             if (p.requires_grad and p.dim() >= 2 and id(p) not in held
                     and not any(word in pname.lower() for word in skip)):
                 out.append(f"{mname}.{pname}")
+    return out
+
+
+def shared_outside(model: nn.Module, components: dict[str, Component]) -> dict[str, list[str]]:
+    """Per component, the modules outside it that hold one of its parameters (the same ``nn.Parameter`` object: a
+    weight tied by assignment, a hand-shared layer): freezing the component freezes the parameter there too, and their
+    gradient adds to the component's statistic. Names as ``named_modules`` gives them first; a module reached by two
+    paths (an alias, ``torch.compile``'s ``_orig_mod``) is one module. Components sharing nothing are left out."""
+    holders: dict[int, list[tuple[str, nn.Module]]] = {}
+    for mname, module in model.named_modules():
+        for _, p in module.named_parameters(recurse=False):
+            holders.setdefault(id(p), []).append((mname, module))
+    out: dict[str, list[str]] = {}
+    for name, comp in components.items():
+        try:
+            own = model.get_submodule(name)
+        except AttributeError:  # a bare parameter as the component (a LoRA factor): the module that holds it
+            own = model.get_submodule(name.rpartition(".")[0])
+        inside = {id(m) for m in own.modules()}
+        others = dict.fromkeys(mname for p in comp.params for mname, m in holders.get(id(p), ())
+                               if id(m) not in inside)
+        if others:
+            out[name] = list(others)
     return out
 
 
