@@ -313,6 +313,7 @@ class TrainingSnapshot:
             flats = reuse._flats if directory is None else {}
             reuse.discard()
         opts, scheds = old.get("optimizers") or [], old.get("schedulers") or []
+        inners = old.get("inner_optimizers") or []
         scaler = _loss_scaler(trainer)
         # in host memory, the module's and optimizers' CUDA tensors are copied without the host waiting (an event on
         # each stream that carries copies marks their end); a snapshot saved to a file at once gains nothing by it
@@ -324,6 +325,9 @@ class TrainingSnapshot:
             "optimizers": [_to_host(opt.state_dict(), opts[i] if i < len(opts) else None, pending,
                                     flats.setdefault(("optimizer", i), {}))
                            for i, opt in enumerate(trainer.optimizers)],
+            # the optimizers a wrapper steps (SAM's base optimizer), whose state its own `state_dict` may leave out
+            "inner_optimizers": [[_to_host(inner.state_dict(), _at(inners, i, j)) for j, inner in enumerate(_inner(opt))]
+                                 for i, opt in enumerate(trainer.optimizers)],
             "schedulers": [_to_host(cfg.scheduler.state_dict(), scheds[i] if i < len(scheds) else None)
                            for i, cfg in enumerate(trainer.lr_scheduler_configs)],
             "scheduler_types": [_type_name(cfg.scheduler) for cfg in trainer.lr_scheduler_configs],
@@ -378,14 +382,23 @@ class TrainingSnapshot:
             for name, now, value in held_values(state["module"], current):
                 if now not in keep and name not in keep:
                     current[now].copy_(value)
-        for opt, saved, swapped in zip(trainer.optimizers, state["optimizers"], self._swapped(trainer)):
+        inner_saved = state.get("inner_optimizers") or [[] for _ in state["optimizers"]]
+        for opt, saved, swapped, inner in zip(trainer.optimizers, state["optimizers"], self._swapped(trainer),
+                                              inner_saved):
             if swapped:
                 # an optimizer of another class put in its place since (SGD replaced by AdamW mid-run): the saved
                 # state is the old one's, so the new one starts again with none, as it did when it was swapped in,
                 # and keeps its own settings
                 opt.state.clear()
             else:
-                opt.load_state_dict(_optimizer_state(opt, saved))
+                _load_in_place(opt, _optimizer_state(opt, saved))
+                now = _inner(opt)
+                if len(now) == len(inner):
+                    for o, o_saved in zip(now, inner):
+                        if _sizes(o.param_groups) == _sizes(o_saved.get("param_groups", ())):
+                            _load_in_place(o, copy.deepcopy(o_saved), groups=False)
+                        else:
+                            o.state.clear()  # its groups changed since: no state to go back to
         types = state.get("scheduler_types") or [None] * len(state["schedulers"])
         for cfg, saved, kind in zip(trainer.lr_scheduler_configs, state["schedulers"], types):
             # a scheduler swapped in since (StochasticWeightAveraging's SWALR) keeps its own state: the saved one is
@@ -441,7 +454,9 @@ class TrainingSnapshot:
         if (self.group_sizes is None or self.module_keys is None or self.optimizer_types is None
                 or self.module_shapes is None):
             state = self.state()
-            self.group_sizes = [[len(g["params"]) for g in saved["param_groups"]] for saved in state["optimizers"]]
+            # an optimizer whose `state_dict` holds no groups (a wrapper's own format): nothing to check its layout by
+            self.group_sizes = [_sizes(saved.get("param_groups", ())) if isinstance(saved, dict) else []
+                                for saved in state["optimizers"]]
             self.module_keys = frozenset(state["module"])
             self.module_shapes = _shapes(state["module"])
             self.optimizer_types = list(state.get("optimizer_types") or [None] * len(state["optimizers"]))
@@ -494,7 +509,9 @@ def _optimizer_state(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[
     saved ones keep their present settings and get no state; keys added to a saved group since keep their present
     values. The caller has checked that the saved groups are the first groups of ``opt`` (:meth:`TrainingSnapshot.mismatch`)."""
     state = copy.deepcopy(saved)
-    groups = state["param_groups"]
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    if not isinstance(groups, list):
+        return state  # a wrapper's own format (a Lookahead holding its base's state): loaded as saved
     for then, now in zip(groups, opt.param_groups):
         for key, value in now.items():
             if key != "params" and key not in then:
@@ -506,6 +523,64 @@ def _optimizer_state(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[
         first += len(now["params"])
         groups.append(group)
     return state
+
+
+def _at(rows: Any, i: int, j: int) -> Any:
+    """``rows[i][j]``, or ``None`` where there is none."""
+    return rows[i][j] if i < len(rows) and j < len(rows[i]) else None
+
+
+def _sizes(groups: Any) -> list[int]:
+    """The number of parameters of each of ``groups`` (an optimizer's or a state dict's ``param_groups``)."""
+    return [len(g["params"]) for g in groups]
+
+
+def _inner(opt: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers ``opt`` holds as attributes (SAM's ``base_optimizer``, a Lookahead's ``optimizer``), and those
+    they hold in turn; each once, ``opt`` left out."""
+    out: list[torch.optim.Optimizer] = []
+    seen, todo = {id(opt)}, [opt]
+    while todo:
+        for value in getattr(todo.pop(0), "__dict__", {}).values():
+            if isinstance(value, torch.optim.Optimizer) and id(value) not in seen:
+                seen.add(id(value))
+                out.append(value)
+                todo.append(value)
+    return out
+
+
+def _load_in_place(opt: torch.optim.Optimizer, saved: dict[str, Any], groups: bool = True) -> None:
+    """``opt.load_state_dict(saved)``, keeping the objects that hold the groups and the state. The load puts new ones in
+    their place, and a wrapper that shares its groups or state with the optimizer it steps (SAM's
+    ``base.param_groups = self.param_groups``) would no longer reach it: the wrapper's rates, held down after a rollback,
+    stopped reaching the base optimizer. The values loaded are written into the old objects, which every holder is
+    pointed back to. ``groups=False``: the settings in the groups are kept as they are (an inner optimizer, whose
+    groups the wrapper's load restored or which it never shared)."""
+    holders = [opt] + _inner(opt)
+    old_groups, old_state = opt.param_groups, opt.state
+    if not groups:
+        saved = dict(saved, param_groups=[dict(now, params=then["params"])
+                                          for now, then in zip(opt.param_groups, saved["param_groups"])])
+    opt.load_state_dict(saved)
+    new_groups, new_state = opt.param_groups, opt.state
+    if new_groups is not old_groups and len(new_groups) == len(old_groups):
+        for old, new in zip(old_groups, new_groups):
+            if old is not new:
+                old.clear()
+                old.update(new)
+        _point(holders, "param_groups", new_groups, old_groups)
+    if new_state is not old_state:
+        old_state.clear()
+        old_state.update(new_state)
+        _point(holders, "state", new_state, old_state)
+
+
+def _point(holders: list[Any], name: str, new: Any, old: Any) -> None:
+    """Point each holder's ``name`` that is ``new`` back to ``old`` (a holder that reads it through a property from
+    another holder follows that one)."""
+    for holder in holders:
+        if holder.__dict__.get(name) is new:
+            setattr(holder, name, old)
 
 
 def scale_learning_rates(trainer: pl.Trainer, factor: float) -> None:
