@@ -592,6 +592,13 @@ def scale_learning_rates(trainer: pl.Trainer, factor: float) -> None:
     """
     if factor == 1.0:
         return
+    scaled: set[int] = set()  # a tensor rate held in two places (an alias) is scaled once
+
+    def tensor(value: Tensor) -> None:
+        if id(value) not in scaled:
+            scaled.add(id(value))
+            value.mul_(factor)  # in place: no host sync; a scheduler's copy (its `base_lrs`) is scaled too below
+
     for opt in trainer.optimizers:
         for group in opt.param_groups:
             for key in ("lr", "initial_lr", "max_lr", "min_lr"):
@@ -599,10 +606,15 @@ def scale_learning_rates(trainer: pl.Trainer, factor: float) -> None:
                 if isinstance(value, (int, float)):
                     group[key] = value * factor
                 elif isinstance(value, Tensor):
-                    value.mul_(factor)
+                    tensor(value)
     for cfg in trainer.lr_scheduler_configs:
         sched = cfg.scheduler
         for attr in ("base_lrs", "_last_lr", "max_lrs", "min_lrs"):
             values = getattr(sched, attr, None)
             if isinstance(values, list):
+                # a tensor rate's schedule keeps tensor copies of it: left unscaled, the next scheduler step set the
+                # rate of before the rollback again, and the run rolled back four times and stopped
+                for v in values:
+                    if isinstance(v, Tensor):
+                        tensor(v)
                 setattr(sched, attr, [v * factor if isinstance(v, (int, float)) else v for v in values])
