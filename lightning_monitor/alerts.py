@@ -310,6 +310,10 @@ def _fsync_write(path: str, data: bytes, mode: str) -> int:
         return fh.tell()
 
 
+#: the TensorBoard text tag holding each fit's run id (see :meth:`AlertHub.log_run_id`)
+RUN_ID_TAG = "lightning_monitor/run_id"
+
+
 def _repair_tail(path: str) -> int:
     """Make ``path`` end with a complete line and return its size: an incomplete last record (a process
     killed while writing it) is removed, a complete one that lacks only its newline gets it."""
@@ -379,6 +383,10 @@ class AlertHub:
         if hub is None:
             hub = cls(trainer, run_id=_shared_run_id(trainer))
             hub._prepare_file(trainer)
+            # an alerts.jsonl that earlier fits wrote (another Trainer into the same folder: a fixed `version`): the
+            # counts continue from its records, so that those logged in a folder add up to its file (a fit from a
+            # checkpoint takes the counts of that checkpoint instead, see resume)
+            hub.counts = _file_counts(hub.path) if hub.path and trainer.global_rank == 0 else hub.counts
             setattr(trainer, cls._ATTRIBUTE, hub)
             hub._attach(trainer)
         elif hub._finished and _fitting(trainer):
@@ -489,6 +497,17 @@ class AlertHub:
             logger.log_metrics(after, step=step)
         self._count_step = step
 
+    def log_run_id(self, trainer: pl.Trainer) -> None:
+        """Write the fit's run id to every TensorBoard logger (rank 0, text ``RUN_ID_TAG`` at the fit's first step):
+        which records of ``alerts.jsonl`` are this fit's, also where it raises none (``lightning-monitor report``
+        reads it from a folder that several fits wrote)."""
+        if trainer.global_rank != 0:
+            return
+        for logger in trainer.loggers:
+            writer = _tensorboard_writer(logger)
+            if writer is not None:
+                writer.add_text(RUN_ID_TAG, self.run_id, global_step=trainer.global_step)
+
     def _write_file(self, alert: Alert) -> None:
         if self.path is None or alert.key in self._kept_keys:
             return
@@ -566,6 +585,21 @@ class AlertHub:
         self.counts = counts
 
 
+def _file_counts(path: str) -> dict[str, int]:
+    """The records of each severity in the alerts file ``path`` (none where it does not exist)."""
+    counts = dict.fromkeys(SEVERITY_LEVELS, 0)
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return counts
+    for raw in data.split(b"\n"):
+        record = _parse_record(raw) if raw.strip() else None
+        if record is not None and record.get("severity") in counts:
+            counts[record["severity"]] += 1
+    return counts
+
+
 def _parse_record(raw: bytes) -> Optional[dict[str, Any]]:
     try:
         record = json.loads(raw.decode("utf-8"))
@@ -616,6 +650,7 @@ def _hub_callback_type() -> type:
             hub = self._hub_of(trainer)
             if hub is not None:
                 hub.log_counts(trainer, trainer.global_step)
+                hub.log_run_id(trainer)
 
         def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             hub = self._hub_of(trainer)

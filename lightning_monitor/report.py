@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lightning_monitor.alerts import ALERTS_FILENAME, SEVERITY_LEVELS, SUPERSEDED_FILENAME, Alert
+from lightning_monitor.alerts import ALERTS_FILENAME, RUN_ID_TAG, SEVERITY_LEVELS, SUPERSEDED_FILENAME, Alert
 
 __all__ = ["RunReport", "find_runs", "load_run", "main", "render_html", "summarize"]
 
@@ -68,6 +68,10 @@ class RunReport:
     #: the first step of the last event file, where it went back over the files before it (a resume or a new fit in
     #: the same folder): the earlier fits' points and alerts from there on were superseded
     restart: Optional[int] = None
+    #: the run id the last event file's fit wrote (``RUN_ID_TAG``), where it wrote one
+    last_run_id: Optional[str] = None
+    #: whether the folder holds an alerts file (its records may all be an earlier fit's, left out)
+    alerts_file: bool = False
 
     @property
     def ok(self) -> bool:
@@ -135,9 +139,12 @@ def _read_scalars(run: RunReport) -> None:
 
     guidance = {"scalars": 0, "histograms": 1, "images": 1, "audio": 1, "tensors": 1, "compressedHistograms": 1}
 
-    def written(path: str) -> tuple[int, str]:  # events.out.tfevents.<unix time>.<host>...
+    def written(path: str) -> tuple[int, int, str]:  # events.out.tfevents.<unix time>.<host>.<pid>.<writer number>
+        # the writers of one process are numbered: within one second, writer 10 came after writer 9 (compared as
+        # text, "10" came first, and an earlier fit's file was read as the last one)
         parts = os.path.basename(path).split(".")
-        return (int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else 0), path
+        when = int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else 0
+        return when, (int(parts[-1]) if len(parts) > 4 and parts[-1].isdigit() else 0), path
 
     files = sorted(run.event_files, key=written)
     superseded = 0
@@ -161,6 +168,13 @@ def _read_scalars(run: RunReport) -> None:
                 run.scalars[tag] = kept
         for tag, series in points.items():
             run.scalars.setdefault(tag, []).extend(series)
+        run.last_run_id = None
+        texts = acc.Tags().get("tensors", [])
+        for tag in (RUN_ID_TAG + "/text_summary", RUN_ID_TAG):  # the name SummaryWriter.add_text gives, or the bare one
+            if tag in texts:
+                values = [e.tensor_proto.string_val[0] for e in acc.Tensors(tag) if e.tensor_proto.string_val]
+                run.last_run_id = values[-1].decode("utf-8", "replace") if values else None
+                break
     run.scalars = {tag: series for tag, series in run.scalars.items() if series}
     if superseded:
         run.notes.append(f"{superseded} scalar point(s) of an earlier fit were superseded by a later one that "
@@ -244,6 +258,7 @@ def load_run(path: str) -> RunReport:
                             "reported.")
     alerts_path = os.path.join(path, ALERTS_FILENAME)
     if os.path.exists(alerts_path):
+        run.alerts_file = True
         try:
             _read_alerts(run, alerts_path)
         except OSError as err:
@@ -269,9 +284,13 @@ def _drop_superseded_alerts(run: RunReport) -> None:
     keeps the earlier fit's alerts before its checkpoint. The last fit starts at the first step of the last event file
     where that went back over the files before it, else (no event file) at its own first alert."""
     run_ids = list(dict.fromkeys(a.run_id for a in run.alerts if a.run_id))
-    if len(run_ids) < 2:
+    # the last fit's run id, from its event file: a fit that raised no alert has no record to name it (its folder's
+    # earlier fit was then taken for it, and its divergence reported as the last fit's)
+    known = run.last_run_id is not None and run.restart is not None
+    if not known and len(run_ids) < 2:
         return
-    last = run_ids[-1]
+    last = run.last_run_id if known else run_ids[-1]
+    run_ids = [r for r in run_ids if r != last] + [last]
     start = run.restart
     if start is None:
         if run.event_files:
@@ -347,7 +366,7 @@ def summarize(run: RunReport, max_alerts: int = 40) -> str:
     # alerts
     counted = {sev: int(max((v for _, v in run.scalars.get(f"alerts/count/{sev}", []) if math.isfinite(v)),
                             default=0)) for sev in SEVERITY_LEVELS}
-    if not run.alerts and any(counted.values()):
+    if not run.alerts and any(counted.values()) and not run.alerts_file:
         # the counts reach every logger, the records one folder: with several loggers, the first logger's
         text = ", ".join(f"{counted[sev]} {sev}" for sev in ("critical", "warning", "info") if counted[sev])
         lines.append(f"  alerts: {text} counted in the logged scalars, but this folder has no {ALERTS_FILENAME} "
@@ -373,7 +392,7 @@ def summarize(run: RunReport, max_alerts: int = 40) -> str:
             lines.append(f"    ... {len(run.alerts) - max_alerts} more in {ALERTS_FILENAME}")
 
     actions = [text for text in (_action(a) for a in run.alerts) if text]
-    elsewhere = not run.alerts and any(counted.values())
+    elsewhere = not run.alerts and any(counted.values()) and not run.alerts_file
     lines.append("  actions taken:" + ("" if actions else " unknown (no alert records here)" if elsewhere else " none"))
     lines.extend(f"    {text}" for text in actions)
 
@@ -397,8 +416,12 @@ def summarize(run: RunReport, max_alerts: int = 40) -> str:
     best_epoch = _last(run, "gwa/best_epoch")
     scores = [(s, v) for s, v in run.scalars.get("gwa/score", []) if math.isfinite(v)]
     if best_epoch is not None:
-        best = max(scores, key=lambda sv: sv[1]) if scores else None
-        extra = f"; highest score {_fmt(best[1])} at step {best[0]}" if best else ""
+        # the scores the pick ranked: from the first epoch of the selection window on, where gwa/best_epoch starts; a
+        # warm-up epoch's score, often the run's highest, read as a second "best" (epoch 1 against a step of epoch 0)
+        opened = min(st for st, _ in run.scalars["gwa/best_epoch"])
+        ranked = [(st, v) for st, v in scores if st >= opened]
+        best = max(ranked, key=lambda sv: sv[1]) if ranked else None
+        extra = f"; highest score in the selection window {_fmt(best[1])} at step {best[0]}" if best else ""
         if any(a.monitor == "gwa" and a.kind == "bimodal" for a in run.alerts):
             # such epochs log no score but rank above every score: the best epoch may be one of them
             extra += "; epochs of bimodal scores (no score logged) rank above every score"

@@ -71,7 +71,7 @@ def test_report_on_a_real_run(real_run, capsys):
             f"{stop.details['checkpoint']}, which holds {stop.details['holds']}") in out
     batch = r"batch size: 8 vs B_simple = [\d.]+ at step \d+: the batch is [\d.]+x (above|below) B_simple"
     assert re.search(batch, out)
-    assert re.search(r"GWA: best epoch \d+ \(gwa/best_epoch at step \d+\); highest score", out)
+    assert re.search(r"GWA: best epoch \d+ \(gwa/best_epoch at step \d+\); highest score in the selection window", out)
     assert re.search(r"train/loss: [\d.]+ \(step 0\) -> [\d.]+ \(step \d+\)", out)
     # one self-contained HTML page with the model-level signals, alerts marked
     page_path = os.path.join(run_dir, "health_report.html")
@@ -368,3 +368,85 @@ def test_folders_that_cannot_be_listed_are_said_and_make_the_report_partial(tmp_
     assert f"{tmp_path / 'locked'}: cannot be read (Permission denied); a run in it is not reported." in err
     rc, out, err = _report(capsys, str(tmp_path / "locked"), "--no-html")
     assert rc == 1 and "cannot be read (Permission denied)" in err and "no run under" not in err
+
+
+def test_a_last_fit_without_alerts_is_not_given_an_earlier_fits(tmp_path, capsys):
+    """Two Trainers write one folder (a fixed ``version``): the first rolls back at step 61, the second (a healthy
+    40 steps) raises nothing. The second fit's run id, written to its event file, says the records are the first fit's:
+    the report says "alerts: none" with a note (it gave the second fit the first one's rollback at a step it never
+    reached); the second fit's alert counts continue from the file's records, so the counts logged add up to it."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_monitor.alerts import RUN_ID_TAG
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 32, generator=g)
+    y = (x @ torch.randn(32, 10, generator=g)).argmax(1)
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if s < 60 else 100.0)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def fit(steps):
+        pl.seed_everything(0, verbose=False)
+        guard = DivergenceGuard()
+        trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=TensorBoardLogger(str(tmp_path), "fixed", 0),
+                             callbacks=[guard], enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=False, log_every_n_steps=5)
+        trainer.fit(Net(), DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True))
+        return guard, trainer.logger.log_dir
+
+    first, run_dir = fit(120)
+    assert first.rollbacks
+    second, _ = fit(40)
+    assert not second.hub.history
+    records = read_alerts(os.path.join(run_dir, "alerts.jsonl"))
+    assert records and {r.run_id for r in records} == {first.hub.run_id}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    # written in this order (one process numbers its writers: ".9" then ".10")
+    last = max((f for f in os.listdir(run_dir) if f.startswith("events")),
+               key=lambda f: (f.split(".")[3], int(f.split(".")[-1])))
+    acc = EventAccumulator(os.path.join(run_dir, last), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    written = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(RUN_ID_TAG + "/text_summary")]
+    assert written == [second.hub.run_id]
+    report = load_run(run_dir)
+    assert report.last_run_id == second.hub.run_id and report.alerts == []
+    summary = summarize(report)
+    assert "alerts: none" in summary and "actions taken: none" in summary and "rolled back" not in summary
+    assert any(f"{len(records)} alert(s) of earlier fits" in n for n in report.notes)
+    # the second fit's counts start from the file's records and end there (0 raised)
+    total = [sum(acc.Scalars(f"alerts/count/{sev}")[i].value for sev in ("info", "warning", "critical"))
+             for i in (0, -1)]
+    assert total == [len(records), len(records)]
+
+
+def test_event_files_of_one_process_in_one_second_are_read_in_the_order_written(tmp_path):
+    """A process numbers its TensorBoard writers: within one second, writer 10 was written after writer 9 (read in
+    the order of their names, 10 came first and the earlier fit's points were taken for the later one's)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for number, steps, value in ((9, range(0, 120), 1.0), (10, range(0, 40), 2.0)):
+        tmp = tmp_path / f"w{number}"
+        with SummaryWriter(str(tmp)) as writer:
+            for step in steps:
+                writer.add_scalar("train_loss", value, step)
+        next(tmp.iterdir()).rename(run / f"events.out.tfevents.1700000000.host.name.77.{number}")
+    report = load_run(str(run))
+    assert report.restart == 0
+    assert report.scalars["train_loss"] == [(step, 2.0) for step in range(40)]
