@@ -128,6 +128,9 @@ class GPTConfig:
     mlp_ratio: int = 4
     layernorm: bool = True
     dropout: float = 0.0
+    #: look the positions up per example (``(batch, time)`` indices) rather than once for the batch: the same values
+    #: and gradient, and the position table then has per-example gradients (the noise scale's probe covers it)
+    batched_positions: bool = False
 
 
 class Attention(nn.Module):
@@ -199,7 +202,8 @@ class GPT(nn.Module):
 
     def forward(self, idx: Tensor) -> Tensor:
         t = idx.shape[1]
-        x = self.tok_emb(idx) + self.pos_emb(torch.arange(t, device=idx.device))
+        pos = torch.arange(t, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos.expand(idx.shape[0], t) if self.cfg.batched_positions else pos)
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))

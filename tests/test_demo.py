@@ -19,10 +19,11 @@ def test_demo_quick_runs_and_the_guard_rescues_the_diverging_run(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "raised nothing critical; the diverging run was rolled back" in out.stdout, out.stdout[-3000:]
     assert f"tensorboard --logdir {tmp_path}" in out.stdout
-    # each run in its own versioned folder; the healthy run raised nothing about divergence
+    # each run in its own versioned folder; the healthy run raised no warning (its docstring: "nothing alarms"; the
+    # noise scale's partial coverage of the position table was one) and nothing about divergence
     healthy = tmp_path / "healthy" / "version_0" / "alerts.jsonl"
     if healthy.exists():
-        assert not [a for a in read_alerts(str(healthy)) if a.monitor == "guard" or a.severity == "critical"]
+        assert not [a for a in read_alerts(str(healthy)) if a.monitor == "guard" or a.severity != "info"]
     alerts = read_alerts(str(tmp_path / "diverging" / "version_0" / "alerts.jsonl"))
     assert f"alerts file: {tmp_path / 'diverging' / 'version_0' / 'alerts.jsonl'}" in out.stdout
     rolled = [a for a in alerts if a.kind == "rolled_back"]
