@@ -551,7 +551,7 @@ class AlertHub:
             kept.append(raw)
             if record is not None:
                 keys.add(_record_key(record))
-                if record.get("severity") in counts:
+                if _severity(record) in counts:
                     counts[record["severity"]] += 1
 
         for raw in head.split(b"\n"):
@@ -595,9 +595,15 @@ def _file_counts(path: str) -> dict[str, int]:
         return counts
     for raw in data.split(b"\n"):
         record = _parse_record(raw) if raw.strip() else None
-        if record is not None and record.get("severity") in counts:
+        if record is not None and _severity(record) in counts:
             counts[record["severity"]] += 1
     return counts
+
+
+def _severity(record: dict[str, Any]) -> Optional[str]:
+    """A record's severity where it is a string (a record written by other code may hold anything there)."""
+    severity = record.get("severity")
+    return severity if isinstance(severity, str) else None
 
 
 def _parse_record(raw: bytes) -> Optional[dict[str, Any]]:

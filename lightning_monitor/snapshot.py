@@ -283,6 +283,9 @@ class TrainingSnapshot:
     #: the parameters that were trainable (``requires_grad``) when the snapshot was taken
     trainable: Optional[frozenset[str]] = None
     optimizer_types: Optional[list[Optional[str]]] = None
+    #: per optimizer, whether its ``state_dict`` is a format of its own, without ``param_groups`` (a Lookahead's): its
+    #: groups then cannot be matched to groups added since (``None``: read from the stored state)
+    opaque: Optional[list[bool]] = None
     _state: Optional[dict[str, Any]] = field(default=None, repr=False)
     #: events marking the end of the copies from CUDA tensors, still under way (waited for by :meth:`state`)
     _copies: list = field(default_factory=list, repr=False)
@@ -337,6 +340,7 @@ class TrainingSnapshot:
         }
         snap = cls(step=step, epoch=trainer.current_epoch, lr_scale=lr_scale,
                    group_sizes=[[len(g["params"]) for g in opt.param_groups] for opt in trainer.optimizers],
+                   opaque=[_opaque(saved) for saved in state["optimizers"]],
                    module_keys=frozenset(state["module"]), optimizer_types=list(state["optimizer_types"]),
                    module_shapes=_shapes(state["module"]),
                    trainable=frozenset(n for n, p in pl_module.named_parameters(remove_duplicate=False)
@@ -391,14 +395,7 @@ class TrainingSnapshot:
                 # and keeps its own settings
                 opt.state.clear()
             else:
-                _load_in_place(opt, _optimizer_state(opt, saved))
-                now = _inner(opt)
-                if len(now) == len(inner):
-                    for o, o_saved in zip(now, inner):
-                        if _sizes(o.param_groups) == _sizes(o_saved.get("param_groups", ())):
-                            _load_in_place(o, copy.deepcopy(o_saved), groups=False)
-                        else:
-                            o.state.clear()  # its groups changed since: no state to go back to
+                _restore_optimizer(opt, saved, inner)
         types = state.get("scheduler_types") or [None] * len(state["schedulers"])
         for cfg, saved, kind in zip(trainer.lr_scheduler_configs, state["schedulers"], types):
             # a scheduler swapped in since (StochasticWeightAveraging's SWALR) keeps its own state: the saved one is
@@ -452,8 +449,9 @@ class TrainingSnapshot:
         """A snapshot adopted from a checkpoint's list of files: its group sizes, module keys and optimizer classes,
         read from the file once (kept from then on)."""
         if (self.group_sizes is None or self.module_keys is None or self.optimizer_types is None
-                or self.module_shapes is None):
+                or self.module_shapes is None or self.opaque is None):
             state = self.state()
+            self.opaque = [_opaque(saved) for saved in state["optimizers"]]
             # an optimizer whose `state_dict` holds no groups (a wrapper's own format): nothing to check its layout by
             self.group_sizes = [_sizes(saved.get("param_groups", ())) if isinstance(saved, dict) else []
                                 for saved in state["optimizers"]]
@@ -480,6 +478,11 @@ class TrainingSnapshot:
             now = [len(g["params"]) for g in opt.param_groups]
             if now[: len(then)] != then:
                 return f"optimizer {i} had parameter groups of {then} parameters, now {now}"
+            assert self.opaque is not None
+            if now != then and self.opaque[i]:
+                # its own format holds no groups to add the new ones to: its load of the saved state failed part way
+                return (f"optimizer {i} ({type(opt).__name__}) keeps its state in a format of its own and has gained "
+                        f"parameter groups since ({then} parameters then, {now} now)")
         return None
 
     def _wait(self) -> None:
@@ -525,6 +528,11 @@ def _optimizer_state(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[
     return state
 
 
+def _opaque(saved: Any) -> bool:
+    """Whether an optimizer's saved ``state_dict`` is a format of its own (no list of ``param_groups``)."""
+    return not (isinstance(saved, dict) and isinstance(saved.get("param_groups"), list))
+
+
 def _at(rows: Any, i: int, j: int) -> Any:
     """``rows[i][j]``, or ``None`` where there is none."""
     return rows[i][j] if i < len(rows) and j < len(rows[i]) else None
@@ -542,37 +550,57 @@ def _inner(opt: Any) -> list[torch.optim.Optimizer]:
     seen, todo = {id(opt)}, [opt]
     while todo:
         for value in getattr(todo.pop(0), "__dict__", {}).values():
-            if isinstance(value, torch.optim.Optimizer) and id(value) not in seen:
-                seen.add(id(value))
-                out.append(value)
-                todo.append(value)
+            held = (list(value) if isinstance(value, (list, tuple)) else list(value.values()) if isinstance(value, dict)
+                    else [value])
+            for item in held:  # an optimizer held as an attribute, or in a list, tuple or dict of them
+                if isinstance(item, torch.optim.Optimizer) and id(item) not in seen:
+                    seen.add(id(item))
+                    out.append(item)
+                    todo.append(item)
     return out
 
 
-def _load_in_place(opt: torch.optim.Optimizer, saved: dict[str, Any], groups: bool = True) -> None:
-    """``opt.load_state_dict(saved)``, keeping the objects that hold the groups and the state. The load puts new ones in
-    their place, and a wrapper that shares its groups or state with the optimizer it steps (SAM's
-    ``base.param_groups = self.param_groups``) would no longer reach it: the wrapper's rates, held down after a rollback,
-    stopped reaching the base optimizer. The values loaded are written into the old objects, which every holder is
-    pointed back to. ``groups=False``: the settings in the groups are kept as they are (an inner optimizer, whose
-    groups the wrapper's load restored or which it never shared)."""
-    holders = [opt] + _inner(opt)
-    old_groups, old_state = opt.param_groups, opt.state
-    if not groups:
-        saved = dict(saved, param_groups=[dict(now, params=then["params"])
-                                          for now, then in zip(opt.param_groups, saved["param_groups"])])
+def _restore_optimizer(opt: torch.optim.Optimizer, saved: dict[str, Any], inner_saved: list[dict[str, Any]]) -> None:
+    """Load ``saved`` into ``opt`` and each ``inner_saved`` into the optimizer it holds (:func:`_inner`, in order), keeping
+    the objects that hold their groups and states. A load puts new ones in their place, and a wrapper that shares its
+    groups or state with the optimizers it steps (SAM's ``base.param_groups = self.param_groups``, a list of the inner
+    optimizers' group dicts) would no longer reach them: the wrapper's rates, held down after a rollback, stopped
+    reaching the optimizer that steps. The values loaded are written into the old objects, and every holder is pointed
+    back to them. A group added to an inner optimizer since keeps its settings and gets no state (as for ``opt``); an
+    inner optimizer whose groups were removed or resized since loses its state. A wrapper that reads its groups or state
+    through a property gets no entry of its own from the load (it would stay, stale, under the property)."""
+    family = [opt] + _inner(opt)
+    before = [(o, o.param_groups, list(o.param_groups), o.state) for o in family]
+    _load(opt, _optimizer_state(opt, saved))
+    if len(family) - 1 == len(inner_saved):
+        for o, o_saved in zip(family[1:], inner_saved):
+            then = _sizes(o_saved.get("param_groups", ()))
+            if _sizes(o.param_groups)[: len(then)] == then:
+                _load(o, _optimizer_state(o, o_saved))
+            else:
+                o.state.clear()
+    for o, groups, dicts, state in before:
+        now = o.param_groups
+        if (now is not groups or any(a is not b for a, b in zip(now, dicts))) and len(now) == len(dicts):
+            for old, new in zip(dicts, now):
+                if old is not new:
+                    old.clear()
+                    old.update(new)
+            groups[:] = dicts
+            _point(family, "param_groups", now, groups)
+        if o.state is not state:
+            new_state = o.state
+            state.clear()
+            state.update(new_state)
+            _point(family, "state", new_state, state)
+
+
+def _load(opt: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """``opt.load_state_dict(saved)``, without leaving entries a property of its class hides."""
     opt.load_state_dict(saved)
-    new_groups, new_state = opt.param_groups, opt.state
-    if new_groups is not old_groups and len(new_groups) == len(old_groups):
-        for old, new in zip(old_groups, new_groups):
-            if old is not new:
-                old.clear()
-                old.update(new)
-        _point(holders, "param_groups", new_groups, old_groups)
-    if new_state is not old_state:
-        old_state.clear()
-        old_state.update(new_state)
-        _point(holders, "state", new_state, old_state)
+    for name in ("param_groups", "state"):
+        if isinstance(getattr(type(opt), name, None), property):
+            opt.__dict__.pop(name, None)
 
 
 def _point(holders: list[Any], name: str, new: Any, old: Any) -> None:

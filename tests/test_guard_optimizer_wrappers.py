@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_monitor import DivergenceGuard
-from lightning_monitor.snapshot import TrainingSnapshot
+from lightning_monitor.snapshot import SnapshotMismatch, TrainingSnapshot
 
 
 class SAM(torch.optim.Optimizer):
@@ -184,3 +184,136 @@ def test_a_lookahead_with_a_state_format_of_its_own_is_rolled_back():
     assert len(guard.rollbacks) >= 1 and guard.stopped_step is None and trainer.global_step == 160
     opt = trainer.optimizers[0]
     assert opt.param_groups is opt.base.param_groups and opt.state is opt.base.state
+
+
+def _trainer(opts, scheds=()):
+    return SimpleNamespace(optimizers=list(opts), lr_scheduler_configs=[SimpleNamespace(scheduler=s) for s in scheds],
+                           precision_plugin=None, current_epoch=0, global_rank=0)
+
+
+def _train(model, opt, n, scale=1.0):
+    for _ in range(n):
+        (scale * model(torch.randn(4, 3))).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+class _Forwarding(torch.optim.Optimizer):
+    """A wrapper that reads its groups and state from the optimizer it steps, through properties."""
+
+    def __init__(self, inner):
+        self.inner, self.defaults = inner, inner.defaults
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+        self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
+        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        self.inner.zero_grad(set_to_none)
+
+
+class _Several(_Forwarding):
+    """A wrapper stepping optimizers held in a list, its groups their group dicts."""
+
+    def __init__(self, opts):
+        self.opts, self.defaults = list(opts), {}
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+        self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
+        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
+        self.__dict__["param_groups"] = [g for o in self.opts for g in o.param_groups]
+        self.__dict__["state"] = {}
+
+    param_groups = None  # plain attributes here (set in __init__), not the parent's properties
+    state = None
+
+    def step(self, closure=None):
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self, set_to_none=True):
+        for o in self.opts:
+            o.zero_grad(set_to_none)
+
+    def state_dict(self):
+        return {"opts": [o.state_dict() for o in self.opts]}
+
+    def load_state_dict(self, state):
+        for o, s in zip(self.opts, state["opts"]):
+            o.load_state_dict(s)
+
+
+def test_a_wrapper_reading_its_groups_through_properties_gets_its_rates_back():
+    """Its load wrote entries the properties hid: the rate stayed at its diverged value while the scheduler went
+    back, and the run went on 8x below its schedule."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = _Forwarding(inner)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+    trainer = _trainer([opt], [sched])
+    _train(model, opt, 2)
+    snap = TrainingSnapshot.capture(trainer, nn.Sequential(model), {}, step=2, lr_scale=1.0)
+    momentum = inner.state[model.weight]["momentum_buffer"].clone()
+    for _ in range(3):
+        _train(model, opt, 1, 100.0)
+        sched.step()
+    snap.restore(trainer, nn.Sequential(model), {})
+    assert opt.param_groups[0]["lr"] == 0.1 and sched.last_epoch == 0
+    assert torch.equal(inner.state[model.weight]["momentum_buffer"], momentum)
+    assert "param_groups" not in opt.__dict__ and "state" not in opt.__dict__
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.05
+
+
+def test_optimizers_held_in_a_list_keep_the_groups_their_wrapper_shares():
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 3), nn.Linear(3, 2)
+    model = nn.Sequential(a, b)
+    inner = [torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9), torch.optim.Adam(b.parameters(), lr=1e-3)]
+    opt = _Several(inner)
+    trainer = _trainer([opt])
+    _train(model, opt, 2)
+    snap = TrainingSnapshot.capture(trainer, model, {}, step=2, lr_scale=1.0)
+    momentum = inner[0].state[a.weight]["momentum_buffer"].clone()
+    _train(model, opt, 3, 100.0)
+    snap.restore(trainer, model, {})
+    assert torch.equal(inner[0].state[a.weight]["momentum_buffer"], momentum)
+    assert opt.param_groups[0] is inner[0].param_groups[0] and opt.param_groups[1] is inner[1].param_groups[0]
+    opt.param_groups[0]["lr"] = 0.001  # a rate cut through the wrapper reaches the optimizer that steps
+    assert inner[0].param_groups[0]["lr"] == 0.001
+
+
+def test_groups_added_since_the_snapshot_under_wrappers():
+    """SAM's base optimizer keeps the state of the groups it had (it lost all of it); a Lookahead, whose own format has
+    no groups to add the new one to, makes the snapshot a misfit (its load failed half way and crashed the fit)."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 3), nn.Linear(3, 2)
+    model = nn.Sequential(a, b)
+    sam = SAM(a.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    lookahead = Lookahead(torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9))
+    for opt, wrapped in ((sam, sam.base), (lookahead, lookahead.base)):
+        trainer = _trainer([opt])
+        _train(model, opt, 2)
+        snap = TrainingSnapshot.capture(trainer, model, {}, step=2, lr_scale=1.0)
+        momentum = wrapped.state[a.weight]["momentum_buffer"].clone()
+        wrapped.add_param_group({"params": list(b.parameters()), "lr": 0.01})  # an unfreeze (the groups are shared)
+        _train(model, opt, 2, 100.0)
+        if opt is sam:
+            assert snap.mismatch(trainer) is None
+            snap.restore(trainer, model, {})
+            assert torch.equal(wrapped.state[a.weight]["momentum_buffer"], momentum)
+            assert b.weight not in wrapped.state and opt.param_groups[1]["lr"] == 0.01
+        else:
+            assert "format of its own" in snap.mismatch(trainer)
+            with pytest.raises(SnapshotMismatch):
+                snap.restore(trainer, model, {})

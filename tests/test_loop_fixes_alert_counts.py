@@ -83,3 +83,25 @@ def test_a_second_fit_from_an_earlier_checkpoint_without_any_alert_logs_its_coun
     warnings = tb_scalars(tb.log_dir)["alerts/count/warning"]
     first_end = warnings.index((8, 0.0))
     assert warnings[first_end + 1][0] == 3  # the replay starts at its checkpoint's step
+
+
+def test_a_new_trainer_in_the_same_folder_continues_the_counts_of_its_alerts_file(tmp_path, tiny_gpt):
+    """Another Trainer writing the same folder (a fixed `version`): its counts start from the records the file holds
+    (they restarted at 0, and the folder's counts no longer added up to its file); a record written by other code with
+    a severity that is no string is not counted, and does not stop the fit (it did, at setup)."""
+    import json
+
+    module, loader = tiny_gpt()
+    folder = tmp_path / "tb" / "version_0"
+    folder.mkdir(parents=True)
+    records = [{"step": 1, "monitor": "guard", "kind": "k1", "severity": "critical", "message": "m", "run_id": "old"},
+               {"step": 2, "monitor": "guard", "kind": "k2", "severity": ["warning"], "message": "m"},
+               {"step": 3, "monitor": "guard", "kind": "k3", "severity": "warning", "message": "m", "run_id": "old"}]
+    (folder / "alerts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=TensorBoardLogger(str(tmp_path), name="tb", version=0),
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         callbacks=[Monitor()])
+    trainer.fit(module, loader)
+    scalars = tb_scalars(str(folder))
+    assert scalars["alerts/count/critical"][0] == (0, 1.0) and scalars["alerts/count/warning"][0] == (0, 1.0)
+    assert scalars["alerts/count/info"][-1][1] == 0.0

@@ -541,9 +541,9 @@ class GradientEarlyStopping(Monitor):
             self.alert(
                 trainer.global_step, "shared_parameters", "info",
                 f"{len(listed)} component(s) share a parameter with a module outside them: {'; '.join(listed[:4])}"
-                f"{' ...' if len(listed) > 4 else ''}. The gradient that module adds counts in the component's "
-                "statistic, and freezing the component freezes the shared parameter in that module too. Pass "
-                "`exclude=` to leave such a component trainable.",
+                f"{' ...' if len(listed) > 4 else ''}. Freezing the component freezes the shared parameter in that "
+                "module too, and a gradient reaching the parameter through it counts in the component's statistic. "
+                "Pass `exclude=` to leave such a component trainable.",
                 value=float(len(listed)),
             )
         self._training = False
