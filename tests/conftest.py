@@ -26,9 +26,30 @@ def tb_event_accumulator(logdir: str) -> Any:
 
     files = glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"), recursive=True)
     assert files, f"no TensorBoard event file under {logdir}"
-    ea = EventAccumulator(os.path.dirname(files[0]), size_guidance={"scalars": 0, "tensors": 0, "histograms": 0})
+    folder = os.path.dirname(files[0])
+    ea = EventAccumulator(_in_written_order(folder), size_guidance={"scalars": 0, "tensors": 0, "histograms": 0})
     ea.Reload()
     return ea
+
+
+def _in_written_order(folder: str) -> str:
+    """``folder``, or where it holds several event files, a folder of links to them named in the order they were written
+    (TensorBoard reads a folder's files in the order of their names: within one second, one process's writer 10 came
+    before its writer 9, and a Trainer's second fit, which opens a writer of its own, was read as the first)."""
+    import tempfile
+
+    names = [n for n in os.listdir(folder) if n.startswith("events.out.tfevents.")]
+    if len(names) < 2:
+        return folder
+
+    def written(name: str) -> tuple[int, int, str]:
+        parts = name.split(".")
+        return (int(parts[3]) if parts[3].isdigit() else 0, int(parts[-1]) if parts[-1].isdigit() else 0, name)
+
+    links = tempfile.mkdtemp(prefix="tb-ordered-")
+    for i, name in enumerate(sorted(names, key=written)):
+        os.symlink(os.path.join(folder, name), os.path.join(links, f"events.out.tfevents.{i:06d}.ordered"))
+    return links
 
 
 def tb_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
