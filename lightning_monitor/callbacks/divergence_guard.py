@@ -487,6 +487,8 @@ class DivergenceGuard(Monitor):
         # the first step of a fit is computed with weights that nothing has updated since the state the guard carries
         # (a checkpoint's, or the previous fit's in the same Trainer)
         self._resume_step = trainer.global_step
+        if trainer.world_size > 1:
+            self._say_uneven_ranks(trainer)
         if self.idle_reason is None:
             self._infinite_by_design = self._infinite_buffers(trainer, pl_module)
         adopted = False
@@ -512,6 +514,27 @@ class DivergenceGuard(Monitor):
             if self._snapshots:
                 # the checkpoint's own state: an anomaly at this very step (a bad batch) goes back to it, not to a stop
                 self._snapshots[-1].first_of_fit = True
+
+    def _say_uneven_ranks(self, trainer: pl.Trainer) -> None:
+        """Warn (once a fit, one reduction) when the ranks plan different numbers of optimizer steps: each step's
+        gradients are reduced across the ranks, so the rank with more steps waits at the end for reductions the others
+        never make. Without the suite the fit then fails as the first rank exits; with it, the checks' own reductions
+        keep every rank waiting (a DDP run of 50 and 45 samples a rank, batch 16, `max_epochs` only: 44 and 33 steps,
+        and it hung with no word)."""
+        planned = float(trainer.estimated_stepping_batches)
+        both = torch.tensor([planned, -planned], dtype=torch.float64, device=trainer.strategy.root_device)
+        most, fewest = (float(v) for v in trainer.strategy.reduce(both, reduce_op="max"))
+        fewest = -fewest
+        if most != fewest:
+            self.alert(
+                trainer.global_step, "uneven_ranks", "warning",
+                f"The ranks plan different numbers of optimizer steps ({fewest:g} to {most:g}): their training data "
+                "give them different numbers of batches (a sampler of your own, `use_distributed_sampler=False`). "
+                "Every step's gradients are reduced across the ranks, so the rank with more steps will wait for "
+                "ranks that have finished: the fit hangs or fails at its end. Give every rank the same number of "
+                "batches, or bound the run with `max_steps`.",
+                value=most - fewest,
+            )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.select_built_model(trainer, pl_module)
