@@ -112,6 +112,22 @@ def write_dashboard(trainer: pl.Trainer) -> bool:
     return wrote
 
 
+def refresh_dashboard(trainer: pl.Trainer) -> None:
+    """Write the layout again to the TensorBoard loggers that got one (:func:`write_dashboard`), now that a monitor went
+    idle during the fit (GWA learns from the first batch's targets that a regression has no classifier to score): its
+    cards no longer stay empty. TensorBoard shows a run's last layout; rank 0 only."""
+    if trainer.global_rank != 0:
+        return
+    writers = [w for w in map(_tensorboard_writer, trainer.loggers) if w is not None and w in _written]
+    if not writers:
+        return
+    monitors = [cb for cb in trainer.callbacks if isinstance(cb, Monitor) and getattr(cb, "idle_reason", None) is None]
+    names = list(dict.fromkeys(m.name for m in monitors))
+    per_layer = list(dict.fromkeys(m.name for m in monitors if m.per_layer_scalars and _has_layers(m)))
+    for writer in writers:
+        write_layout(writer, health_layout(names, per_layer))
+
+
 def _has_layers(monitor: Any) -> bool:
     """Whether ``monitor`` logs per-layer keys: the suite's monitors that do, as configured, and any
     other monitor (its keys are unknown until it logs)."""

@@ -206,6 +206,10 @@ class HealthMonitor(Callback):
             monitor = cls(**kwargs)
         except TypeError as err:
             raise TypeError(f"HealthMonitor(`{slot}`=...): {cls.__name__}: {err}{_did_you_mean(err, cls)}") from None
+        except ValueError as err:
+            # the arguments every monitor has (`every_n_steps`, `warmup_steps`): which monitor's value is wrong, also
+            # in a LightningCLI YAML, where no traceback points at the dict
+            raise ValueError(f"HealthMonitor(`{slot}`=...): {cls.__name__}: {err}") from None
         monitor.idle_when_nothing_to_watch = True
         monitor.per_layer_scalars = self.per_layer_scalars
         return monitor

@@ -143,3 +143,46 @@ def test_per_layer_scalars_on_is_todays_behaviour(tmp_path) -> None:
     _, ea = _log_once(tmp_path, per_layer_scalars=True)
     assert {"toy/mean", "toy/a/norm", "toy/b/norm", "toy/a/rank"} <= set(ea.Tags()["scalars"])
     assert not [t for t in ea.Tags()["histograms"] if t.startswith("toy/")]
+
+
+def test_a_monitor_idle_from_the_first_batch_has_its_cards_taken_off(tmp_path) -> None:
+    """A regression under `HealthMonitor()`: GWA learns from the first batch's targets that there is no classifier
+    and goes idle, after the layout was written at the start of the fit. The layout is written again without its card
+    (TensorBoard shows a run's last one): the GWA card stayed, empty, on every regression run. Every card of the last
+    layout selects a scalar the run logged."""
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Regression(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+
+        def training_step(self, batch, batch_idx):
+            loss = nn.functional.mse_loss(self.net(batch[0]).squeeze(-1), batch[1])
+            self.log("train/loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), 1e-3)
+
+    pl.seed_everything(0, verbose=False)
+    x = torch.randn(256, 8)
+    hm = lm.HealthMonitor()
+    logger = TensorBoardLogger(str(tmp_path), name="run", version="")
+    trainer = pl.Trainer(accelerator="cpu", max_steps=40, logger=logger, callbacks=[hm], enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, log_every_n_steps=1)
+    trainer.fit(Regression(), DataLoader(TensorDataset(x, x.sum(1)), batch_size=16))
+    assert hm.gwa.idle_reason is not None
+    ea = tb_event_accumulator(str(tmp_path))
+    layouts = []
+    for event in ea.Tensors("custom_scalars__config__"):
+        layout = layout_pb2.Layout()
+        layout.ParseFromString(event.tensor_proto.string_val[0])
+        layouts.append([chart.title for category in layout.category for chart in category.chart])
+    assert len(layouts) == 2 and any(t.startswith("gwa") for t in layouts[0])
+    assert not any(t.startswith("gwa") for t in layouts[-1])
+    scalars = ea.Tags()["scalars"]
+    for category in layout.category:
+        for chart in category.chart:
+            assert any(_selects(list(chart.multiline.tag), t) for t in scalars), (chart.title, sorted(scalars))

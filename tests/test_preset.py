@@ -662,3 +662,15 @@ def test_monitors_pickle_after_a_fit_and_run_again(tmp_path, tiny_gpt) -> None:
     trainer = _trainer(tmp_path / "second", [copy], max_steps=6)
     trainer.fit(module, loader)
     assert trainer.global_step == 6 and copy.guard.hub is not hm.guard.hub
+
+
+def test_a_bad_value_in_a_monitors_dict_names_the_monitor():
+    """`every_n_steps` and `warmup_steps` are arguments of every monitor: the error says whose value is wrong (in a
+    LightningCLI YAML no traceback points at the dict)."""
+    import pytest
+
+    from lightning_monitor import HealthMonitor
+
+    expected = r"HealthMonitor\(`noise_scale`=\.\.\.\): GradientNoiseScaleMonitor: .*every_n_steps"
+    with pytest.raises(ValueError, match=expected):
+        HealthMonitor(spectral={"every_n_steps": 100}, noise_scale={"every_n_steps": 0})

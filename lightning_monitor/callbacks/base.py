@@ -417,6 +417,9 @@ class Monitor(Callback):
         self.release()
         self.idle_reason = reason
         self.alert(trainer.global_step, "nothing_to_watch", "warning", f"{type(self).__name__} stays idle: {reason}")
+        from lightning_monitor.dashboard import refresh_dashboard
+
+        refresh_dashboard(trainer)  # idle once the layout was written (at the fit's first batch): its cards went empty
 
     def refuse_several_optimizers(self, trainer: pl.Trainer, why: str) -> bool:
         """At the start of the fit (the optimizers exist from there): with more than one optimizer, say
