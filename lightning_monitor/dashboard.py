@@ -97,10 +97,7 @@ def write_dashboard(trainer: pl.Trainer) -> bool:
     a layout was written."""
     if trainer.global_rank != 0:
         return False
-    monitors = [cb for cb in trainer.callbacks if isinstance(cb, Monitor) and getattr(cb, "idle_reason", None) is None]
-    names = list(dict.fromkeys(m.name for m in monitors))
-    per_layer = list(dict.fromkeys(m.name for m in monitors if m.per_layer_scalars and _has_layers(m)))
-    layout = health_layout(names, per_layer)
+    layout = _layout_of(trainer)
     wrote = False
     for logger in trainer.loggers:
         writer = _tensorboard_writer(logger)
@@ -121,11 +118,17 @@ def refresh_dashboard(trainer: pl.Trainer) -> None:
     writers = [w for w in map(_tensorboard_writer, trainer.loggers) if w is not None and w in _written]
     if not writers:
         return
+    layout = _layout_of(trainer)
+    for writer in writers:
+        write_layout(writer, layout)
+
+
+def _layout_of(trainer: pl.Trainer) -> Layout:
+    """The layout of the suite's monitors in ``trainer.callbacks`` that are not idle."""
     monitors = [cb for cb in trainer.callbacks if isinstance(cb, Monitor) and getattr(cb, "idle_reason", None) is None]
     names = list(dict.fromkeys(m.name for m in monitors))
     per_layer = list(dict.fromkeys(m.name for m in monitors if m.per_layer_scalars and _has_layers(m)))
-    for writer in writers:
-        write_layout(writer, health_layout(names, per_layer))
+    return health_layout(names, per_layer)
 
 
 def _has_layers(monitor: Any) -> bool:
