@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -329,8 +329,8 @@ class TrainingSnapshot:
                                     flats.setdefault(("optimizer", i), {}))
                            for i, opt in enumerate(trainer.optimizers)],
             # the optimizers a wrapper steps (SAM's base optimizer), whose state its own `state_dict` may leave out
-            "inner_optimizers": [[_to_host(inner.state_dict(), _at(inners, i, j)) for j, inner in enumerate(_inner(opt))]
-                                 for i, opt in enumerate(trainer.optimizers)],
+            "inner_optimizers": [[_to_host(inner.state_dict(), grid_at(inners, i, j))
+                                  for j, inner in enumerate(_inner(opt))] for i, opt in enumerate(trainer.optimizers)],
             "schedulers": [_to_host(cfg.scheduler.state_dict(), scheds[i] if i < len(scheds) else None)
                            for i, cfg in enumerate(trainer.lr_scheduler_configs)],
             "scheduler_types": [_type_name(cfg.scheduler) for cfg in trainer.lr_scheduler_configs],
@@ -533,9 +533,9 @@ def _opaque(saved: Any) -> bool:
     return not (isinstance(saved, dict) and isinstance(saved.get("param_groups"), list))
 
 
-def _at(rows: Any, i: int, j: int) -> Any:
-    """``rows[i][j]``, or ``None`` where there is none."""
-    return rows[i][j] if i < len(rows) and j < len(rows[i]) else None
+def grid_at(rows: Optional[Sequence[Sequence[Any]]], i: int, j: int) -> Any:
+    """``rows[i][j]`` (per optimizer, per parameter group or inner optimizer), or ``None`` where there is none."""
+    return rows[i][j] if rows is not None and i < len(rows) and j < len(rows[i]) else None
 
 
 def _sizes(groups: Any) -> list[int]:

@@ -27,7 +27,7 @@ from lightning_monitor._sharded import local, nonfinite_on_host, squared_norms
 from lightning_monitor.alerts import SUPERSEDED_FILENAME, Alert, alerts_dir, read_records
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch
 from lightning_monitor.functional.robust import SeriesWatch, median
-from lightning_monitor.snapshot import TrainingSnapshot, held_values, pruned_since, scale_learning_rates
+from lightning_monitor.snapshot import TrainingSnapshot, grid_at, held_values, pruned_since, scale_learning_rates
 
 try:  # Lightning 2.6: EMAWeightAveraging and its base
     from lightning.pytorch.callbacks import WeightAveraging
@@ -71,11 +71,6 @@ _ONE_LOSS_BATCHES = 3
 #: shrink of the weights a step, ``lr * weight_decay`` (decoupled, as AdamW's), at least this (the weights would halve
 #: in about 700 steps without gradients; AdamW's usual 1e-3 * 0.01 is 1e-5)
 _DECAY_STRENGTH = 1e-3
-
-
-def _at(rows: Optional[list[list[Any]]], i: int, j: int) -> Any:
-    """``rows[i][j]`` (per optimizer, per parameter group), or ``None`` where there is none."""
-    return rows[i][j] if rows is not None and i < len(rows) and j < len(rows[i]) else None
 
 
 def _copy_rows(rows: Optional[list[list[Any]]]) -> Optional[list[list[Any]]]:
@@ -1193,7 +1188,7 @@ class DivergenceGuard(Monitor):
         if loss is None or not math.isfinite(loss) or loss > self.blowup * self._anchor():
             return False
         lrs = self._lr_trace[-1][1]
-        rows = [(lr, _at(self._lr_peak, i, j), _at(self._lr_low, i, j))
+        rows = [(lr, grid_at(self._lr_peak, i, j), grid_at(self._lr_low, i, j))
                 for i, row in enumerate(lrs) for j, lr in enumerate(row) if lr is not None]
         if not rows or any(peak is None or lr > 1.001 * peak for lr, peak, _ in rows):
             return False
@@ -2073,11 +2068,11 @@ class DivergenceGuard(Monitor):
         lrs = self._float_lrs(trainer)
         for i, row in enumerate(lrs):
             for j, n in enumerate(row):
-                b = _at(best, i, j)
+                b = grid_at(best, i, j)
                 if n is None or b is None or n > 1.001 * b:
                     return None
         rose = [(b, n) for i, row in enumerate(self._float_decays(trainer)) for j, n in enumerate(row)
-                for b, lr in [(_at(then, i, j), _at(lrs, i, j))]
+                for b, lr in [(grid_at(then, i, j), grid_at(lrs, i, j))]
                 if n is not None and b is not None and lr is not None and n > 1.001 * b
                 and lr * n >= _DECAY_STRENGTH]
         if not rose:
@@ -2088,7 +2083,7 @@ class DivergenceGuard(Monitor):
         """``(optimizer, group) -> (rate, rate at the best smoothed loss)`` of the float rates ``lrs`` above their
         rate at the best smoothed loss."""
         best = self._lr_at_min
-        return {(i, j): (n, b) for i, row in enumerate(lrs) for j, n in enumerate(row) for b in [_at(best, i, j)]
+        return {(i, j): (n, b) for i, row in enumerate(lrs) for j, n in enumerate(row) for b in [grid_at(best, i, j)]
                 if n is not None and b is not None and n > 1.001 * b}
 
     @staticmethod
@@ -2144,10 +2139,10 @@ class DivergenceGuard(Monitor):
                     caps = [group["lr"] if isinstance(group["lr"], float) else math.inf]
                     if rose:  # the rate of the best smoothed loss, and a fraction of the rate that diverged
                         # (a group switched off then, a backbone before its unfreeze, is not held at 0 for good)
-                        caps += [b for b in [_at(best, i, j)] if b is not None and b > 0.0]
-                        if (i, j) in risen or _at(best, i, j) is None:
-                            caps += [self.lr_factor * n for n in [_at(lr_now, i, j)] if n is not None]
-                    caps += [c * factor for c in [_at(before, i, j)] if c is not None]
+                        caps += [b for b in [grid_at(best, i, j)] if b is not None and b > 0.0]
+                        if (i, j) in risen or grid_at(best, i, j) is None:
+                            caps += [self.lr_factor * n for n in [grid_at(lr_now, i, j)] if n is not None]
+                    caps += [c * factor for c in [grid_at(before, i, j)] if c is not None]
                     row.append(min(caps))
                 ceilings.append(row)
             self._lr_ceiling = ceilings
