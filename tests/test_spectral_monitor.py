@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
+from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_monitor import SpectralAlignmentMonitor, read_alerts
@@ -465,7 +466,7 @@ def test_collapse_with_sigma_growth_escalates_early(escalate):
 
 
 # ----------------------------------------------------------------------------- input capture probe
-def test_input_capture_bounded_detached_second_call_wins_and_global_rng_untouched():
+def test_input_capture_bounded_detached_every_call_read_and_global_rng_untouched():
     from lightning_monitor.probes.inputs import InputCapture
 
     lin = nn.Linear(6, 3)
@@ -476,18 +477,17 @@ def test_input_capture_bounded_detached_second_call_wins_and_global_rng_untouche
     assert len(lin._forward_pre_hooks) == 0
     cap.arm()
     cap.arm()  # idempotent
-    assert len(lin._forward_pre_hooks) == 1
+    assert len(lin._forward_pre_hooks) == 1 and len(lin._forward_hooks) == 1
     state = torch.get_rng_state()
-    lin(torch.eye(6))  # PEFT's DoRA: a call on the identity before the data
+    lin(torch.eye(6))  # PEFT's DoRA: a call on the identity before the data, not read
     assert torch.equal(state, torch.get_rng_state())  # the sampler has its own generator
-    assert len(lin._forward_pre_hooks) == 1  # a second call of the step is read too
     lin(x)
-    assert len(lin._forward_pre_hooks) == 0  # then the hook is gone
-    lin(x + 100.0)  # a third call (accumulation, recomputation) is not recorded
+    lin(x + 100.0)  # a further call of the step (a shared layer, a micro-batch) is read too
     rows = cap.take()["lin"]
+    assert len(lin._forward_pre_hooks) == 0 and len(lin._forward_hooks) == 0  # the hooks are gone
     assert rows.shape == (10, 6) and not rows.requires_grad
-    flat = x.detach().reshape(-1, 6)
-    # every sampled row is a distinct row of the second call's input
+    flat = torch.cat([x.detach().reshape(-1, 6), x.detach().reshape(-1, 6) + 100.0])
+    # every sampled row is a distinct row of the two data calls' inputs, none of the identity
     matches = [(flat == r).all(dim=1).nonzero().flatten().tolist() for r in rows]
     assert all(len(m) == 1 for m in matches) and len({m[0] for m in matches}) == 10
     once = InputCapture({"lin": lin}, max_rows=10, seed=1)
@@ -498,9 +498,106 @@ def test_input_capture_bounded_detached_second_call_wins_and_global_rng_untouche
     small = InputCapture({"lin": lin}, max_rows=100)
     small.arm()
     lin(x)
-    torch.testing.assert_close(small.take()["lin"], flat)  # fewer rows than max_rows: all of them
+    torch.testing.assert_close(small.take()["lin"], flat[:28])  # fewer rows than max_rows: all of them
     with pytest.raises(ValueError, match="max_rows"):
         InputCapture({"lin": lin}, max_rows=0)
+
+
+def test_input_capture_merges_calls_as_one_uniform_sample_and_skips_the_identity_path():
+    # a layer called by several calls of a step (shared weights) gets a sample of all their rows, each row as likely as
+    # any other: here a call of 30 rows and one of 10, 8 rows kept, 4000 times: the first call gives 3/4 of the rows
+    from lightning_monitor.probes.inputs import InputCapture
+
+    lin = nn.Linear(3, 2)
+    a, b = torch.zeros(30, 3), torch.ones(10, 3)
+    cap = InputCapture({"lin": lin}, max_rows=8, seed=0)
+    from_a = 0
+    for _ in range(4000):
+        cap.arm()
+        lin(a)
+        lin(b)
+        rows = cap.take()["lin"]
+        assert rows.shape == (8, 3)
+        from_a += int((rows[:, 0] == 0).sum())
+    assert abs(from_a / (8 * 4000) - 0.75) < 0.01
+    # DoRA's weight norm `lora_B(lora_A(eye))`: neither adapter reads the identity's path; both read the data
+    lora_a, lora_b = nn.Linear(5, 2, bias=False), nn.Linear(2, 5, bias=False)
+    cap = InputCapture({"a": lora_a, "b": lora_b}, max_rows=100)
+    cap.arm()
+    lora_b(lora_a(torch.eye(5)))
+    x = torch.randn(3, 5)
+    h = lora_a(x)
+    lora_b(h)
+    rows = cap.take()
+    torch.testing.assert_close(rows["a"], x)
+    torch.testing.assert_close(rows["b"], h.detach())
+    # a square input of the layer's size that is not the identity is data
+    cap.arm()
+    sq = torch.randn(5, 5)
+    lora_a(sq)
+    torch.testing.assert_close(cap.take()["a"], sq)
+
+
+def test_a_layer_shared_across_calls_is_aligned_on_all_its_inputs_and_recomputation_is_not_read(tmp_path):
+    # one nn.Linear applied four times a forward (a recurrence with shared weights), under activation checkpointing:
+    # the logged sign diversity and mean |a| are those of the rows of all four calls (oracle: explicit SVD); reading the
+    # second call only, they were off by 0.25-0.31 in sign diversity, silently
+    from torch.utils.checkpoint import checkpoint
+
+    class Rec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b, self.h = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            for t in range(4):
+                h = checkpoint(lambda z, t=t: torch.tanh(self.b(z) + 0.5 * t), h, use_reentrant=False)
+            return self.h(h)
+
+    class LM(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = Rec()
+
+        def training_step(self, batch, i):
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    class Oracle(pl.Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, i):
+            self.calls = []
+            self.handle = pl_module.net.b.register_forward_pre_hook(
+                lambda m, a: None if torch._C._current_graph_task_id() != -1 else self.calls.append(a[0].detach().double()))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, i):
+            self.handle.remove()
+            m = trainer.callback_metrics
+            v1 = torch.linalg.svd(pl_module.net.b.weight.detach().double())[2][0]
+            rows = torch.cat(self.calls)
+            a = rows @ v1 / rows.norm(dim=1)
+            p = float((a > 0).double().mean())
+            self.seen.append((len(self.calls), float(m["sa/net.b/sign_diversity"]), 2 * min(p, 1 - p),
+                              float(m["sa/net.b/mean_abs"]), float(a.abs().mean())))
+
+    torch.manual_seed(1)
+    x, y = torch.randn(24, 6), torch.randint(0, 3, (24,))
+    oracle = Oracle()
+    mon = SpectralAlignmentMonitor(every_n_steps=1, max_rows=100000, head=None)
+    pl.Trainer(accelerator="cpu", max_steps=3, logger=False, default_root_dir=tmp_path, callbacks=[oracle, mon],
+               enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False).fit(LM(), DataLoader(TensorDataset(x, y), batch_size=8))
+    assert len(oracle.seen) == 3
+    for calls, logged_d, d, logged_abs, mean_abs in oracle.seen:
+        assert calls == 4
+        assert logged_d == pytest.approx(d, abs=1e-6)
+        assert logged_abs == pytest.approx(mean_abs, rel=1e-5)
 
 
 def test_by_default_a_collapse_with_sigma_growth_stays_a_warning():
@@ -599,3 +696,39 @@ def test_a_layer_fed_non_negative_inputs_never_counts_for_a_collapse(tmp_path):
     assert float(tr.callback_metrics["sa/body.2/sign_diversity"]) <= 0.1  # collapsed by nature ...
     assert not [a for a in mon._hub.history if a.kind == "collapse"]  # ... and not taken for a collapse
     assert not [k for k in tr.callback_metrics if "one_sign" in k]  # the flag is not logged
+
+
+def test_a_validation_run_inside_an_accumulation_window_is_not_read_by_the_check(tmp_path):
+    # `val_check_interval=2` with `accumulate_grad_batches=4`: validation runs between the micro-batches of one step,
+    # while the step's input hooks are armed; its inputs went into the check (0.98438 -> 0.97917 in sign diversity)
+    class MLP(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+        def training_step(self, batch, i):
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def validation_step(self, batch, i):
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def run(validate: bool) -> dict:
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(256, 16, generator=g), torch.randint(0, 4, (256,), generator=g)
+        vx = torch.randn(64, 16, generator=g) * 3.0
+        mon = SpectralAlignmentMonitor(every_n_steps=1, max_rows=100000)
+        kw = dict(val_check_interval=2, limit_val_batches=2) if validate else dict(limit_val_batches=0)
+        trainer = pl.Trainer(accelerator="cpu", max_steps=2, accumulate_grad_batches=4, logger=False,
+                             default_root_dir=tmp_path, callbacks=[mon], enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kw)
+        trainer.fit(MLP(), DataLoader(TensorDataset(x, y), batch_size=32),
+                    DataLoader(TensorDataset(vx, y[:64]), batch_size=32))
+        return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("sa/")}
+
+    plain, validated = run(False), run(True)
+    assert plain and plain.keys() == validated.keys()
+    assert plain == validated

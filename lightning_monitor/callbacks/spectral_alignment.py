@@ -388,6 +388,16 @@ class SpectralAlignmentMonitor(Monitor):
             self._capture.release()
         self._unroute()
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # a validation run between the micro-batches of an armed step (`val_check_interval` inside an accumulation
+        # window) is not the step's forward: its inputs were sampled with the training rows
+        if self._capture is not None:
+            self._capture.paused = True
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._capture is not None:
+            self._capture.paused = False
+
     def _unroute(self) -> None:
         for handle in self.__dict__.pop("_route_handles", []):
             handle.remove()

@@ -27,6 +27,15 @@ def in_dry_run() -> bool:
     return _DRY_RUN.get()
 
 
+def in_backward() -> bool:
+    """Whether the autograd engine runs a backward pass on this thread now: a module's forward then is a
+    recomputation by activation checkpointing."""
+    import torch
+
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
 _FIRST: dict[type, Optional[str]] = {}
 
 

@@ -4,11 +4,13 @@
 only). Each armed layer then records, on its forward call, at most ``max_rows`` rows of its
 input ``x[..., in_features]`` (all leading dimensions flattened: batch, sequence, ...; for an ``nn.Conv2d``
 its input patches, the rows its weight ``[C_out, C_in * kh * kw]`` multiplies), picked at random
-without replacement, detached, in their own dtype and on their own device. The rows of the second call of the
-step replace those of the first (PEFT's DoRA calls its adapters on the identity before the data, to compute
-their weight norm; for a layer called once, the second call is a recomputation or the next micro-batch of the
-step, rows like the first's); the hook then removes itself, so later calls cost nothing.
-:meth:`InputCapture.take` hands the rows over and forgets them.
+without replacement, detached, in their own dtype and on their own device. A layer called several times in the
+step (a layer shared across the time steps of a recurrence or across the blocks of a model, siamese towers, the
+micro-batches of gradient accumulation) gives a sample of the rows of all its calls together, each row as likely as
+any other. Not read: recomputations inside a backward (activation checkpointing: rows the forward gave already),
+and calls on the identity matrix and on what such a call returned (PEFT's DoRA runs its adapters on the identity,
+``lora_B(lora_A(eye))``, for its weight norm, before the data). :meth:`InputCapture.take` hands the rows over,
+removes the hooks and forgets them.
 
 The random rows come from the capture's own generator: arming does not touch the global RNG, so a
 run with the monitor draws the same dropout masks and batches as a run without it.
@@ -16,6 +18,7 @@ run with the monitor draws the same dropout masks and batches as a run without i
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
@@ -23,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_monitor.probes import call_args, in_dry_run
+from lightning_monitor.probes import call_args, in_backward, in_dry_run
 
 __all__ = ["InputCapture"]
 
@@ -43,10 +46,17 @@ class InputCapture:
         self.modules = dict(modules)
         self.max_rows = max_rows
         self.seed = seed
-        self._handles: dict[str, RemovableHandle] = {}
+        self._handles: dict[str, list[RemovableHandle]] = {}
         self._captured: dict[str, Tensor] = {}
-        self._seen_once: set[str] = set()
+        self._counts: dict[str, int] = {}  # rows the calls of the step held, per layer (the sample's population)
+        # outputs of calls on the identity this step (their consumers are on the identity's path too), and the layers
+        # whose running call is one
+        self._identity_outputs: list[Tensor] = []
+        self._on_identity: set[str] = set()
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._host = random.Random(seed)  # how many rows each call gives to a merged sample
+        #: while set, calls are not read (the validation loop, run between the micro-batches of an armed step)
+        self.paused = False
 
     @property
     def armed(self) -> bool:
@@ -54,36 +64,39 @@ class InputCapture:
         return bool(self._handles)
 
     def arm(self, names: Optional[Iterable[str]] = None) -> None:
-        """Install a one-shot pre-hook on every module (or those of ``names``) that has not captured yet
-        (idempotent)."""
+        """Install the hooks on every module (or those of ``names``) that has not captured yet (idempotent); they
+        read every call until :meth:`take`."""
         for name in self.modules if names is None else names:
             if name in self._handles or name in self._captured:
                 continue
-            self._handles[name] = self.modules[name].register_forward_pre_hook(self._make_hook(name), with_kwargs=True)
+            module = self.modules[name]
+            self._handles[name] = [module.register_forward_pre_hook(self._make_hook(name), with_kwargs=True),
+                                   module.register_forward_hook(self._make_post_hook(name))]
 
     def disarm(self) -> None:
         """Remove every hook still installed."""
-        for handle in self._handles.values():
-            handle.remove()
+        for handles in self._handles.values():
+            for handle in handles:
+                handle.remove()
         self._handles.clear()
-        self._seen_once.clear()
+        self._identity_outputs, self._on_identity = [], set()
 
     def take(self) -> dict[str, Tensor]:
         """The rows captured since :meth:`arm` (``name -> (rows, in)``; layers that did not run are
         absent); removes the remaining hooks and drops the capture's references."""
         self.disarm()
-        out, self._captured = self._captured, {}
+        out, self._captured, self._counts = self._captured, {}, {}
         return out
 
     def release(self) -> None:
         """Forget everything captured and remove every hook."""
         self.disarm()
-        self._captured = {}
+        self._captured, self._counts = {}, {}
+        self.paused = False
 
     # ------------------------------------------------------------------ internals
     def _disarm(self, name: str) -> None:
-        handle = self._handles.pop(name, None)
-        if handle is not None:
+        for handle in self._handles.pop(name, ()):
             handle.remove()
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -97,26 +110,57 @@ class InputCapture:
     def _make_hook(self, name: str) -> Any:
         @torch.compiler.disable  # eager under torch.compile: traced, it recompiled per layer (its name, its state)
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if in_dry_run():  # another monitor's run of the module on a batch of its own
+            if in_dry_run() or self.paused:  # another monitor's run of the module on a batch of its own; validation
                 return
             args = call_args(args, kwargs, module)
             if not args or not isinstance(args[0], Tensor):
                 self._disarm(name)
                 return
             x = args[0]
-            # the first two calls of the step are read and the second one kept: PEFT's DoRA first calls its adapters
-            # on the identity (`lora_B(lora_A(eye))`, for its weight norm), then on the data. A layer called once
-            # keeps its first call's rows (a later recomputation or micro-batch of the step reads rows like them)
-            if name in self._captured or name in self._seen_once:
-                self._disarm(name)
-            else:
-                self._seen_once.add(name)
+            if in_backward():
+                return  # a recomputation by activation checkpointing: the forward read these rows already
+            if any(x is t for t in self._identity_outputs) or _is_identity(module, x):
+                self._on_identity.add(name)  # its output is on the identity's path too (see the post hook)
+                return
             if isinstance(module, nn.Conv2d):
-                self._captured[name] = self.sample_patches(module, x)
+                rows, n = self.sample_patches(module, x, counted=True)
             else:
-                self._captured[name] = self.sample(x)
+                rows = self.sample(x)
+                n = x.numel() // x.shape[-1] if x.shape[-1] else 0
+            self._keep(name, rows, n)
 
         return hook
+
+    def _make_post_hook(self, name: str) -> Any:
+        @torch.compiler.disable
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if name in self._on_identity:
+                self._on_identity.discard(name)
+                if isinstance(output, Tensor):
+                    self._identity_outputs.append(output)
+
+        return hook
+
+    def _keep(self, name: str, rows: Tensor, n: int) -> None:
+        """Add a call's sample ``rows`` (at most ``max_rows`` of its ``n`` rows, uniformly) to the layer's sample of the
+        step: the merged sample is again a uniform one of all the calls' rows. How many come from the earlier calls is
+        drawn as the sample of all would hold (hypergeometric), and that many are taken at random from each side."""
+        held = self._captured.get(name)
+        if held is None:
+            self._captured[name], self._counts[name] = rows, n
+            return
+        before = self._counts[name]
+        total = before + n
+        if total <= self.max_rows:
+            merged = torch.cat([held, rows.to(held.dtype)])
+        else:
+            k = sum(1 for i in self._host.sample(range(total), self.max_rows) if i < before)
+            gen = self._generator(held.device)
+            parts = [held.index_select(0, torch.randperm(held.shape[0], generator=gen, device=held.device)[:k]),
+                     rows.index_select(0, torch.randperm(rows.shape[0], generator=gen, device=rows.device)
+                                       [:self.max_rows - k]).to(device=held.device, dtype=held.dtype)]
+            merged = torch.cat(parts)
+        self._captured[name], self._counts[name] = merged, total
 
     def sample(self, x: Tensor) -> Tensor:
         """At most ``max_rows`` random rows of ``x`` flattened to ``(-1, x.shape[-1])``, detached."""
@@ -130,10 +174,11 @@ class InputCapture:
                 rows = rows.clone()
         return rows
 
-    def sample_patches(self, conv: nn.Conv2d, x: Tensor) -> Tensor:
+    def sample_patches(self, conv: nn.Conv2d, x: Tensor, counted: bool = False) -> Any:
         """At most ``max_rows`` random input patches of ``conv`` (rows of its unfolded input,
         ``(rows, C_in * kh * kw)``, fp32, the columns of ``weight.reshape(C_out, -1)``), taken from as few
-        randomly chosen examples as hold that many patch positions: only those examples are unfolded."""
+        randomly chosen examples as hold that many patch positions: only those examples are unfolded.
+        ``counted``: ``(rows, patches of the whole input)``."""
         from lightning_monitor.probes.per_example.conv import unfold_input
 
         with torch.no_grad():
@@ -148,6 +193,7 @@ class InputCapture:
                     positions *= size
                 else:
                     positions *= max((size + 2 * p - d * (k - 1) - 1) // s + 1, 1)
+            population = x.shape[0] * positions
             n = min(x.shape[0], -(-self.max_rows // positions))
             if n < x.shape[0]:
                 x = x.index_select(0, torch.randperm(x.shape[0], generator=gen, device=x.device)[:n])
@@ -155,11 +201,25 @@ class InputCapture:
             if rows.shape[0] > self.max_rows:
                 idx = torch.randperm(rows.shape[0], generator=gen, device=rows.device)[: self.max_rows]
                 rows = rows.index_select(0, idx)
-            return rows
+            return (rows, population) if counted else rows
 
     def state_dict(self) -> dict[str, Optional[Any]]:
-        return {"generators": {str(d): g.get_state() for d, g in self._generators.items()}}
+        version, internal, gauss = self._host.getstate()
+        return {"generators": {str(d): g.get_state() for d, g in self._generators.items()},
+                "host": [version, list(internal), gauss]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for device, g_state in state.get("generators", {}).items():
             self._generator(torch.device(device)).set_state(g_state)
+        host = state.get("host")
+        if host is not None:  # absent from a checkpoint saved before it existed
+            self._host.setstate((host[0], tuple(host[1]), host[2]))
+
+
+def _is_identity(module: nn.Module, x: Tensor) -> bool:
+    """Whether ``x`` is the identity matrix of ``module``'s input size (PEFT DoRA's call for its weight norm): checked
+    only on a square 2-D input of that size made outside autograd (one comparison, on due steps)."""
+    size = getattr(module, "in_features", None)
+    if x.dim() != 2 or x.shape[0] != x.shape[1] or x.shape[1] != size or x.requires_grad:
+        return False
+    return bool(torch.equal(x, torch.eye(size, dtype=x.dtype, device=x.device)))

@@ -22,7 +22,7 @@ from lightning_monitor._compat import fork_rng_of, set_versions, versions_settab
 from lightning_monitor._replays import (ParameterWrite, ParametersReadOnly, WritesUndone, host_random_states,
                                        plain_parameters, restore_attributes, set_host_random_states)
 from lightning_monitor._replays import attributes as module_attributes
-from lightning_monitor.probes import call_args, dry_run
+from lightning_monitor.probes import call_args, dry_run, in_backward, in_dry_run
 from lightning_monitor.probes.per_example.kernels import project_matrix
 from lightning_monitor.probes.per_example.registry import Handler, handler_for
 from lightning_monitor.probes.per_example.strategy import (
@@ -59,13 +59,6 @@ def _unwrap(module: nn.Module) -> nn.Module:
 def _eps(dtype: torch.dtype) -> float:
     """The machine epsilon of a floating dtype (0 for others)."""
     return torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
-
-
-def _in_backward() -> bool:
-    """Whether the autograd engine runs a backward pass on this thread now: a module's forward then is a
-    recomputation by activation checkpointing."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current is not None and current() != -1
 
 
 def _fields(value: Any) -> Optional[dict[str, Any]]:
@@ -742,6 +735,8 @@ class PerExampleGradNorms:
 
     def _note_call(self, uses: _Uses, x: Tensor) -> str:
         """See :meth:`_Uses.note`."""
+        if self._dry is None and in_dry_run():
+            return "skip"  # another monitor's run of the model for its own purposes (the guard's replay of a batch)
         if self._dry is not None:
             self._dry.append((uses.name, tuple(x.shape)))
             kept = self._dry_inputs
@@ -749,7 +744,7 @@ class PerExampleGradNorms:
             if spec is not None:
                 spec[1].append(_row_prints(x, spec[0]))
             return "dry"
-        if _in_backward():
+        if in_backward():
             # activation checkpointing: without reentrance it recomputes uses already recorded in the
             # forward (their gradient hooks stand); with it, the forward ran without gradients and this
             # is the use whose backward comes
@@ -764,7 +759,7 @@ class PerExampleGradNorms:
     def _coupling_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """A BatchNorm about to normalise with its batch's statistics (training mode, or no running statistics): every
         parameter its input depends on is coupled across the examples (walked once per BatchNorm)."""
-        if (self._dry is not None or _in_backward() or not torch.is_grad_enabled()
+        if (self._dry is not None or in_backward() or not torch.is_grad_enabled()
                 or id(module) in self._coupling_walked):
             return
         if module.training is False and module.track_running_stats:  # type: ignore[union-attr]
@@ -796,7 +791,7 @@ class PerExampleGradNorms:
 
     @torch.compiler.disable
     def _entry_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._dry is not None or _in_backward():
+        if self._dry is not None or in_backward() or in_dry_run():
             return
         self._depth += 1
         if self._depth == 1:
@@ -808,7 +803,7 @@ class PerExampleGradNorms:
 
     @torch.compiler.disable
     def _entry_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        if self._dry is not None or _in_backward() or self._depth == 0:
+        if self._dry is not None or in_backward() or in_dry_run() or self._depth == 0:
             return
         self._depth -= 1
         if self._depth > 0 and self._entry is not None and sys.exc_info()[0] is None:
@@ -1257,7 +1252,7 @@ class PerExampleGradNorms:
     def per_parameter(self) -> dict[str, Tensor]:
         """Per covered parameter name, the squared norm of each example's gradient (``Tensor[N]``, fp32,
         ``N`` examples over every backward pass since the last :meth:`reset`)."""
-        if self._pending and not _in_backward():
+        if self._pending and not in_backward():
             self._settle()
         if self.verify and not self._verified and not self._pending:
             self._check_projections()
