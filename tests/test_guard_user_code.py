@@ -506,6 +506,20 @@ def test_replays_undo_a_steps_writes_into_its_weights(tmp_path):
         assert {k: v._version for k, v in model.named_parameters()} == versions
 
 
+def test_replays_are_not_read_by_the_other_monitors_hooks(tmp_path):
+    # the guard's replay of a kept batch runs the model's forward; spectral alignment's input hooks stay armed for the
+    # whole due step (a layer's every call is read), so a replay while they were armed added its rows to the check's
+    from lightning_monitor.probes.inputs import InputCapture
+
+    _, model = _fit_weights(tmp_path, [])
+    guard = DivergenceGuard()
+    layer = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    capture = InputCapture({"layer": layer})
+    capture.arm()
+    assert guard._batch_loss(model, next(iter(_token_loader())), 0) is not None
+    assert capture.take() == {}
+
+
 class _RescalesForEval(pl.LightningModule):
     """Hugging Face RWKV's habit: the second layer's weight is halved in place on the first forward in eval mode and
     doubled back on the first one in training mode, with a flag on the module saying which; ``calls`` counts the

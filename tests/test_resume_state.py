@@ -122,3 +122,31 @@ def test_every_monitor_continues_after_a_resume(tmp_path) -> None:
     for key, value in after.items():
         assert key in reference, key
         assert math.isclose(value, reference[key], rel_tol=1e-4, abs_tol=1e-6), (key, value, reference[key])
+
+
+def test_a_resume_with_an_optimizer_that_keeps_no_state_keeps_the_guards_history(tmp_path) -> None:
+    # plain SGD keeps no per-parameter state, so its empty state after a resume looked like a later fit's fresh
+    # optimizers: the checkpoint's loss history, moving average and minimum were dropped (32 losses -> 0)
+    class Plain(GPTModule):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    class Peek(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.state = next(c for c in trainer.callbacks if isinstance(c, DivergenceGuard)).state_dict()
+
+    def fit(max_steps: int, callbacks: list, ckpt_path: Optional[str] = None) -> None:
+        pl.seed_everything(0, verbose=False)
+        pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, default_root_dir=tmp_path, callbacks=callbacks,
+                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0).fit(
+            Plain(CONFIG, lr=0.05), make_loader("prose", block_size=32, batch_size=8, n_samples=8 * 40),
+            ckpt_path=ckpt_path)
+
+    fit(32, [DivergenceGuard(), ModelCheckpoint(dirpath=tmp_path / "ck")])
+    ckpt = str(next((tmp_path / "ck").glob("*.ckpt")))
+    saved = next(v for k, v in torch.load(ckpt, weights_only=False)["callbacks"].items() if k.startswith("DivergenceGuard"))
+    assert len(saved["loss"]["history"]) == 32
+    peek = Peek()
+    fit(40, [DivergenceGuard(), peek], ckpt_path=ckpt)
+    assert peek.state["loss"]["history"] == saved["loss"]["history"]
+    assert peek.state["creep"]["ema"] == saved["creep"]["ema"] and peek.state["creep"]["min"] == saved["creep"]["min"]

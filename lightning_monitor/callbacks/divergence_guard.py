@@ -27,6 +27,7 @@ from lightning_monitor._sharded import local, nonfinite_on_host, squared_norms
 from lightning_monitor.alerts import SUPERSEDED_FILENAME, Alert, alerts_dir, read_records
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch
 from lightning_monitor.functional.robust import SeriesWatch, median
+from lightning_monitor.probes import dry_run
 from lightning_monitor.snapshot import TrainingSnapshot, grid_at, held_values, pruned_since, scale_learning_rates
 
 try:  # Lightning 2.6: EMAWeightAveraging and its base
@@ -490,10 +491,13 @@ class DivergenceGuard(Monitor):
         if self.idle_reason is None and self._snapshot_files:
             self._adopt_snapshot_files(trainer)
             adopted = bool(self._snapshots)
-        if self._loss_watch.history and trainer.optimizers and not any(opt.state for opt in trainer.optimizers):
+        if (trainer.ckpt_path is None and self._loss_watch.history and trainer.optimizers
+                and not any(opt.state for opt in trainer.optimizers)):
             # a fit that goes on from earlier weights with new optimizers (a second fit of the same Trainer, no
             # checkpoint): the first updates of a fresh optimizer overshoot and settle, as at the start of a run, so
-            # the loss is judged as at the start (its history restarts; the initial level stays)
+            # the loss is judged as at the start (its history restarts; the initial level stays). Not a resume from a
+            # checkpoint: its optimizers are the checkpoint's, even where they keep no state (plain SGD), and the
+            # history was dropped on every such resume
             self._new_normal([])
             self._normal_recent.clear()
         if trainer.ckpt_path is None and (self._lr_ceiling is not None or self._lr_scale != 1.0):
@@ -1735,7 +1739,8 @@ class DivergenceGuard(Monitor):
 
         def replay(grad: bool) -> Any:
             context = precision.train_step_context() if precision is not None else contextlib.nullcontext()
-            with torch.set_grad_enabled(grad), fork_rng_of(devices), context, writes:
+            # a run of the guard's own: the other monitors' hooks (inputs sampled for a check, per-example records) skip it
+            with torch.set_grad_enabled(grad), fork_rng_of(devices), context, writes, dry_run():
                 return pl_module.training_step(_kept(batch), batch_idx)  # a fresh copy: each replay may pop from it
 
         try:
