@@ -668,6 +668,14 @@ def _hub_callback_type() -> type:
             if hub is not None and stage == "fit":
                 hub._finished = True
 
+        def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+            # a fit that raised is over too (Lightning calls no callback's `teardown` then): the next fit of the same
+            # Trainer gets a run id of its own, as after a fit that ended (its alerts went under the failed fit's)
+            hub = self._hub_of(trainer)
+            state = getattr(trainer, "state", None)
+            if hub is not None and state is not None and state.fn == "fit":
+                hub._finished = True
+
         def __getstate__(self) -> dict[str, Any]:
             return {"hub": None}  # the hub holds a weak reference to its trainer: it does not travel
 

@@ -105,3 +105,35 @@ def test_a_new_trainer_in_the_same_folder_continues_the_counts_of_its_alerts_fil
     scalars = tb_scalars(str(folder))
     assert scalars["alerts/count/critical"][0] == (0, 1.0) and scalars["alerts/count/warning"][0] == (0, 1.0)
     assert scalars["alerts/count/info"][-1][1] == 0.0
+
+
+class _RaisesOnceAt(Monitor):
+    """A warning at step 2 of every fit; the first fit then raises at step 4."""
+
+    name = "probe"
+    raised = False
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step in (2, 7):
+            self.alert(trainer.global_step, "odd", "warning", "x")
+        if trainer.global_step == 4 and not self.raised:
+            self.raised = True
+            raise RuntimeError("the step failed")
+
+
+def test_a_fit_after_a_failed_fit_of_the_same_trainer_gets_a_run_id_of_its_own(tmp_path, tiny_gpt):
+    # Lightning calls no callback's `teardown` when a fit raises: the hub did not see the fit end, and the next fit of
+    # the same Trainer wrote its alerts under the failed fit's run id (the report could not tell the two apart)
+    module, loader = tiny_gpt()
+    trainer = pl.Trainer(max_steps=6, accelerator="cpu", logger=TensorBoardLogger(str(tmp_path), name="tb"),
+                         callbacks=[_RaisesOnceAt()], enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False)
+    try:
+        trainer.fit(module, loader)
+    except RuntimeError:
+        pass
+    trainer.fit_loop.epoch_loop.max_steps = 10
+    trainer.fit(module, loader)
+    alerts = read_alerts(os.path.join(trainer.logger.log_dir, "alerts.jsonl"))
+    assert [(a.step, a.kind) for a in alerts] == [(2, "odd"), (7, "odd")]
+    assert alerts[0].run_id and alerts[1].run_id and alerts[0].run_id != alerts[1].run_id
