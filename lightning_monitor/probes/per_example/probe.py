@@ -116,6 +116,37 @@ def _shapes(value: Any) -> list[tuple[int, ...]]:
     return [shape for item in items for shape in _shapes(item)]
 
 
+def _tensors(value: Any) -> list[Tensor]:
+    """The tensors of a call's output, in the order :func:`_shapes` lists them."""
+    if isinstance(value, Tensor):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return [t for item in items for t in _tensors(item)]
+
+
+def _low_precision() -> bool:
+    """Whether the running forward computes in a 16-bit type (autocast on): rows then differ by rounding between a
+    batch and a slice of it far more than in fp32."""
+    for device in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(device):
+                return True
+        except TypeError:  # an older torch: one flag for CUDA only
+            return torch.is_autocast_enabled()
+    return False
+
+
+def _rows_close(alone: Tensor, together: Tensor, loose: bool) -> bool:
+    """Whether the prints of rows computed on a slice of the batch (``alone``) are those of the same rows in the whole
+    batch (``together``), to the rounding a different batch size brings (other kernels, TF32; 16-bit: ``loose``) and
+    no more: a batch statistic moves them by a share of their spread."""
+    if alone.shape != together.shape:
+        return False
+    scale = float(together.abs().max()) if together.numel() else 0.0
+    rtol = 0.1 if loose else 1e-2
+    return bool(((alone - together).abs() <= rtol * (together.abs() + 0.1 * scale) + 1e-30).all())
+
+
 def _scaling_dim(shape: tuple[int, ...], small_shape: tuple[int, ...], batch: int, small: int) -> Union[int, str]:
     """The dimension of a module's input that holds the batch, from the input's shape on the whole batch
     and on a ``small``-example slice of it; or why there is none."""
@@ -903,10 +934,11 @@ class PerExampleGradNorms:
             )
         found = {key: self._bdims[key] for key in todo if isinstance(self._bdims.get(key), (int, _Folded))}
         if found and batch > 1:
-            self._check_layouts(entry, batch, slice_dim, found)
+            self._check_layouts(entry, batch, slice_dim, found, calls)
 
     def _check_layouts(self, entry: tuple[nn.Module, tuple[Any, ...], dict[str, Any]], batch: int, dim: int,
-                       found: dict[tuple[str, tuple[int, ...]], Union[int, _Folded]]) -> None:
+                       found: dict[tuple[str, tuple[int, ...]], Union[int, _Folded]],
+                       calls: Optional[list[tuple[str, tuple[int, ...]]]] = None) -> None:
         """Check the batch dimensions found by scaling against the examples themselves: the entry call is run again
         without gradients on the whole batch, in eval mode (no dropout), in its own order and in others (rolled by
         one, reversed), and each module's rows along its batch dimension must move with their examples. A size that
@@ -917,11 +949,13 @@ class PerExampleGradNorms:
         the eval-mode runs do not call keeps it)."""
         folds = {key: at if isinstance(at, _Folded) else _Folded(at, 1) for key, at in found.items()}
         runs = []
+        outputs: list[Tensor] = []  # the prints of the output's rows, on the batch in its own order
         for order in [list(range(batch))] + _orders(batch):
             inputs: dict[str, dict[tuple[int, ...], tuple[int, list[Tensor]]]] = defaultdict(dict)
             for (name, shape), fold in folds.items():
                 inputs[name][shape] = (fold.dim, [])
-            _, error, _ = self._dry_run(entry, batch, batch, dim, order=order, inputs=inputs)
+            _, error, _ = self._dry_run(entry, batch, batch, dim, order=order, inputs=inputs,
+                                        outputs=None if runs else outputs)
             if error is not None:
                 break
             runs.append((order, inputs))
@@ -949,6 +983,63 @@ class PerExampleGradNorms:
                     f"dimension {at} of its input {shape} changes with the batch size, but its rows do not follow the "
                     "examples (reordering the examples in eval mode did not reorder them the same way: rows taken from "
                     "the batch otherwise, such as the tokens routed to an expert)")
+        # the modules whose rows follow their examples: are those rows the examples' own?
+        kept = {key: fold for key, fold in folds.items() if isinstance(self._bdims.get(key), (int, _Folded))}
+        if runs and calls is not None and kept:
+            self._check_independence(entry, batch, dim, kept, runs[0][1], outputs, calls)
+
+    def _check_independence(self, entry: tuple[nn.Module, tuple[Any, ...], dict[str, Any]], batch: int, dim: int,
+                            folds: dict[tuple[str, tuple[int, ...]], _Folded],
+                            whole: dict[str, dict[tuple[int, ...], tuple[int, list[Tensor]]]], outputs: list[Tensor],
+                            calls: list[tuple[str, tuple[int, ...]]]) -> None:
+        """Check that each example is computed on its own: the first examples run alone (eval mode, no gradients) must
+        give the rows they have in the whole batch, at every hooked module's input and at the call's output. Where they
+        do not, something couples the examples (a batch statistic outside a BatchNorm module: functional batch norm, a
+        batch-centred activation, an in-batch term), and an example's per-example gradient is not that of its own loss
+        for every parameter whose output reaches that coupling: every module the forward called before the last module
+        whose input is coupled is left out (all of them when the output is coupled and no module's input is), as the
+        modules feeding a BatchNorm are. (The per-example parts still add up to the batch gradient, so the probe's own
+        check cannot see it.) Limits: a coupling that only training mode makes is not seen (the runs are in eval mode,
+        where dropout does not differ), nor one in the loss outside the model's call (an in-batch contrastive loss),
+        nor a second coupling after the last module whose input is coupled."""
+        small = 2 if batch > 2 else 1
+        inputs: dict[str, dict[tuple[int, ...], tuple[int, list[Tensor]]]] = defaultdict(dict)
+        for (name, shape), fold in folds.items():
+            inputs[name][shape[:fold.dim] + (small * fold.per,) + shape[fold.dim + 1:]] = (fold.dim, [])
+        alone: list[Tensor] = []
+        _, error, _ = self._dry_run(entry, batch, small, dim, order=list(range(small)), inputs=inputs, outputs=alone)
+        if error is not None:
+            return  # a model that cannot run a slice in eval mode: not judged
+        loose = _low_precision()
+        coupled_at: Optional[str] = None
+        last = -1
+        for (name, shape), fold in folds.items():
+            full = whole.get(name, {}).get(shape, (0, []))[1]
+            part = inputs[name][shape[:fold.dim] + (small * fold.per,) + shape[fold.dim + 1:]][1]
+            if len(full) != len(part):
+                continue
+            if any(not _rows_close(b, a[:small * fold.per], loose) for a, b in zip(full, part)):
+                at = max(i for i, call in enumerate(calls) if call[0] == name)
+                if at > last:
+                    coupled_at, last = name, at
+        if (coupled_at is None and len(outputs) == len(alone)
+                and any(not _rows_close(b, a[:small], loose) for a, b in zip(outputs, alone)
+                        if a.shape[0] == batch and b.shape[0] == small)):
+            # the output is coupled while no module's input is: the coupling comes after the last module (an output
+            # that follows a coupled input says nothing more: a second coupling after that module is not told apart)
+            coupled_at, last = "the model's output", len(calls)
+        if coupled_at is None:
+            return
+        where = coupled_at if coupled_at == "the model's output" else f"{coupled_at!r}'s input"
+        reason = (f"the examples are coupled before {where} (the first examples run alone, in eval mode, give other rows "
+                  "there than in the whole batch: a batch statistic outside a BatchNorm module, such as functional "
+                  "batch norm or a batch-centred activation), so an example's gradient here is not that of its own "
+                  "loss (the per-example contributions are not separable); `method='accumulation'` measures such a "
+                  "model")
+        for name in dict.fromkeys(n for n, _ in calls[:last]):
+            held = self._modules.get(name)
+            if held is not None:
+                self._leave_out(held[2], reason)
 
     def _resolve_inside_entry(self, name: str, shape: tuple[int, ...]) -> Union[int, str, None]:
         """A backward inside the running entry call reached a use whose batch dimension is not known yet: found on the
@@ -975,13 +1066,14 @@ class PerExampleGradNorms:
     def _dry_run(self, entry: tuple[nn.Module, tuple[Any, ...], dict[str, Any]], batch: int, small: int,
                  dim: int, order: Optional[list[int]] = None,
                  inputs: Optional[dict[str, dict[tuple[int, ...], tuple[int, list[Tensor]]]]] = None,
-                 eval_mode: bool = False,
+                 eval_mode: bool = False, outputs: Optional[list[Tensor]] = None,
                  ) -> tuple[list[tuple[str, tuple[int, ...]]], Optional[BaseException], list[tuple[int, ...]]]:
         """Run the entry call without gradients on ``small`` examples of its batch (``batch`` along dimension ``dim``
         of its tensors), leaving no trace; returns the hooked calls it made, its error (if it failed) and the shapes
         of its output. With ``order``: on the examples of those indices, every module in eval mode, and the prints of
         the rows of the hooked modules' inputs named in ``inputs`` (module -> input shape -> batch dimension, prints)
-        added to it. ``eval_mode``: every module in eval mode (else as the real forward runs them)."""
+        added to it. ``eval_mode``: every module in eval mode (else as the real forward runs them). ``outputs``: where
+        given, the prints of the rows along ``dim`` of the output's tensors are appended to it."""
         module, args, kwargs = entry
         attributes = module_attributes(module)
         dry: list[tuple[str, tuple[int, ...]]] = []
@@ -1021,7 +1113,11 @@ class PerExampleGradNorms:
                 warnings.simplefilter("ignore")  # the model's warnings belong to its real calls
                 sliced = _resize_batch(args, batch, small, dim, order), _resize_batch(kwargs, batch, small, dim, order)
                 with writes:
-                    out = _shapes(functional_call(module, buffers, *sliced, strict=False))
+                    result = functional_call(module, buffers, *sliced, strict=False)
+                    out = _shapes(result)
+                    if outputs is not None:
+                        outputs.extend(_row_prints(t, dim) for t in _tensors(result) if t.dim() > dim
+                                       and t.is_floating_point())
         except Exception as err:  # the model may require its batch size: the modules stay unresolved
             error = err
         finally:
