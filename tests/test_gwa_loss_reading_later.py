@@ -10,6 +10,8 @@ it is left unscored and said, as in any later batch."""
 
 from __future__ import annotations
 
+import re
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -92,6 +94,8 @@ def test_a_reading_that_stops_fitting_the_loss_is_said(tmp_path, loss, said):
     if said:  # at the first check where its misfit is already above the rounding, else at a later epoch's
         assert len(switched) == 1
         assert switched[0].step == 1 or (switched[0].step > 6 and "taken at step" in switched[0].message)
+        if switched[0].step > 1:  # the epochs scored before were read with the reading that stopped fitting: said
+            assert re.search(r"epochs scored before step \d+ were read with it", switched[0].message)
     else:  # each reading alone is exact: the closed form all run
         assert not switched
     # the last epoch (read from the gradient where the reading stopped fitting) against autograd's per-row gradients

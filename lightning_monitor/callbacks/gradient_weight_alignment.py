@@ -1618,7 +1618,9 @@ class GradientWeightAlignmentMonitor(Monitor):
                 f"The gradient of `{self._head_name}`'s output at step {step} no longer fits the reading of the loss "
                 f"taken at step {self._check_step_done} ({said}): near the start's uniform softmax the loss passed for "
                 "it, and the sharper softmax of later steps parts them (a temperature with label smoothing, soft "
-                "targets smoothed again ...).")
+                "targets smoothed again, logits clamped ...). The epochs scored before step "
+                f"{step} were read with it: their logged values stay as they are and may be off, as may a best "
+                "epoch picked among them.")
 
     def _reading(self) -> dict[str, Any]:
         """The reading of the loss adopted (keyword arguments of :func:`head_gradient_agreement`)."""
