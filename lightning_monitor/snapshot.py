@@ -263,8 +263,9 @@ class TrainingSnapshot:
         path: the file holding the tensors, when kept on disk; else ``None``.
         group_sizes: per optimizer, the number of parameters of each group when it was taken (``None``: read
             from the stored state).
-        first_of_fit: taken as a fit started from a state training had reached (a resume): the state before its
-            step's update that no earlier step of this fit produced, a target even for an anomaly at that step.
+        own_step_target: the state before its step's update, a target even for an anomaly at that step: taken as a
+            fit started from a state training had reached (a resume), or before the update of a step whose loss or
+            gradient was non-finite (a bad batch) with the weights found intact.
         module_keys: the names of the module's state it holds (``None``: read from the stored state).
         optimizer_types: per optimizer, its class when it was taken (``None``: read from the stored state, which
             may predate the field: then each optimizer is taken for the one saved).
@@ -276,7 +277,7 @@ class TrainingSnapshot:
     path: Optional[str] = None
     guard: dict[str, Any] = field(default_factory=dict)
     group_sizes: Optional[list[list[int]]] = None
-    first_of_fit: bool = False
+    own_step_target: bool = False
     module_keys: Optional[frozenset[str]] = None
     #: the shape of each tensor of the module's state it holds (``None``: read from the stored state)
     module_shapes: Optional[dict[str, tuple[int, ...]]] = None

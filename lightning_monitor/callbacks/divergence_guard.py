@@ -483,6 +483,7 @@ class DivergenceGuard(Monitor):
         # the first step of a fit is computed with weights that nothing has updated since the state the guard carries
         # (a checkpoint's, or the previous fit's in the same Trainer)
         self._resume_step = trainer.global_step
+        self._normal_in_fit = 0  # steps of this fit judged normal (their updates kept)
         if trainer.world_size > 1:
             self._say_uneven_ranks(trainer)
         if self.idle_reason is None:
@@ -512,7 +513,7 @@ class DivergenceGuard(Monitor):
             self._snapshot_now(trainer, pl_module)
             if self._snapshots:
                 # the checkpoint's own state: an anomaly at this very step (a bad batch) goes back to it, not to a stop
-                self._snapshots[-1].first_of_fit = True
+                self._snapshots[-1].own_step_target = True
 
     def _say_uneven_ranks(self, trainer: pl.Trainer) -> None:
         """Warn (once a fit, one reduction) when the ranks plan different numbers of optimizer steps: each step's
@@ -757,6 +758,9 @@ class DivergenceGuard(Monitor):
                 first_bad = step if first_bad is None else min(first_bad, step)
             # refused unless every step judged so far was normal and every parameter and buffer is finite
             self._snapshot(trainer, pl_module, step, not critical, module_state)
+        if (critical and on_host and first_bad == step and self.snapshot_every_n_steps is not None
+                and all(r.startswith(("non-finite loss", "non-finite gradient")) for r in critical)):
+            self._snapshot_before_bad_batch(trainer, pl_module, step)
         if critical or due:
             self._verdict = (step, critical, first_bad)
 
@@ -838,7 +842,7 @@ class DivergenceGuard(Monitor):
             new_episode = self._healed_since(recent[-1]["step"])
             if due:
                 new_episode = self.decide(trainer, new_episode, all=True)
-            new_episode = new_episode or self._weights_intact(trainer, pl_module, step)
+            new_episode = new_episode or self._intact_now(trainer, pl_module, step)
         if new_episode:
             recent = []
         reasons = "; ".join(critical) if critical else "a critical alert on another rank"
@@ -955,6 +959,7 @@ class DivergenceGuard(Monitor):
                 first_bad = start
             critical += reasons
             if loss is not None and math.isfinite(loss) and start is None:
+                self._normal_in_fit += 1
                 self._normal_recent.append((s, loss))
                 self._note_lr(s)
                 if loss != 0.0:
@@ -1376,6 +1381,17 @@ class DivergenceGuard(Monitor):
             return False
         now, then = self._replayed(trainer, pl_module, refs)
         return now is not None and math.isfinite(now) and now <= self.blowup * max(then, 1e-12)
+
+    def _intact_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int,
+                    module_state: Optional[dict[str, Any]] = None) -> bool:
+        """:meth:`_weights_intact`; before any step of the fit was judged normal, the weights are those the fit started
+        from (every update since was of a non-finite step, its gradients zeroed, or undone), which no batch vouches
+        for yet but their finiteness: a bad first batch and a bad second one were taken for a repeat, and the rate was
+        halved. Every rank calls this at the same point."""
+        if self.__dict__.get("_normal_in_fit", 1) == 0:
+            state = pl_module.state_dict() if module_state is None else module_state
+            return self.decide(trainer, self._all_finite(state, self._infinite_by_design), all=True)
+        return self._weights_intact(trainer, pl_module, step)
 
     def _replayed(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                   refs: list[tuple[tuple[Any, int], float]]) -> tuple[Optional[float], float]:
@@ -1869,15 +1885,34 @@ class DivergenceGuard(Monitor):
         ok = self._all_finite(module_state, self._infinite_by_design)
         self._snapshot(trainer, pl_module, trainer.global_step, ok, module_state)
 
+    def _snapshot_before_bad_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        """This step's own loss or gradient norm is non-finite, judged before its update (one process's values read at
+        once: on CPU), every earlier step normal: the state now, before the update, is the last good one if the
+        weights are intact (every parameter and buffer finite, and the last normal batches losing about what they lost;
+        at the fit's first step, the state it started from, which nothing vouches for but its finiteness). Kept as a
+        snapshot an anomaly at this very step goes back to, so that the rollback undoes this batch alone: going back to
+        the last check's snapshot undid up to ``snapshot_every_n_steps`` good updates and their scheduler steps with it
+        (a run with one bad batch in ten kept 120 of 300 updates), and at the first step, with no snapshot yet, the run
+        was stopped. Every rank calls this at the same point (the judged values are the ranks' mean)."""
+        module_state = pl_module.state_dict()
+        if not self._intact_now(trainer, pl_module, step, module_state):
+            return
+        snap = self._snapshot(trainer, pl_module, step, True, module_state, despite="nonfinite")
+        if snap is not None:
+            snap.own_step_target = True
+
     def _snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, ok: bool,
-                  module_state: Optional[dict[str, Any]] = None) -> None:
-        """Take a snapshot if every rank found its steps since the last check normal."""
-        active = any(sev != "info" for (kind, _), sev in self._conditions.items() if kind != "data_shift")
+                  module_state: Optional[dict[str, Any]] = None,
+                  despite: Optional[str] = None) -> Optional[TrainingSnapshot]:
+        """Take a snapshot if every rank found its steps since the last check normal (``despite``: a condition raised by
+        this step's own values, which the state before its update predates); returns it."""
+        active = any(sev != "info" for (kind, _), sev in self._conditions.items()
+                     if kind not in ("data_shift", despite))
         # nor while the smoothed loss creeps up (warned or not), or sits closer to the creep limit than to its lowest
         # value: the weights of a slow divergence are no "last good"
         ok = ok and not active and self._loss_watch.run == 0 and self._creep_start is None and not self._creep_high
         if not self.decide(trainer, ok, all=True):
-            return
+            return None
         # a snapshot newer than the last judged step is provisional (its steps may still turn out anomalous):
         # it does not push out a confirmed one. The ones the new snapshot pushes out give it their memory.
         def confirmed(at: int) -> bool:
@@ -1905,6 +1940,7 @@ class DivergenceGuard(Monitor):
         self._snapshots.append(snap)
         oldest = self._snapshots[0].step
         self._seen = [e for e in self._seen if e[0] >= oldest]
+        return snap
 
     def _episode(self, step: int) -> list[dict[str, Any]]:
         """The rollbacks of the episode at ``step``: those within ``rollback_window`` steps, from the last one that
@@ -1931,7 +1967,7 @@ class DivergenceGuard(Monitor):
         vouched = self._vouched(first_bad)
         newest = list(reversed(self._snapshots))
         known = self._hard_batch_first(
-            [s for s in newest if s.step <= vouched or (s.first_of_fit and s.step == first_bad)])
+            [s for s in newest if s.step <= vouched or (s.own_step_target and s.step == first_bad)])
         for snap in known + [s for s in newest if vouched < s.step < first_bad]:
             misfit = snap.mismatch(trainer)
             self._misfit = self._misfit or misfit
