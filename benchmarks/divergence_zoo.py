@@ -593,9 +593,12 @@ def evaluate(s: Scenario, res: dict[str, dict[str, dict[str, Any]]]) -> dict[str
         stops = [a.get("details") or {} for a in guard["alerts"] if a["kind"] == "stopped"]
         to_step = guard["rollbacks"][0]["to_step"] if guard["rollbacks"] else (stops[0].get("to_step") if stops else None)
         # the state the first action went back to (a rollback's snapshot, or what a stop saved) predates the
-        # explosion, and the weights end finite: nothing of the blow-up was kept
-        row["restored_before"] = bool(to_step is not None and row["explosion"] is not None
-                                      and to_step < row["explosion"] and guard["finite"])
+        # explosion, and the weights end finite: nothing of the blow-up was kept. A snapshot of step t holds the state
+        # before t's update: for a non-finite batch injected at the explosion step, the state of that step predates it
+        # (its loss is the batch's fault); for weights that diverged, the explosion step's own state is already theirs
+        before = (to_step <= row["explosion"] if row.get("nonfinite_injection") else to_step < row["explosion"]
+                  ) if to_step is not None and row["explosion"] is not None else False
+        row["restored_before"] = bool(before and guard["finite"])
     return row
 
 
