@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_monitor as lm
 
-N, B, NAN_AT = 1280, 16, 24  # 80 batches; a NaN loss at step 24 rolls back to the snapshot of step 20
+N, B, NAN_AT = 1280, 16, 24  # 80 batches; a NaN loss at step 24
 
 
 class _Clf(pl.LightningModule):
@@ -50,18 +50,64 @@ def _fit(x, y, nan_at, guard, tmp_path):
     return gwa.history[-1], model
 
 
-def test_a_rollback_leaves_no_undone_batch_in_the_epoch(tmp_path):
+@pytest.mark.parametrize("lag, undone", [(None, [24]), (1, [20, 21, 22, 23, 24, 25])])
+def test_a_rollback_leaves_no_undone_batch_in_the_epoch(tmp_path, lag, undone):
+    # judged at once (one CPU process), the NaN batch is undone alone: the guard keeps the state before its update;
+    # judged a step late (as on a GPU), the rollback goes back to the check's snapshot of step 20
     g = torch.Generator().manual_seed(0)
     x = torch.randn(N, 8, generator=g)
     y = (x @ torch.randn(8, 4, generator=g)).argmax(-1)
-    guard = lm.DivergenceGuard(every_n_steps=5)
+    guard = lm.DivergenceGuard(every_n_steps=5, lag_steps=lag)
     rolled, model = _fit(x, y, NAN_AT, guard, tmp_path / "rolled")
     assert [(r["step"], r["to_step"], [b for _, b in r["batches"]]) for r in guard.rollbacks] == [
-        (24, 20, [20, 21, 22, 23, 24])]
-    kept = torch.cat([torch.arange(0, 20 * B), torch.arange(25 * B, N)])  # the batches the rolled-back run trained on
+        (undone[-1], undone[0], undone)]
+    # the batches the rolled-back run trained on
+    kept = torch.cat([torch.arange(0, undone[0] * B), torch.arange((undone[-1] + 1) * B, N)])
     straight, twin = _fit(x[kept], y[kept], None, None, tmp_path / "straight")
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)  # the same updates
-    assert rolled["count"] == straight["count"] == N - 5 * B and rolled["negative"] == straight["negative"]
+    assert rolled["count"] == straight["count"] == N - len(undone) * B and rolled["negative"] == straight["negative"]
     for key in ("mean", "kurtosis", "score"):
         assert rolled[key] == pytest.approx(straight[key], rel=1e-6, abs=1e-9), key
+
+
+def test_snapshots_share_the_history_and_a_long_epoch_keeps_few_steps(tmp_path, monkeypatch):
+    # thousands of epochs: every snapshot (every 10 steps) copied GWA's whole per-epoch history (11 ms a snapshot at
+    # 3,000 epochs, five times the guard's cost a step at 100); now the records, which never change once made, are held
+    # by reference. And one long epoch with a small head kept every scored step unfolded (the element bound took
+    # 327,680 steps with 2 classes and batch 8): at most 256 are kept (8 times as many while a reading of the loss is
+    # being checked, as here all epoch long: 16 a step cap in this test, 128 steps)
+    import lightning_monitor.callbacks.gradient_weight_alignment as module
+    from lightning_monitor.snapshot import Shared
+
+    monkeypatch.setattr(module, "_FLUSH_STEPS", 16, raising=False)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 8, generator=g)
+    y = (x @ torch.randn(8, 4, generator=g)).argmax(-1)
+
+    class Peek(pl.Callback):
+        stash = 0
+        held: list = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.stash = max(self.stash, len(gwa._stash))
+            snaps = guard._snapshots
+            if snaps:
+                self.held.append(snaps[-1].state()["monitors"][next(k for k in snaps[-1].state()["monitors"]
+                                                                    if "GradientWeight" in k)]["history"])
+
+    gwa, guard, peek = lm.GradientWeightAlignmentMonitor(every_n_steps=1, warmup_epochs=0), lm.DivergenceGuard(), Peek()
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=3, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                         callbacks=[gwa, guard, peek])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(_Clf(None), DataLoader(TensorDataset(x.repeat(4, 1), y.repeat(4)), batch_size=4))
+    assert len(gwa.history) == 3 and trainer.global_step == 3 * 4 * N // 4
+    assert 0 < peek.stash <= 8 * 16
+    assert all(type(h) is Shared for h in peek.held)
+    # one object per epoch's history, shared by every snapshot taken while it stood
+    assert len({id(h) for h in peek.held}) == len({len(h) for h in peek.held}) <= 3
+    assert [dict(h) for h in peek.held[-1]] == gwa.history[: len(peek.held[-1])]

@@ -28,6 +28,7 @@ from lightning_monitor._values import publish, write_csv
 from lightning_monitor._args import check_bool, check_fraction, check_int, deprecated_aliases, resolve_callable
 from lightning_monitor._compat import backward_skipped, steps_per_epoch
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch, reading_weights
+from lightning_monitor.snapshot import Shared
 from lightning_monitor.probes import call_args, in_dry_run
 from lightning_monitor.functional.gwa import (
     GWA_OFFSET,
@@ -51,6 +52,10 @@ _TARGET_KEYS = ("y", "target", "targets", "label", "labels", "target_values")  #
 _HIST_BINS = 100
 _FLUSH_ELEMENTS = 1 << 20  # kept logit + W z elements before scoring (4 MiB in fp32)
 _SNAPSHOT_STASHES = 8  # the guard's newest snapshots whose unfolded steps are held (see snapshot_state)
+#: kept steps folded at once, whatever their size: with a small head (2 classes, batch 8) the element bound above took
+#: 327,680 steps at the preset's cadence, and the kept steps, six tensors each, and every snapshot's list of them grew
+#: all epoch long
+_FLUSH_STEPS = 256
 _MIN_SAMPLES = 4
 #: the least weight an epoch's scores get in the run's per-sample means (an epoch with no negative score: its
 #: scores still count, so a sample first scored then has a mean)
@@ -608,8 +613,11 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._timed_warmup: Optional[int] = state.get("timed_warmup")
 
     def state_dict(self) -> dict[str, Any]:
+        return self._state(history=[dict(h) for h in self.history])
+
+    def _state(self, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
         state = super().state_dict()
-        state.update(history=[dict(h) for h in self.history], stopped_epoch=self.stopped_epoch, **self._selection_state())
+        state.update(history=history, stopped_epoch=self.stopped_epoch, **self._selection_state())
         # the cadence min_epoch_samples chose (once per fit): a resumed run scores at it from its first step, as the run
         # it continues did (it went back to the configured cadence until its first scored step, and an epoch resumed
         # at its end scored 192 samples against 256)
@@ -634,7 +642,12 @@ class GradientWeightAlignmentMonitor(Monitor):
         folded into them stay on the device, held here by reference for the newest ``_SNAPSHOT_STASHES`` snapshots
         (folding them at every snapshot cost 1% of a small model's step: one fold per scored step instead of one per
         few dozen)."""
-        state = self.state_dict()
+        # the per-epoch records, which never change once made, by reference (one shared tuple until the next record)
+        key = (id(self.history), len(self.history), id(self.history[-1]) if self.history else None)
+        cached = self.__dict__.get("_shared_history")
+        if cached is None or cached[0] != key:
+            cached = self._shared_history = (key, Shared(self.history))
+        state = self._state(history=cached[1])
         if self.idle_reason is None and self._epoch_open is not None:
             self._stash_key += 1
             # the state before this step's update: its own batch's scores are not in it (they stay kept, unfolded,
@@ -1371,7 +1384,8 @@ class GradientWeightAlignmentMonitor(Monitor):
         # were read the wrong way (within reason). This step's own batches stay
         # kept until its update: a snapshot of the guard taken before the update leaves them out (see snapshot_state)
         settled = self._check_state in ("done", "recheck") and self._recheck_counts is None
-        if self._stashed >= _FLUSH_ELEMENTS * (1 if settled else 8):
+        if (self._stashed >= _FLUSH_ELEMENTS * (1 if settled else 8)
+                or len(self._stash) >= _FLUSH_STEPS * (1 if settled else 8)):
             self._flush(before=self._batch_step)
 
     def _shifted(self, targets: Tensor) -> Tensor:
