@@ -536,6 +536,15 @@ def test_input_capture_merges_calls_as_one_uniform_sample_and_skips_the_identity
     sq = torch.randn(5, 5)
     lora_a(sq)
     torch.testing.assert_close(cap.take()["a"], sq)
+    # a call on the identity that raised (its output never came): the layer's next call, and what it feeds, are data
+    cap.arm()
+    with pytest.raises(RuntimeError):
+        lora_a(torch.eye(5, dtype=torch.float64))  # the weight is fp32
+    h = lora_a(x)
+    lora_b(h)
+    rows = cap.take()
+    torch.testing.assert_close(rows["a"], x)
+    torch.testing.assert_close(rows["b"], h.detach())
 
 
 def test_a_layer_shared_across_calls_is_aligned_on_all_its_inputs_and_recomputation_is_not_read(tmp_path):

@@ -758,7 +758,8 @@ class DivergenceGuard(Monitor):
                 first_bad = step if first_bad is None else min(first_bad, step)
             # refused unless every step judged so far was normal and every parameter and buffer is finite
             self._snapshot(trainer, pl_module, step, not critical, module_state)
-        if (critical and on_host and first_bad == step and self.snapshot_every_n_steps is not None
+        if (critical and on_host and trainer.world_size == 1 and first_bad == step and self.action != "warn"
+                and self.snapshot_every_n_steps is not None
                 and all(r.startswith(("non-finite loss", "non-finite gradient")) for r in critical)):
             self._snapshot_before_bad_batch(trainer, pl_module, step)
         if critical or due:
@@ -842,7 +843,7 @@ class DivergenceGuard(Monitor):
             new_episode = self._healed_since(recent[-1]["step"])
             if due:
                 new_episode = self.decide(trainer, new_episode, all=True)
-            new_episode = new_episode or self._intact_now(trainer, pl_module, step)
+            new_episode = new_episode or self._weights_intact(trainer, pl_module, step)
         if new_episode:
             recent = []
         reasons = "; ".join(critical) if critical else "a critical alert on another rank"
@@ -1384,10 +1385,11 @@ class DivergenceGuard(Monitor):
 
     def _intact_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int,
                     module_state: Optional[dict[str, Any]] = None) -> bool:
-        """:meth:`_weights_intact`; before any step of the fit was judged normal, the weights are those the fit started
-        from (every update since was of a non-finite step, its gradients zeroed, or undone), which no batch vouches
-        for yet but their finiteness: a bad first batch and a bad second one were taken for a repeat, and the rate was
-        halved. Every rank calls this at the same point."""
+        """Whether the state before this step's update may be kept (:meth:`_snapshot_before_bad_batch`):
+        :meth:`_weights_intact`, and before any step of the fit was judged normal, the finiteness of the weights, which
+        are then those the fit started from (every update since was of a non-finite step, its gradients zeroed, or
+        undone) and which no batch vouches for yet. (Whether a rollback opens a new episode is still asked of the
+        batches alone: a model whose every batch is non-finite from the first goes on counting repeats, and stops.)"""
         if self.__dict__.get("_normal_in_fit", 1) == 0:
             state = pl_module.state_dict() if module_state is None else module_state
             return self.decide(trainer, self._all_finite(state, self._infinite_by_design), all=True)
@@ -1886,14 +1888,15 @@ class DivergenceGuard(Monitor):
         self._snapshot(trainer, pl_module, trainer.global_step, ok, module_state)
 
     def _snapshot_before_bad_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
-        """This step's own loss or gradient norm is non-finite, judged before its update (one process's values read at
-        once: on CPU), every earlier step normal: the state now, before the update, is the last good one if the
+        """This step's own loss or gradient norm is non-finite, judged before its update (one process on CPU: its values
+        read at once; not under ``action="warn"``, which restores nothing), every earlier step normal: the state now,
+        before the update, is the last good one if the
         weights are intact (every parameter and buffer finite, and the last normal batches losing about what they lost;
         at the fit's first step, the state it started from, which nothing vouches for but its finiteness). Kept as a
         snapshot an anomaly at this very step goes back to, so that the rollback undoes this batch alone: going back to
         the last check's snapshot undid up to ``snapshot_every_n_steps`` good updates and their scheduler steps with it
-        (a run with one bad batch in ten kept 120 of 300 updates), and at the first step, with no snapshot yet, the run
-        was stopped. Every rank calls this at the same point (the judged values are the ranks' mean)."""
+        (a run with one bad batch in ten kept 120 of 300 updates), and a bad first batch, with no snapshot yet, stopped
+        a healthy run (a model whose every batch is non-finite still stops: its rollbacks count as repeats)."""
         module_state = pl_module.state_dict()
         if not self._intact_now(trainer, pl_module, step, module_state):
             return

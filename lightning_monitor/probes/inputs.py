@@ -18,6 +18,8 @@ run with the monitor draws the same dropout masks and batches as a run without i
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import random
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional
@@ -47,14 +49,14 @@ class InputCapture:
         self.max_rows = max_rows
         self.seed = seed
         self._handles: dict[str, list[RemovableHandle]] = {}
-        self._captured: dict[str, Tensor] = {}
-        self._counts: dict[str, int] = {}  # rows the calls of the step held, per layer (the sample's population)
+        # per layer, the samples of its calls of the step not merged yet: (rows, the rows of the calls they sample)
+        self._captured: dict[str, list[tuple[Tensor, int]]] = {}
+        self._held: dict[str, int] = {}  # rows those samples hold, per layer
         # outputs of calls on the identity this step (their consumers are on the identity's path too), and the layers
         # whose running call is one
         self._identity_outputs: list[Tensor] = []
         self._on_identity: set[str] = set()
         self._generators: dict[torch.device, torch.Generator] = {}
-        self._host = random.Random(seed)  # how many rows each call gives to a merged sample
         #: while set, calls are not read (the validation loop, run between the micro-batches of an armed step)
         self.paused = False
 
@@ -85,13 +87,13 @@ class InputCapture:
         """The rows captured since :meth:`arm` (``name -> (rows, in)``; layers that did not run are
         absent); removes the remaining hooks and drops the capture's references."""
         self.disarm()
-        out, self._captured, self._counts = self._captured, {}, {}
-        return out
+        parts, self._captured, self._held = self._captured, {}, {}
+        return {name: self._merge(kept)[0] for name, kept in parts.items()}
 
     def release(self) -> None:
         """Forget everything captured and remove every hook."""
         self.disarm()
-        self._captured, self._counts = {}, {}
+        self._captured, self._held = {}, {}
         self.paused = False
 
     # ------------------------------------------------------------------ internals
@@ -119,6 +121,7 @@ class InputCapture:
             x = args[0]
             if in_backward():
                 return  # a recomputation by activation checkpointing: the forward read these rows already
+            self._on_identity.discard(name)  # left by a call on the identity that raised (its post hook did not run)
             if any(x is t for t in self._identity_outputs) or _is_identity(module, x):
                 self._on_identity.add(name)  # its output is on the identity's path too (see the post hook)
                 return
@@ -142,25 +145,39 @@ class InputCapture:
         return hook
 
     def _keep(self, name: str, rows: Tensor, n: int) -> None:
-        """Add a call's sample ``rows`` (at most ``max_rows`` of its ``n`` rows, uniformly) to the layer's sample of the
-        step: the merged sample is again a uniform one of all the calls' rows. How many come from the earlier calls is
-        drawn as the sample of all would hold (hypergeometric), and that many are taken at random from each side."""
-        held = self._captured.get(name)
-        if held is None:
-            self._captured[name], self._counts[name] = rows, n
-            return
-        before = self._counts[name]
-        total = before + n
-        if total <= self.max_rows:
-            merged = torch.cat([held, rows.to(held.dtype)])
-        else:
-            k = sum(1 for i in self._host.sample(range(total), self.max_rows) if i < before)
-            gen = self._generator(held.device)
-            parts = [held.index_select(0, torch.randperm(held.shape[0], generator=gen, device=held.device)[:k]),
-                     rows.index_select(0, torch.randperm(rows.shape[0], generator=gen, device=rows.device)
-                                       [:self.max_rows - k]).to(device=held.device, dtype=held.dtype)]
-            merged = torch.cat(parts)
-        self._captured[name], self._counts[name] = merged, total
+        """Add a call's sample ``rows`` (at most ``max_rows`` of its ``n`` rows, uniformly) to the layer's samples of the
+        step, merged into one when they hold more than eight times ``max_rows`` rows (and at :meth:`take`)."""
+        parts = self._captured.setdefault(name, [])
+        parts.append((rows, n))
+        held = self._held.get(name, 0) + rows.shape[0]
+        if len(parts) > 1 and held > 8 * self.max_rows:
+            merged = self._merge(parts)
+            self._captured[name], held = [merged], merged[0].shape[0]
+        self._held[name] = held
+
+    def _merge(self, parts: list[tuple[Tensor, int]]) -> tuple[Tensor, int]:
+        """One uniform sample of at most ``max_rows`` of all the rows the ``parts`` sample: ``max_rows`` positions are
+        drawn among all those rows, and each part gives as many of its rows, at random, as positions fell in it (the
+        counts of a sample of the whole, hypergeometric), so every row of every call is as likely as any other."""
+        if len(parts) == 1:
+            return parts[0]
+        total = sum(n for _, n in parts)
+        first = parts[0][0]
+        if sum(r.shape[0] for r, _ in parts) <= self.max_rows and all(r.shape[0] == n for r, n in parts):
+            return torch.cat([r.to(device=first.device, dtype=first.dtype) for r, _ in parts]), total
+        cpu = self._generator(torch.device("cpu"))
+        draw = random.Random(int(torch.randint(0, 2**62, (1,), generator=cpu)))
+        bounds = list(itertools.accumulate(n for _, n in parts))
+        counts = [0] * len(parts)
+        for i in draw.sample(range(total), min(self.max_rows, total)):
+            counts[bisect.bisect_right(bounds, i)] += 1
+        taken = []
+        for (rows, _), c in zip(parts, counts):
+            if c:
+                gen = self._generator(rows.device)
+                idx = torch.randperm(rows.shape[0], generator=gen, device=rows.device)[:c]
+                taken.append(rows.index_select(0, idx).to(device=first.device, dtype=first.dtype))
+        return torch.cat(taken), total
 
     def sample(self, x: Tensor) -> Tensor:
         """At most ``max_rows`` random rows of ``x`` flattened to ``(-1, x.shape[-1])``, detached."""
@@ -204,16 +221,11 @@ class InputCapture:
             return (rows, population) if counted else rows
 
     def state_dict(self) -> dict[str, Optional[Any]]:
-        version, internal, gauss = self._host.getstate()
-        return {"generators": {str(d): g.get_state() for d, g in self._generators.items()},
-                "host": [version, list(internal), gauss]}
+        return {"generators": {str(d): g.get_state() for d, g in self._generators.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for device, g_state in state.get("generators", {}).items():
             self._generator(torch.device(device)).set_state(g_state)
-        host = state.get("host")
-        if host is not None:  # absent from a checkpoint saved before it existed
-            self._host.setstate((host[0], tuple(host[1]), host[2]))
 
 
 def _is_identity(module: nn.Module, x: Tensor) -> bool:
@@ -222,4 +234,4 @@ def _is_identity(module: nn.Module, x: Tensor) -> bool:
     size = getattr(module, "in_features", None)
     if x.dim() != 2 or x.shape[0] != x.shape[1] or x.shape[1] != size or x.requires_grad:
         return False
-    return bool(torch.equal(x, torch.eye(size, dtype=x.dtype, device=x.device)))
+    return bool(x.diagonal().eq(1).all()) and int(torch.count_nonzero(x)) == size

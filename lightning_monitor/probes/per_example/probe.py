@@ -124,16 +124,15 @@ def _tensors(value: Any) -> list[Tensor]:
     return [t for item in items for t in _tensors(item)]
 
 
-def _low_precision() -> bool:
-    """Whether the running forward computes in a 16-bit type (autocast on): rows then differ by rounding between a
-    batch and a slice of it far more than in fp32."""
-    for device in ("cpu", "cuda"):
-        try:
-            if torch.is_autocast_enabled(device):
-                return True
-        except TypeError:  # an older torch: one flag for CUDA only
-            return torch.is_autocast_enabled()
-    return False
+def _low_precision(module: nn.Module) -> bool:
+    """Whether the running forward computes in a 16-bit type (autocast on, or the module's own parameters 16-bit): rows
+    then differ by rounding between a batch and a slice of it far more than in fp32."""
+    if any(p.dtype in (torch.float16, torch.bfloat16) for p in module.parameters()):
+        return True
+    try:
+        return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+    except TypeError:  # an older torch: a flag per device type
+        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
 
 
 def _rows_close(alone: Tensor, together: Tensor, loose: bool) -> bool:
@@ -142,9 +141,14 @@ def _rows_close(alone: Tensor, together: Tensor, loose: bool) -> bool:
     no more: a batch statistic moves them by a share of their spread."""
     if alone.shape != together.shape:
         return False
-    scale = float(together.abs().max()) if together.numel() else 0.0
+    # rows holding an infinity (logits masked with -inf) print as +-inf or NaN: compared as they are (the same where both
+    # are NaN), the finite ones to a tolerance of their scale
+    finite = torch.isfinite(together) & torch.isfinite(alone)
+    same = (alone == together) | (alone.isnan() & together.isnan())
+    scale = float(together[finite].abs().max()) if bool(finite.any()) else 0.0
     rtol = 0.1 if loose else 1e-2
-    return bool(((alone - together).abs() <= rtol * (together.abs() + 0.1 * scale) + 1e-30).all())
+    near = (alone - together).abs() <= rtol * (together.abs() + 0.1 * scale) + 1e-30
+    return bool(torch.where(finite, near, same).all())
 
 
 def _scaling_dim(shape: tuple[int, ...], small_shape: tuple[int, ...], batch: int, small: int) -> Union[int, str]:
@@ -459,7 +463,10 @@ class PerExampleGradNorms:
     (``[B * T, d]``) is split per example if its rows are example-major. Every dimension found is then checked against
     the examples themselves: three more runs of the call on the whole batch, in eval mode (in its order, rolled by
     one, reversed), whose rows must move with their examples (:meth:`_check_layouts`: a size that follows the batch's
-    by coincidence, as an expert's routed tokens, is left out; a fold only if its rows are shown to follow). The result is kept per module and input shape,
+    by coincidence, as an expert's routed tokens, is left out; a fold only if its rows are shown to follow), and one
+    more on the first examples alone, whose rows at each module's input and at the call's output must be those they
+    have in the whole batch (:meth:`_check_independence`: examples coupled by something other than a BatchNorm
+    module, such as functional batch norm, leave the modules feeding the coupling out). The result is kept per module and input shape,
     so the extra small forward runs once per new shape. A model that fails on the slice (one that
     requires a fixed batch size) leaves the modules of that call uncovered, with the reason;
     ``batch_dims`` declares them instead. With the batch's size known (below), the other dimensions of that size
@@ -949,7 +956,7 @@ class PerExampleGradNorms:
         the eval-mode runs do not call keeps it)."""
         folds = {key: at if isinstance(at, _Folded) else _Folded(at, 1) for key, at in found.items()}
         runs = []
-        outputs: list[Tensor] = []  # the prints of the output's rows, on the batch in its own order
+        outputs: list[tuple[Tensor, int]] = []  # the prints of the output's rows (and their length), in the batch's order
         for order in [list(range(batch))] + _orders(batch):
             inputs: dict[str, dict[tuple[int, ...], tuple[int, list[Tensor]]]] = defaultdict(dict)
             for (name, shape), fold in folds.items():
@@ -990,7 +997,8 @@ class PerExampleGradNorms:
 
     def _check_independence(self, entry: tuple[nn.Module, tuple[Any, ...], dict[str, Any]], batch: int, dim: int,
                             folds: dict[tuple[str, tuple[int, ...]], _Folded],
-                            whole: dict[str, dict[tuple[int, ...], tuple[int, list[Tensor]]]], outputs: list[Tensor],
+                            whole: dict[str, dict[tuple[int, ...], tuple[int, list[Tensor]]]],
+                            outputs: list[tuple[Tensor, int]],
                             calls: list[tuple[str, tuple[int, ...]]]) -> None:
         """Check that each example is computed on its own: the first examples run alone (eval mode, no gradients) must
         give the rows they have in the whole batch, at every hooked module's input and at the call's output. Where they
@@ -1006,11 +1014,11 @@ class PerExampleGradNorms:
         inputs: dict[str, dict[tuple[int, ...], tuple[int, list[Tensor]]]] = defaultdict(dict)
         for (name, shape), fold in folds.items():
             inputs[name][shape[:fold.dim] + (small * fold.per,) + shape[fold.dim + 1:]] = (fold.dim, [])
-        alone: list[Tensor] = []
+        alone: list[tuple[Tensor, int]] = []
         _, error, _ = self._dry_run(entry, batch, small, dim, order=list(range(small)), inputs=inputs, outputs=alone)
         if error is not None:
             return  # a model that cannot run a slice in eval mode: not judged
-        loose = _low_precision()
+        loose = _low_precision(entry[0])
         coupled_at: Optional[str] = None
         last = -1
         for (name, shape), fold in folds.items():
@@ -1023,8 +1031,8 @@ class PerExampleGradNorms:
                 if at > last:
                     coupled_at, last = name, at
         if (coupled_at is None and len(outputs) == len(alone)
-                and any(not _rows_close(b, a[:small], loose) for a, b in zip(outputs, alone)
-                        if a.shape[0] == batch and b.shape[0] == small)):
+                and any(not _rows_close(b, a[:small], loose) for (a, wa), (b, wb) in zip(outputs, alone)
+                        if a.shape[0] == batch and b.shape[0] == small and wa == wb)):
             # the output is coupled while no module's input is: the coupling comes after the last module (an output
             # that follows a coupled input says nothing more: a second coupling after that module is not told apart)
             coupled_at, last = "the model's output", len(calls)
@@ -1066,14 +1074,14 @@ class PerExampleGradNorms:
     def _dry_run(self, entry: tuple[nn.Module, tuple[Any, ...], dict[str, Any]], batch: int, small: int,
                  dim: int, order: Optional[list[int]] = None,
                  inputs: Optional[dict[str, dict[tuple[int, ...], tuple[int, list[Tensor]]]]] = None,
-                 eval_mode: bool = False, outputs: Optional[list[Tensor]] = None,
+                 eval_mode: bool = False, outputs: Optional[list[tuple[Tensor, int]]] = None,
                  ) -> tuple[list[tuple[str, tuple[int, ...]]], Optional[BaseException], list[tuple[int, ...]]]:
         """Run the entry call without gradients on ``small`` examples of its batch (``batch`` along dimension ``dim``
         of its tensors), leaving no trace; returns the hooked calls it made, its error (if it failed) and the shapes
         of its output. With ``order``: on the examples of those indices, every module in eval mode, and the prints of
         the rows of the hooked modules' inputs named in ``inputs`` (module -> input shape -> batch dimension, prints)
         added to it. ``eval_mode``: every module in eval mode (else as the real forward runs them). ``outputs``: where
-        given, the prints of the rows along ``dim`` of the output's tensors are appended to it."""
+        given, the prints of the rows along ``dim`` of the output's tensors (with the rows' length) are appended to it."""
         module, args, kwargs = entry
         attributes = module_attributes(module)
         dry: list[tuple[str, tuple[int, ...]]] = []
@@ -1115,9 +1123,9 @@ class PerExampleGradNorms:
                 with writes:
                     result = functional_call(module, buffers, *sliced, strict=False)
                     out = _shapes(result)
-                    if outputs is not None:
-                        outputs.extend(_row_prints(t, dim) for t in _tensors(result) if t.dim() > dim
-                                       and t.is_floating_point())
+                    if outputs is not None:  # each row's print, with the row's length (a model may trim its padding)
+                        outputs.extend((_row_prints(t, dim), t.numel() // max(t.shape[dim], 1))
+                                       for t in _tensors(result) if t.dim() > dim and t.is_floating_point())
         except Exception as err:  # the model may require its batch size: the modules stay unresolved
             error = err
         finally:
