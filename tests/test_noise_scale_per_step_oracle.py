@@ -193,13 +193,15 @@ def test_a_rollback_to_before_a_freeze_starts_the_averages_again(tmp_path) -> No
     x, y = _data(B * 60)
     model = _NaNOnce(at=27)
     logger = TensorBoardLogger(str(tmp_path), name="tb")
-    guard = DivergenceGuard()
+    # judged a step late (as on a GPU): the rollback goes back to the check's snapshot of step 20, before the freeze (judged
+    # at once, the NaN batch alone is undone, from the state of its own step)
+    guard = DivergenceGuard(lag_steps=1)
     mon = GradientNoiseScaleMonitor(every_n_steps=1, smoothing=0.9, per_layer=False)
     pl.Trainer(accelerator="cpu", max_steps=35, logger=logger, callbacks=[_FreezeAt("net.0", 25), mon, guard],
                log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                enable_model_summary=False).fit(model, DataLoader(TensorDataset(x, y), batch_size=B))
-    assert [(r["step"], r["to_step"]) for r in guard.rollbacks] == [(27, 20)]
+    assert [(r["step"], r["to_step"]) for r in guard.rollbacks] == [(28, 20)]
     restarts = [json.loads(line)["step"] for line in open(os.path.join(logger.log_dir, "alerts.jsonl"))
                 if json.loads(line)["kind"] == "averages_restarted"]
-    assert restarts == [25, 28]  # at the freeze, and at the first check after the rollback
-    assert mon.ema.count == 35 - 28 and mon._ema_names == {"net.2.weight", "net.2.bias"}
+    assert restarts == [25, 29]  # at the freeze, and at the first check after the rollback
+    assert mon.ema.count == 35 - 29 and mon._ema_names == {"net.2.weight", "net.2.bias"}
