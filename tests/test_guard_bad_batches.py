@@ -115,3 +115,88 @@ def test_under_warn_no_state_is_kept_for_a_bad_batch(tmp_path, monkeypatch):
     trainer, _ = _fit(tmp_path, _Batches({115}), [DivergenceGuard(action="warn")], STEPS)
     guard = next(c for c in trainer.callbacks if isinstance(c, DivergenceGuard))
     assert not guard.rollbacks and not asked
+
+
+class _EpochDecay(_Reg):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+
+
+def test_a_bad_last_batch_of_an_epoch_keeps_the_epochs_scheduler_step(tmp_path):
+    # Lightning steps epoch-interval schedulers at the epoch's last batch before `on_train_batch_end`, where the
+    # rollback restored the scheduler with the rest: a bad last batch in each of 4 epochs held a StepLR at its first rate
+    per_epoch = 20
+    bad = {per_epoch - 1 + per_epoch * e for e in range(4)}
+
+    def fit(data, steps, callbacks):
+        pl.seed_everything(0, verbose=False)
+        trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, callbacks=callbacks,
+                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                             default_root_dir=tmp_path, limit_train_batches=len(data) // 4)
+        model = _EpochDecay()
+        trainer.fit(model, DataLoader(data, batch_size=None))
+        return trainer, model
+
+    data = _Batches(set())
+    data.batches = data.batches[:80]
+    for i in bad:
+        data.batches[i] = (data.batches[i][0], data.batches[i][1].clone().fill_(float("nan")))
+    trainer, model = fit(data, 80, [DivergenceGuard()])
+    guard = next(c for c in trainer.callbacks if isinstance(c, DivergenceGuard))
+    assert [r["step"] for r in guard.rollbacks] == sorted(bad)
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 4
+    kept = _Batches(set())
+    kept.batches = [b for i, b in enumerate(data.batches) if i not in bad]
+    plain_trainer, plain = fit(kept, 76, [])
+    assert plain_trainer.lr_scheduler_configs[0].scheduler.last_epoch == 4
+    for a, b in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("guard_first", [True, False])
+def test_an_average_of_the_weights_listed_after_the_guard_takes_no_undone_update(tmp_path, guard_first):
+    # listed after the guard, Lightning's EMA took the restored weights in once more at the end of the step (3e-5 off
+    # the run trained without the bad batches); listed before it, it was exact
+    averaging = pytest.importorskip("lightning.pytorch.callbacks").__dict__.get("EMAWeightAveraging")
+    if averaging is None:
+        pytest.skip("EMAWeightAveraging needs a newer Lightning")
+    bad = {40, 41, 42, 50}
+    guard, ema = DivergenceGuard(), averaging(decay=0.9)
+    _, model = _fit(tmp_path / "guarded", _Batches(bad), [guard, ema] if guard_first else [ema, guard], STEPS)
+    assert [r["step"] for r in guard.rollbacks] == sorted(bad)
+    plain_ema = averaging(decay=0.9)
+    _, plain = _fit(tmp_path / "plain", _Batches(bad, drop=True), [plain_ema], STEPS - len(bad))
+    for a, b in zip(model.parameters(), plain.parameters()):  # the average, put into the model at the fit's end
+        assert torch.equal(a, b)
+
+
+class _Normed(_Reg):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1))
+
+
+def test_a_nan_input_in_the_first_batch_of_a_batchnorm_model_goes_back_to_the_fits_start(tmp_path):
+    # the NaN input made the running statistics NaN in the first forward: no state after it was intact and the first
+    # check kept none, so the run was stopped at step 0. A fresh fit now keeps the state it starts from
+    def fit(data, steps, callbacks):
+        pl.seed_everything(0, verbose=False)
+        trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, callbacks=callbacks,
+                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                             default_root_dir=tmp_path)
+        model = _Normed()
+        trainer.fit(model, DataLoader(data, batch_size=None))
+        return trainer, model
+
+    data = _Batches(set())
+    data.batches[0] = (data.batches[0][0].clone().index_fill_(0, torch.tensor([3]), float("nan")), data.batches[0][1])
+    trainer, model = fit(data, STEPS, [DivergenceGuard()])
+    guard = next(c for c in trainer.callbacks if isinstance(c, DivergenceGuard))
+    assert guard.stopped_step is None and [(r["step"], r["to_step"]) for r in guard.rollbacks] == [(0, 0)]
+    kept = _Batches(set())
+    kept.batches = data.batches[1:]
+    _, plain = fit(kept, STEPS - 1, [])
+    for (name, a), b in zip(model.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name

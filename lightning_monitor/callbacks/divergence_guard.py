@@ -155,8 +155,8 @@ class _WeightAverage:
     the fit: a run rolled back once ended with weights far worse than its own (held-out loss 2.57 against 1.47 for the
     raw weights). Restored in place, with the step and epoch of its last update."""
 
-    def __init__(self, averaging: Any) -> None:
-        self.averaging = averaging
+    def __init__(self, averaging: Any, trainer: Optional[pl.Trainer] = None) -> None:
+        self.averaging, self.trainer = averaging, trainer
 
     def state_dict(self) -> dict[str, Any]:
         cb = self.averaging
@@ -167,7 +167,10 @@ class _WeightAverage:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         cb = self.averaging
-        cb._latest_update_step = state["latest_update_step"]
+        # its last update no earlier than this step: listed after the guard, the average took the restored weights in
+        # once more at the end of the step (an update the run trained without the undone steps never makes)
+        now = self.trainer.global_step if self.trainer is not None else 0
+        cb._latest_update_step = max(state["latest_update_step"], now)
         cb._latest_update_epoch = state["latest_update_epoch"]
         if "average" in state and cb._average_model is not None:
             with torch.no_grad():
@@ -503,11 +506,13 @@ class DivergenceGuard(Monitor):
             self._normal_recent.clear()
         if trainer.ckpt_path is None and (self._lr_ceiling is not None or self._lr_scale != 1.0):
             self._lift_lr_ceiling(trainer)
-        if (self.idle_reason is None and trainer.global_step > 0 and self.snapshot_every_n_steps is not None
+        if (self.idle_reason is None and self.snapshot_every_n_steps is not None
                 and (not self._snapshots or (adopted and self._snapshots[-1].step < trainer.global_step))):
             # a resumed run (or a later fit) starts from a state that training reached and left normal (the snapshots
             # in host memory did not travel with the checkpoint): kept at once, else an anomaly at the first check
-            # after the resume found no snapshot to go back to and stopped the run. Also beside the snapshot files
+            # after the resume found no snapshot to go back to and stopped the run. A fresh fit's too: a NaN input in
+            # the first batch of a BatchNorm model made its statistics NaN before the first check, which then kept no
+            # snapshot, and the run was stopped at step 0. Also beside the snapshot files
             # adopted from `snapshot_dir`, which are older: a NaN right after the resume went back to the newest
             # file, undoing the steps between it and the checkpoint as well
             self._snapshot_now(trainer, pl_module)
@@ -1811,7 +1816,7 @@ class DivergenceGuard(Monitor):
         if WeightAveraging is not None:
             averages = [cb for cb in trainer.callbacks if isinstance(cb, WeightAveraging)]
             needed = ("_latest_update_step", "_latest_update_epoch", "_average_model")
-            out.update({f"WeightAveraging[{i}]": _WeightAverage(cb) for i, cb in enumerate(averages)
+            out.update({f"WeightAveraging[{i}]": _WeightAverage(cb, trainer) for i, cb in enumerate(averages)
                         if all(hasattr(cb, a) for a in needed)})
         return out
 
@@ -2151,6 +2156,12 @@ class DivergenceGuard(Monitor):
         lr_now = self._float_lrs(trainer) if rates is None else rates
         self._clear_conditions(step, "Rolled back.")
         self._restore_keeping_frozen(trainer, pl_module, snap, self._monitors(trainer))
+        loop = trainer.fit_loop.epoch_loop
+        if snap.epoch == trainer.current_epoch and loop._num_ready_batches_reached():
+            # the epoch ends with this batch: Lightning stepped its epoch-interval schedulers before this hook, and the
+            # restore took that step back with the undone ones (a bad last batch in each of 4 epochs held a StepLR at
+            # its first rate): the epoch's step is made again, as Lightning makes it
+            loop.update_lr_schedulers("epoch", update_plateau_schedulers=False)
         self._load_detector_state(snap.guard)
         # other monitors' critical alerts not yet acted on describe steps now undone: they go with them (else the next
         # check would roll back again for them)
