@@ -56,14 +56,15 @@ class _Reg(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def _fit(tmp_path, data: Dataset, callbacks: list, max_steps: int) -> tuple[pl.Trainer, _Reg]:
+def _fit(tmp_path, data: Dataset, callbacks: list, max_steps: int, model: type = _Reg,
+         **trainer_kw) -> tuple[pl.Trainer, _Reg]:
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, callbacks=callbacks,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         default_root_dir=tmp_path)
-    model = _Reg()
-    trainer.fit(model, DataLoader(data, batch_size=None))
-    return trainer, model
+                         default_root_dir=tmp_path, **trainer_kw)
+    module = model()
+    trainer.fit(module, DataLoader(data, batch_size=None))
+    return trainer, module
 
 
 @pytest.mark.parametrize("bad", [{0}, {5}, {20}, {9, 10, 11}])
@@ -130,13 +131,7 @@ def test_a_bad_last_batch_of_an_epoch_keeps_the_epochs_scheduler_step(tmp_path):
     bad = {per_epoch - 1 + per_epoch * e for e in range(4)}
 
     def fit(data, steps, callbacks):
-        pl.seed_everything(0, verbose=False)
-        trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, callbacks=callbacks,
-                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                             default_root_dir=tmp_path, limit_train_batches=len(data) // 4)
-        model = _EpochDecay()
-        trainer.fit(model, DataLoader(data, batch_size=None))
-        return trainer, model
+        return _fit(tmp_path, data, callbacks, steps, _EpochDecay, limit_train_batches=len(data) // 4)
 
     data = _Batches(set())
     data.batches = data.batches[:80]
@@ -182,13 +177,7 @@ def test_a_nan_input_in_the_first_batch_of_a_batchnorm_model_goes_back_to_the_fi
     # the NaN input made the running statistics NaN in the first forward: no state after it was intact and the first
     # check kept none, so the run was stopped at step 0. A fresh fit now keeps the state it starts from
     def fit(data, steps, callbacks):
-        pl.seed_everything(0, verbose=False)
-        trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, callbacks=callbacks,
-                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                             default_root_dir=tmp_path)
-        model = _Normed()
-        trainer.fit(model, DataLoader(data, batch_size=None))
-        return trainer, model
+        return _fit(tmp_path, data, callbacks, steps, _Normed)
 
     data = _Batches(set())
     data.batches[0] = (data.batches[0][0].clone().index_fill_(0, torch.tensor([3]), float("nan")), data.batches[0][1])
