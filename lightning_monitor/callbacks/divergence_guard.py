@@ -2157,7 +2157,8 @@ class DivergenceGuard(Monitor):
         self._clear_conditions(step, "Rolled back.")
         self._restore_keeping_frozen(trainer, pl_module, snap, self._monitors(trainer))
         loop = trainer.fit_loop.epoch_loop
-        if snap.epoch == trainer.current_epoch and loop._num_ready_batches_reached():
+        last = getattr(loop, "_num_ready_batches_reached", None)
+        if snap.epoch == trainer.current_epoch and last is not None and last() and hasattr(loop, "update_lr_schedulers"):
             # the epoch ends with this batch: Lightning stepped its epoch-interval schedulers before this hook, and the
             # restore took that step back with the undone ones (a bad last batch in each of 4 epochs held a StepLR at
             # its first rate): the epoch's step is made again, as Lightning makes it

@@ -230,7 +230,7 @@ class InputCapture:
 
 def _is_identity(module: nn.Module, x: Tensor) -> bool:
     """Whether ``x`` is the identity matrix of ``module``'s input size (PEFT DoRA's call for its weight norm): checked
-    only on a square 2-D input of that size made outside autograd (one comparison, on due steps)."""
+    only on a square 2-D input of that size made outside autograd (two reductions, on due steps)."""
     size = getattr(module, "in_features", None)
     if x.dim() != 2 or x.shape[0] != x.shape[1] or x.shape[1] != size or x.requires_grad:
         return False
