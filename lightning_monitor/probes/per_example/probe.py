@@ -1027,7 +1027,7 @@ class PerExampleGradNorms:
             if len(full) != len(part):
                 continue
             if any(not _rows_close(b, a[:small * fold.per], loose) for a, b in zip(full, part)):
-                at = max(i for i, call in enumerate(calls) if call[0] == name)
+                at = max((i for i, call in enumerate(calls) if call[0] == name), default=-1)
                 if at > last:
                     coupled_at, last = name, at
         if (coupled_at is None and len(outputs) == len(alone)
