@@ -146,13 +146,15 @@ def main() -> None:
     rollbacks = diverging["rollbacks"]
     # rescued: no stop, every step trained, and the loss at the end below the last good state's
     rescued = bool(rollbacks) and diverging["stopped_step"] is None and diverging["steps"] == steps
-    rescued = rescued and diverging["train_loss"] < rollbacks[0]["loss_before"]
+    # (the loss level of the state the first rollback restored: none where it was the state the fit started from)
+    before = rollbacks[0]["loss_before"] if rollbacks else None
+    rescued = rescued and before is not None and diverging["train_loss"] < before
     # the healthy run: nothing about divergence and nothing critical (a coverage note is information, not alarm)
     clean = not [a for a in healthy["alerts"] if a.severity == "critical" or a.monitor == "guard"]
     ok = clean and rescued
     print(f"\nThe healthy run was never rolled back or stopped and raised nothing critical; the diverging run was rolled back {len(rollbacks)} time(s) and went on "
           f"learning (train loss {diverging['train_loss']:.3f} at the end, "
-          f"{rollbacks[0]['loss_before']:.3f} before the first explosion)." if ok
+          f"{before:.3f} before the first explosion)." if ok
           else "\nUnexpected outcome: see the alerts above.")
     print(f"\nLook at it: tensorboard --logdir {args.root}")
 
