@@ -1375,30 +1375,20 @@ class DivergenceGuard(Monitor):
             lost = [(kept, then) for t, kept, then in self._informative_refs if t < before]
         return lost or refs
 
-    def _weights_intact(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> bool:
+    def _weights_intact(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int,
+                        module_state: Optional[dict[str, Any]] = None) -> bool:
         """Whether the weights came through a non-finite step unharmed (every rank calls this at the same point, the
         answer is the same on all): every parameter and buffer is finite, and the last normal batches, evaluated again
         with the present weights, lose about what they lost then (less than ``blowup`` times it). The non-finite
-        value then came from the batch (its gradients were zeroed), not from weights on their way out."""
+        value then came from the batch (its gradients were zeroed), not from weights on their way out.
+        ``module_state``: ``pl_module.state_dict()`` when the caller has it."""
         refs = self._references(step) or self._refs_before
-        ok = bool(refs) and self._replayable(pl_module) and self._all_finite(pl_module.state_dict(),
-                                                                             self._infinite_by_design)
+        state = pl_module.state_dict() if module_state is None and refs else module_state
+        ok = bool(refs) and self._replayable(pl_module) and self._all_finite(state, self._infinite_by_design)
         if not self.decide(trainer, ok, all=True):
             return False
         now, then = self._replayed(trainer, pl_module, refs)
         return now is not None and math.isfinite(now) and now <= self.blowup * max(then, 1e-12)
-
-    def _intact_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int,
-                    module_state: Optional[dict[str, Any]] = None) -> bool:
-        """Whether the state before this step's update may be kept (:meth:`_snapshot_before_bad_batch`):
-        :meth:`_weights_intact`, and before any step of the fit was judged normal, the finiteness of the weights, which
-        are then those the fit started from (every update since was of a non-finite step, its gradients zeroed, or
-        undone) and which no batch vouches for yet. (Whether a rollback opens a new episode is still asked of the
-        batches alone: a model whose every batch is non-finite from the first goes on counting repeats, and stops.)"""
-        if self.__dict__.get("_normal_in_fit", 1) == 0:
-            state = pl_module.state_dict() if module_state is None else module_state
-            return self.decide(trainer, self._all_finite(state, self._infinite_by_design), all=True)
-        return self._weights_intact(trainer, pl_module, step)
 
     def _replayed(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                   refs: list[tuple[tuple[Any, int], float]]) -> tuple[Optional[float], float]:
@@ -1901,9 +1891,16 @@ class DivergenceGuard(Monitor):
         snapshot an anomaly at this very step goes back to, so that the rollback undoes this batch alone: going back to
         the last check's snapshot undid up to ``snapshot_every_n_steps`` good updates and their scheduler steps with it
         (a run with one bad batch in ten kept 120 of 300 updates), and a bad first batch, with no snapshot yet, stopped
-        a healthy run (a model whose every batch is non-finite still stops: its rollbacks count as repeats)."""
+        a healthy run (a model whose every batch is non-finite still stops: whether a rollback opens a new episode is
+        asked of the batches alone, so its rollbacks count as repeats)."""
         module_state = pl_module.state_dict()
-        if not self._intact_now(trainer, pl_module, step, module_state):
+        if self.__dict__.get("_normal_in_fit", 1) == 0:
+            # no step of the fit judged normal yet: the weights are those it started from (every update since was of a
+            # non-finite step, its gradients zeroed, or undone), which no batch vouches for yet but their finiteness
+            intact = self.decide(trainer, self._all_finite(module_state, self._infinite_by_design), all=True)
+        else:
+            intact = self._weights_intact(trainer, pl_module, step, module_state)
+        if not intact:
             return
         snap = self._snapshot(trainer, pl_module, step, True, module_state, despite="nonfinite")
         if snap is not None:

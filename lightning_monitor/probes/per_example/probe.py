@@ -110,14 +110,11 @@ def _resize_batch(value: Any, batch: int, size: int, dim: int = 0, order: Option
 
 def _shapes(value: Any) -> list[tuple[int, ...]]:
     """The shapes of the tensors in a call's output (through lists, tuples and dicts, as a ``ModelOutput``)."""
-    if isinstance(value, Tensor):
-        return [tuple(value.shape)]
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
-    return [shape for item in items for shape in _shapes(item)]
+    return [tuple(t.shape) for t in _tensors(value)]
 
 
 def _tensors(value: Any) -> list[Tensor]:
-    """The tensors of a call's output, in the order :func:`_shapes` lists them."""
+    """The tensors of a call's output (through lists, tuples and dicts, as a ``ModelOutput``), in order."""
     if isinstance(value, Tensor):
         return [value]
     items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
@@ -1011,9 +1008,11 @@ class PerExampleGradNorms:
         where dropout does not differ), nor one in the loss outside the model's call (an in-batch contrastive loss),
         nor a second coupling after the last module whose input is coupled."""
         small = 2 if batch > 2 else 1
+        # each module's input shape on the slice: its batch dimension holds the slice's rows
+        sliced = {key: key[1][:fold.dim] + (small * fold.per,) + key[1][fold.dim + 1:] for key, fold in folds.items()}
         inputs: dict[str, dict[tuple[int, ...], tuple[int, list[Tensor]]]] = defaultdict(dict)
         for (name, shape), fold in folds.items():
-            inputs[name][shape[:fold.dim] + (small * fold.per,) + shape[fold.dim + 1:]] = (fold.dim, [])
+            inputs[name][sliced[(name, shape)]] = (fold.dim, [])
         alone: list[tuple[Tensor, int]] = []
         _, error, _ = self._dry_run(entry, batch, small, dim, order=list(range(small)), inputs=inputs, outputs=alone)
         if error is not None:
@@ -1023,7 +1022,7 @@ class PerExampleGradNorms:
         last = -1
         for (name, shape), fold in folds.items():
             full = whole.get(name, {}).get(shape, (0, []))[1]
-            part = inputs[name][shape[:fold.dim] + (small * fold.per,) + shape[fold.dim + 1:]][1]
+            part = inputs[name][sliced[(name, shape)]][1]
             if len(full) != len(part):
                 continue
             if any(not _rows_close(b, a[:small * fold.per], loose) for a, b in zip(full, part)):
