@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -10,8 +11,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_monitor import GradientEarlyStopping
 
@@ -154,3 +159,62 @@ def test_ddp_two_ranks_take_the_same_grace_end_reference(tmp_path: Path) -> None
     assert r0["reference"] == r1["reference"]  # derived from all-reduced values: bit-identical
     assert r0["global_step"] == r1["global_step"] == 12
     assert r0["weights"] == pytest.approx(r1["weights"], rel=1e-6)
+
+
+class LateBlockLM(pl.LightningModule):
+    """Two blocks; the second joins the forward at step ``join`` (a staged model), and every gradient shrinks
+    geometrically (the loss is scaled by ``0.85 ** step``), so each block's statistic falls far below its first values."""
+
+    def __init__(self, join: int) -> None:
+        super().__init__()
+        self.join = join
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+        self.head = nn.Linear(8, 1)
+        self.first_grad: dict[str, int] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = torch.tanh(self.blocks[0](x))
+        if self.global_step >= self.join:
+            h = h + torch.tanh(self.blocks[1](h))
+        return (0.85 ** self.global_step) * F.mse_loss(self.head(h).squeeze(-1), y)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        for i, block in enumerate(self.blocks):
+            if block.weight.grad is not None:
+                self.first_grad.setdefault(f"blocks.{i}", self.global_step)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def test_early_reference_of_a_component_that_joins_later_is_its_own_first_values(tmp_path: Path) -> None:
+    # the run's first three checks (steps 0-2) see no gradient of blocks.1: its reference is the mean of its own first
+    # three statistics (steps 20-22), and it freezes once its statistic falls below tau of that. Before, its reference
+    # was 0 (a sum of nothing), its ratio inf: it never froze (and, counted for the stop once used, kept a run with
+    # stop=True from stopping)
+    torch.manual_seed(0)
+    x = torch.randn(2048, 8)
+    loader = DataLoader(TensorDataset(x, x.sum(-1)), batch_size=8)
+    cb = GradientEarlyStopping(include=["blocks.*"], reference_at="early", reference_checks=3, tau=0.5, smoothing=0.0,
+                               every_n_steps=1, grace_steps=5, min_loss_progress=None, stop=False)
+    logger = CSVLogger(tmp_path)
+    model = LateBlockLM(join=20)
+    _trainer(tmp_path, [cb], max_steps=80, logger=logger).fit(model, loader)
+    rows = _csv_rows(logger)
+    assert model.first_grad == {"blocks.0": 0, "blocks.1": 20}
+    stat = {s: rows[s]["grades/blocks.1/stat"] for s in (20, 21, 22)}
+    reference = float(np.mean(list(stat.values())))
+    assert cb.reference()[cb.components.index("blocks.1")].item() == pytest.approx(reference, rel=1e-5)
+    # judged from its third value on: frozen at the first check whose (raw) statistic is below tau * reference
+    below = [s for s in sorted(rows) if s >= 22 and rows[s].get("grades/blocks.1/stat", np.inf) < 0.5 * reference]
+    assert cb.frozen["blocks.1"] == below[0]
+    assert rows[below[0]]["grades/blocks.1/ratio"] == pytest.approx(rows[below[0]]["grades/blocks.1/stat"] / reference,
+                                                                    rel=1e-5)
+
+
+def test_early_reference_waits_for_a_component_without_values() -> None:
+    cb = GradientEarlyStopping(reference_at="early", reference_checks=2)
+    cb._ref_sum, cb._ref_cnt = torch.tensor([3.0, 0.0]), torch.tensor([2.0, 0.0])
+    ref = cb.reference()
+    assert ref[0].item() == 1.5 and math.isnan(ref[1].item())  # not a reference of 0 (which never lets it freeze)

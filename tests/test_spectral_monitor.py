@@ -345,6 +345,54 @@ def test_sigma_growth_rule_against_a_geometric_series():
     assert nan["sigma_growth"] == float("inf")
 
 
+class StagedNet(pl.LightningModule):
+    """A layer with a large top singular value that joins the forward at step ``join``; no weight ever changes (lr 0)."""
+
+    def __init__(self, join: int) -> None:
+        super().__init__()
+        self.join = join
+        self.a, self.b, self.head = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 2)
+        with torch.no_grad():
+            self.b.weight.mul_(10.0)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = torch.tanh(self.a(x))
+        if self.global_step >= self.join:
+            h = torch.tanh(self.b(h))
+        return F.cross_entropy(self.head(h), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_sigma_growth_compares_the_layers_measured_at_both_checks(tmp_path):
+    # a layer that starts being called is no growth: the largest sigma_1 over the layers measured now was compared
+    # with that over the layers measured growth_window steps before (8.3x per 25 steps logged, and a sigma_growth
+    # warning at step 60, with every weight constant)
+    torch.manual_seed(0)
+    x = torch.randn(512, 16)
+    data = DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8)
+    model = StagedNet(join=50)
+    mon = SpectralAlignmentMonitor(every_n_steps=5, growth_window=25, max_sigma_growth=1.35, patience=3,
+                                   baseline_checks=2)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    trainer(tmp_path, [mon], 80, logger=logger).fit(model, data)
+    acc = EventAccumulator(logger.log_dir)
+    acc.Reload()
+    sigma_max = {e.step: e.value for e in acc.Scalars("sa/sigma_max")}
+    growth = {e.step: e.value for e in acc.Scalars("sa/sigma_growth")}
+    oracle = {n: torch.linalg.svdvals(getattr(model, n).weight.detach())[0].item() for n in ("a", "b")}
+    assert sigma_max[45] == pytest.approx(oracle["a"], rel=1e-4) and sigma_max[50] == pytest.approx(oracle["b"], rel=1e-4)
+    assert {50, 55, 60, 65, 70, 75} <= set(growth)
+    assert all(v == pytest.approx(1.0, abs=1e-5) for v in growth.values())
+    assert not [a for a in mon.hub.history if a.kind == "sigma_growth"]
+    # a layer present at both checks still carries the growth: sigma_1 of `a` x2 between steps 25 and 50
+    mon2, _ = _rule_monitor(baseline_checks=1, growth_window=25)
+    mon2._update_rule(25, {"a": 0.9}, {"a": 1.0})
+    assert mon2._update_rule(50, {"a": 0.9, "b": 0.9}, {"a": 2.0, "b": 0.5})["sigma_growth"] == pytest.approx(2.0)
+
+
 # ----------------------------------------------------------------------------- state
 def test_singular_vectors_persist_in_checkpoint_and_resume(tmp_path):
     pl.seed_everything(0)

@@ -168,7 +168,8 @@ class GradientEarlyStopping(Monitor):
             Deprecated alias: ``components``.
         exclude: glob patterns of module names that are never components.
         reference_checks: number of first checks whose mean is the relative reference (>= 1), with
-            ``reference_at="early"``.
+            ``reference_at="early"``: each component's first checks with a gradient (one that joins the
+            forward later takes its reference then, and is judged once it has this many values).
         reference_at: where the relative reference is taken: ``"early"`` (the first ``reference_checks``
             checks) or ``"grace_end"`` (the smoothed statistic at the first check at or after the end of
             the grace period); see above.
@@ -322,15 +323,16 @@ class GradientEarlyStopping(Monitor):
 
     def reference(self) -> Optional[Tensor]:
         """The per-component reference ``r_c`` (see ``reference_at``), or ``None`` before any. With
-        ``reference_at="grace_end"``: ``None`` until the end of the grace period, then NaN for a component
-        whose reference is not taken yet."""
+        ``reference_at="grace_end"``: ``None`` until the end of the grace period; NaN for a component whose
+        reference is not taken yet (early: before its first value)."""
         if self._ref_sum is None or self._ref_cnt is None:
             return None
         if self.reference_at == "grace_end":
             if self._n_ref_checks < 1:  # host-side: no device sync
                 return None
             return torch.where(self._ref_cnt > 0, self._ref_sum, torch.full_like(self._ref_sum, float("nan")))
-        return self._ref_sum / self._ref_cnt.clamp(min=1.0)
+        return torch.where(self._ref_cnt > 0, self._ref_sum / self._ref_cnt.clamp(min=1.0),
+                           torch.full_like(self._ref_sum, float("nan")))
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -792,10 +794,13 @@ class GradientEarlyStopping(Monitor):
         finite = torch.isfinite(full)
         self._move_state(device, n)
         late = self.reference_at == "grace_end"
-        if not late and self._n_ref_checks < self.reference_checks:
-            self._ref_sum = self._ref_sum + torch.where(finite, full, torch.zeros_like(full))
-            self._ref_cnt = self._ref_cnt + finite.float()
-            self._n_ref_checks += 1
+        if not late:
+            # each component's first `reference_checks` values (a component without a gradient at the run's first
+            # checks, one that joins the forward later, takes its reference from its own first values)
+            take = finite & (self._ref_cnt < self.reference_checks)
+            self._ref_sum = self._ref_sum + torch.where(take, full, torch.zeros_like(full))
+            self._ref_cnt = self._ref_cnt + take.float()
+            self._n_ref_checks = min(self._n_ref_checks + 1, self.reference_checks)
         if self._smoothed is None:
             smoothed = full
         else:  # a component without a value yet starts its EMA at its first finite value
@@ -803,7 +808,10 @@ class GradientEarlyStopping(Monitor):
             smoothed = torch.where(finite, ema, self._smoothed)
         self._smoothed = smoothed
         past_grace = step >= (self.grace_end or 0)
-        judgeable: Optional[Tensor] = None  # grace_end: the components whose reference predates this check
+        # the components whose reference is complete: with grace_end, taken before this check; early, from as many
+        # values as `reference_checks`
+        judgeable: Optional[Tensor] = (self._ref_cnt >= self.reference_checks
+                                       if not late and self.threshold == "relative" else None)
         if late and self.threshold == "relative" and past_grace:
             # the reference is the smoothed (all-reduced) statistic at the first check past the grace period,
             # taken once per component: the same on every rank

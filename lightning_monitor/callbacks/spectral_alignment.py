@@ -43,7 +43,7 @@ Rules (model level; every threshold is relative to the run's own history):
   ``patience`` consecutive checks (a condition that comes and goes at the threshold is said once, not at
   every return).
 * **sigma_growth.** ``sigma_growth`` is the growth of the largest ``sigma_1`` over the monitored layers
-  per ``growth_window`` steps; at or above ``max_sigma_growth`` for ``patience`` consecutive checks it
+  (those measured at both checks) per ``growth_window`` steps; at or above ``max_sigma_growth`` for ``patience`` consecutive checks it
   raises a ``sigma_growth`` alert (``sigma_growth_severity``, a warning by default), cleared as above. Coherent inputs
   make ``sigma_1`` grow step after step; in our benchmark this rule warned earliest on runs with
   LayerNorm (see ``docs/spectral_alignment.md``).
@@ -638,16 +638,20 @@ class SpectralAlignmentMonitor(Monitor):
     def sigma_growth(self, step: int, sigma: dict[str, float]) -> float:
         """Growth of the largest top singular value over the monitored layers, ``sigma_max``, per
         ``growth_window`` steps, measured from the latest stored check at least ``growth_window`` steps
-        back: ``(sigma_max(t) / sigma_max(t0)) ** (growth_window / (t - t0))``; 1 while no check lies
-        that far back. A non-finite ``sigma_1`` gives ``inf``."""
+        back: ``(sigma_max(t) / sigma_max(t0)) ** (growth_window / (t - t0))``, both maxima over the layers
+        measured at both checks (a layer that starts or stops being called between them is no growth); 1 while
+        no check lies that far back. A non-finite ``sigma_1`` gives ``inf``."""
         far = [(t, sig) for t, sig in self._sigma_history if t <= step - self.growth_window]
         if not far:
             return 1.0
         t0, ref = far[-1]
-        now = max(sigma.values())
-        if not (now == now and abs(now) != float("inf")):
+        if not all(v == v and abs(v) != float("inf") for v in sigma.values()):
             return float("inf")
-        before = max(ref.values())
+        both = [name for name in sigma if name in ref]
+        if not both:
+            return 1.0
+        now = max(sigma[name] for name in both)
+        before = max(ref[name] for name in both)
         if not before > 0:
             return 1.0
         return (now / before) ** (self.growth_window / (step - t0))
