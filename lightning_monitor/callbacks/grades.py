@@ -790,7 +790,7 @@ class GradientEarlyStopping(Monitor):
         n = len(self._names)
         position = {name: i for i, name in enumerate(self._names)}
         index = torch.tensor([position[a] for a in active], device=device)
-        full = torch.full((n,), float("nan"), device=device).index_copy(0, index, stat)
+        full = torch.full((n,), float("nan"), device=device, dtype=stat.dtype).index_copy(0, index, stat)
         finite = torch.isfinite(full)
         self._move_state(device, n)
         late = self.reference_at == "grace_end"
@@ -968,7 +968,7 @@ class GradientEarlyStopping(Monitor):
                 return mean_abs(grads)  # type: ignore[arg-type]
             device = comps[0].weight.device
             present = [g for g in grads if g is not None]
-            out = torch.full((len(comps),), float("nan"), device=device)
+            out = torch.full((len(comps),), float("nan"), device=device, dtype=torch.float32)  # as mean_abs
             if present:
                 idx = torch.tensor([i for i, g in enumerate(grads) if g is not None], device=device)
                 out = out.index_copy(0, idx, mean_abs(present))
@@ -1006,8 +1006,8 @@ class GradientEarlyStopping(Monitor):
 
     def _move_state(self, device: torch.device, n: int) -> None:
         if self._ref_sum is None or self._ref_cnt is None or self._ref_sum.numel() != n:
-            self._ref_sum = torch.zeros(n, device=device)
-            self._ref_cnt = torch.zeros(n, device=device)
+            self._ref_sum = torch.zeros(n, device=device, dtype=torch.float32)
+            self._ref_cnt = torch.zeros(n, device=device, dtype=torch.float32)
             self._n_ref_checks = 0
             self._smoothed = None
         elif self._ref_sum.device != device:

@@ -1310,8 +1310,10 @@ class PerExampleGradNorms:
             rows = p.shape[0] if p.dim() else 1
             cols = p.numel() // max(rows, 1)
             gen = torch.Generator().manual_seed(len(self._proj) + 1)
-            u = torch.randn(2, rows, generator=gen).to(p.device)
-            v = torch.randn(2, cols, generator=gen).to(p.device) if p.dim() > 1 else torch.ones(2, 1, device=p.device)
+            # fp32, as the projected gradients (whatever the default dtype: a float64 one made the product fail)
+            u = torch.randn(2, rows, generator=gen, dtype=torch.float32).to(p.device)
+            v = (torch.randn(2, cols, generator=gen, dtype=torch.float32).to(p.device) if p.dim() > 1
+                 else torch.ones(2, 1, dtype=torch.float32, device=p.device))
             uv = self._proj[pid] = (u, v)
         return uv
 
