@@ -58,15 +58,17 @@ def squared_norms(tensors: Sequence[Tensor]) -> tuple[Optional[Tensor], Optional
             (shards if is_sharded(t) else plain).append(t)
     plain_sq = None
     if plain:
+        # fp32, or fp64 where a tensor is (finite values beyond fp32's range stay finite)
+        wide = torch.float64 if any(t.dtype == torch.float64 for t in plain) else torch.float32
         try:
-            norms = torch.stack(foreach_norm(plain, 2.0, dtype=torch.float32))
+            norms = torch.stack(foreach_norm(plain, 2.0, dtype=wide))
         except (NotImplementedError, RuntimeError):
             if not any(t.is_sparse for t in plain):
                 raise
             # sparse gradients (nn.Embedding(sparse=True)), which the fused kernel does not take: the norm of the
             # coalesced values (duplicate indices summed). Checked only here: the common path reads no layout
             plain = [t.coalesce().values() if t.is_sparse else t for t in plain]
-            norms = torch.stack(foreach_norm(plain, 2.0, dtype=torch.float32))
+            norms = torch.stack(foreach_norm(plain, 2.0, dtype=wide))
         plain_sq = torch.dot(norms, norms)
     shard_sq = None
     by_count: dict[int, list[Tensor]] = {}

@@ -105,6 +105,11 @@ def _kept(batch: Any) -> Any:
     return batch
 
 
+
+def _wide(t: Tensor) -> Tensor:
+    """A loss in float32, or in float64 where it is (a finite float64 loss beyond float32's range is no inf)."""
+    return t if t.dtype == torch.float64 else t.float()
+
 class _AveragedWeights:
     """The running average of :class:`~lightning.pytorch.callbacks.StochasticWeightAveraging` as a snapshot holds it:
     a rollback takes the average back too, so the weights it undoes leave the average (SWA adds the weights of each
@@ -678,8 +683,8 @@ class DivergenceGuard(Monitor):
         loss = loss.detach()
         if loss.dim():
             loss = loss.sum()  # a [1, 1] loss, or a vector passed with its own gradient
-        if loss.dtype != torch.float32:
-            loss = loss.float()
+        if loss.dtype not in (torch.float32, torch.float64):
+            loss = loss.float()  # a float64 loss stays float64: a finite one beyond float32's range is no inf
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and scaler.is_enabled():
             scale = grad_scaler_scale(scaler)  # no host sync
@@ -775,7 +780,9 @@ class DivergenceGuard(Monitor):
              shard_sq: Optional[Tensor]) -> Tensor:
         """``[loss, gradient norm]`` of the step (NaN for no loss), reduced over the ranks; on the device. Only
         what is there is added: on one process with plain gradients, the row is two kernels."""
-        dtype, device = torch.get_default_dtype(), pl_module.device
+        device = pl_module.device
+        wide = (loss is not None and loss.dtype == torch.float64) or (plain_sq is not None and plain_sq.dtype == torch.float64)
+        dtype = torch.float64 if wide else torch.get_default_dtype()
         loss = (torch.full((), math.nan, dtype=dtype, device=device) if loss is None
                 else loss.reshape(()).to(device=device, dtype=dtype))
         if trainer.world_size > 1:
@@ -1785,12 +1792,12 @@ class DivergenceGuard(Monitor):
                 else:
                     delattr(obj, name)  # the instance attribute goes: the class's method is back
         if captured:
-            return float(sum(t.float().sum() for t in captured))
+            return float(sum(_wide(t).sum() for t in captured))
         if isinstance(out, dict):
             out = out.get("loss")
         if not isinstance(out, Tensor):
             return None
-        return float(out.detach().float().sum())
+        return float(_wide(out.detach()).sum())
 
     # ------------------------------------------------------------------ snapshots and actions
     def _monitors(self, trainer: pl.Trainer) -> dict[str, Any]:
