@@ -115,6 +115,19 @@ if log.level == logging.NOTSET:
     log.setLevel(logging.INFO)
 
 
+def _strict_json(obj: Any) -> Any:
+    """``obj`` with every non-finite float inside it written as a string (``"inf"``, ``"nan"``): strict JSON, which
+    readers other than Python's (``jq``, browsers) take (a rollback's learning-rate ceiling is ``inf`` for a group left
+    uncapped)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict_json(v) for v in obj]
+    return obj
+
+
 def _clean_number(value: Optional[float]) -> Optional[float]:
     return None if value is None else float(value)
 
@@ -170,6 +183,8 @@ class Alert:
             v = out[key]
             if v is not None and not math.isfinite(v):
                 out[key] = str(v)
+        if out.get("details"):
+            out["details"] = _strict_json(out["details"])
         return out
 
     @classmethod

@@ -742,3 +742,45 @@ def test_skip_batches_reads_the_rollbacks_a_resume_into_the_same_folder_moved_as
     (tmp_path / "alerts.jsonl").write_text(json.dumps({**record, "details": {"batches": [[1, 9], [2, 0]]}}) + "\n")
     guard = DivergenceGuard(skip_batches=str(tmp_path / "alerts.jsonl"))
     assert sorted(guard._skip_given) == [(1, 8), (1, 9), (2, 0)]
+
+
+class _StagedUnfreeze(_Regression):
+    """Two parameter groups: a head whose rate jumps x1000 at step 40 (the divergence), and a trunk switched off by its
+    schedule (rate 0) until step 80, when it is unfrozen."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = torch.nn.Linear(8, 8)
+        self.lin = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        lo = (batch_idx * BATCH) % N
+        return torch.nn.functional.mse_loss(self.lin(self.x[lo:lo + BATCH] + self.trunk(self.x[lo:lo + BATCH])),
+                                            self.y[lo:lo + BATCH])
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD([{"params": self.lin.parameters()}, {"params": self.trunk.parameters()}], lr=0.05)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 1000.0 if s >= 40 else 1.0,
+                                                        lambda s: 0.0 if s < 80 else 0.2])
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_a_group_switched_off_at_a_rollback_is_not_held_at_zero(tmp_path):
+    # the rollback capped every group at its present rate: the trunk's, 0 before its unfreeze, for good (it never
+    # trained, though the message said the other groups were kept)
+    pl.seed_everything(0)
+    model, guard, lrs = _StagedUnfreeze(), DivergenceGuard(), _LRLog()
+    trunk0 = model.trunk.weight.detach().clone()
+    logger = CSVLogger(str(tmp_path), name="csv")
+    _trainer(tmp_path, [guard, lrs], 160, logger=logger).fit(model)
+    first = guard.rollbacks[0]
+    assert 40 <= first["to_step"] <= first["step"] <= 45 and guard.stopped_step is None
+    assert first["lr_ceiling"][0][0] <= 0.05 + 1e-12  # the head: capped at its rate before the jump
+    assert first["lr_ceiling"][0][1] == float("inf")  # the trunk: no cap
+    trunk_lr = [g["lr"] for g in model.trainer.optimizers[0].param_groups][1]
+    assert trunk_lr > 0.0 and (model.trunk.weight - trunk0).abs().max() > 1e-3
+    # the ceiling's inf reaches alerts.jsonl as strict JSON (a string), which readers other than Python's take
+    with open(os.path.join(logger.log_dir, "alerts.jsonl"), encoding="utf-8") as fh:
+        lines = [json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) for line in fh]
+    rolled = next(line for line in lines if line["kind"] == "rolled_back")
+    assert rolled["details"]["lr_ceiling"][0][1] == "inf"

@@ -2196,7 +2196,9 @@ class DivergenceGuard(Monitor):
             for i, opt in enumerate(trainer.optimizers):
                 row = []
                 for j, group in enumerate(opt.param_groups):
-                    caps = [group["lr"] if isinstance(group["lr"], float) else math.inf]
+                    # the rate restored (a group switched off now, a backbone before its unfreeze, is not held at 0
+                    # for good: its schedule may switch it on)
+                    caps = [group["lr"] if isinstance(group["lr"], float) and group["lr"] > 0.0 else math.inf]
                     if rose:  # the rate of the best smoothed loss, and a fraction of the rate that diverged
                         # (a group switched off then, a backbone before its unfreeze, is not held at 0 for good)
                         caps += [b for b in [grid_at(best, i, j)] if b is not None and b > 0.0]
