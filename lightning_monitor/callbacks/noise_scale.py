@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+import weakref
 from collections import defaultdict
 from typing import Any, Literal, Optional
 
@@ -237,6 +238,9 @@ class GradientNoiseScaleMonitor(Monitor):
         super()._reset_run_state()
         self.ema = NoiseScaleEMA(self.smoothing)
         self._ema_names: Optional[set[str]] = None  # the parameters the model-wide averages cover (None: unknown)
+        # the parameter objects behind those names (None: unknown, after a state was loaded): a layer replaced under
+        # the same name (a hidden layer widened) is another set of parameters
+        self._ema_refs: Optional[dict[str, Any]] = None
         self._compare_selection = False
         self._selection_why: Optional[str] = None  # why the selection changed since the last check
         self._undefined = 0  # consecutive checks without B_simple
@@ -282,6 +286,7 @@ class GradientNoiseScaleMonitor(Monitor):
             self.layer_ema[k] = ema
         names = state_dict.get("ema_names")
         self._ema_names = None if names is None else set(names)
+        self._ema_refs = None  # the objects are not saved: the names are compared
         # a state restored mid-run (the guard's rollback, which keeps GradES's frozen set) may average another set of
         # parameters than the one measured now: compared at the next check
         self._compare_selection = True
@@ -453,6 +458,7 @@ class GradientNoiseScaleMonitor(Monitor):
         self._measurable = True
         if initial and not self.ema.count:
             self._ema_names = set(names)
+            self._ema_refs = self._refs(names)
         if self.per_layer:
             layers: dict[str, list[str]] = defaultdict(list)
             for n in names:
@@ -467,6 +473,16 @@ class GradientNoiseScaleMonitor(Monitor):
             return set()
         return set(self._probe.covered) if self._probe is not None else set(self._params)
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_ema_refs"] = None  # weak references do not pickle; a copy compares the names only
+        return state
+
+    def _refs(self, names: Any) -> dict[str, Any]:
+        """Weak references to the parameters named (a replaced parameter is told apart even where its successor
+        takes the freed one's address)."""
+        return {n: weakref.ref(self._params[n]) for n in names if n in self._params}
+
     def _restart_on_new_selection(self, step: int, why: str) -> None:
         """At a check: when the parameters measured are not those the averages cover (a component frozen or unfrozen,
         a state restored from before such a change, a layer found not separable as it ran), the averages of the
@@ -475,15 +491,21 @@ class GradientNoiseScaleMonitor(Monitor):
         trained for about ten checks after GradES froze most of a model (6044 against 1533)."""
         after = self._measured_names()
         averaged = self._ema_names if self._ema_names is not None else after
-        if after == averaged or not self.ema.count:
-            self._ema_names = after
+        refs = self._ema_refs or {}
+        replaced = {n for n in after & averaged if n in refs and refs[n]() is not self._params.get(n)}
+        if (after == averaged and not replaced) or not self.ema.count:
+            self._ema_names, self._ema_refs = after, self._refs(after)
             return
         self.ema = NoiseScaleEMA(self.smoothing)  # batch-size advice waits for min_checks checks of the new set
-        self._ema_names = after
+        self._ema_names, self._ema_refs = after, self._refs(after)
         self._advice_from = 0
-        for layer in [k for k in self.layer_ema if k not in self._layers]:
+        # the layers no longer measured, and those whose measured parameters changed (one frozen, a layer replaced)
+        changed = {_layer_of(n) for n in (averaged ^ after) | replaced}
+        for layer in [k for k in self.layer_ema if k not in self._layers or k in changed]:
             del self.layer_ema[layer]
         gone, new = len(averaged - after), len(after - averaged)
+        if replaced:
+            why = f"{len(replaced)} replaced by new parameters under the same names; {why}"
         self.alert(
             step, "averages_restarted", "info",
             f"The noise scale's averages start again at step {step}: the parameters it measures changed ({gone} no "
