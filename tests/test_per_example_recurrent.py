@@ -218,3 +218,31 @@ def test_a_replay_that_fails_leaves_the_layer_out_and_the_step_intact(monkeypatc
     assert "cannot read the weights" in probe.reasons["rnn.weight_hh_l0"]
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, plain[n]), n
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_a_declared_batch_dimension_is_read_on_the_layers_own_input(batch_first) -> None:
+    # `batch_dims` names the dimension of the module's input that holds the batch: 1 for a sequence-first [T, B, d]
+    # input. It was applied to the batch-first input the patched forward hands the probe, so the true dimension left
+    # the layer out (with a shape it never received in the reason) and the wrong one (0) covered it
+    torch.manual_seed(0)
+    model = _Net(nn.GRU(5, 6, bidirectional=True, batch_first=batch_first))
+    y = torch.randint(0, 3, (8,))
+    x = torch.randn(8, 4, 5) if batch_first else torch.randn(4, 8, 5)
+    true_dim = 0 if batch_first else 1
+    ref = _oracle(model, x, y)
+    probe = PerExampleGradNorms(model, batch_dims={"rnn": true_dim, "head": 0})
+    model.zero_grad()
+    with probe:
+        F.cross_entropy(model(x), y).backward()
+    assert probe.uncovered == []
+    per = probe.per_parameter()
+    for name in ref:
+        err = (per[name].double() - ref[name]).abs() / ref[name].clamp_min(1e-12)
+        assert float(err.max()) <= TOL, name
+    wrong = PerExampleGradNorms(model, batch_dims={"rnn": 1 - true_dim, "head": 0})
+    model.zero_grad()
+    with wrong:
+        F.cross_entropy(model(x), y).backward()
+    reason = wrong.reasons["rnn.weight_ih_l0"]
+    assert f"dimension {1 - true_dim} of its input" in reason and "own dimensions" in reason

@@ -1163,6 +1163,13 @@ class PerExampleGradNorms:
             dim = declared[0]
             if dim is None:
                 return "declared without a batch dimension (`batch_dims`)"
+            mapped = use.uses.handler.declared_dim(use.uses.module, dim)
+            if mapped != dim:  # a patched forward reorders the input (a sequence-first RNN's): said in the user's frame
+                limit = use.uses.handler.batch_dims(use.uses.module, use.ctx) if isinstance(use.ctx, Tensor) else 1
+                if mapped >= limit:
+                    return (f"the batch is declared along dimension {dim} of its input (`batch_dims`), which is one of "
+                            f"the {type(use.uses.module).__name__}'s own dimensions")
+            dim = mapped
         else:
             found = self._bdims.get((use.uses.name, use.shape))
             if found is None and self._depth > 0:

@@ -158,6 +158,11 @@ class RecurrentHandler(Handler):
     def batch_dims(self, m: nn.Module, x: Tensor) -> int:
         return 1  # the patched forward hands the probe its input batch first
 
+    def declared_dim(self, m: nn.Module, dim: int) -> int:
+        # declared on the module's input ([T, B, d] without batch_first: the batch along 1), read on the batch-first
+        # input the patched forward hands the probe (the time and batch dimensions swapped)
+        return dim if m.batch_first or dim not in (0, 1) else 1 - dim
+
     def capture(self, m: nn.Module, x: Tensor) -> Any:
         return None  # only the patched forward records uses
 

@@ -41,6 +41,11 @@ class Handler:
         own feature dimensions). Default: all but the last (a Linear-form layer)."""
         return max(x.dim() - 1, 0)
 
+    def declared_dim(self, module: nn.Module, dim: int) -> int:
+        """A batch dimension declared (``batch_dims``) on the module's own input, in the frame of the input the
+        probe hands this handler (the same but where a patched forward reorders it)."""
+        return dim
+
     def unsupported(self, module: nn.Module) -> Optional[str]:
         """Why this instance cannot be covered, or ``None``."""
         return None
