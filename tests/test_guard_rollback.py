@@ -322,6 +322,8 @@ def test_a_run_resumed_on_new_data_is_not_stopped(tmp_path):
     assert guard.rollbacks == [] and guard.stopped_step is None and trainer.global_step == 200
     warnings = [a for a in guard.hub.history if a.severity != "info"]
     assert [a.kind for a in warnings] == ["data_shift"] and "first step after resuming" in warnings[0].message
+    # the checkpoint said its weights were sound when it was saved (the last batches before it, evaluated again)
+    assert "when it was saved, its weights still lost" in warnings[0].message
 
     guard = DivergenceGuard(every_n_steps=5)
     _trainer(tmp_path / "broken", [guard], 200).fit(_Regression(unstable_from=100), ckpt_path=last)
@@ -784,3 +786,79 @@ def test_a_group_switched_off_at_a_rollback_is_not_held_at_zero(tmp_path):
         lines = [json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) for line in fh]
     rolled = next(line for line in lines if line["kind"] == "rolled_back")
     assert rolled["details"]["lr_ceiling"][0][1] == "inf"
+
+
+def test_a_run_resumed_from_a_checkpoint_saved_right_after_a_bad_update_stops_with_the_reason(tmp_path):
+    """A checkpoint is written after the step's update, which no loss has judged yet: saved right after the update that
+    broke the weights (a rate x500 for one step), it holds them. Resumed from it, the first loss surged, no snapshot
+    predated it, and the rise was taken for new data: the diverged level became the normal and a later rollback went
+    back to the broken weights (a full-data loss 300x that of the run not interrupted). The checkpoint now says what
+    the last batches before it lose with the weights it holds: the resumed run stops at its first step, saying why."""
+    pl.seed_everything(0)
+    every = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    first = DivergenceGuard()
+    _trainer(tmp_path, [first, every], 60, enable_checkpointing=True).fit(_Regression(glitch=(40,)))
+    assert [(r["step"], r["to_step"]) for r in first.rollbacks][0] == (41, 40)  # the run not interrupted
+
+    bad = torch.load(str(tmp_path / "ck" / "step=41.ckpt"), weights_only=True)  # after update 40, before its judgement
+    said = next(v for k, v in bad["callbacks"].items() if k.startswith("DivergenceGuard"))["saved_weights"]
+    assert said["step"] == 41 and said["now"] > 5 * said["then"]
+    good = torch.load(str(tmp_path / "ck" / "step=40.ckpt"), weights_only=True)
+    said = next(v for k, v in good["callbacks"].items() if k.startswith("DivergenceGuard"))["saved_weights"]
+    assert said["step"] == 40 and said["now"] < 2 * said["then"]
+
+    guard = DivergenceGuard()
+    trainer = _trainer(tmp_path / "resumed", [guard], 60)
+    trainer.fit(_Regression(), ckpt_path=str(tmp_path / "ck" / "step=41.ckpt"))
+    assert guard.rollbacks == [] and guard.stopped_step == 41 and os.path.isfile(guard.stop_checkpoint)
+    critical = [a for a in guard.hub.history if a.severity == "critical"]
+    assert [a.kind for a in critical] == ["loss_explosion"] and "update saved last in it" in critical[0].message
+    assert not [a for a in guard.hub.history if a.kind == "data_shift"]
+
+    # from the checkpoint before the bad update, the resumed run meets it again and does what the first run did
+    guard = DivergenceGuard()
+    _trainer(tmp_path / "before", [guard], 60).fit(_Regression(glitch=(40,)),
+                                                   ckpt_path=str(tmp_path / "ck" / "step=40.ckpt"))
+    assert [(r["step"], r["to_step"]) for r in guard.rollbacks][0] == (41, 40) and guard.stopped_step is None
+
+
+class _Dropout(_Regression):
+    def __init__(self):
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.5)
+        self.frozen_norm = torch.nn.BatchNorm1d(8).eval()  # kept in eval mode by the user
+
+    def training_step(self, batch, batch_idx):
+        lo = (batch_idx * BATCH) % N
+        x = self.frozen_norm(self.drop(self.x[lo:lo + BATCH]))
+        return torch.nn.functional.mse_loss(self.lin(x), self.y[lo:lo + BATCH])
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.frozen_norm.eval()
+
+    def validation_step(self, batch, batch_idx):
+        return None
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+class _Modes(Callback):
+    def __init__(self):
+        self.seen = []
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self.seen.append((pl_module.training, pl_module.drop.training, pl_module.frozen_norm.training))
+
+
+def test_a_checkpoint_written_at_the_end_of_a_validation_says_whether_its_weights_are_sound(tmp_path):
+    # the batches are evaluated again in training mode, as they were trained; the modes are put back after
+    pl.seed_everything(0)
+    ck = ModelCheckpoint(dirpath=str(tmp_path / "ck"), save_last=True)
+    modes = _Modes()
+    _trainer(tmp_path, [DivergenceGuard(), ck, modes], 40, enable_checkpointing=True, val_check_interval=20,
+             limit_val_batches=1).fit(_Dropout())
+    assert modes.seen and all(m == (False, False, False) for m in modes.seen)  # saved at a validation's end: eval
+    saved = torch.load(str(tmp_path / "ck" / "last.ckpt"), weights_only=True)
+    said = next(v for k, v in saved["callbacks"].items() if k.startswith("DivergenceGuard"))["saved_weights"]
+    assert 0 < said["now"] < 2 * said["then"]

@@ -521,8 +521,9 @@ class DivergenceGuard(Monitor):
             # adopted from `snapshot_dir`, which are older: a NaN right after the resume went back to the newest
             # file, undoing the steps between it and the checkpoint as well
             self._snapshot_now(trainer, pl_module)
-            if self._snapshots:
-                # the checkpoint's own state: an anomaly at this very step (a bad batch) goes back to it, not to a stop
+            if self._snapshots and not self._saved_broken():
+                # the checkpoint's own state: an anomaly at this very step (a bad batch) goes back to it, not to a stop.
+                # Not where the checkpoint said its weights were broken when saved: a rise at this step is theirs
                 self._snapshots[-1].own_step_target = True
 
     def _say_uneven_ranks(self, trainer: pl.Trainer) -> None:
@@ -1256,15 +1257,23 @@ class DivergenceGuard(Monitor):
             level = self._loss_watch.level() if self._loss_watch.history else self._anchor()
         if (self.attribute and loss is not None and start == self._resume_step
                 and not any(snap.step < start for snap in self._snapshots)):
-            # the first step of a fit that goes on from a checkpoint (or from the previous fit in the same Trainer) is
-            # computed with weights nothing has updated since: a loss far from the level saved with them is new data
-            # or a new loss function (a second stage), not weights that broke; no snapshot predates it to ask
+            # the first step of a fit that goes on from a checkpoint (or from the previous fit in the same Trainer):
+            # no snapshot predates it to ask. The checkpoint says whether its weights were sound when it was saved
+            # (its last update came after the last loss judged): broken then, the rise is theirs
+            if self._saved_broken(loss, level):
+                return self._saved_broken_reason(step, loss, level)
+            v = self._saved_weights if self._saved_weights and self._saved_weights.get("step") == start else None
+            why = (f"when it was saved, its weights still lost {float(v['now']):.4g} on the last normal batches before "
+                   f"it ({float(v['then']):.4g} when trained on): the data or the loss function changed across the "
+                   "resume, not the weights" if v is not None else
+                   "no snapshot predates it, and the checkpoint does not say whether its weights were sound (a checkpoint "
+                   "from an older version, or a second fit of the same Trainer): taken for new data or a new loss "
+                   "function; if the weights broke in the update saved last, resume from an earlier checkpoint")
             self.condition(
                 step, "data_shift", True, "warning",
                 f"The loss rose from about {level:.4g} to {loss:.4g} since step {start}, the first step after resuming "
-                "(from a checkpoint, or a new fit of the same Trainer), whose loss came from the weights the earlier "
-                "level was measured on: the data or the loss function changed across the resume, not the weights. No "
-                "action taken; the new level is the normal from here.",
+                f"(from a checkpoint, or a new fit of the same Trainer); {why}. No action taken; the new level is the "
+                "normal from here.",
                 value=loss, threshold=level, clear_message="The loss has settled at its new level.",
             )
             self._new_normal([loss])
@@ -1338,6 +1347,10 @@ class DivergenceGuard(Monitor):
         """A loss surge at ``step`` (``blowup`` times its recent level, beyond its noise): critical at once if the
         weights are broken, i.e. the last normal batches, evaluated again now, have lost at least half as much as
         the surging one; otherwise it is one hard batch and nothing is said (it is judged again if it persists)."""
+        if step == self._resume_step:
+            level = self._loss_watch.level() if self._loss_watch.history else loss
+            if self._saved_broken(loss, level):
+                return self._saved_broken_reason(step, loss, level)
         if not self._replayable(pl_module):
             return []
         refs = self._references(step)
@@ -2265,6 +2278,7 @@ class DivergenceGuard(Monitor):
             state = f"the state after step {step} ({why})"
         path: Optional[str] = os.path.join(self._checkpoint_dir(trainer), f"guard-step={step}.ckpt")
         where = f"{path} holds {state}."
+        self._saving_stop = True
         try:
             trainer.save_checkpoint(path)
         except Exception as err:  # noqa: BLE001 - the stop goes on: the state is in memory
@@ -2277,6 +2291,8 @@ class DivergenceGuard(Monitor):
             path = None
             where = (f"Its checkpoint could not be written ({type(err).__name__}: {err}); the model and optimizers in "
                      f"memory hold {state} when `fit` returns.")
+        finally:
+            self._saving_stop = False
         trainer.should_stop = True
         self.stop_checkpoint, self.stopped_step = path, step
         self.alert(step, "stopped", "info" if path is not None else "warning",
@@ -2382,6 +2398,10 @@ class DivergenceGuard(Monitor):
         # the first step of the current fit (set at the start of training): after a resume, or a second fit in the
         # same Trainer, the loss history goes on from a state whose weights that step still uses
         self._resume_step: Optional[int] = None
+        # what the checkpoint this fit resumed from says of its own weights (see on_save_checkpoint): the last normal
+        # batches before it, evaluated again with the weights saved; None where it does not say
+        self._saved_weights: Optional[dict[str, Any]] = None
+        self._saving_stop = False  # the stop's own checkpoint is being written (its state is a snapshot's)
         for snap in self._snapshots:
             snap.discard()
         self._snapshots = []
@@ -2480,6 +2500,65 @@ class DivergenceGuard(Monitor):
         self.stopped_step = state_dict.get("stopped_step")
         self._signed = bool(state_dict.get("signed_loss", False))
         self._snapshot_files = [dict(f) for f in state_dict.get("snapshot_files", [])]
+        verdict = state_dict.get("saved_weights")
+        self._saved_weights = dict(verdict) if isinstance(verdict, dict) else None
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint also says whether the weights it holds are sound: the last update before it was made after the
+        last loss the guard judged, and a run resumed from it cannot tell new data from weights that update broke
+        (it took a checkpoint saved right after a bad update for a data shift, made the diverged level its normal, and
+        later rolled back to those weights). The last normal batches are evaluated again with the weights saved
+        (``saved_weights``: their mean loss now and when they were trained on), in training mode, as they were trained.
+        Every rank calls this hook: the replays' losses are averaged over the ranks."""
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        saved = checkpoint.get("callbacks", {}).get(self.state_key)
+        if not isinstance(saved, dict) or self.idle_reason is not None or self._saving_stop or not self.attribute:
+            return
+        if trainer.state.fn != "fit" or not self._replayable(pl_module):
+            return
+        refs = self._references(trainer.global_step)[-_REFERENCES:]
+        if not refs:
+            return
+        modes = [(m, m.training) for m in pl_module.modules()]
+        pl_module.train()  # a checkpoint written at the end of a validation: the batches were trained in training mode
+        try:
+            now, then = self._replayed(trainer, pl_module, refs)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+        if now is not None:
+            saved["saved_weights"] = {"step": trainer.global_step, "now": now, "then": then, "batches": len(refs)}
+
+    def _saved_broken(self, loss: Optional[float] = None, level: Optional[float] = None) -> bool:
+        """Whether the checkpoint this fit resumed from said that its weights were broken when it was saved: the last
+        normal batches before it lost at least ``blowup`` times what they lost when trained on (or a non-finite loss)
+        and, given the rise now (``loss`` against ``level``), at least half as much more, as the surge test asks (a
+        run near a loss of 0 moves by a few times on one healthy update, and new data after the resume then read as
+        the weights' rise)."""
+        v = self._saved_weights
+        if v is None or v.get("step") != self._resume_step:
+            return False
+        now, then = float(v["now"]), float(v["then"])
+        if not math.isfinite(now):
+            return True
+        if now <= self.blowup * max(then, 1e-12):
+            return False
+        return loss is None or level is None or not math.isfinite(loss) or now - then >= 0.5 * (loss - level)
+
+    def _saved_broken_reason(self, step: int, loss: float, level: float) -> list[str]:
+        """The critical alert for a rise at the first step after resuming from a checkpoint whose weights were broken
+        when it was saved (:meth:`_saved_broken`)."""
+        v = self._saved_weights or {}
+        self.condition(
+            step, "loss_explosion", True, "critical",
+            f"The loss rose to {loss:.4g} at step {step}, the first step after resuming from a checkpoint (level about "
+            f"{level:.4g}). When that checkpoint was saved, its weights lost {float(v['now']):.4g} on the last "
+            f"{v['batches']} normal batches before it, which had lost {float(v['then']):.4g} when trained on: the "
+            "update saved last in it, made after the last loss the guard judged, broke the weights. Resume from an "
+            "earlier checkpoint (and lower the learning rate).",
+            value=loss, threshold=level,
+        )
+        return [f"loss explosion at step {step}: the checkpoint resumed from holds weights its last update broke"]
 
     def _adopt_snapshot_files(self, trainer: pl.Trainer) -> None:
         """After a resume: take over the checkpoint's snapshot files that every rank still has (each rank's own
