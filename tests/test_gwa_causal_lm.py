@@ -288,7 +288,7 @@ class _Tagger(pl.LightningModule):
         self.head = torch.nn.Linear(16, 5)
 
     def training_step(self, batch, batch_idx):
-        x, y = batch  # x [B, T, 6], y [B, T]
+        x, y = batch[0], batch[1]  # x [B, T, 6], y [B, T] (and the samples' indices, where given)
         if self.sequence_first:
             logits = self.head(self.body(x.transpose(0, 1)))  # [T, B, 5]
             return torch.nn.functional.cross_entropy(logits.permute(1, 2, 0), y)
@@ -313,6 +313,36 @@ def test_sequence_first_logits_are_paired_with_their_own_targets(tmp_path) -> No
         assert gwa.history and gwa.history[0]["count"] == 32 * 3
         means.append(gwa.history[0]["mean"])
     assert means[0] == pytest.approx(means[1], rel=1e-5)
+
+
+def test_sequence_first_suspects_name_their_own_sample_and_token(tmp_path) -> None:
+    """With `index_fn`, a sequence-first head's suspects list each token under its own sample and position, as the
+    batch-first twin lists them (the index count was checked against the logits' first dimension, T: the fit failed
+    with "index_fn returned 8 indices for a batch of 3 samples")."""
+    import csv
+
+    from lightning_monitor.callbacks.gradient_weight_alignment import SUSPECTS_FILENAME
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 3, 6, generator=g), torch.randint(0, 5, (32, 3), generator=g)
+    index = torch.randperm(32, generator=g) + 100  # the dataset's own sample ids
+    rows = []
+    for sequence_first in (True, False):
+        gwa = GradientWeightAlignmentMonitor(warmup_epochs=0, log_histograms=False, shift_targets=False, suspects=12,
+                                             index_fn=lambda batch: batch[2])
+        logger = CSVLogger(str(tmp_path / str(sequence_first)))
+        trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=logger, callbacks=[gwa], enable_progress_bar=False,
+                             enable_model_summary=False, enable_checkpointing=False)
+        trainer.fit(_Tagger(sequence_first), DataLoader(torch.utils.data.TensorDataset(x, y, index), batch_size=8))
+        with open(os.path.join(logger.log_dir, SUSPECTS_FILENAME), encoding="utf-8") as fh:
+            listed = [(int(r["index"]), int(r["position"]), int(r["target"]), float(r["score"]))
+                      for r in csv.DictReader(fh)]
+        assert len(listed) == 12
+        for i, pos, target, _ in listed:  # each row's target is the label of the token it names
+            assert target == int(y[(index == i).nonzero()[0, 0], pos])
+        rows.append(listed)
+    assert [r[:3] for r in rows[0]] == [r[:3] for r in rows[1]]
+    assert [r[3] for r in rows[0]] == pytest.approx([r[3] for r in rows[1]], rel=1e-5)
 
 
 def _gemma2(cap: float) -> torch.nn.Module:

@@ -1862,8 +1862,10 @@ class GradientWeightAlignmentMonitor(Monitor):
     def _suspect_columns(self, stash: list[_Kept], logits: Tensor, targets: Tensor, soft: bool) -> Tensor:
         """``[4, N]`` float64: sample index, position (token) or -1, target (-1 if soft), predicted."""
         dev = logits.device
-        for e in stash:
-            if e.indices.numel() != e.logits.shape[0]:
+        # a head run sequence-first ([T, B, C], T != B: index_fn gave one index per column) lists its rows time-major
+        first = [e.logits.dim() == 3 and e.indices.numel() != e.logits.shape[0] for e in stash]
+        for e, seq in zip(stash, first):
+            if e.indices.numel() != e.logits.shape[1 if seq else 0]:
                 raise ValueError(
                     f"`index_fn` returned {e.indices.numel()} indices for a batch of {e.logits.shape[0]} samples: "
                     "one index per sample (row of the batch) is needed."
@@ -1874,11 +1876,16 @@ class GradientWeightAlignmentMonitor(Monitor):
             pos = torch.full((n,), -1.0, dtype=torch.float64, device=dev)
         else:  # tokens: sample index repeated, position within the sample
             idx_parts, pos_parts = [], []
-            for e in stash:
-                b = e.logits.shape[0]
+            for e, seq in zip(stash, first):
+                ids = e.indices.to(dev).reshape(-1)
+                b = ids.numel()
                 per = e.logits.numel() // (b * e.logits.shape[-1])  # tokens per sample
-                idx_parts.append(e.indices.to(dev).reshape(-1).repeat_interleave(per))
-                pos_parts.append(torch.arange(per, device=dev).repeat(b))
+                if seq:  # row t * B + b: sample b, position t
+                    idx_parts.append(ids.repeat(per))
+                    pos_parts.append(torch.arange(per, device=dev).repeat_interleave(b))
+                else:
+                    idx_parts.append(ids.repeat_interleave(per))
+                    pos_parts.append(torch.arange(per, device=dev).repeat(b))
             idx = torch.cat(idx_parts).double()
             pos = torch.cat(pos_parts).double()
         tgt = torch.full((n,), -1.0, dtype=torch.float64, device=dev) if soft else targets.double()
