@@ -26,8 +26,10 @@ to :meth:`AlertHub.subscribe <lightning_monitor.AlertHub.subscribe>`.
 from __future__ import annotations
 
 import collections
+import http.client
 import json
 import os
+import socket
 import threading
 import time
 import urllib.error
@@ -56,7 +58,59 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
-_OPENER = urllib.request.build_opener(_NoRedirect)
+class _Deadline:
+    """A connection whose socket is shut down ``timeout`` seconds after it connected: the timeout bounds the whole
+    request, not each read (a server that answered one byte a second held the one sender thread for good, and every
+    later alert waited behind it)."""
+
+    timeout: Any
+    sock: Any
+
+    def connect(self) -> None:
+        super().connect()  # type: ignore[misc]
+        self._timer: Optional[threading.Timer] = None
+        if isinstance(self.timeout, (int, float)):
+            self._timer = threading.Timer(float(self.timeout), self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _expire(self) -> None:
+        sock = self.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked read, which then fails
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        timer = getattr(self, "_timer", None)
+        if timer is not None:
+            timer.cancel()
+        super().close()  # type: ignore[misc]
+
+
+class _DeadlineHTTPConnection(_Deadline, http.client.HTTPConnection):
+    pass
+
+
+class _DeadlineHTTPSConnection(_Deadline, http.client.HTTPSConnection):
+    pass
+
+
+class _DeadlineHTTP(urllib.request.HTTPHandler):
+    def http_open(self, req: Any) -> Any:
+        return self.do_open(_DeadlineHTTPConnection, req)
+
+
+class _DeadlineHTTPS(urllib.request.HTTPSHandler):
+    def https_open(self, req: Any) -> Any:
+        kwargs: dict[str, Any] = {"context": getattr(self, "_context", None)}
+        if hasattr(self, "_check_hostname"):
+            kwargs["check_hostname"] = self._check_hostname
+        return self.do_open(_DeadlineHTTPSConnection, req, **kwargs)
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect, _DeadlineHTTP, _DeadlineHTTPS)
 
 
 class AlertWebhook(pl.Callback):
@@ -65,7 +119,7 @@ class AlertWebhook(pl.Callback):
     Args:
         url: the webhook URL; ``None`` reads ``$LIGHTNING_MONITOR_WEBHOOK_URL``.
         min_severity: the least severe alert posted (``"info"``, ``"warning"`` or ``"critical"``).
-        timeout: seconds one HTTP request may take (> 0).
+        timeout: seconds one HTTP request may take (> 0), from connecting to the end of the answer.
         retries: further attempts after a failed post.
         backoff: seconds before the first retry, doubled at each further one (capped at 60 s).
         max_queue: alerts waiting to be posted at most; when full, the oldest is dropped and counted
@@ -74,8 +128,9 @@ class AlertWebhook(pl.Callback):
         title: prefix of every message (e.g. the experiment's name).
 
     Attributes:
-        sent: alerts delivered. failed: alerts given up after the retries. dropped: alerts dropped from
-        a full queue. last_error: the last delivery error, if any.
+        sent: alerts delivered. failed: alerts given up (after the retries, where the error is worth retrying).
+        dropped: alerts dropped from a full queue (each over the sink's life; the warning at the end of a fit counts
+        that fit's). last_error: the last delivery error of the current or last fit, if any.
     """
 
     def __init__(
@@ -148,6 +203,10 @@ class AlertWebhook(pl.Callback):
         hub.subscribe(self)
         self._finished = False
         self._warned_full = False
+        # the counts at the fit's start: its end says what this fit lost, not an earlier fit of the same sink
+        with self._cond:
+            self._at_start = (self.sent, self.failed, self.dropped)
+            self.last_error = None
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -167,13 +226,15 @@ class AlertWebhook(pl.Callback):
         drained = self.flush()
         with self._cond:
             pending = len(self._queue) + int(self._busy)
-        lost = [f"{self.failed} failed after {self.retries} retries" if self.failed else "",
-                f"{self.dropped} dropped from a full queue (max_queue={self.max_queue})" if self.dropped else "",
+            sent0, failed0, dropped0 = getattr(self, "_at_start", (0, 0, 0))
+            sent, failed, dropped = self.sent - sent0, self.failed - failed0, self.dropped - dropped0
+        lost = [f"{failed} failed (retried up to {self.retries} times where the error was worth it)" if failed else "",
+                f"{dropped} dropped from a full queue (max_queue={self.max_queue})" if dropped else "",
                 f"{pending} still queued after flush_timeout={self.flush_timeout:g}s" if not drained else ""]
         lost = [part for part in lost if part]
         if lost:
             why = f"; last error: {self.last_error}" if self.last_error else ""
-            log.warning("AlertWebhook: %d alert(s) posted, %s%s.", self.sent, ", ".join(lost), why)
+            log.warning("AlertWebhook: %d alert(s) posted, %s%s.", sent, ", ".join(lost), why)
 
     # ------------------------------------------------------------------ the sink
     def __call__(self, alert: Alert) -> None:
@@ -227,14 +288,19 @@ class AlertWebhook(pl.Callback):
                     self._cond.wait()
                 text = self._queue.popleft()
                 self._busy = True
-            delivered = self._send(text)
-            with self._cond:
-                self._busy = False
-                if delivered:
-                    self.sent += 1
-                else:
-                    self.failed += 1
-                self._cond.notify_all()
+            delivered = False
+            try:
+                delivered = self._send(text)
+            except Exception as err:  # noqa: BLE001 - the sender outlives any error: counted, never raised
+                self.last_error = repr(err)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    if delivered:
+                        self.sent += 1
+                    else:
+                        self.failed += 1
+                    self._cond.notify_all()
 
     def _send(self, text: str) -> bool:
         """POST ``{"text": text}`` with retries and exponential backoff; whether it was delivered."""
@@ -260,6 +326,8 @@ class AlertWebhook(pl.Callback):
                         "address the server redirects to")
                 if err.code < 500 and err.code not in _RETRY_STATUSES:
                     return False
-            except (urllib.error.URLError, OSError, ValueError) as err:  # refused, unreachable, timed out
-                self.last_error = str(getattr(err, "reason", err))
+            except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as err:
+                # refused, unreachable, timed out; an answer cut short or not HTTP (IncompleteRead, BadStatusLine)
+                self.last_error = (f"{type(err).__name__}: {err!r}" if isinstance(err, http.client.HTTPException)
+                                   else str(getattr(err, "reason", err)))
         return False

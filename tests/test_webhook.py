@@ -232,3 +232,91 @@ def test_bad_timeouts_are_refused_at_construction(kwargs, error):
 def test_a_url_that_is_not_a_string_is_refused():
     with pytest.raises(TypeError, match="`url` must be a string"):
         AlertWebhook(5)
+
+
+class _RawServer:
+    """A socket server that reads one POST and answers with raw bytes: ``answer`` at once, or, with ``trickle``, one
+    byte every ``trickle`` seconds (never idle for a whole read timeout)."""
+
+    def __init__(self, answer: bytes, trickle: float = 0.0) -> None:
+        self.posts = 0
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/hook"
+        self.answer, self.trickle = answer, trickle
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        try:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, body = data.split(b"\r\n\r\n", 1)
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length"))
+            while len(body) < length:  # the whole request read: the answer is what fails, not the connection
+                body += conn.recv(65536)
+            self.posts += 1
+            if not self.trickle:
+                conn.sendall(self.answer)
+            for byte in (self.answer if self.trickle else b""):
+                conn.sendall(bytes([byte]))
+                time.sleep(self.trickle)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nok",  # cut short: http.client.IncompleteRead
+    b"garbage\r\n\r\n",  # no status line: http.client.BadStatusLine
+])
+def test_an_answer_that_is_not_http_counts_as_a_failed_post_and_the_sender_goes_on(answer):
+    # http.client's own errors are no OSError: they escaped the sender thread, which died with a traceback, left the
+    # sink "busy" for good (every fit's end then waited its whole flush_timeout) and counted the alert nowhere
+    server = _RawServer(answer)
+    hook = AlertWebhook(server.url, min_severity="info", retries=1, backoff=0.0, flush_timeout=5.0)
+    for step in (1, 2):
+        hook(Alert(step, "guard", "stopped", "info", "Training stopped.", layer=None, run_id="r1"))
+    start = time.perf_counter()
+    assert hook.flush()
+    assert time.perf_counter() - start < 4.0
+    assert (hook.sent, hook.failed) == (0, 2) and server.posts == 4  # each retried once
+    assert hook.last_error is not None and ("IncompleteRead" in hook.last_error or "BadStatusLine" in hook.last_error)
+
+
+def test_the_timeout_bounds_a_whole_request():
+    # a server that answers one byte every 0.3 s is never idle for the 1 s timeout of a read: the request held the
+    # one sender thread for as long as the server liked, and every later alert waited behind it
+    server = _RawServer(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok" + b" " * 100, trickle=0.3)
+    hook = AlertWebhook(server.url, min_severity="info", timeout=1.0, retries=0, flush_timeout=10.0)
+    hook(Alert(1, "guard", "stopped", "info", "Training stopped.", layer=None, run_id="r1"))
+    start = time.perf_counter()
+    assert hook.flush()
+    assert time.perf_counter() - start < 5.0 and (hook.sent, hook.failed) == (0, 1)
+
+
+def test_the_end_of_a_fit_counts_that_fits_losses_only(tmp_path, tiny_gpt, server_factory, caplog):
+    # one sink in two fits: the first fit's 404 was said again at the end of the second, which delivered everything,
+    # and a 404 (never retried) was said to have failed "after 3 retries"
+    missing = server_factory(status=404)
+    hook = AlertWebhook(url=missing.url, backoff=0.0)
+    with caplog.at_level(logging.WARNING, logger="lightning_monitor"):
+        _fit(tmp_path / "one", tiny_gpt, [_Alerter(), hook])
+        hook.url = server_factory().url
+        _fit(tmp_path / "two", tiny_gpt, [_Alerter(), hook])
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AlertWebhook:")]
+    assert len(said) == 1 and said[0].startswith("AlertWebhook: 0 alert(s) posted, 2 failed")
+    assert "HTTP 404" in said[0] and "after 3 retries" not in said[0]
+    assert (hook.sent, hook.failed) == (2, 2) and hook.last_error is None
