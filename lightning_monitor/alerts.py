@@ -388,6 +388,7 @@ class AlertHub:
         self._offset = 0  # size of the alerts file after this hub's last write (rank 0)
         self._kept_keys: set[tuple[Any, ...]] = set()  # keys of the records a resume kept: never written again
         self._finished = False
+        self._file_error: Optional[str] = None  # why alerts.jsonl could not be written (said once; not tried again)
 
     @classmethod
     def for_trainer(cls, trainer: pl.Trainer) -> AlertHub:
@@ -524,9 +525,18 @@ class AlertHub:
                 writer.add_text(RUN_ID_TAG, self.run_id, global_step=trainer.global_step)
 
     def _write_file(self, alert: Alert) -> None:
-        if self.path is None or alert.key in self._kept_keys:
+        if self.path is None or alert.key in self._kept_keys or self._file_error is not None:
             return
-        self._offset = _fsync_write(self.path, (json.dumps(alert.to_dict()) + "\n").encode("utf-8"), "ab")
+        try:
+            self._offset = _fsync_write(self.path, (json.dumps(alert.to_dict()) + "\n").encode("utf-8"), "ab")
+        except OSError as err:
+            # a sink never fails training (a disk that filled up, a folder removed or remounted since the check at
+            # setup: the next alert ended the fit with the write's error). Said once; the alerts still reach the
+            # loggers, the console and `history`, and the file is not written again in this fit (a write cut short
+            # leaves a partial line, which a later record would have been appended to)
+            self._file_error = f"{type(err).__name__}: {err}"
+            log.warning("%s can no longer be written (%s); from step %d on, alerts reach the "
+                        "loggers and the console but not that file.", self.path, self._file_error, alert.step)
 
     # ------------------------------------------------------------------ checkpoints and resume
     def state_dict(self) -> dict[str, Any]:

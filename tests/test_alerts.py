@@ -429,3 +429,33 @@ def test_fast_dev_run_writes_no_file_into_the_working_directory(tmp_path, monkey
     assert os.listdir(tmp_path) == []
     hub = preset.monitors[0].hub
     assert hub.path is None and hub.history  # alerts were raised (GWA's cadence, at least), not written
+
+
+class _DiskFills(pl.Callback):
+    """From step 3 on, every write to the run's alerts.jsonl fails with ENOSPC (the file becomes a link to /dev/full),
+    after the folder was found writable at setup."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 3:
+            from lightning_monitor.alerts import AlertHub
+
+            path = AlertHub.for_trainer(trainer).path
+            os.replace(path, path + ".before")
+            os.symlink("/dev/full", path)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_file_that_can_no_longer_be_written_does_not_end_the_fit(tmp_path, tiny_gpt, caplog):
+    # the next alert ended the fit with the write's OSError (No space left on device)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    probe = _Raiser(every_n_steps=1)
+    with caplog.at_level(logging.WARNING, logger="lightning_monitor"):
+        trainer = _fit(tmp_path, [logger], [_DiskFills(), probe], tiny_gpt)
+    assert trainer.global_step == 12 and trainer.state.status == "finished"
+    said = [r.getMessage() for r in caplog.records if "can no longer be written" in r.getMessage()]
+    assert len(said) == 1 and "No space left on device" in said[0] and "from step 4 on" in said[0]
+    # every alert still reached the hub's history and the logger; the file holds those written before
+    kinds = [(a.step, a.kind) for a in probe.hub.history]
+    assert kinds[:2] == [(2, "hello"), (2, "hello")] and (4, "high") in kinds and (8, "high_cleared") in kinds
+    assert [a.step for a in read_alerts(os.path.join(logger.log_dir, "alerts.jsonl.before"))] == [2, 2]
+    assert tb_scalars(logger.log_dir)["alerts/count/critical"][-1][1] == 1.0
