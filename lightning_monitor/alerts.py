@@ -191,11 +191,27 @@ class Alert:
     def from_dict(cls, data: dict[str, Any]) -> Alert:
         """Inverse of :meth:`to_dict` (reads a line of ``alerts.jsonl``); keys it does not know, written
         by a newer version, are ignored."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a record is a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         data = {k: v for k, v in data.items() if k in known}
+        # a record written by something else (or edited by hand) is checked field by field: a wrong type read on
+        # failed later, where the report used it, and the whole run's summary was lost to one line
+        step = data.get("step")
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) or step != int(step):
+            raise ValueError(f"`step` must be an integer, got {step!r}")
+        for key in ("monitor", "kind", "severity", "message"):
+            if not isinstance(data.get(key), str):
+                raise ValueError(f"`{key}` must be a string, got {data.get(key)!r}")
+        for key, kinds in (("layer", str), ("run_id", str), ("details", dict)):
+            if data.get(key) is not None and not isinstance(data[key], kinds):
+                raise ValueError(f"`{key}` must be a {kinds.__name__} or null, got {data[key]!r}")
         for key in ("value", "threshold"):
-            if isinstance(data.get(key), str):
-                data[key] = float(data[key])
+            v = data.get(key)
+            if isinstance(v, str):
+                data[key] = float(v)
+            elif v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ValueError(f"`{key}` must be a number or null, got {v!r}")
         return cls(**data)
 
     @property
@@ -389,6 +405,7 @@ class AlertHub:
         self._kept_keys: set[tuple[Any, ...]] = set()  # keys of the records a resume kept: never written again
         self._finished = False
         self._file_error: Optional[str] = None  # why alerts.jsonl could not be written (said once; not tried again)
+        self._training = False  # the fit's training has started (its step is the run's): counts are logged
 
     @classmethod
     def for_trainer(cls, trainer: pl.Trainer) -> AlertHub:
@@ -479,7 +496,11 @@ class AlertHub:
         log.log(_PY_LEVELS[alert.severity], "%s", alert, extra={_CONSOLE_FLAG: alert.console})
         before = dict(self.counts)
         self.counts[alert.severity] += 1
-        self.log_counts(trainer, alert.step, before)
+        if self._training:
+            # not before the fit's training starts (an alert at setup: a monitor with nothing to watch), whose step is
+            # 0 in a fit resumed from a checkpoint (its step is not back yet), which made the counts' series start
+            # there and the resume read as a fit started over; the start of training logs the counts at its step
+            self.log_counts(trainer, alert.step, before)
         tag = self._text_tag(alert)
         for logger in trainer.loggers:
             writer = _tensorboard_writer(logger)
@@ -680,6 +701,7 @@ def _hub_callback_type() -> type:
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             hub = self._hub_of(trainer)
             if hub is not None:
+                hub._training = True
                 hub.log_counts(trainer, trainer.global_step)
                 hub.log_run_id(trainer)
 

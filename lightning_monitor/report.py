@@ -215,7 +215,7 @@ def _read_alerts(run: RunReport, path: str) -> None:
             continue
         try:
             run.alerts.append(Alert.from_dict(json.loads(raw.decode("utf-8"))))
-        except (ValueError, TypeError, AttributeError) as err:
+        except (ValueError, TypeError, AttributeError, OverflowError) as err:
             if lineno == len(lines):  # no newline after it: cut short by a kill
                 run.notes.append(f"{ALERTS_FILENAME}: the last line is incomplete (a run stopped while writing "
                                  "it); ignored.")

@@ -10,6 +10,7 @@ import sys
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_monitor import (
@@ -205,6 +206,89 @@ def test_a_fit_resumed_from_its_last_checkpoint_keeps_what_was_logged_at_that_st
     assert report.scalars["gwa/score"] == [(5, pytest.approx(0.3)), (10, pytest.approx(0.5)), (15, pytest.approx(0.4))]
     assert [s for s, _ in report.scalars["alerts/count/info"]] == [0, 10]  # step 10 once: the later fit's
     assert report.restart is None and not any("superseded" in n for n in report.notes)
+
+
+class _WarnAt(pl.Callback):
+    """A warning through the hub at the given steps."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from lightning_monitor import Alert
+        from lightning_monitor.alerts import AlertHub
+
+        if trainer.global_step in self.steps:
+            AlertHub.for_trainer(trainer).emit(Alert(trainer.global_step, "probe", f"at{trainer.global_step}",
+                                                     "warning", "a warning"))
+
+
+def test_a_fit_resumed_after_an_alert_at_its_setup_is_read_as_a_resume(tmp_path):
+    # an alert raised at a resumed fit's setup (SA with nothing to watch on a model without hidden layers) had its
+    # counts logged at step 0, before the checkpoint's step was back: the resume read as a fit started over, and the
+    # earlier fit's points of steps 1-9 and its warning at step 3 were dropped ("fired first" named step 15)
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_monitor import HealthMonitor
+
+    class Head(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(8, 4)
+
+        def training_step(self, batch, batch_idx):
+            loss = torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 8)
+    data = DataLoader(TensorDataset(x, x[:, :4].argmax(-1)), batch_size=8)
+
+    def fit(steps, warn_at, ckpt=None, checkpoints=()):
+        monitor = HealthMonitor(noise_scale=False, gwa=False, dashboard=False, progress_bar=False)
+        trainer = pl.Trainer(max_steps=steps, accelerator="cpu", log_every_n_steps=1, enable_progress_bar=False,
+                             enable_model_summary=False, logger=TensorBoardLogger(str(tmp_path), name="run", version=0),
+                             callbacks=[monitor, _WarnAt(warn_at), *checkpoints],
+                             enable_checkpointing=bool(checkpoints))
+        trainer.fit(Head(), data, ckpt_path=ckpt)
+        return trainer
+
+    every = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=5, save_top_k=-1, filename="{step}")
+    fit(16, {3, 12}, checkpoints=[every])
+    fit(20, {15}, ckpt=str(tmp_path / "ck" / "step=10.ckpt"))
+    folder = str(tmp_path / "run" / "version_0")
+    assert [(a.step, a.kind) for a in read_alerts(os.path.join(folder, "alerts.jsonl"))] == [
+        (0, "nothing_to_watch"), (3, "at3"), (15, "at15")]
+    report = load_run(folder)
+    assert report.restart == 10 and [s for s, _ in report.scalars["train_loss"]] == list(range(20))
+    assert "fired first (warning or critical): step 0 sa/nothing_to_watch" in summarize(report)
+    assert [a.step for a in report.alerts if a.kind.startswith("at")] == [3, 15]
+
+
+def test_a_record_with_a_field_of_the_wrong_type_is_skipped_and_the_rest_reported(tmp_path, real_run, capsys):
+    # one record with `message: null` (or a step of 1e400, details as a string ...) passed the reading and failed the
+    # summary later: only "Run: <path>" and "cannot be read" were printed
+    _, history, run_dir = real_run
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns("checkpoints", "*.html"))
+    path = run / "alerts.jsonl"
+    good = path.read_bytes()
+    lineno = good.count(b"\n") + 1
+    for bad in (b'{"step": 3, "monitor": "guard", "kind": "k", "severity": "warning", "message": null}',
+                b'{"step": 1e400, "monitor": "guard", "kind": "k", "severity": "warning", "message": "m"}',
+                b'{"step": 3, "monitor": "guard", "kind": "stopped", "severity": "info", "message": "m", '
+                b'"details": "x"}',
+                b'{"step": 3, "monitor": "grades", "kind": "frozen", "severity": "info", "message": "m", "layer": 7}',
+                b'[1, 2]'):
+        path.write_bytes(good + bad + b"\n")
+        rc, out, err = _report(capsys, str(run))
+        assert rc == 1 and f"alerts.jsonl line {lineno}: not an alert record (" in err, bad
+        assert f"alerts: {len(history)} (" in out and "cannot be read" not in err, bad
 
 
 def test_a_damaged_record_in_the_middle_is_a_problem(tmp_path, real_run, capsys):
