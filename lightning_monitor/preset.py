@@ -261,12 +261,7 @@ class HealthMonitor(Callback):
         watching = [m for m in trainer.callbacks if isinstance(m, Monitor)]
         for monitor in watching:  # a model built in `configure_model` exists from here: each monitor selects first
             monitor.select_built_model(trainer, pl_module)
-        active = [m.name for m in watching if getattr(m, "idle_reason", None) is None]
-        idle = [f"{m.name} ({m.idle_reason})" for m in watching if getattr(m, "idle_reason", None) is not None]
-        rank_zero_info(
-            "HealthMonitor: watching " + (", ".join(active) or "nothing")
-            + ("; idle: " + "; ".join(idle) if idle else "")
-        )
+        self._said_watching = False  # said at the first batch: after every monitor's own start hooks
         if self.dashboard:
             from lightning_monitor.dashboard import write_dashboard
 
@@ -280,6 +275,22 @@ class HealthMonitor(Callback):
 
             get_metrics._health_word = True  # type: ignore[attr-defined]
             bar.get_metrics = get_metrics  # this bar instance only
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        """What watches the run, said once a fit at its first batch: after every monitor's own ``on_fit_start`` and
+        ``on_train_start``, where some go idle (the noise scale and GWA with several optimizers: said to watch, then
+        idle a moment later)."""
+        if getattr(self, "_said_watching", True):
+            return
+        self._said_watching = True
+        watching = [m for m in trainer.callbacks if isinstance(m, Monitor)]
+        active = [m.name for m in watching if getattr(m, "idle_reason", None) is None]
+        idle = [f"{m.name} ({m.idle_reason})" for m in watching if getattr(m, "idle_reason", None) is not None]
+        rank_zero_info(
+            "HealthMonitor: watching " + (", ".join(active) or "nothing")
+            + ("; idle: " + "; ".join(idle) if idle else "")
+        )
 
     @staticmethod
     def health_word(trainer: pl.Trainer) -> str:

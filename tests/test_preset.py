@@ -5,6 +5,7 @@ trains, and per-layer statistics are folded into histograms by default."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import warnings
@@ -17,6 +18,7 @@ from conftest import tb_event_accumulator, tb_scalars
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_monitor as lm
 from lightning_monitor.callbacks.gradient_weight_alignment import default_target_fn
@@ -675,3 +677,32 @@ def test_a_bad_value_in_a_monitors_dict_names_the_monitor():
     expected = r"HealthMonitor\(`noise_scale`=\.\.\.\): GradientNoiseScaleMonitor: .*every_n_steps"
     with pytest.raises(ValueError, match=expected):
         HealthMonitor(spectral={"every_n_steps": 100}, noise_scale={"every_n_steps": 0})
+
+
+class _TwoPlayers(_Net):
+    """Manual optimization with two optimizers (a game's players): the noise scale and GWA refuse it."""
+
+    def __init__(self) -> None:
+        super().__init__(4, torch.nn.functional.cross_entropy)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        for opt in self.optimizers():
+            opt.zero_grad()
+            self.manual_backward(self.loss(self.net(batch[0]), batch[1]))
+            opt.step()
+
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.01), torch.optim.SGD(self.net[2].parameters(), lr=0.01)]
+
+
+def test_the_line_that_says_what_watches_names_the_monitors_idle_from_their_own_start(tmp_path, caplog) -> None:
+    # the line was written before the monitors' own start hooks, where the noise scale and GWA refuse several
+    # optimizers: "watching sa, gns, gwa, guard", then both idle a moment later
+    data = DataLoader(TensorDataset(_X, (_X[:, 0] > 0).long()), batch_size=16)
+    with caplog.at_level(logging.INFO):
+        _trainer(tmp_path, [lm.HealthMonitor(**FAST)], max_steps=4).fit(_TwoPlayers(), data)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("HealthMonitor: watching")]
+    assert len(said) == 1 and said[0].startswith("HealthMonitor: watching sa, guard; idle: gns (the model has 2 "
+                                                 "optimizers")
+    assert "; gwa (the model has 2 optimizers" in said[0]
