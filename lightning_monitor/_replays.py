@@ -130,6 +130,9 @@ def attributes(root: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, A
         for k, v in attrs.items():
             if isinstance(v, (list, deque, dict, set)):
                 kept[k] = _copy_container(v)
+            elif isinstance(v, tuple) and any(type(x) is Tensor for x in v):
+                # a tuple cannot be refilled, but the tensors in it can be (moments kept as `(mean, var)`)
+                kept[k] = _copy_container(v)
             elif type(v) is Tensor and not v.is_inference():
                 kept[k] = (v._version, v.detach().clone() if v.numel() <= _SMALL_TENSOR else None)
             elif isinstance(v, torch.Generator):
@@ -169,7 +172,9 @@ def _refill(v: Any, saved: Any) -> None:
         item, contents = entry[-2], entry[-1]
         if item is not contents and isinstance(item, (list, deque, dict, set)):
             item.clear()
-            if isinstance(item, (dict, set)):
+            if isinstance(item, dict):
+                dict.update(item, contents)  # not the subclass's own update (a Counter's adds counts)
+            elif isinstance(item, set):
                 item.update(contents)
             else:
                 item.extend(contents)
@@ -178,9 +183,12 @@ def _refill(v: Any, saved: Any) -> None:
                 item.data = contents
             elif not torch.equal(item, contents):
                 item.data.copy_(contents)
+    if isinstance(v, tuple):
+        return  # its items are the same objects: their contents were put back above
     v.clear()
     if isinstance(v, dict):
-        v.update((k, item) for k, item, _ in saved)
+        # dict's own update: a Counter's counted the (key, value) pairs as keys
+        dict.update(v, ((k, item) for k, item, _ in saved))
     elif isinstance(v, set):
         v.update(item for item, _ in saved)
     else:
@@ -201,7 +209,7 @@ def restore_attributes(saved: list[tuple[torch.nn.Module, dict[str, Any], dict[s
         d.update(attrs)
         for k, old in kept.items():
             v = attrs[k]
-            if isinstance(v, (list, deque, dict, set)):
+            if isinstance(v, (list, deque, dict, set, tuple)):
                 _refill(v, old)
             elif isinstance(v, torch.Generator):
                 v.set_state(old)

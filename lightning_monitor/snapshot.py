@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -300,6 +301,9 @@ class TrainingSnapshot:
     _copies: list = field(default_factory=list, repr=False)
     #: the pinned buffers its copies from CUDA tensors are views of (written over by the snapshot that pushes it out)
     _flats: dict = field(default_factory=dict, repr=False)
+    #: per non-persistent buffer saved (``module_extra``): a weak reference to the tensor and its in-place version
+    #: counter then; a later snapshot shares the copy of a buffer unchanged since, and a restore leaves it alone
+    _extra_seen: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def capture(
@@ -312,10 +316,13 @@ class TrainingSnapshot:
         directory: Optional[str] = None,
         reuse: Optional[TrainingSnapshot] = None,
         module_state: Optional[dict[str, Any]] = None,
+        previous: Optional[TrainingSnapshot] = None,
     ) -> TrainingSnapshot:
         """Copy the run's state now. ``monitors`` maps a state key to a callback with ``state_dict``.
         ``reuse``: a snapshot in host memory that is being given up; its tensors are written over where they
-        fit (it is discarded). ``module_state``: ``pl_module.state_dict()`` when the caller already has it."""
+        fit (it is discarded). ``module_state``: ``pl_module.state_dict()`` when the caller already has it.
+        ``previous``: a snapshot still kept, whose copies of the module's non-persistent buffers unchanged since are
+        shared (a causal mask, a rotary cache: copied once)."""
         old: dict[str, Any] = {}
         # the pinned buffers of the copies from CUDA (``"flat"``): the given-up snapshot's are written over
         flats: dict[Any, Any] = {}
@@ -327,13 +334,16 @@ class TrainingSnapshot:
         opts, scheds = old.get("optimizers") or [], old.get("schedulers") or []
         inners = old.get("inner_optimizers") or []
         scaler = _loss_scaler(trainer)
+        module_state = pl_module.state_dict() if module_state is None else module_state
+        extra, seen = _extra_buffers(pl_module, module_state, previous)
         # in host memory, the module's and optimizers' CUDA tensors are copied without the host waiting (an event on
         # each stream that carries copies marks their end); a snapshot saved to a file at once gains nothing by it
         pending: Optional[list] = ([] if directory is None and _DEVICE_COPIES != "waiting" and torch.cuda.is_available()
                                    else None)
         state = {
-            "module": _to_host(pl_module.state_dict() if module_state is None else module_state, old.get("module"),
-                               pending, flats.setdefault("module", {})),
+            "module": _to_host(module_state, old.get("module"), pending, flats.setdefault("module", {})),
+            # buffers outside the state_dict (`persistent=False`): a counter, a running normaliser the loss reads
+            "module_extra": extra,
             "optimizers": [_to_host(opt.state_dict(), opts[i] if i < len(opts) else None, pending,
                                     flats.setdefault(("optimizer", i), {}))
                            for i, opt in enumerate(trainer.optimizers)],
@@ -358,6 +368,7 @@ class TrainingSnapshot:
             event = torch.cuda.Event()
             event.record(stream)
             snap._copies.append(event)
+        snap._extra_seen = seen
         if directory is None:
             snap._state, snap._flats = state, flats
         else:
@@ -395,6 +406,7 @@ class TrainingSnapshot:
             for name, now, value in held_values(state["module"], current):
                 if now not in keep and name not in keep:
                     current[now].copy_(value)
+            _restore_extra_buffers(pl_module, state.get("module_extra") or {}, self._extra_seen)
         inner_saved = state.get("inner_optimizers") or [[] for _ in state["optimizers"]]
         for opt, saved, swapped, inner in zip(trainer.optimizers, state["optimizers"], self._swapped(trainer),
                                               inner_saved):
@@ -506,6 +518,50 @@ class TrainingSnapshot:
         self._flats = {}
         if self.path is not None and os.path.exists(self.path):
             os.remove(self.path)
+
+
+def _extra_buffers(pl_module: torch.nn.Module, module_state: dict[str, Any], previous: Optional[TrainingSnapshot]
+                   ) -> tuple[dict[str, Tensor], dict[str, tuple[Any, int]]]:
+    """Host copies of the module's buffers its ``state_dict`` leaves out (``persistent=False``), and what identifies
+    each buffer as it is now (a weak reference, its in-place version counter). A buffer unchanged since ``previous``
+    (the same tensor, not written in place since) shares that snapshot's copy."""
+    extra: dict[str, Tensor] = {}
+    seen: dict[str, tuple[Any, int]] = {}
+    before = previous._extra_seen if previous is not None and previous._state is not None else {}
+    kept = (previous._state or {}).get("module_extra") or {} if previous is not None else {}
+    for name, buf in pl_module.named_buffers(remove_duplicate=False):
+        if name in module_state or buf is None:
+            continue
+        ref, version = before.get(name, (None, None))
+        if ref is not None and ref() is buf and version == buf._version and name in kept:
+            extra[name] = kept[name]
+        else:
+            with torch.no_grad():
+                extra[name] = buf.detach().to("cpu", copy=True)
+        seen[name] = (weakref.ref(buf), buf._version)
+    return extra, seen
+
+
+def _restore_extra_buffers(pl_module: torch.nn.Module, saved: dict[str, Tensor],
+                           seen: dict[str, tuple[Any, int]]) -> None:
+    """Put back the non-persistent buffers saved (:func:`_extra_buffers`): copied into the present tensor, or, where it
+    was replaced by one of another shape or type since (a queue that grew), replaced by the saved one. A buffer still
+    the same tensor, not written in place since the capture, is left alone (a constant mask is not copied back)."""
+    modules = dict(pl_module.named_modules(remove_duplicate=False))
+    for name, value in saved.items():
+        owner, _, local = name.rpartition(".")
+        module = modules.get(owner)
+        if module is None or local not in module._buffers:
+            continue
+        buf = module._buffers[local]
+        ref, version = seen.get(name, (None, None))
+        if buf is not None and ref is not None and ref() is buf and version == buf._version:
+            continue
+        if buf is not None and buf.shape == value.shape and buf.dtype == value.dtype:
+            buf.copy_(value)
+        else:
+            device = buf.device if buf is not None else value.device
+            module._buffers[local] = value.to(device, copy=True)
 
 
 class SnapshotMismatch(RuntimeError):

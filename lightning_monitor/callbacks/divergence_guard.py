@@ -818,6 +818,7 @@ class DivergenceGuard(Monitor):
             self._steps_per_batch = made
         if self._drop is not None and now > self._drop.step:
             self._drop.restore(trainer, pl_module, {})
+            self._restep_epoch_schedulers(trainer, self._drop.epoch)
             self._drop = None
         # a scheduler that stepped after the update set its rate again: held under the ceiling at once, so that what
         # reads the rates before the next step (LearningRateMonitor, a checkpoint) sees the rate in force. A rollback
@@ -1958,7 +1959,8 @@ class DivergenceGuard(Monitor):
         # in host memory, the newest one pushed out is written over; files are deleted once the new one is saved
         reuse = out.pop() if out and self.snapshot_dir is None else None
         snap = TrainingSnapshot.capture(trainer, pl_module, self._monitors(trainer), step, self._lr_scale,
-                                        self.snapshot_dir, reuse=reuse, module_state=module_state)
+                                        self.snapshot_dir, reuse=reuse, module_state=module_state,
+                                        previous=self._snapshots[-1] if self._snapshots else None)
         for old in out:
             old.discard()
         snap.guard = self._detector_state()
@@ -2173,13 +2175,7 @@ class DivergenceGuard(Monitor):
         lr_now = self._float_lrs(trainer) if rates is None else rates
         self._clear_conditions(step, "Rolled back.")
         self._restore_keeping_frozen(trainer, pl_module, snap, self._monitors(trainer))
-        loop = trainer.fit_loop.epoch_loop
-        last = getattr(loop, "_num_ready_batches_reached", None)
-        if snap.epoch == trainer.current_epoch and last is not None and last() and hasattr(loop, "update_lr_schedulers"):
-            # the epoch ends with this batch: Lightning stepped its epoch-interval schedulers before this hook, and the
-            # restore took that step back with the undone ones (a bad last batch in each of 4 epochs held a StepLR at
-            # its first rate): the epoch's step is made again, as Lightning makes it
-            loop.update_lr_schedulers("epoch", update_plateau_schedulers=False)
+        self._restep_epoch_schedulers(trainer, snap.epoch)
         self._load_detector_state(snap.guard)
         # other monitors' critical alerts not yet acted on describe steps now undone: they go with them (else the next
         # check would roll back again for them)
@@ -2253,6 +2249,20 @@ class DivergenceGuard(Monitor):
                "The batch seen since is skipped") + f"{lr}.",
             details={k: v for k, v in record.items() if k != "reasons"},
         )
+
+    @staticmethod
+    def _restep_epoch_schedulers(trainer: pl.Trainer, epoch: int) -> None:
+        """After a restore to a state of ``epoch``: the epoch-interval schedulers' steps the restore took back are made
+        again, as Lightning makes them: one for each epoch that ended since (the run's epochs go on; a rollback to a
+        snapshot of the previous epoch left a StepLR one epoch behind for the rest of the run, at twice its rate), and
+        one for the epoch ending with this batch (Lightning stepped them before this hook: a bad last batch in each of
+        4 epochs held a StepLR at its first rate)."""
+        loop = trainer.fit_loop.epoch_loop
+        last = getattr(loop, "_num_ready_batches_reached", None)
+        if last is None or not hasattr(loop, "update_lr_schedulers"):
+            return
+        for _ in range(max(trainer.current_epoch - epoch, 0) + int(bool(last()))):
+            loop.update_lr_schedulers("epoch", update_plateau_schedulers=False)
 
     def _stop(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, snap: Optional[TrainingSnapshot],
               reasons: str) -> None:
