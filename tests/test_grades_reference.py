@@ -7,7 +7,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import pytest
@@ -218,3 +218,56 @@ def test_early_reference_waits_for_a_component_without_values() -> None:
     cb._ref_sum, cb._ref_cnt = torch.tensor([3.0, 0.0]), torch.tensor([2.0, 0.0])
     ref = cb.reference()
     assert ref[0].item() == 1.5 and math.isnan(ref[1].item())  # not a reference of 0 (which never lets it freeze)
+
+
+def test_a_resume_with_the_very_module_trained_takes_back_the_components_frozen(tmp_path: Path) -> None:
+    # the components GradES froze are frozen (requires_grad False) on the module trained: resumed with that module
+    # (a notebook's second `fit`), they were taken for components frozen before the run and left out, and the
+    # checkpoint's components no longer matched ("written for other components (12 ...) than this model has (6 ...)")
+    kw = dict(every_n_steps=2, grace_steps=4, min_loss_progress=None)
+    probe = GradientEarlyStopping(tau=1e-9, **kw)
+    logger = CSVLogger(tmp_path / "probe")
+    _trainer(tmp_path, [probe], max_steps=7, logger=logger).fit(_module(), _loader())
+    ratios = sorted(v for k, v in _csv_rows(logger)[6].items() if k.endswith("/ratio"))
+    tau = ratios[len(ratios) // 2]  # half the components below it at the check of step 6
+    first = GradientEarlyStopping(tau=tau, **kw)
+    module = _module()
+    trainer = _trainer(tmp_path, [first], max_steps=8)
+    trainer.fit(module, _loader())
+    assert 0 < len(first.frozen) < N_COMPONENTS
+    trainer.save_checkpoint(str(tmp_path / "a.ckpt"))
+    again = GradientEarlyStopping(tau=tau, **kw)
+    _trainer(tmp_path / "again", [again], max_steps=12).fit(module, _loader(), ckpt_path=str(tmp_path / "a.ckpt"))
+    assert again.components == first.components and set(first.frozen) <= set(again.frozen)
+    frozen = {n for n in again.frozen}
+    for name, comp in again._components.items():
+        assert comp.weight.requires_grad == (name not in frozen), name
+
+
+class _Spike(pl.Callback):
+    def __init__(self, at: Optional[int]) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        for group in trainer.optimizers[0].param_groups:
+            if trainer.global_step == self.at:
+                group["lr"] *= 1000
+            elif self.at is not None and trainer.global_step == self.at + 1:
+                group["lr"] /= 1000
+
+
+def test_a_rollback_takes_back_the_statistics_of_the_steps_it_undid(tmp_path: Path) -> None:
+    # the reference was taken at step 41 from gradients of weights the guard rolled back in that step (60 times the
+    # spike-free twin's), and every component froze: the run stopped at step 66, its twin froze none
+    from lightning_monitor import DivergenceGuard
+
+    out = {}
+    for at in (None, 40):
+        grades = GradientEarlyStopping(every_n_steps=1, grace_steps=41, min_loss_progress=None)
+        guard = DivergenceGuard(every_n_steps=2)
+        _trainer(tmp_path / str(at), [_Spike(at), grades, guard], max_steps=70).fit(_module(), _loader())
+        out[at] = (grades.reference(), dict(grades.frozen), grades.stopped_at, [r["to_step"] for r in guard.rollbacks])
+    ref, frozen, stopped, rollbacks = out[40]
+    assert rollbacks and rollbacks[0] == 40 and out[None][3] == []
+    assert out[None][1] == {} and frozen == {} and stopped is None
+    torch.testing.assert_close(ref, out[None][0], rtol=0.25, atol=0.0)

@@ -1815,12 +1815,11 @@ class DivergenceGuard(Monitor):
 
     # ------------------------------------------------------------------ snapshots and actions
     def _monitors(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """The suite's other monitors whose state travels with a snapshot (freezing is not undone), and the running
-        averages of ``StochasticWeightAveraging`` and ``WeightAveraging`` (``EMAWeightAveraging``)."""
-        from lightning_monitor.callbacks.grades import GradientEarlyStopping
-
+        """The suite's other monitors whose state travels with a snapshot (GradES's statistics, not its freezes: freezing
+        is not undone), and the running averages of ``StochasticWeightAveraging`` and ``WeightAveraging``
+        (``EMAWeightAveraging``)."""
         out: dict[str, Any] = {cb.state_key: _SnapshotOf(cb) for cb in trainer.callbacks
-                               if isinstance(cb, Monitor) and cb is not self and not isinstance(cb, GradientEarlyStopping)}
+                               if isinstance(cb, Monitor) and cb is not self}
         averages = [cb for cb in trainer.callbacks if isinstance(cb, StochasticWeightAveraging)]
         out.update({f"StochasticWeightAveraging[{i}]": _AveragedWeights(cb) for i, cb in enumerate(averages)
                     if hasattr(cb, "_latest_update_epoch") and hasattr(cb, "_average_model")})

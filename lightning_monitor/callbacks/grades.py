@@ -357,6 +357,25 @@ class GradientEarlyStopping(Monitor):
         )
         return state
 
+    def snapshot_state(self) -> dict[str, Any]:
+        """What the guard's snapshots hold of this monitor: its statistics (the smoothed values, the reference, the loss
+        history), not its freezes, which a rollback does not undo. Kept on, the statistics of the steps a rollback
+        undid (gradients of weights on their way out) set a reference 60 times too high and froze 12 of 12 components
+        of a run whose spike-free twin froze none."""
+        copy_of = (lambda t: None if t is None else t.detach().clone())
+        return {"smoothed": copy_of(self._smoothed), "reference_sum": copy_of(self._ref_sum),
+                "reference_count": copy_of(self._ref_cnt), "reference_checks_done": self._n_ref_checks,
+                "losses": [list(x) for x in self.losses]}
+
+    def load_snapshot_state(self, state: dict[str, Any]) -> None:
+        """Go back to a :meth:`snapshot_state`; the frozen, held and cut components stay as they are."""
+        self._smoothed, self._ref_sum, self._ref_cnt = state["smoothed"], state["reference_sum"], state["reference_count"]
+        self._n_ref_checks = int(state["reference_checks_done"])
+        self.losses = [(int(s), float(v)) for s, v in state["losses"]]
+        # the update statistic's previous weights are those of a step undone: the next check takes them anew
+        self._snapshot, self._snapshot_step = {}, None
+        self._step_loss = None
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.frozen = {str(k): int(v) for k, v in state_dict.get("frozen", {}).items()}
@@ -384,6 +403,19 @@ class GradientEarlyStopping(Monitor):
         self.cut = {str(k): int(v) for k, v in state_dict.get("cut", {}).items()}
         self.cut_depth = int(state_dict.get("cut_depth", 0))
         self._snapshot, self._snapshot_step = {}, None
+        found = getattr(self, "_found", None)
+        if found and self._saved_names and not self._training:
+            # the components we froze in the run that saved the checkpoint are ours again (frozen by requires_grad on
+            # a module resumed as it was left), in the model's order
+            taken = {n: c for n, c in found.items() if c.weight.requires_grad or n in self.frozen}
+            if list(taken) != self._names and list(taken) == self._saved_names:
+                self._components, self._names = taken, list(taken)
+                trainer = self._bound_trainer()
+                module = trainer.lightning_module if trainer is not None else None
+                if module is not None:
+                    self._shared = shared_outside(module, self._components)
+                    if self.cut_frozen_prefix:
+                        self._container = block_container(module, self._names)
         if self._components:
             self._check_saved_names()
         trainer = self._bound_trainer()
@@ -508,7 +540,10 @@ class GradientEarlyStopping(Monitor):
             )
         with reading_weights(pl_module.modules()):  # parametrized weights (spectral_norm) read without side effects
             found = find_components(pl_module, self.include, self.exclude, trainable_only=False, allow_empty=True)
-        # a component frozen before the run (and not by us) is not ours to watch
+        # a component frozen before the run (and not by us) is not ours to watch; those we froze are told apart once a
+        # checkpoint's frozen set is loaded (see load_state_dict: a resume with the very module trained, whose
+        # components we froze, found them frozen "before the run", and the checkpoint's components no longer matched)
+        self._found = found
         self._components = {n: c for n, c in found.items() if c.weight.requires_grad or n in self.frozen}
         self._names = list(self._components)
         if not self._components:
