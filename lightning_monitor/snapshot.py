@@ -302,7 +302,7 @@ class TrainingSnapshot:
     #: the pinned buffers its copies from CUDA tensors are views of (written over by the snapshot that pushes it out)
     _flats: dict = field(default_factory=dict, repr=False)
     #: per non-persistent buffer saved (``module_extra``): a weak reference to the tensor and its in-place version
-    #: counter then; a later snapshot shares the copy of a buffer unchanged since, and a restore leaves it alone
+    #: counter then; a later snapshot shares the copy of a mask or index buffer unchanged since
     _extra_seen: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -406,7 +406,7 @@ class TrainingSnapshot:
             for name, now, value in held_values(state["module"], current):
                 if now not in keep and name not in keep:
                     current[now].copy_(value)
-            _restore_extra_buffers(pl_module, state.get("module_extra") or {}, self._extra_seen)
+            _restore_extra_buffers(pl_module, state.get("module_extra") or {})
         inner_saved = state.get("inner_optimizers") or [[] for _ in state["optimizers"]]
         for opt, saved, swapped, inner in zip(trainer.optimizers, state["optimizers"], self._swapped(trainer),
                                               inner_saved):
@@ -523,8 +523,9 @@ class TrainingSnapshot:
 def _extra_buffers(pl_module: torch.nn.Module, module_state: dict[str, Any], previous: Optional[TrainingSnapshot]
                    ) -> tuple[dict[str, Tensor], dict[str, tuple[Any, int]]]:
     """Host copies of the module's buffers its ``state_dict`` leaves out (``persistent=False``), and what identifies
-    each buffer as it is now (a weak reference, its in-place version counter). A buffer unchanged since ``previous``
-    (the same tensor, not written in place since) shares that snapshot's copy."""
+    each buffer as it is now (a weak reference, its in-place version counter). A mask or index buffer (not floating)
+    unchanged since ``previous`` (the same tensor, not written in place since) shares that snapshot's copy; a floating
+    one is copied each time (a running statistic may be written through ``.data``, which moves no version counter)."""
     extra: dict[str, Tensor] = {}
     seen: dict[str, tuple[Any, int]] = {}
     before = previous._extra_seen if previous is not None and previous._state is not None else {}
@@ -533,7 +534,8 @@ def _extra_buffers(pl_module: torch.nn.Module, module_state: dict[str, Any], pre
         if name in module_state or buf is None:
             continue
         ref, version = before.get(name, (None, None))
-        if ref is not None and ref() is buf and version == buf._version and name in kept:
+        if (ref is not None and ref() is buf and version == buf._version and name in kept
+                and not buf.is_floating_point() and not buf.is_complex()):
             extra[name] = kept[name]
         else:
             with torch.no_grad():
@@ -542,11 +544,10 @@ def _extra_buffers(pl_module: torch.nn.Module, module_state: dict[str, Any], pre
     return extra, seen
 
 
-def _restore_extra_buffers(pl_module: torch.nn.Module, saved: dict[str, Tensor],
-                           seen: dict[str, tuple[Any, int]]) -> None:
-    """Put back the non-persistent buffers saved (:func:`_extra_buffers`): copied into the present tensor, or, where it
-    was replaced by one of another shape or type since (a queue that grew), replaced by the saved one. A buffer still
-    the same tensor, not written in place since the capture, is left alone (a constant mask is not copied back)."""
+def _restore_extra_buffers(pl_module: torch.nn.Module, saved: dict[str, Tensor]) -> None:
+    """Put back the non-persistent buffers saved (:func:`_extra_buffers`): copied into the present tensor where it
+    differs, or, where it was replaced by one of another shape or type since (a queue that grew), replaced by the saved
+    one (a constant mask is compared, not copied back)."""
     modules = dict(pl_module.named_modules(remove_duplicate=False))
     for name, value in saved.items():
         owner, _, local = name.rpartition(".")
@@ -554,11 +555,9 @@ def _restore_extra_buffers(pl_module: torch.nn.Module, saved: dict[str, Tensor],
         if module is None or local not in module._buffers:
             continue
         buf = module._buffers[local]
-        ref, version = seen.get(name, (None, None))
-        if buf is not None and ref is not None and ref() is buf and version == buf._version:
-            continue
         if buf is not None and buf.shape == value.shape and buf.dtype == value.dtype:
-            buf.copy_(value)
+            if not torch.equal(buf, value.to(buf.device)):
+                buf.copy_(value)
         else:
             device = buf.device if buf is not None else value.device
             module._buffers[local] = value.to(device, copy=True)

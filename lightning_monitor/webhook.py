@@ -59,9 +59,10 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
 
 class _Deadline:
-    """A connection whose socket is shut down ``timeout`` seconds after it connected: the timeout bounds the whole
-    request, not each read (a server that answered one byte a second held the one sender thread for good, and every
-    later alert waited behind it)."""
+    """A connection whose socket is shut down ``timeout`` seconds after it connected, unless the answer's status and
+    headers have come by then: the timeout bounds the request, not each read (a server that answered one byte a second
+    held the one sender thread for good, and every later alert waited behind it). The body is not read (the status
+    says whether the post was delivered)."""
 
     timeout: Any
     sock: Any
@@ -82,10 +83,18 @@ class _Deadline:
             except OSError:
                 pass
 
-    def close(self) -> None:
+    def getresponse(self) -> Any:
+        response = super().getresponse()  # type: ignore[misc]
+        self._cancel()
+        return response
+
+    def _cancel(self) -> None:
         timer = getattr(self, "_timer", None)
         if timer is not None:
             timer.cancel()
+
+    def close(self) -> None:
+        self._cancel()
         super().close()  # type: ignore[misc]
 
 
@@ -313,8 +322,8 @@ class AlertWebhook(pl.Callback):
                 headers={"Content-Type": "application/json", "User-Agent": "lightning-monitor"},
             )
             try:
-                with _OPENER.open(request, timeout=self.timeout) as response:
-                    response.read()
+                with _OPENER.open(request, timeout=self.timeout):
+                    pass  # a 2xx status: delivered (its body, which a slow server may trickle, is not waited for)
                 return True
             except urllib.error.HTTPError as err:
                 self.last_error = f"HTTP {err.code} {err.reason}"

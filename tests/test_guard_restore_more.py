@@ -157,3 +157,59 @@ def test_a_replay_puts_back_a_counter_and_the_tensors_of_a_tuple():
     restore_attributes(saved)
     assert module.tally == Counter({0: 5, 1: 4})  # was {(0, 5): 1, (1, 4): 1}: the pairs counted as keys
     assert torch.equal(module.moments[0], torch.zeros(1)) and torch.equal(module.moments[1], torch.zeros(2))
+
+
+class _StepLREvery2(_StepLR):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
+                                                   "interval": "epoch", "frequency": 2}}
+
+
+def test_an_epoch_scheduler_stepped_every_two_epochs_keeps_its_schedule_across_a_rollback():
+    # re-stepped for the epochs ended since the snapshot as Lightning steps it: at the end of every second epoch
+    guard, epochs = DivergenceGuard(every_n_steps=10), _Epochs()
+    _fit(_StepLREvery2(), [_Jump(PER_EPOCH * 2), guard, epochs], PER_EPOCH * 6)
+    assert guard.rollbacks and guard.rollbacks[0]["to_step"] < PER_EPOCH * 2 <= guard.rollbacks[0]["step"]
+    assert epochs.last_epoch == {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2}
+
+
+class _DataWrites(_Counting):
+    def training_step(self, batch, batch_idx):
+        loss = F.mse_loss(self.net(batch[0]), batch[1])
+        self.scale.data = self.scale.data * 0.9 + 0.1 * loss.detach().clamp(max=1e6)  # no version counter moves
+        return loss / self.scale
+
+
+def test_a_buffer_written_through_data_is_put_back_too():
+    guard = DivergenceGuard()
+    after = _At(guard=guard)
+    _fit(_DataWrites(), [_Jump(25), guard, after], 40)
+    assert guard.rollbacks[0]["to_step"] == 20
+    oracle = _At(steps=[20])
+    _fit(_DataWrites(), [oracle], 21)
+    assert torch.equal(after.seen["rolled"]["scale"], oracle.seen[20]["scale"])
+
+
+class _Saving(_StepLR):
+    """A step that saves a checkpoint itself every 10 steps."""
+
+    def __init__(self, folder) -> None:
+        super().__init__()
+        self.folder, self.saves = folder, []
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step and self.global_step % 10 == 0:
+            self.saves.append(self.global_step)
+            self.trainer.save_checkpoint(str(self.folder / f"own-{self.global_step}-{len(self.saves)}.ckpt"))
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_step_that_saves_a_checkpoint_is_replayed_without_saving(tmp_path):
+    # the checkpoint's own replays ran the step, which saved again, whose replays ran it again ... (no end)
+    module = _Saving(tmp_path)
+    _fit(module, [DivergenceGuard()], 31)
+    files = sorted(p.name for p in tmp_path.glob("own-*.ckpt"))
+    assert len(files) == 3 and {f.split("-")[1] for f in files} == {"10", "20", "30"}
+    said = torch.load(str(tmp_path / files[0]), weights_only=True)["callbacks"]
+    assert next(v for k, v in said.items() if k.startswith("DivergenceGuard"))["saved_weights"]["step"] == 10

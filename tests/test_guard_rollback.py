@@ -862,3 +862,39 @@ def test_a_checkpoint_written_at_the_end_of_a_validation_says_whether_its_weight
     saved = torch.load(str(tmp_path / "ck" / "last.ckpt"), weights_only=True)
     said = next(v for k, v in saved["callbacks"].items() if k.startswith("DivergenceGuard"))["saved_weights"]
     assert 0 < said["now"] < 2 * said["then"]
+
+
+class _FrozenNorm(_Regression):
+    """A regression behind a pretrained BatchNorm the user keeps in eval mode (its statistics of another domain)."""
+
+    def __init__(self, shift_from=None):
+        super().__init__(shift_from=shift_from)
+        self.norm = torch.nn.BatchNorm1d(8)
+        with torch.no_grad():
+            self.norm.running_var.fill_(100.0)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.norm.eval()
+
+    def training_step(self, batch, batch_idx):
+        lo = (batch_idx * BATCH) % N
+        x, y = self.x[lo:lo + BATCH], self.y[lo:lo + BATCH]
+        if self.shift_from is not None and batch_idx >= self.shift_from:
+            y = -3.0 * y
+        return torch.nn.functional.mse_loss(self.lin(self.norm(x)), y)
+
+
+def test_a_checkpoint_says_its_weights_are_sound_with_the_modes_they_were_trained_in(tmp_path):
+    # the replays ran with every module switched to training mode: a BatchNorm kept in eval mode normalised with the
+    # batch's statistics, the sound weights read as broken (134 for 0.28), and a resume on new data stopped at once
+    pl.seed_everything(0)
+    every = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=100, save_top_k=-1, filename="{step}")
+    _trainer(tmp_path, [DivergenceGuard(), every], 200, enable_checkpointing=True).fit(_FrozenNorm())
+    saved = torch.load(str(tmp_path / "ck" / "step=200.ckpt"), weights_only=True)["callbacks"]
+    said = next(v for k, v in saved.items() if k.startswith("DivergenceGuard"))["saved_weights"]
+    assert said["now"] < 2 * said["then"]
+    guard = DivergenceGuard()
+    trainer = _trainer(tmp_path / "new", [guard], 300)
+    trainer.fit(_FrozenNorm(shift_from=200 % (N // BATCH)), ckpt_path=str(tmp_path / "ck" / "step=200.ckpt"))
+    assert guard.stopped_step is None and trainer.global_step == 300
+    assert [a.kind for a in guard.hub.history if a.severity != "info"] == ["data_shift"]

@@ -235,17 +235,17 @@ def test_a_url_that_is_not_a_string_is_refused():
 
 
 class _RawServer:
-    """A socket server that reads one POST and answers with raw bytes: ``answer`` at once, or, with ``trickle``, one
-    byte every ``trickle`` seconds (never idle for a whole read timeout)."""
+    """A socket server that reads one POST and answers with raw bytes: ``at_once``, then ``answer`` at once, or, with
+    ``trickle``, one byte every ``trickle`` seconds (never idle for a whole read timeout)."""
 
-    def __init__(self, answer: bytes, trickle: float = 0.0) -> None:
+    def __init__(self, answer: bytes, trickle: float = 0.0, at_once: bytes = b"") -> None:
         self.posts = 0
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(8)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/hook"
-        self.answer, self.trickle = answer, trickle
+        self.answer, self.trickle, self.at_once = answer, trickle, at_once
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
@@ -267,6 +267,7 @@ class _RawServer:
             while len(body) < length:  # the whole request read: the answer is what fails, not the connection
                 body += conn.recv(65536)
             self.posts += 1
+            conn.sendall(self.at_once)
             if not self.trickle:
                 conn.sendall(self.answer)
             for byte in (self.answer if self.trickle else b""):
@@ -279,7 +280,7 @@ class _RawServer:
 
 
 @pytest.mark.parametrize("answer", [
-    b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nok",  # cut short: http.client.IncompleteRead
+    b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * 70000 + b"\r\n\r\n",  # a header too long: http.client.LineTooLong
     b"garbage\r\n\r\n",  # no status line: http.client.BadStatusLine
 ])
 def test_an_answer_that_is_not_http_counts_as_a_failed_post_and_the_sender_goes_on(answer):
@@ -293,7 +294,17 @@ def test_an_answer_that_is_not_http_counts_as_a_failed_post_and_the_sender_goes_
     assert hook.flush()
     assert time.perf_counter() - start < 4.0
     assert (hook.sent, hook.failed) == (0, 2) and server.posts == 4  # each retried once
-    assert hook.last_error is not None and ("IncompleteRead" in hook.last_error or "BadStatusLine" in hook.last_error)
+    assert hook.last_error is not None and ("LineTooLong" in hook.last_error or "BadStatusLine" in hook.last_error)
+
+
+def test_a_post_answered_2xx_is_delivered_without_waiting_for_a_slow_body():
+    # the status says the post was delivered; a body trickled one byte at a time (or cut short) is not waited for
+    server = _RawServer(b"o" * 100, trickle=0.3, at_once=b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n")
+    hook = AlertWebhook(server.url, min_severity="info", timeout=1.0, retries=0, flush_timeout=10.0)
+    hook(Alert(1, "guard", "stopped", "info", "Training stopped.", layer=None, run_id="r1"))
+    start = time.perf_counter()
+    assert hook.flush()
+    assert time.perf_counter() - start < 5.0 and (hook.sent, hook.failed) == (1, 0)
 
 
 def test_the_timeout_bounds_a_whole_request():

@@ -1727,6 +1727,11 @@ class DivergenceGuard(Monitor):
         captured: list[Tensor] = []
         silence(pl_module, "log", lambda *a, **k: None)
         silence(pl_module, "log_dict", lambda *a, **k: None)
+        trainer_of_step = getattr(pl_module, "_trainer", None)
+        if trainer_of_step is not None:
+            # a step that saves a checkpoint itself (every n steps): a replay writes no file (and a checkpoint's own
+            # replays, see on_save_checkpoint, do not nest)
+            silence(trainer_of_step, "save_checkpoint", lambda *a, **k: None)
         if not pl_module.automatic_optimization:
             trainer = pl_module.trainer
             silence(pl_module, "manual_backward", lambda loss, *a, **k: captured.append(loss.detach()))
@@ -2258,10 +2263,17 @@ class DivergenceGuard(Monitor):
         4 epochs held a StepLR at its first rate)."""
         loop = trainer.fit_loop.epoch_loop
         last = getattr(loop, "_num_ready_batches_reached", None)
-        if last is None or not hasattr(loop, "update_lr_schedulers"):
+        if last is None or not trainer.lr_scheduler_configs or not trainer.lightning_module.automatic_optimization:
             return
-        for _ in range(max(trainer.current_epoch - epoch, 0) + int(bool(last()))):
-            loop.update_lr_schedulers("epoch", update_plateau_schedulers=False)
+        ended = list(range(epoch, trainer.current_epoch)) + ([trainer.current_epoch] if last() else [])
+        from lightning.pytorch.trainer import call
+
+        for config in trainer.lr_scheduler_configs:
+            if config.interval != "epoch" or config.reduce_on_plateau:
+                continue
+            for e in ended:  # as Lightning steps it at the end of epoch `e` (`frequency`: every that many epochs)
+                if (e + 1) % config.frequency == 0:
+                    call._call_lightning_module_hook(trainer, "lr_scheduler_step", config.scheduler, None)
 
     def _stop(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, snap: Optional[TrainingSnapshot],
               reasons: str) -> None:
@@ -2411,6 +2423,7 @@ class DivergenceGuard(Monitor):
         # batches before it, evaluated again with the weights saved; None where it does not say
         self._saved_weights: Optional[dict[str, Any]] = None
         self._saving_stop = False  # the stop's own checkpoint is being written (its state is a snapshot's)
+        self._saving_replay = False  # a checkpoint's replays are running (a step that saves does not replay again)
         for snap in self._snapshots:
             snap.discard()
         self._snapshots = []
@@ -2517,22 +2530,34 @@ class DivergenceGuard(Monitor):
         last loss the guard judged, and a run resumed from it cannot tell new data from weights that update broke
         (it took a checkpoint saved right after a bad update for a data shift, made the diverged level its normal, and
         later rolled back to those weights). The last normal batches are evaluated again with the weights saved
-        (``saved_weights``: their mean loss now and when they were trained on), in training mode, as they were trained.
+        (``saved_weights``: their mean loss now and when they were trained on), in the modes they were trained in.
         Every rank calls this hook: the replays' losses are averaged over the ranks."""
         super().on_save_checkpoint(trainer, pl_module, checkpoint)
         saved = checkpoint.get("callbacks", {}).get(self.state_key)
-        if not isinstance(saved, dict) or self.idle_reason is not None or self._saving_stop or not self.attribute:
-            return
+        if (not isinstance(saved, dict) or self.idle_reason is not None or self._saving_stop or not self.attribute
+                or self._saving_replay):
+            return  # (a `training_step` that saves a checkpoint itself: its replay here does not save again)
         if trainer.state.fn != "fit" or not self._replayable(pl_module):
             return
         refs = self._references(trainer.global_step)[-_REFERENCES:]
         if not refs:
             return
-        modes = [(m, m.training) for m in pl_module.modules()]
-        pl_module.train()  # a checkpoint written at the end of a validation: the batches were trained in training mode
+        # the modes the batches were trained in: the module's own, or, written at the end of a validation, those the
+        # validation loop put aside (a submodule the user keeps in eval mode, a frozen BatchNorm, stays so: switched to
+        # training mode, the replays lost 134 for 0.28 and a resume on new data was stopped); else no replay
+        training = getattr(getattr(getattr(trainer.fit_loop.epoch_loop, "val_loop", None), "_module_mode", None), "mode",
+                           None) if not pl_module.training else None
+        if not pl_module.training and not training:
+            return
+        modes = [(m, m.training) for m in pl_module.modules()] if training else []
+        for name, m in (pl_module.named_modules() if training else ()):
+            if name in training:
+                m.training = training[name]
+        self._saving_replay = True
         try:
             now, then = self._replayed(trainer, pl_module, refs)
         finally:
+            self._saving_replay = False
             for m, mode in modes:
                 m.training = mode
         if now is not None:
