@@ -898,3 +898,47 @@ def test_a_checkpoint_says_its_weights_are_sound_with_the_modes_they_were_traine
     trainer.fit(_FrozenNorm(shift_from=200 % (N // BATCH)), ckpt_path=str(tmp_path / "ck" / "step=200.ckpt"))
     assert guard.stopped_step is None and trainer.global_step == 300
     assert [a.kind for a in guard.hub.history if a.severity != "info"] == ["data_shift"]
+
+
+class _Penalised(pl.LightningModule):
+    """A healthy regression whose loss gains an auxiliary term at step ``switch`` (a penalty switched on at a set
+    step); ``scale`` makes the targets larger (new, harder data)."""
+
+    def __init__(self, switch: int, scale: float = 1.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.switch, self.scale = switch, scale
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(N, 8, generator=g)
+        self.y = self.x @ torch.randn(8, 1, generator=torch.Generator().manual_seed(1))
+
+    def training_step(self, batch, batch_idx):
+        lo = (batch_idx * BATCH) % N
+        pred = self.net(self.x[lo:lo + BATCH])
+        loss = torch.nn.functional.mse_loss(pred, self.scale * self.y[lo:lo + BATCH])
+        if self.global_step >= self.switch:
+            loss = loss + 3.0 + 0.01 * pred.pow(2).mean()
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(N // BATCH)), batch_size=1)
+
+
+def test_the_batches_of_an_old_loss_function_are_no_references_after_it_changed(tmp_path):
+    # after a loss term switched on (taken for a new loss function, no action), the checkpoint's replays and the end of
+    # the fit replayed batches trained under the old one: the sound weights read as broken, the first fit was stopped
+    # at its end, and the fit resumed on new data at its first step
+    pl.seed_everything(0)
+    every = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=151, save_top_k=-1, filename="{step}")
+    first = DivergenceGuard(every_n_steps=10)
+    _trainer(tmp_path, [first, every], 151, enable_checkpointing=True).fit(_Penalised(150))
+    assert [a.kind for a in first.hub.history if a.severity != "info"] == ["objective_change"]
+    assert first.stopped_step is None and first.rollbacks == []
+    guard = DivergenceGuard(every_n_steps=10)
+    trainer = _trainer(tmp_path / "new", [guard], 191)
+    trainer.fit(_Penalised(150, scale=2.0), ckpt_path=str(tmp_path / "ck" / "step=151.ckpt"))
+    assert guard.stopped_step is None and guard.rollbacks == [] and trainer.global_step == 191

@@ -1387,13 +1387,14 @@ class DivergenceGuard(Monitor):
     def _references(self, before: int) -> list[tuple[tuple[Any, int], float]]:
         """The last normal batches kept, from before step ``before``: ``((batch, batch_idx), loss then)``."""
         batches = {s: (b, i) for s, b, i in self._recent_batches}
-        refs = [(batches[s], then) for s, then in self._normal_recent if s in batches and s < before]
+        since = self._refs_from  # none from before a new normal (another loss function, new data, a pruning ...)
+        refs = [(batches[s], then) for s, then in self._normal_recent if s in batches and since <= s < before]
         # those that lost something, if any: a batch of loss 0 may have nothing to lose under any weights (no label).
         # Where most batches lose 0, the last ones that lost something are kept apart for this (the last few batches
         # held none of them, and a blow-up was taken for one hard batch after another)
         lost = [r for r in refs if r[1] != 0.0]
         if self._zero_losses and len(lost) < len(refs):
-            lost = [(kept, then) for t, kept, then in self._informative_refs if t < before]
+            lost = [(kept, then) for t, kept, then in self._informative_refs if since <= t < before]
         return lost or refs
 
     def _weights_intact(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int,
@@ -1681,6 +1682,11 @@ class DivergenceGuard(Monitor):
             self._reanchor = (floor, [])
         self._ema, self._ema_weight, self._ema_min = 0.0, 0.0, math.inf
         self._creep_high, self._creep_start, self._climb_judged, self._plateau = False, None, False, None
+        # the batches kept from before are no references from here: their losses were those of the old normal (under a
+        # new loss function, a checkpoint's replays of them read sound weights as broken, and a resume on new data
+        # was stopped; so was the end of a fit)
+        self._refs_from = self._judged_through + 1
+        self._refs_before = []
 
     @staticmethod
     def _rank_mean(trainer: pl.Trainer, pl_module: pl.LightningModule, value: Optional[float]) -> Optional[float]:
@@ -2398,6 +2404,7 @@ class DivergenceGuard(Monitor):
         self._restored: list[tuple[int, Optional[float], float]] = []  # buffered values restored from a checkpoint
         self._loss_acc: Optional[Tensor] = None
         self._judged_through = -1  # the last step judged
+        self._refs_from = 0  # the first step whose batch may be a reference (see _new_normal)
         self._warned_replay = False  # a replay of `training_step` failed once (said once)
         self._replay_failed = False  # a replay failed since this was last cleared (see _restructured)
         self._warned_lost = False  # a replay wrote into a large tensor attribute, not put back (said once)
