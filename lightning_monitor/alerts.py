@@ -400,6 +400,7 @@ class AlertHub:
     def _begin_counts(self) -> None:
         self.counts = dict.fromkeys(SEVERITY_LEVELS, 0)
         self._count_step = -1  # last step the counts were logged at: they are logged at steps never going back
+        self._counts_logged: dict[str, float] = {}  # the counts logged then
         self._text_entries: dict[tuple[str, int], int] = {}  # (tag, step) -> entries written
         self._offset = 0  # size of the alerts file after this hub's last write (rank 0)
         self._kept_keys: set[tuple[Any, ...]] = set()  # keys of the records a resume kept: never written again
@@ -525,6 +526,8 @@ class AlertHub:
             return
         step = max(int(step), self._count_step)
         after = {f"alerts/count/{sev}": float(n) for sev, n in self.counts.items()}
+        if step == self._count_step and after == self._counts_logged:
+            return  # the same point again (the end of a fit whose last step raised an alert): not logged twice
         prev = None
         if before is not None and step - 1 > self._count_step:
             prev = {f"alerts/count/{sev}": float(n) for sev, n in before.items()}
@@ -532,7 +535,7 @@ class AlertHub:
             if prev is not None:
                 logger.log_metrics(prev, step=step - 1)
             logger.log_metrics(after, step=step)
-        self._count_step = step
+        self._count_step, self._counts_logged = step, after
 
     def log_run_id(self, trainer: pl.Trainer) -> None:
         """Write the fit's run id to every TensorBoard logger (rank 0, text ``RUN_ID_TAG`` at the fit's first step):

@@ -459,3 +459,23 @@ def test_a_file_that_can_no_longer_be_written_does_not_end_the_fit(tmp_path, tin
     assert kinds[:2] == [(2, "hello"), (2, "hello")] and (4, "high") in kinds and (8, "high_cleared") in kinds
     assert [a.step for a in read_alerts(os.path.join(logger.log_dir, "alerts.jsonl.before"))] == [2, 2]
     assert tb_scalars(logger.log_dir)["alerts/count/critical"][-1][1] == 1.0
+
+
+class _LastStep(Monitor):
+    name = "probe"
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == trainer.max_steps:  # after the last update (as GWA judges a last partial epoch)
+            self.alert(trainer.global_step, "late", "info", "at the last step")
+
+
+def test_the_counts_are_logged_once_at_the_last_step(tmp_path, tiny_gpt):
+    # an alert at the fit's last step logged the counts at that step, and the end of training logged the same point
+    # again: two rows in metrics.csv
+    import csv
+
+    logger = CSVLogger(str(tmp_path), name="csv")
+    _fit(tmp_path, [logger], [_LastStep(every_n_steps=1)], tiny_gpt, steps=6)
+    with open(os.path.join(logger.log_dir, "metrics.csv"), encoding="utf-8") as fh:
+        rows = [(int(r["step"]), float(r["alerts/count/info"])) for r in csv.DictReader(fh) if r.get("alerts/count/info")]
+    assert rows == [(0, 0.0), (5, 0.0), (6, 1.0)]
