@@ -524,8 +524,9 @@ def _extra_buffers(pl_module: torch.nn.Module, module_state: dict[str, Any], pre
                    ) -> tuple[dict[str, Tensor], dict[str, tuple[Any, int]]]:
     """Host copies of the module's buffers its ``state_dict`` leaves out (``persistent=False``), and what identifies
     each buffer as it is now (a weak reference, its in-place version counter). A mask or index buffer (not floating)
-    unchanged since ``previous`` (the same tensor, not written in place since) shares that snapshot's copy; a floating
-    one is copied each time (a running statistic may be written through ``.data``, which moves no version counter)."""
+    unchanged since ``previous`` (the same tensor, not written in place since, and on the host the same values) shares
+    that snapshot's copy; a floating one is copied each time (a running statistic may be written through ``.data``,
+    which moves no version counter)."""
     extra: dict[str, Tensor] = {}
     seen: dict[str, tuple[Any, int]] = {}
     before = previous._extra_seen if previous is not None and previous._state is not None else {}
@@ -535,7 +536,9 @@ def _extra_buffers(pl_module: torch.nn.Module, module_state: dict[str, Any], pre
             continue
         ref, version = before.get(name, (None, None))
         if (ref is not None and ref() is buf and version == buf._version and name in kept
-                and not buf.is_floating_point() and not buf.is_complex()):
+                and not buf.is_floating_point() and not buf.is_complex()
+                and (not buf.is_cpu or torch.equal(buf, kept[name]))):
+            # (on the host, compared too: a write through `.data` moves no version counter)
             extra[name] = kept[name]
         else:
             with torch.no_grad():

@@ -213,3 +213,25 @@ def test_a_step_that_saves_a_checkpoint_is_replayed_without_saving(tmp_path):
     assert len(files) == 3 and {f.split("-")[1] for f in files} == {"10", "20", "30"}
     said = torch.load(str(tmp_path / files[0]), weights_only=True)["callbacks"]
     assert next(v for k, v in said.items() if k.startswith("DivergenceGuard"))["saved_weights"]["step"] == 10
+
+
+class _IndexDataWrites(_Counting):
+    """An index buffer (long, non-persistent) rewritten through `.data` at step 15 (no version counter moves)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("order", torch.arange(6), persistent=False)
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 15:
+            self.order.data.copy_(self.order.data.flip(0))
+        return F.mse_loss(self.net(batch[0]), batch[1])
+
+
+def test_an_index_buffer_written_through_data_is_put_back_as_it_was_at_the_snapshot():
+    # unchanged by identity and version, the snapshot of step 20 shared the copy of step 10: put back reversed
+    guard = DivergenceGuard()
+    after = _At(guard=guard)
+    _fit(_IndexDataWrites(), [_Jump(25), guard, after], 40)
+    assert guard.rollbacks[0]["to_step"] == 20
+    assert after.seen["rolled"]["order"].tolist() == [5, 4, 3, 2, 1, 0]
