@@ -942,3 +942,19 @@ def test_the_batches_of_an_old_loss_function_are_no_references_after_it_changed(
     trainer = _trainer(tmp_path / "new", [guard], 191)
     trainer.fit(_Penalised(150, scale=2.0), ckpt_path=str(tmp_path / "ck" / "step=151.ckpt"))
     assert guard.stopped_step is None and guard.rollbacks == [] and trainer.global_step == 191
+
+
+def test_a_loss_term_switched_on_at_the_step_a_checkpoint_is_written_is_no_broken_weights(tmp_path):
+    # written after the update of step 149, the checkpoint of step 150 replayed batches trained under the old loss with
+    # the new one (the step computes it from its step number): 146x what they lost, read as broken, and a resume from
+    # it on the same data was stopped. The newest snapshot's weights, known good, find them as hard: the loss changed
+    pl.seed_everything(0)
+    every = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=50, save_top_k=-1, filename="{step}")
+    first = DivergenceGuard(every_n_steps=10)
+    _trainer(tmp_path, [first, every], 160, enable_checkpointing=True).fit(_Penalised(150))
+    saved = torch.load(str(tmp_path / "ck" / "step=150.ckpt"), weights_only=True)["callbacks"]
+    assert "saved_weights" not in next(v for k, v in saved.items() if k.startswith("DivergenceGuard"))
+    guard = DivergenceGuard(every_n_steps=10)
+    trainer = _trainer(tmp_path / "again", [guard], 200)
+    trainer.fit(_Penalised(150), ckpt_path=str(tmp_path / "ck" / "step=150.ckpt"))
+    assert guard.stopped_step is None and guard.rollbacks == [] and trainer.global_step == 200

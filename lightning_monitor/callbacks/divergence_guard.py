@@ -2431,6 +2431,7 @@ class DivergenceGuard(Monitor):
         self._saved_weights: Optional[dict[str, Any]] = None
         self._saving_stop = False  # the stop's own checkpoint is being written (its state is a snapshot's)
         self._saving_replay = False  # a checkpoint's replays are running (a step that saves does not replay again)
+        self._saved_verdict: Optional[tuple[int, Optional[dict[str, Any]]]] = None  # the last checkpoint's, by step
         for snap in self._snapshots:
             snap.discard()
         self._snapshots = []
@@ -2546,7 +2547,13 @@ class DivergenceGuard(Monitor):
             return  # (a `training_step` that saves a checkpoint itself: its replay here does not save again)
         if trainer.state.fn != "fit" or not self._replayable(pl_module):
             return
-        refs = self._references(trainer.global_step)[-_REFERENCES:]
+        step = trainer.global_step
+        cached = self._saved_verdict
+        if cached is not None and cached[0] == step:  # a second file at the same step (`save_last` beside every n)
+            if cached[1] is not None:
+                saved["saved_weights"] = dict(cached[1])
+            return
+        refs = self._references(step)[-_REFERENCES:]
         if not refs:
             return
         # the modes the batches were trained in: the module's own, or, written at the end of a validation, those the
@@ -2561,14 +2568,35 @@ class DivergenceGuard(Monitor):
             if name in training:
                 m.training = training[name]
         self._saving_replay = True
+        verdict: Optional[dict[str, Any]] = None
         try:
             now, then = self._replayed(trainer, pl_module, refs)
+            if now is not None and not self._objective_since(trainer, pl_module, step, refs, now, then):
+                verdict = {"step": step, "now": now, "then": then, "batches": len(refs)}
         finally:
             self._saving_replay = False
             for m, mode in modes:
                 m.training = mode
-        if now is not None:
-            saved["saved_weights"] = {"step": trainer.global_step, "now": now, "then": then, "batches": len(refs)}
+        self._saved_verdict = (step, verdict)
+        if verdict is not None:
+            saved["saved_weights"] = dict(verdict)
+
+    def _objective_since(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int,
+                         refs: list[tuple[tuple[Any, int], float]], now: float, then: float) -> bool:
+        """Whether batches that lose far more with the weights saved than when trained on lose as much with the newest
+        snapshot's weights, known good: then the step computes another loss now (a term switched on at the very step
+        the checkpoint was written: a healthy resume from it was stopped), not weights that broke. Asked only when the
+        replays read the weights as broken (``blowup`` times), as ``_objective_changed`` asks during a fit."""
+        if not math.isfinite(now) or now <= self.blowup * max(then, 1e-12):
+            return False
+        vouched = self._vouched(step)
+        snap = next((s for s in self._hard_batch_first([s for s in reversed(self._snapshots) if s.step <= vouched])
+                     if s.mismatch(trainer) is None), None)
+        if snap is None:
+            return False
+        (before,) = self._under_snapshots(pl_module, [snap], lambda: self._mean_loss(trainer, pl_module,
+                                                                                     [b for b, _ in refs]))
+        return before is not None and math.isfinite(before) and before - then >= 0.5 * (now - then)
 
     def _saved_broken(self, loss: Optional[float] = None, level: Optional[float] = None) -> bool:
         """Whether the checkpoint this fit resumed from said that its weights were broken when it was saved: the last
