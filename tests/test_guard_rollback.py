@@ -958,3 +958,67 @@ def test_a_loss_term_switched_on_at_the_step_a_checkpoint_is_written_is_no_broke
     trainer = _trainer(tmp_path / "again", [guard], 200)
     trainer.fit(_Penalised(150), ckpt_path=str(tmp_path / "ck" / "step=150.ckpt"))
     assert guard.stopped_step is None and guard.rollbacks == [] and trainer.global_step == 200
+
+
+class _Spiked(_Regression):
+    """`_Regression` with the rate set before each update: ``base``, times ``factor`` at the steps in ``spikes``."""
+
+    def __init__(self, base=1e-2, spikes=(), factor=1e4, **kw):
+        super().__init__(**kw)
+        self.base, self.spikes, self.factor = base, set(spikes), factor
+
+    def on_before_optimizer_step(self, optimizer):
+        optimizer.param_groups[0]["lr"] = self.base * (self.factor if self.global_step in self.spikes else 1.0)
+
+
+def test_a_divergence_right_after_a_data_shift_is_still_caught_at_the_end_of_the_fit(tmp_path):
+    # the batches from before a data shift stayed references (the same loss): dropped with it, the last update, which
+    # broke the weights at the very step the shift was taken for the new normal, went unjudged by the end of the fit
+    pl.seed_everything(0)
+    guard = DivergenceGuard()
+    _trainer(tmp_path, [guard], 63, logger=False).fit(_Spiked(shift_from=60, spikes=(62,)))
+    assert [a.kind for a in guard.hub.history if a.severity == "warning"] == ["data_shift"]
+    assert guard.stopped_step == 62 and guard.stop_checkpoint is not None
+
+
+def test_a_checkpoint_is_not_excused_by_a_snapshot_older_than_its_batches(tmp_path):
+    # asked whether the loss function changed, the untrained snapshot of step 0 (every_n_steps=50) found the recent
+    # batches hard too, and a checkpoint holding weights a rate x100 had just broken said nothing: the resume went on
+    pl.seed_everything(0)
+    every = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=41, save_top_k=-1, filename="{step}")
+    _trainer(tmp_path, [DivergenceGuard(every_n_steps=50), every], 41, logger=False,
+             enable_checkpointing=True).fit(_Spiked(base=0.1, spikes=(40,), factor=100.0))
+    saved = torch.load(str(tmp_path / "ck" / "step=41.ckpt"), weights_only=True)["callbacks"]
+    said = next(v for k, v in saved.items() if k.startswith("DivergenceGuard"))["saved_weights"]
+    assert said["now"] > 10 * said["then"]
+    guard = DivergenceGuard(every_n_steps=50)
+    _trainer(tmp_path / "again", [guard], 80, logger=False).fit(_Spiked(base=0.1),
+                                                                 ckpt_path=str(tmp_path / "ck" / "step=41.ckpt"))
+    assert guard.stopped_step == 41
+
+
+class _SaveEveryStep(pl.Callback):
+    """A user's own saver listed before the guard (Lightning moves only `Checkpoint` subclasses last)."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        trainer.save_checkpoint(str(self.folder / f"user-{trainer.global_step}.ckpt"))
+
+
+def test_a_checkpoint_written_after_a_rollback_at_the_same_step_is_judged_on_its_own_weights(tmp_path):
+    # the verdict of the file written before the rollback (broken weights) went into the one written after it, at
+    # the same step, which holds the weights restored: a resume from it on new data was stopped
+    pl.seed_everything(0)
+    every = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    guard = DivergenceGuard()
+    _trainer(tmp_path, [_SaveEveryStep(tmp_path), guard, every], 44, logger=False,
+             enable_checkpointing=True).fit(_Spiked(spikes=(40,), factor=500.0))
+    step = guard.rollbacks[0]["step"] + 1
+    before = torch.load(str(tmp_path / f"user-{step}.ckpt"), weights_only=True)["callbacks"]
+    said = next(v for k, v in before.items() if k.startswith("DivergenceGuard"))["saved_weights"]
+    assert said["now"] > 2 * said["then"]  # the weights the user's file holds, before the rollback: broken
+    saved = torch.load(str(tmp_path / "ck" / f"step={step}.ckpt"), weights_only=True)["callbacks"]
+    said = next(v for k, v in saved.items() if k.startswith("DivergenceGuard")).get("saved_weights")
+    assert said is None or said["now"] < 2 * said["then"]  # restored: no batch vouches yet, or sound

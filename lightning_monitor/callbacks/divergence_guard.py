@@ -818,6 +818,7 @@ class DivergenceGuard(Monitor):
             self._steps_per_batch = made
         if self._drop is not None and now > self._drop.step:
             self._drop.restore(trainer, pl_module, {})
+            self._saved_verdict = None
             self._restep_epoch_schedulers(trainer, self._drop.epoch)
             self._drop = None
         # a scheduler that stepped after the update set its rate again: held under the ceiling at once, so that what
@@ -1325,7 +1326,7 @@ class DivergenceGuard(Monitor):
                 "not a divergence. No action taken; the new level is the normal from here.",
                 value=now, threshold=level, clear_message="The loss has settled at its new level.",
             )
-            self._new_normal([now])
+            self._new_normal([now], objective=True)
             return []
         how = "" if verdict is None else (
             f" Earlier good weights find the current batch easy ({verdict[2]:.4g} against {verdict[1]:.4g} now): "
@@ -1447,7 +1448,7 @@ class DivergenceGuard(Monitor):
         self._masked.update(masked)
         self._say_changed(step, "model_pruned", loss, level, masked, f"pruned since step {snap.step}",
                           "the pruning's effect, not a divergence. No action taken; the new level is the normal from here.")
-        self._new_normal([loss])
+        self._new_normal([loss], objective=True)
         return True
 
     def _restructured(self, trainer: pl.Trainer, pl_module: pl.LightningModule, start: int, loss: float,
@@ -1558,7 +1559,7 @@ class DivergenceGuard(Monitor):
             "normal from here.",
             value=loss, threshold=level,
         )
-        self._new_normal([loss, before])
+        self._new_normal([loss, before], objective=True)
         return True
 
     def _attribute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, start: int, level: float,
@@ -1668,10 +1669,12 @@ class DivergenceGuard(Monitor):
                     current[name].copy_(value)
         return out
 
-    def _new_normal(self, values: list[float]) -> None:
+    def _new_normal(self, values: list[float], objective: bool = False) -> None:
         """A changed level taken as the normal (new data, a new loss function): the loss history restarts from
         ``values`` (empty: a fresh start), the initial level rises to the first of them if it is higher, the moving
-        average restarts, and a rise under way ends there (snapshots are taken again at once)."""
+        average restarts, and a rise under way ends there (snapshots are taken again at once). ``objective``: what the
+        step computes changed (another loss function, weights pruned, a weight decay raised, a model changed): the
+        batches kept from before are no references from here."""
         self._loss_watch.reseed(values)
         if values:
             # at once the first of them (a new loss's scale); after _REANCHOR_STEPS losses, their median, if lower: the
@@ -1682,11 +1685,13 @@ class DivergenceGuard(Monitor):
             self._reanchor = (floor, [])
         self._ema, self._ema_weight, self._ema_min = 0.0, 0.0, math.inf
         self._creep_high, self._creep_start, self._climb_judged, self._plateau = False, None, False, None
-        # the batches kept from before are no references from here: their losses were those of the old normal (under a
-        # new loss function, a checkpoint's replays of them read sound weights as broken, and a resume on new data
-        # was stopped; so was the end of a fit)
-        self._refs_from = self._judged_through + 1
-        self._refs_before = []
+        if objective:
+            # the batches kept from before are no references from here: their losses were those of the old loss (a
+            # checkpoint's replays of them read sound weights as broken, and a resume on new data was stopped; so was
+            # the end of a fit). New data keeps them: the same loss, which weights that broke still lose more on
+            # (dropped there too, a divergence right after a data shift went unseen at a checkpoint and the fit's end)
+            self._refs_from = self._judged_through + 1
+            self._refs_before = []
 
     @staticmethod
     def _rank_mean(trainer: pl.Trainer, pl_module: pl.LightningModule, value: Optional[float]) -> Optional[float]:
@@ -2063,7 +2068,7 @@ class DivergenceGuard(Monitor):
         self._clear_conditions(step, f"Rebased: {reason}.")
         self._forget_recent()
         self._informative.clear()  # the present state is the one to go back to: no older step vouches for it
-        self._new_normal([])
+        self._new_normal([], objective=True)
         for snap in self._snapshots:
             snap.discard()
         self._snapshots = []
@@ -2185,6 +2190,7 @@ class DivergenceGuard(Monitor):
         lr_now = self._float_lrs(trainer) if rates is None else rates
         self._clear_conditions(step, "Rolled back.")
         self._restore_keeping_frozen(trainer, pl_module, snap, self._monitors(trainer))
+        self._saved_verdict = None  # other weights at the same step: a checkpoint written now replays them again
         self._restep_epoch_schedulers(trainer, snap.epoch)
         self._load_detector_state(snap.guard)
         # other monitors' critical alerts not yet acted on describe steps now undone: they go with them (else the next
@@ -2291,6 +2297,7 @@ class DivergenceGuard(Monitor):
             # warm restart (a warning, no action) and the run ended at a loss of 2.89 against 1.7
             self._clear_conditions(step, f"Stopped; the checkpoint holds the state of step {snap.step}.")
             self._restore_keeping_frozen(trainer, pl_module, snap, self._monitors(trainer))
+            self._saved_verdict = None
             self._load_detector_state(snap.guard)
             state = f"the state of step {snap.step}, the last good one"
             above = list(self._above_best(self._float_lrs(trainer)).values())
@@ -2592,11 +2599,16 @@ class DivergenceGuard(Monitor):
         vouched = self._vouched(step)
         snap = next((s for s in self._hard_batch_first([s for s in reversed(self._snapshots) if s.step <= vouched])
                      if s.mismatch(trainer) is None), None)
-        if snap is None:
+        # the snapshot's own level when it was taken: an old snapshot (the untrained weights of step 0, one check 50
+        # steps back) loses more on recent batches anyway; only a rise above its own level is the loss's
+        history = ((snap.guard or {}).get("loss") or {}).get("history") or [] if snap is not None else []
+        if snap is None or not history:
             return False
         (before,) = self._under_snapshots(pl_module, [snap], lambda: self._mean_loss(trainer, pl_module,
                                                                                      [b for b, _ in refs]))
-        return before is not None and math.isfinite(before) and before - then >= 0.5 * (now - then)
+        own = median(history[-_REFERENCES * 4:])
+        return (before is not None and math.isfinite(before) and before - then >= 0.5 * (now - then)
+                and before - own >= 0.5 * (now - then))
 
     def _saved_broken(self, loss: Optional[float] = None, level: Optional[float] = None) -> bool:
         """Whether the checkpoint this fit resumed from said that its weights were broken when it was saved: the last
