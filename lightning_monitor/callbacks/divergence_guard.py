@@ -1388,7 +1388,7 @@ class DivergenceGuard(Monitor):
     def _references(self, before: int) -> list[tuple[tuple[Any, int], float]]:
         """The last normal batches kept, from before step ``before``: ``((batch, batch_idx), loss then)``."""
         batches = {s: (b, i) for s, b, i in self._recent_batches}
-        since = self._refs_from  # none from before a new normal (another loss function, new data, a pruning ...)
+        since = self._refs_from  # none from before a change of what the step computes (see _new_normal)
         refs = [(batches[s], then) for s, then in self._normal_recent if s in batches and since <= s < before]
         # those that lost something, if any: a batch of loss 0 may have nothing to lose under any weights (no label).
         # Where most batches lose 0, the last ones that lost something are kept apart for this (the last few batches
