@@ -1022,3 +1022,21 @@ def test_a_checkpoint_written_after_a_rollback_at_the_same_step_is_judged_on_its
     saved = torch.load(str(tmp_path / "ck" / f"step={step}.ckpt"), weights_only=True)["callbacks"]
     said = next(v for k, v in saved.items() if k.startswith("DivergenceGuard")).get("saved_weights")
     assert said is None or said["now"] < 2 * said["then"]  # restored: no batch vouches yet, or sound
+
+
+def test_an_old_snapshot_does_not_excuse_a_divergence_as_a_new_loss_function(tmp_path):
+    # with checks 50 steps apart the newest snapshot was the untrained state of step 0: asked about the recent batches it
+    # lost far more than they had, as the loss function's change would make it, and a rate x100 that broke the weights
+    # (45x the loss) was taken for a new loss function, no action. Now a rise above the snapshot's own level is asked
+    pl.seed_everything(0)
+    guard = DivergenceGuard(every_n_steps=50)
+    _trainer(tmp_path, [guard], 60, logger=False).fit(_Spiked(base=0.1, spikes=(40,), factor=100.0))
+    assert [(r["step"], r["to_step"]) for r in guard.rollbacks] == [(41, 0)]
+    assert not [a for a in guard.hub.history if a.kind == "objective_change"]
+    # a loss term switched on, with the same snapshots: still a new loss function, no action
+    for switch in (30, 70):
+        pl.seed_everything(0)
+        guard = DivergenceGuard(every_n_steps=50)
+        _trainer(tmp_path / str(switch), [guard], 100, logger=False).fit(_Penalised(switch))
+        assert [a.kind for a in guard.hub.history if a.severity != "info"] == ["objective_change"], switch
+        assert guard.rollbacks == [] and guard.stopped_step is None

@@ -1550,6 +1550,11 @@ class DivergenceGuard(Monitor):
         (before,) = self._under_snapshots(pl_module, [snap], lambda: self._mean_loss(trainer, pl_module, refs))
         if before is None or not math.isfinite(before) or before - then < 0.5 * (now - then):
             return False
+        # and above the snapshot's own level when it was taken: an old snapshot (the untrained weights of step 0, with
+        # checks 50 steps apart) loses more on recent batches anyway, and a divergence was taken for a new loss function
+        own = self._own_level(snap)
+        if own is not None and before - own < 0.5 * (now - then):
+            return False
         self.alert(
             step, "objective_change", "warning",
             f"The loss surged to {loss:.4g} at step {step} (recent level about {level:.4g}), and the last {len(refs)} "
@@ -2599,16 +2604,23 @@ class DivergenceGuard(Monitor):
         vouched = self._vouched(step)
         snap = next((s for s in self._hard_batch_first([s for s in reversed(self._snapshots) if s.step <= vouched])
                      if s.mismatch(trainer) is None), None)
-        # the snapshot's own level when it was taken: an old snapshot (the untrained weights of step 0, one check 50
-        # steps back) loses more on recent batches anyway; only a rise above its own level is the loss's
-        history = ((snap.guard or {}).get("loss") or {}).get("history") or [] if snap is not None else []
-        if snap is None or not history:
+        if snap is None:
             return False
         (before,) = self._under_snapshots(pl_module, [snap], lambda: self._mean_loss(trainer, pl_module,
                                                                                      [b for b, _ in refs]))
-        own = median(history[-_REFERENCES * 4:])
+        # above the snapshot's own level when it was taken, too: an old snapshot (the untrained weights of step 0, one
+        # check 50 steps back) loses more on recent batches anyway; only a rise above its own level is the loss's
+        own = self._own_level(snap)
         return (before is not None and math.isfinite(before) and before - then >= 0.5 * (now - then)
-                and before - own >= 0.5 * (now - then))
+                and (own is None or before - own >= 0.5 * (now - then)))
+
+    def _own_level(self, snap: TrainingSnapshot) -> Optional[float]:
+        """The loss level of the run when ``snap`` was taken: the median of its recent losses, or, for the state the fit
+        started from (no loss judged yet), the run's initial losses; ``None`` where neither is known."""
+        history = ((snap.guard or {}).get("loss") or {}).get("history") or []
+        if history:
+            return median(history[-_REFERENCES * 4:])
+        return median(self._initial) if self._initial else None
 
     def _saved_broken(self, loss: Optional[float] = None, level: Optional[float] = None) -> bool:
         """Whether the checkpoint this fit resumed from said that its weights were broken when it was saved: the last
