@@ -1540,21 +1540,10 @@ class DivergenceGuard(Monitor):
         weights do mean ``training_step`` computes something else now (a penalty or an auxiliary loss switched on, a
         new stage of the run). Then the ``objective_change`` warning is raised, the new level becomes the normal,
         and nothing acts; ``False`` without a snapshot or automatic optimization."""
-        # weights known good: asked about the batches, weights already broken (taken while every batch lost 0) found
-        # them as hard and a divergence was taken for a new loss function
-        vouched = self._vouched(step)
-        snap = next((s for s in self._hard_batch_first([s for s in reversed(self._snapshots) if s.step <= vouched])
-                     if s.mismatch(trainer) is None), None)
-        if snap is None or not self._replayable(pl_module):
+        seen = self._snapshot_sees_rise(trainer, pl_module, step, refs, then, now)
+        if seen is None:
             return False
-        (before,) = self._under_snapshots(pl_module, [snap], lambda: self._mean_loss(trainer, pl_module, refs))
-        if before is None or not math.isfinite(before) or before - then < 0.5 * (now - then):
-            return False
-        # and above the snapshot's own level when it was taken: an old snapshot (the untrained weights of step 0, with
-        # checks 50 steps apart) loses more on recent batches anyway, and a divergence was taken for a new loss function
-        own = self._own_level(snap)
-        if own is not None and before - own < 0.5 * (now - then):
-            return False
+        snap, before = seen
         self.alert(
             step, "objective_change", "warning",
             f"The loss surged to {loss:.4g} at step {step} (recent level about {level:.4g}), and the last {len(refs)} "
@@ -2601,18 +2590,30 @@ class DivergenceGuard(Monitor):
         replays read the weights as broken (``blowup`` times), as ``_objective_changed`` asks during a fit."""
         if not math.isfinite(now) or now <= self.blowup * max(then, 1e-12):
             return False
+        return self._snapshot_sees_rise(trainer, pl_module, step, [b for b, _ in refs], then, now) is not None
+
+    def _snapshot_sees_rise(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int,
+                            batches: list[tuple[Any, int]], then: float, now: float
+                            ) -> Optional[tuple[TrainingSnapshot, float]]:
+        """``(snapshot, its loss)`` when the newest snapshot known good (up to the last step that vouched for a state
+        before ``step``) finds ``batches`` at least half as much harder as the present weights do (``now`` against
+        ``then``, what they lost when trained on), both above ``then`` and above its own level when it was taken: the
+        step computes another loss, not weights that broke; else ``None``. Its own level, because an old snapshot (the
+        untrained weights of step 0, with checks 50 steps apart) loses more on recent batches anyway, and a divergence
+        was taken for a new loss function; weights known good, because weights already broken (taken while every
+        batch lost 0) found the batches as hard too."""
         vouched = self._vouched(step)
         snap = next((s for s in self._hard_batch_first([s for s in reversed(self._snapshots) if s.step <= vouched])
                      if s.mismatch(trainer) is None), None)
-        if snap is None:
-            return False
-        (before,) = self._under_snapshots(pl_module, [snap], lambda: self._mean_loss(trainer, pl_module,
-                                                                                     [b for b, _ in refs]))
-        # above the snapshot's own level when it was taken, too: an old snapshot (the untrained weights of step 0, one
-        # check 50 steps back) loses more on recent batches anyway; only a rise above its own level is the loss's
+        if snap is None or not self._replayable(pl_module):
+            return None
+        (before,) = self._under_snapshots(pl_module, [snap], lambda: self._mean_loss(trainer, pl_module, batches))
+        if before is None or not math.isfinite(before) or before - then < 0.5 * (now - then):
+            return None
         own = self._own_level(snap)
-        return (before is not None and math.isfinite(before) and before - then >= 0.5 * (now - then)
-                and (own is None or before - own >= 0.5 * (now - then)))
+        if own is not None and before - own < 0.5 * (now - then):
+            return None
+        return snap, before
 
     def _own_level(self, snap: TrainingSnapshot) -> Optional[float]:
         """The loss level of the run when ``snap`` was taken: the median of its recent losses, or, for the state the fit

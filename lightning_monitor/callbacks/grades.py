@@ -357,6 +357,10 @@ class GradientEarlyStopping(Monitor):
         )
         return state
 
+    def _ours(self, found: dict[str, Any]) -> dict[str, Any]:
+        """The components found that this monitor watches: the trainable ones and those it froze itself."""
+        return {n: c for n, c in found.items() if c.weight.requires_grad or n in self.frozen}
+
     def snapshot_state(self) -> dict[str, Any]:
         """What the guard's snapshots hold of this monitor: its statistics (the smoothed values, the reference, the loss
         history), not its freezes, which a rollback does not undo. Kept on, the statistics of the steps a rollback
@@ -407,7 +411,7 @@ class GradientEarlyStopping(Monitor):
         if found and self._saved_names and not self._training:
             # the components we froze in the run that saved the checkpoint are ours again (frozen by requires_grad on
             # a module resumed as it was left), in the model's order
-            taken = {n: c for n, c in found.items() if c.weight.requires_grad or n in self.frozen}
+            taken = self._ours(found)
             if list(taken) != self._names and list(taken) == self._saved_names:
                 self._components, self._names = taken, list(taken)
                 trainer = self._bound_trainer()
@@ -544,7 +548,7 @@ class GradientEarlyStopping(Monitor):
         # checkpoint's frozen set is loaded (see load_state_dict: a resume with the very module trained, whose
         # components we froze, found them frozen "before the run", and the checkpoint's components no longer matched)
         self._found = found
-        self._components = {n: c for n, c in found.items() if c.weight.requires_grad or n in self.frozen}
+        self._components = self._ours(found)
         self._names = list(self._components)
         if not self._components:
             from lightning.pytorch.callbacks import BaseFinetuning
