@@ -107,3 +107,30 @@ def test_transposed_output_size_and_shared_use_exact() -> None:
     torch.manual_seed(0)
     probe = check(_UpDown(), F.cross_entropy, torch.randn(5, 3, 8, 8), torch.randint(0, 2, (5,)))
     assert probe.uncovered == []
+
+
+@pytest.mark.parametrize("first", ["conv2d", "conv1d", "conv_transpose2d"])
+def test_a_float64_model_keeps_its_gradient_in_float64(first: str) -> None:
+    """The fused convolution hands autograd the sum of the per-example gradients it formed: in a float64 model they
+    are formed in float64, so the training gradient is autograd's to the last bits (it was float32's, ~1e-7 off)."""
+    from lightning_monitor import PerExampleGradNorms
+
+    torch.manual_seed(0)
+    layer, x = {
+        "conv2d": (nn.Conv2d(3, 8, 3, padding=1), torch.randn(16, 3, 8, 8)),
+        "conv1d": (nn.Conv1d(3, 8, 3, padding=1), torch.randn(16, 3, 8)),
+        "conv_transpose2d": (nn.ConvTranspose2d(3, 8, 3, stride=2), torch.randn(16, 3, 5, 5)),
+    }[first]
+    model = nn.Sequential(layer, nn.Tanh(), nn.Flatten(), nn.LazyLinear(3)).double()
+    x, y = x.double(), torch.randint(0, 3, (16,))
+    model(x)
+    F.cross_entropy(model(x), y).backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with PerExampleGradNorms(model) as probe:
+        F.cross_entropy(model(x), y).backward()
+    assert probe.uncovered == []
+    for n in ("0.weight", "0.bias"):
+        grad = dict(model.named_parameters())[n].grad
+        assert grad.dtype == torch.float64
+        torch.testing.assert_close(grad, ref[n], rtol=1e-12, atol=1e-14)

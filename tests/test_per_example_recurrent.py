@@ -246,3 +246,39 @@ def test_a_declared_batch_dimension_is_read_on_the_layers_own_input(batch_first)
         F.cross_entropy(model(x), y).backward()
     reason = wrong.reasons["rnn.weight_ih_l0"]
     assert f"dimension {1 - true_dim} of its input" in reason and "own dimensions" in reason
+
+
+class _PaddedTagger(nn.Module):
+    """A GRU whose padded steps are zeroed in place in its output (the model's own write, after the layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.GRU(5, 8, batch_first=True), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x)
+        out.masked_fill_((torch.arange(x.shape[1])[None, :] >= lengths[:, None])[..., None], 0.0)
+        return self.head(out.sum(1) / lengths[:, None])
+
+
+def test_an_output_written_in_place_is_measured_exactly() -> None:
+    """The model zeroes the padded steps of the GRU's output in place: the armed probe neither breaks that write
+    (it crashed on the views an identity Function returned) nor miscounts it (each example's norm by its own
+    backward)."""
+    torch.manual_seed(0)
+    model = _PaddedTagger()
+    x, lengths, y = torch.randn(6, 7, 5), torch.tensor([7, 3, 5, 1, 7, 2]), torch.randint(0, 3, (6,))
+    ref: dict[str, list[torch.Tensor]] = {n: [] for n, _ in model.named_parameters()}
+    for i in range(6):
+        model.zero_grad()
+        F.cross_entropy(model(x[i:i + 1], lengths[i:i + 1]), y[i:i + 1]).backward()
+        for n, p in model.named_parameters():
+            ref[n].append(p.grad.double().pow(2).sum())
+    probe = PerExampleGradNorms(model, batch_size=6)
+    model.zero_grad()
+    with probe:
+        F.cross_entropy(model(x, lengths), y).backward()
+    per = probe.per_parameter()
+    assert probe.uncovered == []
+    for n, values in ref.items():
+        torch.testing.assert_close(per[n].double(), torch.stack(values), rtol=TOL, atol=1e-9)

@@ -61,20 +61,21 @@ def per_example_conv_grads(m: nn.Module, x: Tensor, g: Tensor) -> Tensor:
     the transposed kernel, with the output padding read off the shapes (a forward given ``output_size``)."""
     b, grp = x.shape[0], m.groups
     w = m.weight
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # fp32 or wider
     nd = len(m.kernel_size)
     transposed = isinstance(m, nn.modules.conv._ConvTransposeNd)
     if transposed:  # zero padding only (torch refuses other modes for a transposed convolution)
         padding = list(m.padding)
         out_pad = [o - ((i - 1) * s - 2 * p + d * (k - 1) + 1) for o, i, s, p, d, k in
                    zip(g.shape[2:], x.shape[2:], m.stride, m.padding, m.dilation, m.kernel_size)]
-        x = x.float()
+        x = x.to(acc)
     else:
-        x, padding = _padded(m, x.float())
+        x, padding = _padded(m, x.to(acc))
         out_pad = [0] * nd
     # only the shape of the weight matters to the weight gradient: an uninitialised tensor, no copy of B weights
-    shape_only = torch.empty((b * w.shape[0], *w.shape[1:]), dtype=torch.float32, device=w.device)
+    shape_only = torch.empty((b * w.shape[0], *w.shape[1:]), dtype=acc, device=w.device)
     gw = torch.ops.aten.convolution_backward(
-        g.float().reshape(1, b * g.shape[1], *g.shape[2:]), x.reshape(1, b * x.shape[1], *x.shape[2:]), shape_only,
+        g.to(acc).reshape(1, b * g.shape[1], *g.shape[2:]), x.reshape(1, b * x.shape[1], *x.shape[2:]), shape_only,
         None, list(m.stride), padding, list(m.dilation), transposed, out_pad, b * grp, [False, True, False],
     )[1]
     return gw.reshape(b, *w.shape)
@@ -268,13 +269,13 @@ class _FusedConv(torch.autograd.Function):
                 m.groups, [True, False, False],
             )[0]
         per_w = per_example_conv_grads(m, x, grad)
-        per_b = grad.float().flatten(2).sum(2) if ctx.has_bias else None
+        per_b = grad.to(torch.promote_types(grad.dtype, torch.float32)).flatten(2).sum(2) if ctx.has_bias else None
         total = per_w.sum(0)
         if ctx.sink is not None:
-            sqs = {"weight": torch.linalg.vector_norm(per_w.flatten(1), dim=1).pow(2)}
+            sqs = {"weight": torch.linalg.vector_norm(per_w.flatten(1), dim=1).pow(2).float()}
             sums = {"weight": total}
             if per_b is not None:
-                sqs["bias"], sums["bias"] = per_b.pow(2).sum(1), per_b.sum(0)
+                sqs["bias"], sums["bias"] = per_b.pow(2).sum(1).float(), per_b.sum(0)
             ctx.sink(grad, sqs, sums, lambda: {"weight": per_w, **({"bias": per_b} if per_b is not None else {})})
         if ctx.left_out is not None and ctx.left_out():
             # autograd's own weight and bias gradients (its kernel, in one call as autograd makes it)

@@ -3,8 +3,8 @@ input sequence (``weight_ih``) or to the previous hidden state (``weight_hh``), 
 gate pre-activations to itself. Neither has a module output per step to hook.
 
 While the probe is armed, the module's own ``forward`` runs as ever (its outputs are bit for bit the plain
-forward's) and its outputs pass through an identity whose backward receives the gradients of all of them (the
-output sequence, ``h_n`` and, for an LSTM, ``c_n``). There the recurrence is run again, in float32, on the same
+forward's) and one gradient hook on all its outputs receives their gradients together (the output sequence,
+``h_n`` and, for an LSTM, ``c_n``; the model may still write into them in place, padded steps zeroed). There the recurrence is run again, in float32, on the same
 input and initial state; the gradients of the outputs, sent back through it to each layer's input projection and to
 each step's hidden projection (``torch.autograd.grad`` with respect to them), give each step's gate gradients ``D``. Each
 example's gradient of ``weight_ih`` is then ``D_i^T A_i`` with ``A_i`` the layer's input sequence, and of
@@ -126,24 +126,10 @@ def _replay(m: nn.Module, x: Tensor, hx: Any, grads: tuple[Optional[Tensor], ...
     return out
 
 
-class _Capture(torch.autograd.Function):
-    """The identity on a recurrent module's outputs; its backward hands their gradients to ``sink`` once."""
-
-    @staticmethod
-    def forward(ctx: Any, sink: Callable[[tuple[Optional[Tensor], ...]], None], *outputs: Tensor) -> tuple[Tensor, ...]:
-        ctx.sink = sink
-        return tuple(o.view_as(o) for o in outputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
-        ctx.sink(grads)
-        return (None, *grads)
-
-
 @register(nn.LSTM, nn.GRU, nn.RNN)
 class RecurrentHandler(Handler):
-    """See the module docstring: the gate gradients from a float32 replay of the recurrence, in the backward of an
-    identity on the module's outputs; per weight the Linear form ``D_i^T A_i``."""
+    """See the module docstring: the gate gradients from a float32 replay of the recurrence, in a gradient hook on
+    the module's outputs; per weight the Linear form ``D_i^T A_i``."""
 
     def unsupported(self, m: nn.Module) -> Optional[str]:
         if getattr(m, "proj_size", 0) > 0:
@@ -226,9 +212,9 @@ class RecurrentHandler(Handler):
                     done(batch_grad, (sq, per_example, proj))
 
             tensors = (output, *(state if isinstance(state, tuple) else (state,)))
-            captured = _Capture.apply(sink, *tensors)
-            output = captured[0]
-            state = tuple(captured[1:]) if isinstance(state, tuple) else captured[1]
+            # a hook on the outputs themselves, not an identity Function returning views of them: the model may write
+            # into the output in place (padded steps zeroed), which autograd forbids on a multi-output Function's views
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda gs: sink(tuple(gs)))
             return output, state
 
         return patched
