@@ -377,7 +377,8 @@ class AlertHub:
 
     Obtain it with :meth:`AlertHub.for_trainer`; monitors call :meth:`emit`. The hub keeps the
     alerts of the run in :attr:`history` (all ranks), the path of its JSONL file in :attr:`path`, the
-    fit's :attr:`run_id` and the number of alerts per severity so far in :attr:`counts`.
+    fit's :attr:`run_id` and the number of alerts per severity so far in :attr:`counts` (rank 0's when training
+    starts, then each rank's own alerts added: what it puts into ``trainer.callback_metrics``).
 
     It adds a small callback to the trainer (:class:`AlertHubCallback`, state key ``AlertHub``) that
     saves its place in ``alerts.jsonl`` in every checkpoint, resumes the file when a fit resumes from
@@ -487,21 +488,23 @@ class AlertHub:
         if alert.run_id is None:
             object.__setattr__(alert, "run_id", self.run_id)
         self.history.append(alert)
+        before = dict(self.counts)
+        self.counts[alert.severity] += 1  # on every rank: its callback metrics
         trainer = self._trainer_ref()
-        if trainer is not None and trainer.global_rank == 0:
-            self._write_sinks(trainer, alert)
+        if trainer is not None:
+            if trainer.global_rank == 0:
+                log.log(_PY_LEVELS[alert.severity], "%s", alert, extra={_CONSOLE_FLAG: alert.console})
+            if self._training:
+                # not before the fit's training starts (an alert at setup: a monitor with nothing to watch), whose step
+                # is 0 in a fit resumed from a checkpoint (its step is not back yet), which made the counts' series
+                # start there and the resume read as a fit started over; the start of training logs them at its step
+                self.log_counts(trainer, alert.step, before)
+            if trainer.global_rank == 0:
+                self._write_sinks(trainer, alert)
         for callback in list(self._subscribers):
             callback(alert)
 
     def _write_sinks(self, trainer: pl.Trainer, alert: Alert) -> None:
-        log.log(_PY_LEVELS[alert.severity], "%s", alert, extra={_CONSOLE_FLAG: alert.console})
-        before = dict(self.counts)
-        self.counts[alert.severity] += 1
-        if self._training:
-            # not before the fit's training starts (an alert at setup: a monitor with nothing to watch), whose step is
-            # 0 in a fit resumed from a checkpoint (its step is not back yet), which made the counts' series start
-            # there and the resume read as a fit started over; the start of training logs the counts at its step
-            self.log_counts(trainer, alert.step, before)
         tag = self._text_tag(alert)
         for logger in trainer.loggers:
             writer = _tensorboard_writer(logger)
@@ -521,11 +524,18 @@ class AlertHub:
     def log_counts(self, trainer: pl.Trainer, step: int, before: Optional[dict[str, int]] = None) -> None:
         """Log :attr:`counts` as ``alerts/count/<severity>`` to every logger (rank 0), at ``step`` or at
         the last step they were logged at if that is later (a logged series never goes back); with
-        ``before``, the previous counts one step earlier too, so that a line shows a step, not a ramp."""
+        ``before``, the previous counts one step earlier too, so that a line shows a step, not a ramp.
+        On every rank they are put into ``trainer.callback_metrics`` (``EarlyStopping`` can monitor them)."""
+        import torch  # not at import time: the report command reads alerts without torch
+
+        from lightning_monitor._compat import callback_metrics_store
+
+        after = {f"alerts/count/{sev}": float(n) for sev, n in self.counts.items()}
+        values = torch.tensor(list(after.values()), dtype=torch.float32).unbind(0)
+        callback_metrics_store(trainer).update(zip(after, values))
         if trainer.global_rank != 0 or not trainer.loggers:
             return
         step = max(int(step), self._count_step)
-        after = {f"alerts/count/{sev}": float(n) for sev, n in self.counts.items()}
         if step == self._count_step and after == self._counts_logged:
             return  # the same point again (the end of a fit whose last step raised an alert): not logged twice
         prev = None
@@ -705,6 +715,9 @@ def _hub_callback_type() -> type:
             hub = self._hub_of(trainer)
             if hub is not None:
                 hub._training = True
+                if getattr(trainer, "world_size", 1) > 1:
+                    # rank 0's: the counts of the alerts file it continues, or of the checkpoint resumed from
+                    hub.counts = dict(trainer.strategy.broadcast(hub.counts, src=0))
                 hub.log_counts(trainer, trainer.global_step)
                 hub.log_run_id(trainer)
 

@@ -395,7 +395,10 @@ class _RunIds(pl.Callback):
 
         hub = AlertHub.for_trainer(trainer)
         with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as fh:
-            json.dump({"run_id": hub.run_id, "stamped": [a.run_id for a in hub.history]}, fh)
+            json.dump({"run_id": hub.run_id, "stamped": [a.run_id for a in hub.history],
+                       "severities": [a.severity for a in hub.history],
+                       "counts": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("alerts/count/")}},
+                      fh)
 
 
 def test_ddp_ranks_share_one_run_id(tmp_path):
@@ -411,6 +414,10 @@ def test_ddp_ranks_share_one_run_id(tmp_path):
     run_id = ranks[0]["run_id"]
     assert ranks[1]["run_id"] == run_id
     assert ranks[0]["stamped"] == ranks[1]["stamped"] == [run_id] * 5
+    # the alert counts are callback metrics on both ranks (EarlyStopping can monitor them): each rank's own alerts
+    expected = {f"alerts/count/{sev}": float(ranks[0]["severities"].count(sev)) for sev in ("info", "warning", "critical")}
+    assert expected["alerts/count/critical"] >= 1
+    assert ranks[0]["counts"] == ranks[1]["counts"] == expected
     assert {a.run_id for a in read_alerts(str(tmp_path / "alerts.jsonl"))} == {run_id}  # written by rank 0 only
     assert len(read_alerts(str(tmp_path / "alerts.jsonl"))) == 5
 
@@ -479,3 +486,40 @@ def test_the_counts_are_logged_once_at_the_last_step(tmp_path, tiny_gpt):
     with open(os.path.join(logger.log_dir, "metrics.csv"), encoding="utf-8") as fh:
         rows = [(int(r["step"]), float(r["alerts/count/info"])) for r in csv.DictReader(fh) if r.get("alerts/count/info")]
     assert rows == [(0, 0.0), (5, 0.0), (6, 1.0)]
+
+
+class _NanAt(pl.LightningModule):
+    """A classifier whose loss is NaN on batch 5 of each epoch: the guard's critical ``nonfinite`` alert."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        return loss * float("nan") if batch_idx == 5 else loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_early_stopping_can_monitor_the_alert_counts(tmp_path):
+    """``alerts/count/<severity>`` are callback metrics from the start of training, as the README's table says, so
+    ``EarlyStopping`` stops at the first critical alert (it raised 'not available' before)."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    from lightning_monitor import DivergenceGuard
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(128, 8), torch.randint(0, 4, (128,)))
+    stop = EarlyStopping(monitor="alerts/count/critical", mode="max", stopping_threshold=0.5,
+                         check_on_train_epoch_end=True)
+    logger = CSVLogger(str(tmp_path), name="csv")
+    trainer = pl.Trainer(max_epochs=4, accelerator="cpu", logger=logger, callbacks=[DivergenceGuard(), stop],
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(_NanAt(), torch.utils.data.DataLoader(data, batch_size=16))
+    assert float(trainer.callback_metrics["alerts/count/critical"]) == 1.0
+    assert trainer.current_epoch == 1  # stopped at the end of the first epoch, not after four
+    assert stop.stopped_epoch == 0
+

@@ -350,6 +350,12 @@ def test_corroborate_with_takes_one_kind_or_a_sequence_of_them():
     assert DivergenceGuard(skip_batches=[(0, 1), [2, 3]])._skip_given == {(0, 1), (2, 3)}
 
 
+def test_skip_batches_that_is_neither_a_path_nor_pairs_says_what_to_pass():
+    for bad in (5, b"alerts.jsonl"):
+        with pytest.raises(TypeError, match=r"`skip_batches` must be an alerts.jsonl path \(str or os.PathLike\)"):
+            DivergenceGuard(skip_batches=bad)
+
+
 # ----------------------------------------------------------------------------- DDP (2 gloo ranks)
 
 

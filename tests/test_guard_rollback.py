@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import pathlib
 
 import lightning.pytorch as pl
 import pytest
@@ -161,7 +162,7 @@ def test_a_run_resumed_from_an_earlier_checkpoint_skips_the_rolled_back_batches(
     # restart from the step-40 checkpoint (before the rollback), told which batches to skip
     pl.seed_everything(0)
     resumed = DivergenceGuard(every_n_steps=5, snapshot_every_n_checks=5, lr_factor=1.0,
-                              skip_batches=os.path.join(first.loggers[0].log_dir, "alerts.jsonl"))
+                              skip_batches=pathlib.Path(first.loggers[0].log_dir) / "alerts.jsonl")  # a Path too
     capture = _Capture()
     model_b = _Regression(glitch=(60, 61, 62))
     second = _trainer(tmp_path / "b", [resumed, capture], 100)

@@ -9,7 +9,7 @@ import operator
 import os
 import re
 from collections import deque
-from collections.abc import Mapping, MutableMapping, MutableSequence
+from collections.abc import Iterable, Mapping, MutableMapping, MutableSequence
 from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
@@ -327,7 +327,7 @@ class DivergenceGuard(Monitor):
         lr_factor: float = 0.5,
         max_rollbacks: int = 4,
         rollback_window: int = 1000,
-        skip_batches: Union[None, str, list[tuple[int, int]]] = None,
+        skip_batches: Union[None, str, os.PathLike, list[tuple[int, int]]] = None,
         min_history: int = 20,
         window: int = 100,
         z_threshold: float = 6.0,
@@ -439,9 +439,14 @@ class DivergenceGuard(Monitor):
         return self._generate_state_key(action=self.action, every_n_steps=self.every_n_steps)
 
     @staticmethod
-    def _read_skip(skip: Union[None, str, list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    def _read_skip(skip: Union[None, str, os.PathLike, list[tuple[int, int]]]) -> list[tuple[int, int]]:
         if skip is None:
             return []
+        if isinstance(skip, os.PathLike):
+            skip = os.fspath(skip)
+        if isinstance(skip, bytes) or not isinstance(skip, (str, Iterable)):
+            raise TypeError("`skip_batches` must be an alerts.jsonl path (str or os.PathLike) or a list of (epoch, "
+                            f"batch_idx) pairs of integers, got {type(skip).__name__}.")
         if isinstance(skip, str):
             if not os.path.isfile(skip):
                 raise FileNotFoundError(f"`skip_batches` names {skip!r}, which is not a file (an alerts.jsonl).")
