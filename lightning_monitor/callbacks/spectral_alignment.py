@@ -284,6 +284,7 @@ class SpectralAlignmentMonitor(Monitor):
             growth_quiet=self._growth_quiet.count,
             sigma_history=[[t, dict(sig)] for t, sig in self._sigma_history],
             sampler=self._capture.state_dict() if self._capture is not None else {},
+            start_iterations=[[list(shape), n] for shape, n in self._start_iterations.items()],
         )
         return state
 
@@ -297,6 +298,9 @@ class SpectralAlignmentMonitor(Monitor):
         self._quiet = Streak(state_dict.get("quiet", 0))
         self._growth_quiet = Streak(state_dict.get("growth_quiet", 0))
         self._sigma_history = [(int(t), {k: float(v) for k, v in sig.items()}) for t, sig in state_dict.get("sigma_history", [])]
+        # the warm iterations the next check of each weight shape starts with: a resumed check converges as the
+        # uninterrupted one did (from the default count, its vector differed within the tolerance: D by a row or two)
+        self._start_iterations = {tuple(int(d) for d in shape): int(n) for shape, n in state_dict.get("start_iterations", [])}
         self._sampler_state = state_dict.get("sampler", {})
         if self._capture is not None and self._sampler_state:
             self._capture.load_state_dict(self._sampler_state)
