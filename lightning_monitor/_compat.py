@@ -25,6 +25,8 @@ __all__ = [
     "fork_rng_of",
     "grad_scaler_scale",
     "has_forward_pre_hooks",
+    "random_states_of",
+    "set_random_states_of",
     "set_versions",
     "versions_settable",
     "written_tensors",
@@ -186,6 +188,42 @@ def fork_rng_of(devices: Sequence[torch.device]) -> Any:
         return torch.random.fork_rng(devices=indices, device_type=kind)
     except TypeError:  # a torch whose fork_rng forks CUDA devices only
         return torch.random.fork_rng(devices=[])
+
+
+def _accelerator_streams(devices: Sequence[torch.device]) -> tuple[Any, list[int]]:
+    """The torch module (``torch.cuda``, ``torch.mps`` ...) and the device indices of the accelerator random streams
+    among ``devices`` (those :func:`fork_rng_of` forks); ``(None, [])`` where there are none."""
+    kinds = [d for d in devices if d.type not in ("cpu", "meta")]
+    if not kinds:
+        return None, []
+    module = getattr(torch, kinds[0].type, None)
+    if module is None or not hasattr(module, "get_rng_state") or not hasattr(module, "set_rng_state"):
+        return None, []
+    return module, sorted({d.index or 0 for d in kinds if d.type == kinds[0].type})
+
+
+def random_states_of(devices: Sequence[torch.device]) -> tuple[Tensor, list[tuple[int, Tensor]]]:
+    """The CPU's random state and those of the accelerator devices among ``devices`` (host copies, no device work:
+    about a microsecond on CPU), for :func:`set_random_states_of`."""
+    module, indices = _accelerator_streams(devices)
+    if module is None:
+        return torch.get_rng_state(), []
+    try:
+        return torch.get_rng_state(), [(i, module.get_rng_state(i)) for i in indices]
+    except TypeError:  # a backend whose get_rng_state takes no device (MPS: one device)
+        return torch.get_rng_state(), [(0, module.get_rng_state())]
+
+
+def set_random_states_of(devices: Sequence[torch.device], states: tuple[Tensor, list[tuple[int, Tensor]]]) -> None:
+    """Set the random streams :func:`random_states_of` read (inside :func:`fork_rng_of`, which puts them back)."""
+    cpu, accelerators = states
+    torch.set_rng_state(cpu)
+    module, _ = _accelerator_streams(devices)
+    for index, state in accelerators if module is not None else ():
+        try:
+            module.set_rng_state(state, index)
+        except TypeError:
+            module.set_rng_state(state)
 
 
 # ---------------------------------------------------------------- torch: autograd's version counters

@@ -20,7 +20,14 @@ from torch import Tensor
 
 from lightning_monitor._args import (check_bool, check_fraction, check_int, check_nonnegative, check_positive,
                                      deprecated_aliases)
-from lightning_monitor._compat import backward_skipped, foreach_norm, fork_rng_of, grad_scaler_scale
+from lightning_monitor._compat import (
+    backward_skipped,
+    foreach_norm,
+    fork_rng_of,
+    grad_scaler_scale,
+    random_states_of,
+    set_random_states_of,
+)
 from lightning_monitor._replays import (WritesUndone, attributes, host_random_states, plain_parameters, restore_attributes,
                                        set_host_random_states)
 from lightning_monitor._sharded import local, nonfinite_on_host, squared_norms
@@ -405,10 +412,11 @@ class DivergenceGuard(Monitor):
         self._skip_given = frozenset(self._read_skip(skip_batches))
         self._loss_watch = SeriesWatch(window, min_history, self.z_threshold, float(loss_rel_floor))
         # the last batches (references only) and the losses of the last normal steps: a surge is tested on them
-        self._recent_batches: deque[tuple[int, Any, int]] = deque(maxlen=_REFERENCES + 3)
+        # (step, batch, batch_idx, torch's random states when the step began: a replay draws what the step drew)
+        self._recent_batches: deque[tuple[int, Any, int, Any]] = deque(maxlen=_REFERENCES + 3)
         self._normal_recent: deque[tuple[int, float]] = deque(maxlen=_REFERENCES)
         # normal batches from before the last rollback's snapshot, with their losses (see _weights_intact)
-        self._refs_before: list[tuple[tuple[Any, int], float]] = []
+        self._refs_before: list[tuple[tuple[Any, int, Any], float]] = []
         # (step, learning rates) of the last steps, as far back as the moving average reaches
         self._lr_trace: deque[tuple[int, list[list[Optional[float]]]]] = deque(
             maxlen=2 + round(self.smoothing / (1.0 - self.smoothing)) + (lag_steps or 2))
@@ -418,6 +426,7 @@ class DivergenceGuard(Monitor):
         self._flat_shards = False  # FSDP1: plain gradients are this rank's shards
         self._batch: Any = None
         self._batch_idx = 0
+        self._batch_rng: Any = None  # torch's random states when the batch's step began (see on_train_batch_start)
         self._warned_no_loss = False
         self._loss_seen = False  # a judged step of this guard's had a loss
         self._lossless = 0  # judged steps without a loss before the first with one
@@ -666,8 +675,12 @@ class DivergenceGuard(Monitor):
         if self._ref_batches is None:
             self._size_references(trainer, batch)
         step = self._batch_start = trainer.global_step  # a property that walks the loops: read once a hook
+        # and torch's random states at its start (CPU's: a microsecond), so that a replay of its step draws the dropout
+        # masks and samples the step drew: a step that samples (REINFORCE) was judged on a fresh draw, and a rare
+        # draw's loss was taken for the weights'
         self._batch, self._batch_idx = batch, batch_idx
-        self._recent_batches.append((step, batch, batch_idx))
+        self._batch_rng = random_states_of([pl_module.device])
+        self._recent_batches.append((step, batch, batch_idx, self._batch_rng))
         self._apply_lr_ceiling(trainer)
         key = (trainer.current_epoch, batch_idx)
         if self.snapshot_every_n_steps is not None:
@@ -985,7 +998,7 @@ class DivergenceGuard(Monitor):
                 self._note_lr(s)
                 if loss != 0.0:
                     self._informative.append(s)
-                    kept = next(((b, i) for t, b, i in reversed(self._recent_batches) if t == s), None)
+                    kept = next(((b, i, r) for t, b, i, r in reversed(self._recent_batches) if t == s), None)
                     if kept is not None:
                         self._informative_refs.append((s, kept, loss))
                 else:
@@ -1390,9 +1403,10 @@ class DivergenceGuard(Monitor):
         )
         return [f"loss explosion (surge) at step {step}"]
 
-    def _references(self, before: int) -> list[tuple[tuple[Any, int], float]]:
-        """The last normal batches kept, from before step ``before``: ``((batch, batch_idx), loss then)``."""
-        batches = {s: (b, i) for s, b, i in self._recent_batches}
+    def _references(self, before: int) -> list[tuple[tuple[Any, int, Any], float]]:
+        """The last normal batches kept, from before step ``before``: ``((batch, batch_idx, random states), loss
+        then)``."""
+        batches = {s: (b, i, r) for s, b, i, r in self._recent_batches}
         since = self._refs_from  # none from before a change of what the step computes (see _new_normal)
         refs = [(batches[s], then) for s, then in self._normal_recent if s in batches and since <= s < before]
         # those that lost something, if any: a batch of loss 0 may have nothing to lose under any weights (no label).
@@ -1419,16 +1433,16 @@ class DivergenceGuard(Monitor):
         return now is not None and math.isfinite(now) and now <= self.blowup * max(then, 1e-12)
 
     def _replayed(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                  refs: list[tuple[tuple[Any, int], float]]) -> tuple[Optional[float], float]:
+                  refs: list[tuple[tuple[Any, int, Any], float]]) -> tuple[Optional[float], float]:
         """``(now, then)`` of reference batches (:meth:`_references`): their mean loss under the present weights
         (:meth:`_mean_loss`, averaged over the ranks) and the mean of the losses they had when trained on."""
         return self._mean_loss(trainer, pl_module, [b for b, _ in refs]), sum(t for _, t in refs) / len(refs)
 
     def _mean_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                   batches: list[tuple[Any, int]]) -> Optional[float]:
-        """The mean loss of ``batches`` (``(batch, batch_idx)``) under the module's present weights, averaged over the
-        ranks; ``None`` when a batch gives no loss."""
-        losses = [self._batch_loss(pl_module, b, i) for b, i in batches]
+                   batches: list[tuple[Any, int, Any]]) -> Optional[float]:
+        """The mean loss of ``batches`` (``(batch, batch_idx, random states)``) under the module's present weights,
+        averaged over the ranks; ``None`` when a batch gives no loss."""
+        losses = [self._batch_loss(pl_module, *b) for b in batches]
         return self._rank_mean(trainer, pl_module, None if None in losses else sum(losses) / len(losses))
 
     def _pruned(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, loss: float,
@@ -1538,7 +1552,7 @@ class DivergenceGuard(Monitor):
         return True
 
     def _objective_changed(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, loss: float,
-                           level: float, refs: list[tuple[Any, int]], then: float, now: float) -> bool:
+                           level: float, refs: list[tuple[Any, int, Any]], then: float, now: float) -> bool:
         """Whether a surge whose reference batches, evaluated again, agree with it comes from the loss function
         rather than the weights: the newest snapshot from before the surge, asked about the same batches, sees at
         least half of the rise too. Good weights that find the batches they once found easy as hard as the present
@@ -1604,20 +1618,20 @@ class DivergenceGuard(Monitor):
             return "forgotten", now, befores[0]
         return "weights", now, before
 
-    def _rise_batches(self, start: Optional[int]) -> list[tuple[Any, int]]:
+    def _rise_batches(self, start: Optional[int]) -> list[tuple[Any, int, Any]]:
         """The batches a rise since ``start`` is attributed on: the current one, and on small batches (fewer than
         ``_REFERENCE_SAMPLES`` samples) the rise's batches before it too, the newest first, until they hold that many.
         ``None`` for a climb of the smoothed loss: the batches it averages, whenever its rise was dated."""
-        out = [(self._batch, self._batch_idx)]
+        out = [(self._batch, self._batch_idx, self._batch_rng)]
         held = _samples(self._batch)
         if held is None or held >= _REFERENCE_SAMPLES:
             return out
-        for s, batch, batch_idx in reversed(self._recent_batches):
+        for s, batch, batch_idx, rng in reversed(self._recent_batches):
             if held >= _REFERENCE_SAMPLES or (start is not None and s < start):
                 break
             if batch is self._batch:
                 continue
-            out.append((batch, batch_idx))
+            out.append((batch, batch_idx, rng))
             held += _samples(batch) or 0
         return out
 
@@ -1718,7 +1732,8 @@ class DivergenceGuard(Monitor):
         trainer = pl_module._trainer
         return trainer is not None and len(trainer.optimizers) == 1
 
-    def _batch_loss(self, pl_module: pl.LightningModule, batch: Any = None, batch_idx: Optional[int] = None) -> Optional[float]:
+    def _batch_loss(self, pl_module: pl.LightningModule, batch: Any = None, batch_idx: Optional[int] = None,
+                    rng: Any = None) -> Optional[float]:
         """The loss of a batch (default: the current one) under the module's present weights, with no side effect on
         the module (its buffers, BatchNorm's running statistics among them, are put back, and so are its parameters
         where the step writes into them: :class:`~lightning_monitor._replays.WritesUndone`; the random state too).
@@ -1726,7 +1741,7 @@ class DivergenceGuard(Monitor):
         scheduler steps do nothing during the replay (the gradients about to be applied are left as they are), and
         the loss is what the step gives ``manual_backward``."""
         if batch is None:
-            batch, batch_idx = self._batch, self._batch_idx
+            batch, batch_idx, rng = self._batch, self._batch_idx, self._batch_rng
         patched: list[tuple[Any, str, bool, Any]] = []
 
         def silence(obj: Any, name: str, fn: Any) -> None:
@@ -1790,6 +1805,8 @@ class DivergenceGuard(Monitor):
             context = precision.train_step_context() if precision is not None else contextlib.nullcontext()
             # a run of the guard's own: the other monitors' hooks (inputs sampled for a check, per-example records) skip it
             with torch.set_grad_enabled(grad), fork_rng_of(devices), context, writes, dry_run():
+                if rng is not None:  # the draws of the batch's own step (the fork puts the run's streams back)
+                    set_random_states_of(devices, rng)
                 return pl_module.training_step(_kept(batch), batch_idx)  # a fresh copy: each replay may pop from it
 
         try:
@@ -2452,7 +2469,7 @@ class DivergenceGuard(Monitor):
         self._judged_lrs.clear()
         self._informative: deque[int] = deque(maxlen=64)  # the last normal steps whose loss was not 0
         # the last of them with their batches: (step, (batch, batch_idx), loss)
-        self._informative_refs: deque[tuple[int, tuple[Any, int], float]] = deque(maxlen=self._ref_batches or _REFERENCES)
+        self._informative_refs: deque[tuple[int, tuple[Any, int, Any], float]] = deque(maxlen=self._ref_batches or _REFERENCES)
         self._zero_losses = False  # whether a normal step of this fit lost exactly 0
         self._hard_batch: Optional[int] = None  # the last surge the weights were not to blame for
         self._misfit: Optional[str] = None  # why the newest snapshot asked for did not fit the run
@@ -2588,7 +2605,7 @@ class DivergenceGuard(Monitor):
             saved["saved_weights"] = dict(verdict)
 
     def _objective_since(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int,
-                         refs: list[tuple[tuple[Any, int], float]], now: float, then: float) -> bool:
+                         refs: list[tuple[tuple[Any, int, Any], float]], now: float, then: float) -> bool:
         """Whether batches that lose far more with the weights saved than when trained on lose as much with the newest
         snapshot's weights, known good: then the step computes another loss now (a term switched on at the very step
         the checkpoint was written: a healthy resume from it was stopped), not weights that broke. Asked only when the
@@ -2598,7 +2615,7 @@ class DivergenceGuard(Monitor):
         return self._snapshot_sees_rise(trainer, pl_module, step, [b for b, _ in refs], then, now) is not None
 
     def _snapshot_sees_rise(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int,
-                            batches: list[tuple[Any, int]], then: float, now: float
+                            batches: list[tuple[Any, int, Any]], then: float, now: float
                             ) -> Optional[tuple[TrainingSnapshot, float]]:
         """``(snapshot, its loss)`` when the newest snapshot known good (up to the last step that vouched for a state
         before ``step``) finds ``batches`` at least half as much harder as the present weights do (``now`` against
