@@ -58,6 +58,10 @@ _REFERENCE_SAMPLES = 16
 _EARLY_PATIENCE = 10
 #: after a new normal, the initial level is taken again as the median of this many losses (if lower than the first)
 _REANCHOR_STEPS = 10
+#: the scale of the loss that floors the detectors' noise and the climb's rise is at most this many times the lowest
+#: smoothed loss so far: a fine-tune that starts at 17 (confidently wrong) and settles at 0.1 collapsed to chance (2.3,
+#: 21x its level) unseen, every floor scaled by the loss of the first step
+_ANCHOR_OVER_MIN = 10.0
 #: factor over its lowest value at which a creeping smoothed loss is judged like an explosion (a slow climb)
 _CLIMB = 1.5
 #: steps after a rollback within which a creep is judged as a climb (see _creep)
@@ -1050,6 +1054,8 @@ class DivergenceGuard(Monitor):
                     self._initial = [max(floor, min(self._anchor(), median(seen)))] * 3
                     self._reanchor = None
             anchor = self._anchor()
+            if 0.0 < self._ema_min < math.inf:
+                anchor = min(anchor, _ANCHOR_OVER_MIN * self._ema_min)  # the floors follow the level the run reached
             ready = self._loss_watch.ready
             level = self._loss_watch.level() if ready else anchor
             # the ceiling: `blowup` times the initial level, or the recent level where the run settled above it (a loss
