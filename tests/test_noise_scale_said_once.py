@@ -131,3 +131,52 @@ def test_batch_size_advice_waits_after_a_rollback(tmp_path) -> None:
     wait = first + hm.noise_scale.min_checks * hm.noise_scale.every_n_steps
     advice = [(a.step, a.kind) for a in hm.guard.hub.history if a.kind.startswith("batch_") and first < a.step < wait]
     assert advice == []
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.q_proj, self.up_proj, self.down_proj = nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.down_proj(torch.tanh(self.up_proj(torch.tanh(self.q_proj(self.ln(x))))))
+
+
+class _TokenNet(pl.LightningModule):
+    """Two residual blocks over 12 tokens, trained on random targets: B_simple in the tens."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.blocks, self.head = nn.Embedding(12, 8), nn.Sequential(_Block(), _Block()), nn.Linear(8, 12)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.head(self.blocks(self.emb(x))).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _column(logger: CSVLogger, key: str) -> list[str]:
+    import csv
+
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as fh:
+        return [row[key] for row in csv.DictReader(fh) if row.get(key)]
+
+
+def test_the_advice_is_about_the_batch_size_in_use_not_a_short_last_batch(tmp_path) -> None:
+    """43 examples in batches of 8: every epoch ends with 3. Advice at ``alert_ratio=10`` needs B_simple above 80 at
+    batch size 8 (it stays below); the check on the short batch judged "batch size 3" and said the batch was far
+    below the noise scale (with an epoch of 18 samples), and the condition stayed."""
+    x = torch.randint(0, 12, (43, 5), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 12, (43, 5), generator=torch.Generator().manual_seed(5))
+    logger = CSVLogger(str(tmp_path), name="csv")
+    monitor = GradientNoiseScaleMonitor(every_n_steps=1)
+    pl.Trainer(max_epochs=4, accelerator="cpu", logger=logger, callbacks=[monitor], log_every_n_steps=1,
+               enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False).fit(
+        _TokenNet(), DataLoader(TensorDataset(x, y), batch_size=8))
+    b_simple = [float(v) for v in _column(logger, "gns/b_simple")]
+    assert b_simple and 8 * 10 ** 0.5 < max(b_simple) < 80  # above the hysteresis of batch 3, below the advice at 8
+    assert sorted({float(v) for v in _column(logger, "gns/batch_size")}) == [3.0, 8.0]  # short batches were checked
+    assert not [a for a in monitor.hub.history if a.kind.startswith("batch_")]

@@ -255,6 +255,9 @@ class GradientNoiseScaleMonitor(Monitor):
         # that goes on from the state restored)
         self._advice_from = 0
         self._rolled_back = False  # a rollback since the last check
+        # the batch size of the last check on a batch that was not its epoch's last: what the advice is about (an
+        # epoch's short last batch is not the batch size in use)
+        self._batch_in_use: Optional[float] = None
         self._reset_runtime()
 
     # ------------------------------------------------------------------ state
@@ -273,6 +276,7 @@ class GradientNoiseScaleMonitor(Monitor):
         # the checks in a row without B_simple (b_simple_undefined is said after a few): a resumed run goes on counting
         # (it counted from 0 again: the alert came 30 steps late, or not at all)
         state["undefined"] = self._undefined
+        state["batch_in_use"] = self._batch_in_use
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -291,6 +295,8 @@ class GradientNoiseScaleMonitor(Monitor):
         # parameters than the one measured now: compared at the next check
         self._compare_selection = True
         self._undefined = int(state_dict.get("undefined", 0))
+        in_use = state_dict.get("batch_in_use")
+        self._batch_in_use = None if in_use is None else float(in_use)
         said = state_dict.get("said") or {}
         self._reported = set(said.get("reported", ()))
         self._said_partial = bool(said.get("partial", False))
@@ -834,7 +840,8 @@ class GradientNoiseScaleMonitor(Monitor):
             big_vec, rest_vec = (v * to_mean for v in (big_vec, rest_vec))
         small_vec = torch.stack([small[n] for n in names]).to(big_vec.device)
 
-        raw: dict[str, Any] = {"\x00batch": float(b_big)}
+        # and whether it is its epoch's last batch (maybe short: no batch size of the run's, see judge)
+        raw: dict[str, Any] = {"\x00batch": float(b_big), "\x00last": float(bool(getattr(trainer, "is_last_batch", False)))}
         if method == "per_example":
             b_big = self._weighted_big(b_big)  # the estimators' B_big: the examples as the accumulated gradient weighs them
         g2, tr = noise_scale_estimates(small_vec.sum(), big_vec.sum(), b_small, b_big)
@@ -905,7 +912,14 @@ class GradientNoiseScaleMonitor(Monitor):
             if math.isfinite(ema.b_simple):
                 metrics[self.key("b_simple", layer)] = ema.b_simple
         self._coverage_alert(step, self._measured, coverage, partial)
-        self._batch_alerts(step, float(b_big), b_simple, self._epoch_samples(trainer, float(b_big)), coverage)
+        # the advice is about the batch size in use: an epoch's last batch, when smaller than the batch of an earlier
+        # check, is short (43 examples in batches of 8 were told that "batch size 3" was far below B_simple)
+        in_use = float(b_big)
+        if host.get("\x00last") and self._batch_in_use is not None:
+            in_use = max(in_use, self._batch_in_use)
+        else:
+            self._batch_in_use = in_use
+        self._batch_alerts(step, in_use, b_simple, self._epoch_samples(trainer, in_use), coverage)
         return metrics
 
     def _coverage_alert(self, step: int, measured: set[str], coverage: float, partial: bool) -> None:
