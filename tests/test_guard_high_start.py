@@ -1,0 +1,75 @@
+"""A run whose first loss is far above where it settles (a fine-tune that starts confidently wrong): the detectors'
+floors follow the level the run reached, so a later collapse is seen; its matched control is left alone."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_monitor import DivergenceGuard
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def _setup():
+    x, y = load_digits(return_X_y=True)
+    x, y = torch.tensor(x / 16.0, dtype=torch.float32)[:-300], torch.tensor(y)[:-300]
+    torch.manual_seed(0)
+    pre = _mlp()
+    opt = torch.optim.Adam(pre.parameters(), 3e-3)
+    for _ in range(400):  # "pretrained" on the digits' labels
+        i = torch.randint(0, len(x), (64,))
+        loss = F.cross_entropy(pre(x[i]), y[i])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    # fine-tuned on permuted labels: the pretrained net is confidently wrong, its first loss about 17
+    g = torch.Generator().manual_seed(7)
+    idx = torch.cat([torch.randperm(len(x), generator=g) for _ in range(8)])[: 300 * 32]
+    return pre.state_dict(), DataLoader(TensorDataset(x[idx], ((y + 3) % 10)[idx]), batch_size=32, shuffle=False)
+
+
+class _FineTune(pl.LightningModule):
+    def __init__(self, state, jump: bool):
+        super().__init__()
+        self.net, self.jump = _mlp(), jump
+        self.net.load_state_dict(state)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self.net(batch[0]), batch[1])
+        self.losses.append(float(loss))
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+        rate = (lambda s: 50.0 if s >= 150 else 1.0) if self.jump else (lambda s: 1.0)
+        return {"optimizer": opt,
+                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, rate), "interval": "step"}}
+
+
+def test_a_collapse_after_a_fine_tune_that_started_high_is_acted_on(tmp_path):
+    """The loss starts at 17, settles at 0.1, and a 50x rate at step 150 collapses the net to chance (2.3, 20x its
+    level): every floor was 17-scaled (a rise under 5 was noise, a climb needed 4.3), and only a warning came. The
+    control (the same run, no jump) is never acted on."""
+    state, loader = _setup()
+    runs = {}
+    for jump in (False, True):
+        pl.seed_everything(0)
+        guard, module = DivergenceGuard(), _FineTune(state, jump)
+        pl.Trainer(max_steps=300, accelerator="cpu", logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, callbacks=[guard],
+                   default_root_dir=str(tmp_path)).fit(module, loader)
+        runs[jump] = guard, module
+    control, _ = runs[False]
+    assert runs[False][1].losses[0] > 10 and sorted(runs[False][1].losses[130:150])[10] < 0.3
+    assert control.rollbacks == [] and not [a for a in control.hub.history if a.severity == "critical"]
+    guard, _ = runs[True]
+    acted = [r["step"] for r in guard.rollbacks] + ([guard.stopped_step] if guard.stopped_step is not None else [])
+    assert acted and 150 <= min(acted) <= 160, acted
