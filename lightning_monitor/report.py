@@ -131,6 +131,11 @@ def check_event_file(path: str) -> tuple[int, Optional[str], bool]:
             records += 1
 
 
+def _placeholder(tag: str, step: int) -> bool:
+    """Whether a point is TensorBoardLogger's ``hp_metric`` placeholder (step 0), which tells nothing of the steps."""
+    return tag == "hp_metric" and step == 0
+
+
 def _read_scalars(run: RunReport) -> None:
     """Every scalar of the run's event files, file by file in the order they were written. A file whose first step
     is at or before steps of the files before it is a fit resumed from a checkpoint of that step (or a new run in the
@@ -152,10 +157,12 @@ def _read_scalars(run: RunReport) -> None:
         acc = EventAccumulator(path, size_guidance=guidance)
         acc.Reload()
         points = {tag: [(int(e.step), float(e.value)) for e in acc.Scalars(tag)] for tag in acc.Tags().get("scalars", [])}
-        steps = [st for series in points.values() for st, _ in series]
+        # TensorBoardLogger's `hp_metric` placeholder is written at step 0 by every fit of a module with
+        # hyperparameters, a resumed one too: not where the fit started (a resume read as a fit started over at 0)
+        steps = [st for tag, series in points.items() for st, _ in series if not _placeholder(tag, st)]
         if steps:
             start = min(steps)
-            earlier = [st for series in run.scalars.values() for st, _ in series]
+            earlier = [st for tag, series in run.scalars.items() for st, _ in series if not _placeholder(tag, st)]
             if earlier and start < max(earlier):
                 run.restart = start
             # a fit resumed from the checkpoint of step `start` logs again from there (the alert counts at its start);
@@ -282,7 +289,9 @@ def _drop_superseded_alerts(run: RunReport) -> None:
     """Several fits wrote into one folder (a fixed ``version``, ``logger=False``): the alerts of the earlier fits
     (run ids) from the step the last fit started at are left out, as their scalars are; a fit resumed from a checkpoint
     keeps the earlier fit's alerts before its checkpoint. The last fit starts at the first step of the last event file
-    where that went back over the files before it, else (no event file) at its own first alert."""
+    where that went back over the files before it (the earlier fits' alerts at that very step stay unless the last fit
+    raised the same one: they came before the checkpoint, as an epoch-end alert does), else (no event file) at its own
+    first alert."""
     run_ids = list(dict.fromkeys(a.run_id for a in run.alerts if a.run_id))
     # the last fit's run id, from its event file: a fit that raised no alert has no record to name it (its folder's
     # earlier fit was then taken for it, and its divergence reported as the last fit's)
@@ -296,7 +305,11 @@ def _drop_superseded_alerts(run: RunReport) -> None:
         if run.event_files:
             return  # the event files show one continuing series: a resume, whose earlier records stay
         start = min(a.step for a in run.alerts if a.run_id == last)
-    kept = [a for a in run.alerts if a.run_id == last or a.step < start]
+    # from the event files: at the step it started from (a checkpoint's), the earlier fit's alerts raised before that
+    # checkpoint stay, as its scalars there do, unless the last fit raised the same one
+    again = {a.key for a in run.alerts if a.run_id == last and a.step == start} if run.restart is not None else None
+    kept = [a for a in run.alerts if a.run_id == last or a.step < start
+            or (again is not None and a.step == start and a.key not in again)]
     left = len(run.alerts) - len(kept)
     if left:
         run.alerts = kept
@@ -324,13 +337,21 @@ def _first_sentence(text: str, limit: int = 140, colon: bool = True) -> str:
     return head if len(head) <= limit else head[: limit - 3] + "..."
 
 
+def _text(details: dict[str, Any], key: str) -> Optional[str]:
+    """``details[key]`` where it is a non-empty string: a record written by other code, or edited by hand, may hold
+    anything there (``alerts.jsonl`` is only checked down to ``details`` being an object)."""
+    value = details.get(key)
+    return value if isinstance(value, str) and value else None
+
+
 def _action(alert: Alert) -> Optional[str]:
     d = alert.details or {}
     if alert.kind == "stopped":
         # why, and what the checkpoint holds (records written before these details: the checkpoint only)
-        why = f" ({_first_sentence(d['reasons'], 240, colon=False)})" if d.get("reasons") else ""
+        reasons, holds_text = _text(d, "reasons"), _text(d, "holds")
+        why = f" ({_first_sentence(reasons, 240, colon=False)})" if reasons else ""
         where = f"; checkpoint {d['checkpoint']}" if d.get("checkpoint") else ""
-        holds = f", which holds {_first_sentence(d['holds'], 200, colon=False)}" if where and d.get("holds") else ""
+        holds = f", which holds {_first_sentence(holds_text, 200, colon=False)}" if where and holds_text else ""
         return f"step {alert.step}: the guard stopped training{why}{where}{holds}"
     if alert.kind == "rolled_back":
         skipped = d.get("skipped", "?")
@@ -345,6 +366,37 @@ def _action(alert: Alert) -> Optional[str]:
     if alert.kind in ("batch_below_noise_scale", "batch_above_noise_scale"):
         return f"step {alert.step}: batch-size advice: {_first_sentence(alert.message)}"
     return None
+
+
+def _safe_action(alert: Alert) -> Optional[str]:
+    """:func:`_action`, where an odd ``details`` field costs only this alert's line (it cost the run's summary)."""
+    try:
+        return _action(alert)
+    except Exception as err:  # details of any shape, from other code or by hand
+        return f"step {alert.step}: {alert.monitor}/{alert.kind} (its details cannot be read: {type(err).__name__})"
+
+
+def _grades_components(run: RunReport) -> tuple[list[str], list[str], bool]:
+    """GradES's components ``(still frozen, released)`` from its ``frozen`` and ``released`` alerts, replayed in the
+    order raised: a component the run unfroze later was still listed as frozen. The last item: some ``released``
+    alert names no ``components`` in its details (a record of an older version), so the frozen list may hold some."""
+    frozen: list[str] = []
+    released: list[str] = []
+    unnamed = False
+    for a in run.alerts:
+        if a.kind == "frozen" and a.layer:
+            frozen.append(a.layer)
+        elif a.kind == "released" and a.monitor == "grades":
+            names = (a.details or {}).get("components")
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                unnamed = True
+                continue
+            for name in names:
+                if name in frozen:
+                    frozen.remove(name)
+                if name not in released:
+                    released.append(name)
+    return frozen, released, unnamed
 
 
 def _fmt(value: float) -> str:
@@ -391,7 +443,7 @@ def summarize(run: RunReport, max_alerts: int = 40) -> str:
         if len(run.alerts) > max_alerts:
             lines.append(f"    ... {len(run.alerts) - max_alerts} more in {ALERTS_FILENAME}")
 
-    actions = [text for text in (_action(a) for a in run.alerts) if text]
+    actions = [text for text in (_safe_action(a) for a in run.alerts) if text]
     elsewhere = not run.alerts and any(counted.values()) and not run.alerts_file
     lines.append("  actions taken:" + ("" if actions else " unknown (no alert records here)" if elsewhere else " none"))
     lines.extend(f"    {text}" for text in actions)
@@ -432,8 +484,8 @@ def summarize(run: RunReport, max_alerts: int = 40) -> str:
 
     # GradES
     fraction = _last(run, "grades/frozen_fraction")
-    frozen = [a.layer for a in run.alerts if a.kind == "frozen" and a.layer]
-    if fraction is not None or frozen:
+    frozen, released, unnamed = _grades_components(run)
+    if fraction is not None or frozen or released:
         share = f"frozen fraction {_fmt(fraction[1])} at step {fraction[0]}" if fraction else ""
         if frozen:
             names = f"{len(frozen)} frozen: {', '.join(frozen)}"
@@ -443,6 +495,10 @@ def summarize(run: RunReport, max_alerts: int = 40) -> str:
             names = "components frozen before this log's first step (their `frozen` alerts are in the earlier run's)"
         else:
             names = "none frozen"
+        if released:
+            names += f"; {len(released)} released (unfrozen by the run, left to train): {', '.join(released)}"
+        if unnamed and frozen:
+            names += "; some of them may have been released since (the `released` alerts name them)"
         lines.append(f"  GradES: {names}" + (f" ({share})" if share else ""))
 
     # loss
