@@ -93,7 +93,7 @@ def test_monitors_under_fsdp2_log_what_they_log_under_ddp(tmp_path):
         assert sig and sig == {k: fsdp[1]["logged"]["sa"][step][k] for k in sig}
 
 
-def test_noise_scale_under_fsdp2_with_ranks_measuring_different_parameters_as_under_ddp(tmp_path):
+def test_noise_scale_and_spectral_alignment_under_fsdp2_with_ranks_using_different_layers_as_under_ddp(tmp_path):
     # the squared norms of sharded gradients are reduced across ranks by position: the rank that left a layer out
     # (its batches do not use it) listed its parameters in another order, and summed other parameters' shards into
     # its own (a coverage of 0.99 logged for a true share of 0.009, tr(Sigma) below 0)
@@ -102,7 +102,7 @@ def test_noise_scale_under_fsdp2_with_ranks_measuring_different_parameters_as_un
     for s in ("fsdp2", "ddp"):
         (tmp_path / s).mkdir()
         procs[s] = subprocess.Popen([sys.executable, MONITORS, "--strategy", s, "--out", str(tmp_path / s), "--only",
-                                     "gns", "--branch", "--steps", "12"],
+                                     "gns,sa", "--branch", "--steps", "12"],
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     logs = {s: p.communicate(timeout=300)[0] for s, p in procs.items()}
     for s, p in procs.items():
@@ -116,6 +116,15 @@ def test_noise_scale_under_fsdp2_with_ranks_measuring_different_parameters_as_un
     # rank 1 measured without the layer: a coverage below 1 there, all of it on rank 0
     assert all(v["gns/coverage"] == 1.0 for v in res["fsdp2"][0]["logged"]["gns"].values())
     assert all(v["gns/coverage"] < 1.0 for v in res["fsdp2"][1]["logged"]["gns"].values())
+    # spectral alignment gathers every sharded layer on every rank, in one order, also the layer one rank's batches do
+    # not reach (the ranks gathered different layers: gloo aborted); each rank measures the layers it ran, as under DDP
+    for r in (0, 1):
+        got, want = res["fsdp2"][r]["logged"]["sa"], res["ddp"][r]["logged"]["sa"]
+        assert got.keys() == want.keys() and want
+        for step in want:
+            sig = {k: v for k, v in want[step].items() if k.endswith("/sigma")}
+            assert sig and got[step].keys() == want[step].keys()
+            assert _close({k: got[step][k] for k in sig}, sig, rel=1e-4), (r, step)
 
 
 def test_noise_scale_refuses_what_fsdp2_cannot_measure():

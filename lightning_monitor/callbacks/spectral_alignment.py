@@ -499,8 +499,17 @@ class SpectralAlignmentMonitor(Monitor):
         self._unconverged = [n for n, short in zip(plain, stuck) if short]
         # FSDP2 (DTensor weights): each sharded layer is gathered alone (one all-gather of its weight, on due
         # steps only) and freed before the next, so the peak is one layer; the iteration then runs on the full
-        # matrix, identical on every rank, exactly as unsharded
-        for n in names:
+        # matrix, identical on every rank, exactly as unsharded. The gathers are collectives: every rank gathers the
+        # same layers in the same order, whether or not the layer ran on this rank this step (a routed expert no token
+        # of this rank reached: the ranks gathered different layers, and gloo aborted); only those that ran are measured
+        absent = [n for n in self.layers if n not in rows]
+        with reading_weights(self.layers[n] for n in absent):
+            absent_mats = {n: weight_matrix(self.layers[n]) for n in absent}
+        for n in self.layers:
+            if n in absent_mats:
+                if is_sharded(absent_mats[n]):
+                    absent_mats[n].full_tensor()
+                continue
             if n not in found:
                 full = mats[n].full_tensor()
                 short: list[bool] = []
