@@ -114,6 +114,11 @@ class GradientEarlyStopping(Monitor):
       its next check on. A component without a value at that check takes its reference at its first check
       with one.
 
+    A check whose step has a non-finite training loss, or whose statistics are all exactly zero (gradients that
+    :class:`~lightning_monitor.DivergenceGuard`, listed before this callback, zeroed on a non-finite step), is left
+    out: nothing of it enters the EMA or the reference, and nothing freezes on it (read, the zeros froze every
+    component and stopped the run).
+
     The ratio is free of the matrix size, the loss scale and the learning rate, so one ``tau`` carries
     over between models and schedules; the paper's absolute rule (``threshold="absolute"``,
     :math:`s_c < \tau`) needs a new ``tau`` for every model (values in the wild span 1e-10 .. 2.4).
@@ -753,11 +758,17 @@ class GradientEarlyStopping(Monitor):
     # ------------------------------------------------------------------ the check
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """The training loss of a step due for a check (summed over its micro-batches, whose losses Lightning has
-        divided by their number), on the device: read with the check's statistics. Nothing on other steps."""
-        if self.min_loss_progress is None or self.idle_reason is not None or self._armed_step != trainer.global_step:
+        divided by their number), on the device: a step whose loss is not finite is left out of the statistics
+        (see :meth:`compute`), and ``min_loss_progress`` reads it with them. Nothing on other steps."""
+        if self.idle_reason is not None or self._armed_step != trainer.global_step:
             return
         value = loss.detach().float().sum()
         self._step_loss = value if self._step_loss is None else self._step_loss + value
+
+    def release(self) -> None:
+        super().release()
+        # the loss of a due step whose check never came (its optimizer step skipped) is not the next check's
+        self._step_loss = None
 
     def _loss_window(self) -> int:
         """Steps over which the progress of the loss is read: a third of the grace period (10% of the planned steps
@@ -807,7 +818,7 @@ class GradientEarlyStopping(Monitor):
             f"{len(found)} component(s) GradientEarlyStopping froze require gradients again (unfrozen by the run, e.g. "
             f"a callback's `requires_grad_(True)`): {', '.join(found[:6])}{' ...' if len(found) > 6 else ''}. They are "
             f"left to train and no longer judged; {len(self.frozen)}/{len(self._names)} components frozen.",
-            value=float(len(found)),
+            value=float(len(found)), details={"components": list(found)},
         )
         self.log_metrics(trainer, {self.key("frozen_fraction"): self.frozen_fraction}, step)
 
@@ -820,6 +831,10 @@ class GradientEarlyStopping(Monitor):
         if stat is None:  # first check of the update criterion: a snapshot only
             return {self.key("frozen_fraction"): self.frozen_fraction}
         device = stat.device
+        if loss is not None:
+            # a step whose loss is not finite tells nothing of convergence: every statistic NaN, on the device (no
+            # sync), before the all-reduce, which then spreads it to every rank
+            stat = torch.where(torch.isfinite(loss.to(device)), stat, torch.full_like(stat, float("nan")))
         if getattr(self, "_sharded", False) and trainer.world_size > 1:
             # FSDP2: each rank holds its part of each component's mean |.| (see _local_mean_abs): summed, the
             # statistic of the full tensors, the same on every rank (one all-reduce of one float per component)
@@ -830,6 +845,11 @@ class GradientEarlyStopping(Monitor):
         position = {name: i for i, name in enumerate(self._names)}
         index = torch.tensor([position[a] for a in active], device=device)
         full = torch.full((n,), float("nan"), device=device, dtype=stat.dtype).index_copy(0, index, stat)
+        # a check with a non-finite loss, or whose statistics are all exactly zero (DivergenceGuard listed before this
+        # callback zeroes the gradients of a non-finite step), is left out: no value enters the EMA or the reference,
+        # and nothing freezes on it. Read, the zeroed step gave every component a ratio of 0 and froze them all
+        informative = (torch.isfinite(full) & (full != 0)).any()
+        full = torch.where(informative, full, torch.full_like(full, float("nan")))
         finite = torch.isfinite(full)
         self._move_state(device, n)
         late = self.reference_at == "grace_end"
@@ -855,14 +875,14 @@ class GradientEarlyStopping(Monitor):
             # the reference is the smoothed (all-reduced) statistic at the first check past the grace period,
             # taken once per component: the same on every rank
             judgeable = self._ref_cnt > 0
-            take = ~judgeable & torch.isfinite(smoothed)
+            take = ~judgeable & torch.isfinite(smoothed) & informative
             self._ref_sum = torch.where(take, smoothed, self._ref_sum)
             self._ref_cnt = torch.where(take, torch.ones_like(self._ref_cnt), self._ref_cnt)
             self._n_ref_checks = 1
         reference = self.reference() if self.threshold == "relative" else None
         decide = past_grace and (
             self.threshold == "absolute" or late or self._n_ref_checks >= self.reference_checks)
-        mask = freeze_mask(smoothed, reference, self.tau) if decide else torch.zeros_like(finite)
+        mask = freeze_mask(smoothed, reference, self.tau) & informative if decide else torch.zeros_like(finite)
         if judgeable is not None:
             mask = mask & judgeable
         values: dict[str, Any] = {"\x00stat": full, "\x00mask": mask.float(), "\x00decide": float(decide),

@@ -248,9 +248,12 @@ def _has_twin(named: list[tuple[str, nn.Module]], head: str, layer: type) -> boo
     """Whether a module outside the container ``head`` (and not above it) is a container of its type holding a layer
     of type ``layer`` as a direct child: the image tower of a CLIP-style model beside its text tower, an autoencoder's
     encoder beside its decoder. An output head has no twin (MobileNetV3's ``classifier`` beside ``features``, a
-    Sequential of blocks)."""
+    Sequential of blocks). A container inside a numbered block (a transformer block's ``blocks.3.mlp =
+    Sequential(Linear, GELU, Linear)``) is part of the blocks, not a second tower: counted, it made a ViT's
+    ``head = Sequential(Linear, Tanh, Dropout, Linear)`` two components that froze."""
     kind = type(dict(named)[head])
     return any(type(m) is kind and n != head and not n.startswith(head + ".") and not head.startswith(n + ".")
+               and not _BLOCK_INDEX.search(n)
                and any(_kind(c) is layer for c in m.children()) for n, m in named)
 
 
@@ -425,8 +428,9 @@ def freeze_parameters(params: Iterable[nn.Parameter], optimizers: Iterable[torch
     """Freeze ``params`` for good: ``requires_grad=False``, ``.grad`` dropped, optimizer state freed.
 
     The parameters stay in their optimizer's param groups (so that the optimizer's ``state_dict``
-    keeps its layout); optimizers skip parameters without a gradient. Returns the number of elements
-    frozen.
+    keeps its layout); optimizers skip parameters without a gradient. ``torch.optim.LBFGS`` does not:
+    it moves every parameter along a direction built from its history, so that history is restarted
+    (see :func:`_restart_lbfgs`). Returns the number of elements frozen.
     """
     params = list(params)
     ids = {id(p) for p in params}
@@ -436,9 +440,32 @@ def freeze_parameters(params: Iterable[nn.Parameter], optimizers: Iterable[torch
         p.grad = None
         count += p.numel()
     for opt in optimizers:
+        if isinstance(opt, torch.optim.LBFGS):
+            _restart_lbfgs(opt)  # its one state entry (on its first parameter) is the whole history: kept, emptied
+            continue
         for p in [q for q in opt.state if id(q) in ids]:
             del opt.state[p]
     return count
+
+
+def _restart_lbfgs(opt: torch.optim.LBFGS) -> None:
+    """Empty an LBFGS optimizer's history, in place, as before its first iteration.
+
+    LBFGS updates every parameter along a direction built from its past steps and gradient changes, kept
+    in the state of its first parameter, and reads a missing gradient as zero: a frozen matrix still
+    moved (by 0.018 seven steps after its freeze). Once the history is empty the next direction is minus
+    the gradient, zero on the frozen parameters, and so are every later step and gradient change, hence
+    every later direction: the frozen parameters stay bitwise as they are. Emptied in place (not
+    replaced): a freeze in the first closure evaluation of a step (``on_before_optimizer_step``) comes
+    before LBFGS reads its history for that step from the dict it already holds, so the step under way
+    restarts too. The price: LBFGS forgets its curvature estimate at each freeze."""
+    params = opt.param_groups[0]["params"] if opt.param_groups else []
+    if not params or params[0] not in opt.state:
+        return  # no step taken yet: nothing remembered
+    state = opt.state[params[0]]
+    kept = {"func_evals": state.get("func_evals", 0), "n_iter": 0}  # n_iter 0: the next iteration is a first one
+    state.clear()
+    state.update(kept)
 
 
 # --------------------------------------------------------------------------- frozen prefix
