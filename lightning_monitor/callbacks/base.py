@@ -167,6 +167,7 @@ class Monitor(Callback):
         self._armed_ahead = False  # armed at the step before it (manual optimization), not at a batch start
         self._checked_step: Optional[int] = None  # the last step checked (several optimizers: once a step)
         self._select_later = False  # the model is built in `configure_model`, which Lightning calls after setup
+        self._modules_at_setup: Optional[tuple[tuple[str, int], ...]] = None  # see _select_or_defer
 
     # ------------------------------------------------------------------ identity / state
     @property
@@ -254,8 +255,13 @@ class Monitor(Callback):
         """:meth:`select`; a model with nothing to watch is said to be so (:meth:`nothing_to_watch`), but at setup in a
         model that has a ``configure_model``: its layers may not exist yet (Lightning calls it after the callbacks'
         setup; a model built there, for sharding or a fast init on the device, had every monitor say it had nothing to
-        watch), so it is asked again at the start of the fit (:meth:`select_built_model`)."""
+        watch), so it is asked again at the start of the fit (:meth:`select_built_model`). So is one whose
+        ``configure_model`` replaced modules that existed at setup (a classifier head re-made for the task's classes,
+        layers wrapped in adapters): a monitor holding the old ones watched modules that never ran (GWA scored a hidden
+        layer and went idle for the run)."""
         self._select_later = False
+        self._modules_at_setup = (_module_ids(pl_module) if at_setup and isinstance(pl_module, pl.LightningModule)
+                                  and is_overridden("configure_model", pl_module) else None)
         try:
             self.select(trainer, pl_module)
         except NothingToWatch as err:
@@ -266,9 +272,11 @@ class Monitor(Callback):
 
     def select_built_model(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """At the start of the fit (``on_fit_start``; the preset calls it first for all its monitors): :meth:`select`
-        again where it found nothing at setup in a model that has a ``configure_model`` (called after setup). A
-        monitor's ``on_fit_start`` calls this first."""
-        if self._select_later:
+        again where it found nothing at setup in a model that has a ``configure_model`` (called after setup), or where
+        that replaced modules since. A monitor's ``on_fit_start`` calls this first."""
+        modules, self._modules_at_setup = self._modules_at_setup, None  # compared once a fit
+        if self._select_later or (modules is not None and self.idle_reason is None
+                                  and modules != _module_ids(pl_module)):
             self._select_or_defer(trainer, pl_module, at_setup=False)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -544,3 +552,9 @@ class Monitor(Callback):
     def active_conditions(self) -> dict[tuple[str, Optional[str]], str]:
         """The conditions active now, ``(kind, layer) -> severity``."""
         return dict(self._conditions)
+
+
+def _module_ids(module: nn.Module) -> tuple[tuple[str, int], ...]:
+    """Every submodule's name and identity: what a selection holds on to. Modules only: the monitors read the
+    parameters again at their checks, and FSDP2's ``fully_shard`` in ``configure_model`` replaces every parameter."""
+    return tuple((name, id(m)) for name, m in module.named_modules())

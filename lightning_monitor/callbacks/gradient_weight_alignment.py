@@ -420,8 +420,10 @@ class GradientWeightAlignmentMonitor(Monitor):
             that an epoch scores at least about this many samples (its steps times the samples of a step, all
             ranks together, over ``every_n_steps``; never below 1): the epoch's kurtosis, which GWA divides by,
             is too noisy to mean anything on a few dozen samples (its standard error is about ``sqrt(24 / n)``).
-            Said in one ``cadence`` info alert. ``None`` (default): ``every_n_steps`` as given. The preset
-            passes 256.
+            It is also lowered to the optimizer steps of an epoch where it is above them, so that every epoch
+            has a scored step (epochs of 4 accumulated steps under the preset's 10 were mostly scored from none,
+            and skipped). Said in one ``cadence`` info alert. ``None`` (default): ``every_n_steps`` as given.
+            The preset passes 256.
         warmup_steps: score nothing before this optimizer step.
         shift_targets: targets ``[B, T]`` are the labels of a causal LM, which its loss shifts (the
             logits at position ``t`` predict the label at ``t + 1``): score against ``labels[:, 1:]``, the
@@ -1062,6 +1064,14 @@ class GradientWeightAlignmentMonitor(Monitor):
         rows = stats.tolist()  # once per fit
         called = [n for n, r in zip(names, rows) if r[4] > 0]
         if not called:  # no candidate ran in this step (on any rank): watched again at the next one
+            return
+        if not all(math.isfinite(v) for n, r in zip(names, rows) if n in called for v in r):
+            # an overflowed step (fp16 under a loss scaler, which skips it): inf/nan output gradients pass no softmax
+            # test, and a plain classifier was said to have no softmax head. The statistics are reduced over the
+            # ranks, so every rank waits alike for the next batch, watched again; this one is not scored
+            self._pending = None
+            if self._check_state == "armed" and self._check_step == trainer.global_step:
+                self._check_state = "pending"  # the loss's reading is checked at the next due step
             return
         by_output = {id(out): name for name, (_, _, out, _) in watch.calls.items() if isinstance(out, Tensor)}
         holder_levels = [0 if h == "" else h.count(".") + 1 for h, _ in watch.returned]
@@ -1980,7 +1990,9 @@ class GradientWeightAlignmentMonitor(Monitor):
             return
         accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
         per_epoch = steps * rows * accumulate * max(trainer.world_size, 1)
-        every = max(1, min(self.every_n_steps, per_epoch // self.min_epoch_samples))
+        # at most an epoch's steps apart: a cadence above them (the preset's 10 on epochs of 4 accumulated steps) left
+        # most epochs without a scored step, whatever samples they held, and GWA skipped them
+        every = max(1, min(self.every_n_steps, steps, per_epoch // self.min_epoch_samples))
         # an epoch too small for min_epoch_samples even when every step is scored (overfit_batches, a tiny data set)
         short = (f" Even so an epoch gives fewer samples than min_epoch_samples: each epoch's score rests on about "
                  f"{per_epoch}, and expect noisier scores and picks (and more of them called uncertain)."
@@ -1992,11 +2004,14 @@ class GradientWeightAlignmentMonitor(Monitor):
                            f"{'step' if every == 1 else f'{every} steps'}.{short}", value=float(self.every_n_steps))
             return
         was, self.every_n_steps = self.every_n_steps, every
+        why = (f"an epoch has only {steps} step{'s' if steps > 1 else ''}, so scoring every {was} steps would leave "
+               "most epochs with no scored step" if every == steps < was
+               else f"scoring every {was} steps would give about {per_epoch // was} an epoch, too few for the "
+                    f"kurtosis GWA divides by (min_epoch_samples={self.min_epoch_samples})")
         self.alert(
             trainer.global_step, "cadence", "info",
-            f"An epoch holds about {per_epoch} samples ({steps} steps): scoring every {was} steps would give about "
-            f"{per_epoch // was} an epoch, too few for the kurtosis GWA divides by (min_epoch_samples="
-            f"{self.min_epoch_samples}); scoring every {every} step{'s' if every > 1 else ''} from here.{short}",
+            f"An epoch holds about {per_epoch} samples ({steps} steps): {why}; scoring every {every} "
+            f"step{'s' if every > 1 else ''} from here.{short}",
             value=float(every),
         )
 
