@@ -46,7 +46,7 @@ def _data(n: int) -> TensorDataset:
 
 
 def _fit(tmp_path, callbacks, model, loader, **kwargs) -> tuple[Trainer, list[str]]:
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # the loader's shuffle (the model is made after its test seeds the run)
     trainer = Trainer(accelerator="cpu", logger=False, callbacks=callbacks, enable_progress_bar=False,
                       enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path), **kwargs)
     with warnings.catch_warnings(record=True) as caught:
@@ -59,6 +59,7 @@ def test_preset_gwa_scores_every_epoch_of_fewer_steps_than_its_cadence(tmp_path)
     """1600 samples an epoch in 16 batches of 100, 4 accumulated: 4 optimizer steps. ``min_epoch_samples=256`` kept
     every 6th step (1600 // 256), so two epochs in three had a due step and epochs 2 and 5 scored nothing ("GWA
     skipped for this epoch"); the cadence is at most an epoch's steps, and every epoch is scored from one step."""
+    torch.manual_seed(0)  # the model's initial weights: whatever ran before in this process
     hm = lm.HealthMonitor(spectral=False, noise_scale=False, guard=False, gwa=dict(warmup_epochs=0))
     loader = DataLoader(_data(1600), batch_size=100)
     trainer, said = _fit(tmp_path, [hm], _Classifier(), loader, max_epochs=6, accumulate_grad_batches=4)
@@ -75,6 +76,7 @@ def test_preset_watches_a_head_remade_in_configure_model(tmp_path) -> None:
     """The head made in ``__init__`` and replaced in ``configure_model``: GWA held the placeholder it found at setup,
     which never ran, took the hidden `body.2` for the head and went idle for the run ("points at another class than
     the targets"). The monitors select again at the start of the fit and watch the modules that run."""
+    torch.manual_seed(0)  # the model's initial weights: whatever ran before in this process
     hm = lm.HealthMonitor(gwa=dict(warmup_epochs=0), spectral=dict(every_n_steps=4), noise_scale=dict(every_n_steps=4))
     model = _Classifier(remake_head=True)
     loader = DataLoader(_data(256), batch_size=32, shuffle=True)
@@ -92,6 +94,7 @@ def test_gwa_does_not_choose_its_head_from_an_overflowed_fp16_step(tmp_path) -> 
     """fp16 under a loss scaler whose scale (2**24, as a resumed run restores a grown one) overflows the first steps'
     output gradients: their inf/nan rows failed the softmax test, and a plain classifier was warned to have no softmax
     head (``no_softmax_head``). Such a step decides nothing; the head is chosen from the first finite one."""
+    torch.manual_seed(0)  # the model's initial weights: whatever ran before in this process
     gwa = lm.GradientWeightAlignmentMonitor(warmup_epochs=0)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
     plugin = MixedPrecision("16-mixed", device="cpu", scaler=scaler)
