@@ -58,7 +58,7 @@ _REFERENCE_SAMPLES = 16
 _EARLY_PATIENCE = 10
 #: after a new normal, the initial level is taken again as the median of this many losses (if lower than the first)
 _REANCHOR_STEPS = 10
-#: the scale of the loss that floors the detectors' noise and the climb's rise is at most this many times the lowest
+#: the scale of the loss that floors the loss's noise and ceiling (not the creep's) is at most this many times the lowest
 #: smoothed loss so far: a fine-tune that starts at 17 (confidently wrong) and settles at 0.1 collapsed to chance (2.3,
 #: 21x its level) unseen, every floor scaled by the loss of the first step
 _ANCHOR_OVER_MIN = 10.0
@@ -1053,7 +1053,7 @@ class DivergenceGuard(Monitor):
                 if len(seen) >= _REANCHOR_STEPS:
                     self._initial = [max(floor, min(self._anchor(), median(seen)))] * 3
                     self._reanchor = None
-            anchor = self._anchor()
+            anchor = initial = self._anchor()
             if 0.0 < self._ema_min < math.inf:
                 anchor = min(anchor, _ANCHOR_OVER_MIN * self._ema_min)  # the floors follow the level the run reached
             ready = self._loss_watch.ready
@@ -1071,7 +1071,9 @@ class DivergenceGuard(Monitor):
             if not anomalous and self._loss_watch.run == 0 and ("loss_explosion", None) in self._conditions:
                 self.condition(step, "loss_explosion", False, "critical", "",
                                clear_message="The loss is back within its recent history.")
-            if self._creep(step, loss, anchor):
+            # the creep and its climb keep the initial loss's scale: with the lower one, a matched control (its rate
+            # capped before a divergence) whose loss crept from 0.03 to 0.5 late in the run was rolled back
+            if self._creep(step, loss, initial):
                 start = self._creep_start
         # on several ranks the other monitors' warnings are rank-local: agreement is judged at the checks, where the
         # ranks reduce their findings (see on_before_optimizer_step); judged here, one rank acted alone and hung

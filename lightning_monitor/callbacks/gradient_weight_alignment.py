@@ -1065,14 +1065,6 @@ class GradientWeightAlignmentMonitor(Monitor):
         called = [n for n, r in zip(names, rows) if r[4] > 0]
         if not called:  # no candidate ran in this step (on any rank): watched again at the next one
             return
-        if not all(math.isfinite(v) for n, r in zip(names, rows) if n in called for v in r):
-            # an overflowed step (fp16 under a loss scaler, which skips it): inf/nan output gradients pass no softmax
-            # test, and a plain classifier was said to have no softmax head. The statistics are reduced over the
-            # ranks, so every rank waits alike for the next batch, watched again; this one is not scored
-            self._pending = None
-            if self._check_state == "armed" and self._check_step == trainer.global_step:
-                self._check_state = "pending"  # the loss's reading is checked at the next due step
-            return
         by_output = {id(out): name for name, (_, _, out, _) in watch.calls.items() if isinstance(out, Tensor)}
         holder_levels = [0 if h == "" else h.count(".") + 1 for h, _ in watch.returned]
         outermost: dict[str, int] = {}  # candidate -> the shallowest holder whose call returned its output
