@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -62,7 +62,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from lightning_monitor._sharded import is_sharded
-from lightning_monitor._args import check_bool, check_fraction, check_int
+from lightning_monitor._args import check_bool, check_fraction, check_int, resolve_callable
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch, Streak, reading_weights
 from lightning_monitor.functional.spectral import (
     MAX_BATCH_ELEMENTS,
@@ -87,6 +87,8 @@ def _module_at(model: nn.Module, name: str) -> Optional[nn.Module]:
 
 #: prefix of the per-layer flag "inputs all >= 0 at this check", carried from compute to judge (never logged)
 _ONE_SIGN = "\x00one_sign/"
+#: per layer, the number of rows with an alignment (read on the host with the values; not logged)
+_ROWS = "\x00rows/"
 #: a check's top singular triple is iterated until its relative residual ``||W^T u - sigma v|| / sigma`` is at most
 #: this (sigma then within 5e-7 relative; v within about 1e-3 / (1 - (s_2/s_1)^2) radians of the top singular vector)
 CONVERGENCE_TOL = 1e-3
@@ -156,10 +158,15 @@ class SpectralAlignmentMonitor(Monitor):
             sigma_growth conditions have both held ``patience`` checks (two SA signals agreeing),
             without waiting for ``critical_patience`` (off by default, for the same reason).
         log_histograms: also send a histogram of each layer's alignments to TensorBoard.
+        seed: seed of the row sampler (its own generator: the global RNG is not touched).
+        row_mask: which positions of a layer's input are rows: ``"auto"`` (default) takes the batch's
+            ``attention_mask`` (a mapping's ``(B, T)`` tensor: Hugging Face batches), so that padding positions are
+            no rows; a callable ``batch -> (B, T) mask or None`` (or its dotted import path) for other batches;
+            ``None``: every position. Read on due steps only, on the device; an input whose leading dimensions are
+            not the mask's ``(B, T)`` (or ``(T, B)``) keeps every row.
 
     The monitor never stops or changes the run itself (it has no ``stop``): a DivergenceGuard acts on
     its critical alerts.
-        seed: seed of the row sampler (its own generator: the global RNG is not touched).
 
     Logged every check (``<layer>`` is the module's qualified name): ``sa/<layer>/sign_diversity``,
     ``sa/<layer>/mean_abs``, ``sa/<layer>/sigma``, ``sa/sign_diversity_mean``,
@@ -205,6 +212,7 @@ class SpectralAlignmentMonitor(Monitor):
         escalate_on_growth: bool = False,
         log_histograms: bool = False,
         seed: int = 0,
+        row_mask: Union[str, None, Callable[[Any], Optional[Tensor]]] = AUTO,
     ) -> None:
         super().__init__(every_n_steps=every_n_steps, warmup_steps=warmup_steps)
         self.include = as_patterns(include, "include")
@@ -213,6 +221,7 @@ class SpectralAlignmentMonitor(Monitor):
             raise TypeError(f"`head` must be 'auto', a module name or None, got {head!r}.")
         self.head = head
         self.max_rows = check_int("max_rows", max_rows, 1)
+        self.row_mask = row_mask if isinstance(row_mask, str) and row_mask == AUTO else resolve_callable("row_mask", row_mask)
         self.n_iter = check_int("n_iter", n_iter, 1)
         self.n_vectors = check_int("n_vectors", n_vectors, 1)
         self.baseline_checks = check_int("baseline_checks", baseline_checks, 1)
@@ -392,6 +401,24 @@ class SpectralAlignmentMonitor(Monitor):
             self._capture.release()
         self._unroute()
 
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._capture is not None and self._capture.armed:  # each micro-batch of a due step: its own mask
+            self._capture.row_mask = self._mask_of(batch)
+
+    def _mask_of(self, batch: Any) -> Optional[Tensor]:
+        """The batch's ``(B, T)`` mask of the positions that hold a token (see ``row_mask``), as bool; ``None``
+        where there is none."""
+        if self.row_mask is None:
+            return None
+        if callable(self.row_mask):
+            mask = self.row_mask(batch)
+        else:
+            mask = batch.get("attention_mask") if isinstance(batch, Mapping) else getattr(batch, "attention_mask", None)
+        if not isinstance(mask, Tensor) or mask.dim() != 2:
+            return None
+        return mask.detach() != 0
+
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # a validation run between the micro-batches of an armed step (`val_check_interval` inside an accumulation
         # window) is not the step's forward: its inputs were sampled with the training rows
@@ -550,7 +577,8 @@ class SpectralAlignmentMonitor(Monitor):
             metrics[self.key("sigma", n)] = sigma
             # inputs of one sign (after a ReLU): their diversity falls to 0 by nature as v_1 turns to their mean, so
             # the layer never counts for a collapse (read on the host with the other values; not logged)
-            metrics[_ONE_SIGN + n] = (rows[n].min() >= 0).float()
+            metrics[_ONE_SIGN + n] = (rows[n].nan_to_num(nan=0.0).min() >= 0).float()  # NaN: a padding row
+            metrics[_ROWS + n] = torch.isfinite(alignments[n]).sum().float()  # the rows with a sign (padding's have none)
         return metrics, alignments
 
     def compute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[dict[str, Tensor]]:
@@ -600,12 +628,12 @@ class SpectralAlignmentMonitor(Monitor):
         names = list(self._alignments)
         diversity = {n: values[self.key("sign_diversity", n)] for n in names}
         sigma = {n: values[self.key("sigma", n)] for n in names}
-        rows = {n: self._alignments[n].numel() for n in names}  # shapes: on the host, no sync
+        rows = {n: int(values.pop(_ROWS + n, self._alignments[n].numel())) for n in names}
         for stat, value in self._update_rule(step, diversity, sigma, rows).items():
             values[self.key(stat)] = value
         if self.log_histograms:
             for n, a in self._alignments.items():
-                self.log_histogram(trainer, self.key("alignment", n), a, step)
+                self.log_histogram(trainer, self.key("alignment", n), a[~a.isnan()], step)  # padding rows: NaN
         self._alignments = {}
         return values
 

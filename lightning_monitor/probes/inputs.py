@@ -14,6 +14,12 @@ removes the hooks and forgets them.
 
 The random rows come from the capture's own generator: arming does not touch the global RNG, so a
 run with the monitor draws the same dropout masks and batches as a run without it.
+
+With :attr:`InputCapture.row_mask` set (a ``(B, T)`` mask of the positions that hold a token: a batch's
+``attention_mask``), an input whose two leading dimensions are ``(B, T)`` (or ``(T, B)``) gives rows of the masked
+positions only: padding positions, one embedding repeated, are no rows of the layer's. The draw stays on the device
+(no count of the mask is read): where fewer positions than ``max_rows`` hold a token, the sample is padded with rows
+of NaN, which carry no alignment.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ class InputCapture:
         self._generators: dict[torch.device, torch.Generator] = {}
         #: while set, calls are not read (the validation loop, run between the micro-batches of an armed step)
         self.paused = False
+        #: ``(B, T)`` bool, the positions of the current batch that hold a token (see the module docstring), or None
+        self.row_mask: Optional[Tensor] = None
 
     @property
     def armed(self) -> bool:
@@ -87,6 +95,7 @@ class InputCapture:
         """The rows captured since :meth:`arm` (``name -> (rows, in)``; layers that did not run are
         absent); removes the remaining hooks and drops the capture's references."""
         self.disarm()
+        self.row_mask = None
         parts, self._captured, self._held = self._captured, {}, {}
         return {name: self._merge(kept)[0] for name, kept in parts.items()}
 
@@ -95,6 +104,7 @@ class InputCapture:
         self.disarm()
         self._captured, self._held = {}, {}
         self.paused = False
+        self.row_mask = None
 
     # ------------------------------------------------------------------ internals
     def _disarm(self, name: str) -> None:
@@ -128,7 +138,7 @@ class InputCapture:
             if isinstance(module, nn.Conv2d):
                 rows, n = self.sample_patches(module, x, counted=True)
             else:
-                rows = self.sample(x)
+                rows = self.sample(x, self._mask_for(x))
                 n = x.numel() // x.shape[-1] if x.shape[-1] else 0
             self._keep(name, rows, n)
 
@@ -179,11 +189,42 @@ class InputCapture:
                 taken.append(rows.index_select(0, idx).to(device=first.device, dtype=first.dtype))
         return torch.cat(taken), total
 
-    def sample(self, x: Tensor) -> Tensor:
-        """At most ``max_rows`` random rows of ``x`` flattened to ``(-1, x.shape[-1])``, detached."""
+    def _mask_for(self, x: Tensor) -> Optional[Tensor]:
+        """:attr:`row_mask` laid out as ``x``'s rows (flattened), where ``x``'s leading dimensions are the mask's
+        ``(B, T)`` (batch first, as Hugging Face's models) or ``(T, B)`` (``nn.MultiheadAttention`` without
+        ``batch_first``); else ``None``: every row counts."""
+        mask = self.row_mask
+        if mask is None or x.dim() < 3 or x.shape[-1] == 0:
+            return None
+        lead = tuple(x.shape[:2])
+        if lead == tuple(mask.shape):
+            laid = mask
+        elif lead == tuple(mask.shape[::-1]):
+            laid = mask.t()
+        else:
+            return None
+        rest = x.numel() // (x.shape[0] * x.shape[1] * x.shape[-1])  # dimensions between (B, T) and the features
+        laid = laid.to(x.device).reshape(*lead, *([1] * (x.dim() - 3)))
+        return laid.expand(*x.shape[:-1]).reshape(-1) if rest > 1 else laid.reshape(-1)
+
+    def sample(self, x: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        """At most ``max_rows`` random rows of ``x`` flattened to ``(-1, x.shape[-1])``, detached; with ``mask``
+        (bool, one entry per row), of the rows it marks (a row it does not mark, where fewer are marked than
+        ``max_rows``, is NaN)."""
         with torch.no_grad():
             rows = x.detach().reshape(-1, x.shape[-1])
             n = rows.shape[0]
+            if mask is not None:
+                # random keys, the unmarked rows' beyond every marked one's: the smallest are a uniform sample of the
+                # marked rows, drawn on the device (no count of the mask read)
+                keys = torch.rand(n, generator=self._generator(rows.device), device=rows.device)
+                keys = keys.masked_fill(~mask, 2.0)
+                idx = keys.topk(min(self.max_rows, n), largest=False).indices if n > self.max_rows else torch.arange(
+                    n, device=rows.device)
+                taken = rows.index_select(0, idx)
+                if not taken.is_floating_point():
+                    return taken
+                return torch.where(mask.index_select(0, idx)[:, None], taken, torch.full_like(taken, float("nan")))
             if n > self.max_rows:
                 idx = torch.randperm(n, generator=self._generator(rows.device), device=rows.device)[: self.max_rows]
                 rows = rows.index_select(0, idx)
