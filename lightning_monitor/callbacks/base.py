@@ -168,6 +168,7 @@ class Monitor(Callback):
         self._checked_step: Optional[int] = None  # the last step checked (several optimizers: once a step)
         self._select_later = False  # the model is built in `configure_model`, which Lightning calls after setup
         self._modules_at_setup: Optional[tuple[tuple[str, int], ...]] = None  # see _select_or_defer
+        self._reselecting = False  # selecting again at the start of the fit (see alert)
 
     # ------------------------------------------------------------------ identity / state
     @property
@@ -270,6 +271,12 @@ class Monitor(Callback):
             else:
                 self.nothing_to_watch(trainer, str(err).removeprefix(f"{type(self).__name__}: "))
 
+    def _selects_again(self, pl_module: Optional[nn.Module]) -> bool:
+        """Whether :meth:`select_built_model` will select again at the start of this fit: ``configure_model`` replaced
+        modules that existed at setup (a state loaded before then is checked against that selection, not setup's)."""
+        return (self._modules_at_setup is not None and pl_module is not None
+                and self._modules_at_setup != _module_ids(pl_module))
+
     def select_built_model(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """At the start of the fit (``on_fit_start``; the preset calls it first for all its monitors): :meth:`select`
         again where it found nothing at setup in a model that has a ``configure_model`` (called after setup), or where
@@ -277,7 +284,11 @@ class Monitor(Callback):
         modules, self._modules_at_setup = self._modules_at_setup, None  # compared once a fit
         if self._select_later or (modules is not None and self.idle_reason is None
                                   and modules != _module_ids(pl_module)):
-            self._select_or_defer(trainer, pl_module, at_setup=False)
+            self._reselecting = True
+            try:
+                self._select_or_defer(trainer, pl_module, at_setup=False)
+            finally:
+                self._reselecting = False
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.select_built_model(trainer, pl_module)
@@ -517,8 +528,12 @@ class Monitor(Callback):
         layer: Optional[str] = None,
         details: Optional[dict[str, Any]] = None,
     ) -> Alert:
-        """Raise a one-off alert now."""
+        """Raise a one-off alert now (while the monitor selects again at the start of the fit, one it already raised
+        at setup, the same kind, layer and message, is not raised twice)."""
         record = Alert(step, self.name, kind, severity, message, value, threshold, layer, details)
+        if self._reselecting and any((a.monitor, a.kind, a.layer, a.message) == (self.name, kind, layer, message)
+                                     for a in self.hub.history):
+            return record
         self.hub.emit(record)
         return record
 

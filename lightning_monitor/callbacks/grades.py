@@ -413,6 +413,13 @@ class GradientEarlyStopping(Monitor):
         self.cut_depth = int(state_dict.get("cut_depth", 0))
         self._snapshot, self._snapshot_step = {}, None
         found = getattr(self, "_found", None)
+        trainer = self._bound_trainer()
+        if not self._training and trainer is not None and self._selects_again(trainer.lightning_module):
+            # configure_model replaced modules since setup (layers wrapped in adapters): the components are found again
+            # at the start of the fit, and the saved names checked there (against setup's they did not match, and the
+            # resume failed); frozen once the optimizers exist, as below
+            self._freeze_pending = bool(self.frozen or self.cut)
+            return
         if found and self._saved_names and not self._training:
             # the components we froze in the run that saved the checkpoint are ours again (frozen by requires_grad on
             # a module resumed as it was left), in the model's order
