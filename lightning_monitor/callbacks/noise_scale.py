@@ -915,8 +915,12 @@ class GradientNoiseScaleMonitor(Monitor):
         # the advice is about the batch size in use: an epoch's last batch, when smaller than the batch of an earlier
         # check, is short (43 examples in batches of 8 were told that "batch size 3" was far below B_simple)
         in_use = float(b_big)
-        if host.get("\x00last") and self._batch_in_use is not None:
-            in_use = max(in_use, self._batch_in_use)
+        if host.get("\x00last"):
+            # the training loader's batch size where it says one (every check may fall on an epoch's last batch, and a
+            # batch size lowered on purpose is the loader's), else the last check's on a batch that was not the last
+            nominal = self._loader_batch(trainer)
+            known = nominal if nominal is not None else self._batch_in_use
+            in_use = max(in_use, known) if known is not None else in_use
         else:
             self._batch_in_use = in_use
         self._batch_alerts(step, in_use, b_simple, self._epoch_samples(trainer, in_use), coverage)
@@ -984,6 +988,16 @@ class GradientNoiseScaleMonitor(Monitor):
     def _on_alert(self, alert: Any) -> None:
         if alert.kind == "rolled_back":
             self._rolled_back = True
+
+    @staticmethod
+    def _loader_batch(trainer: pl.Trainer) -> Optional[float]:
+        """The samples of a step as the training loader is set: its ``batch_size`` times ``accumulate_grad_batches``
+        times the ranks; ``None`` where the loader says none (a batch sampler of its own, an iterable)."""
+        size = getattr(getattr(trainer, "train_dataloader", None), "batch_size", None)
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            return None
+        accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
+        return float(size * accumulate * max(int(getattr(trainer, "world_size", 1) or 1), 1))
 
     @staticmethod
     def _epoch_samples(trainer: pl.Trainer, batch: float) -> Optional[float]:
