@@ -85,3 +85,22 @@ def test_preset_watches_a_head_remade_in_configure_model(tmp_path) -> None:
     # every monitor watches the model's modules as they are after configure_model
     assert all(layer is model.get_submodule(name) for name, layer in hm.spectral.layers.items())
     assert all(m.idle_reason is None for m in hm.monitors)
+
+
+def test_gwa_does_not_warn_of_no_softmax_head_from_an_overflowed_fp16_step(tmp_path) -> None:
+    """fp16 under a loss scaler whose scale (2**24, as a resumed run restores a grown one) overflows the first steps'
+    output gradients: their inf/NaN rows failed the softmax test, and a plain classifier was warned to have no softmax
+    head (``no_softmax_head``). The head is chosen as without the test, and the epochs are scored."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    torch.manual_seed(0)  # the model's initial weights: whatever ran before in this process
+    gwa = lm.GradientWeightAlignmentMonitor(warmup_epochs=0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    loader = DataLoader(_data(256), batch_size=32, shuffle=True)
+    _, said = _fit(tmp_path, [gwa], _Classifier(), loader, max_epochs=2,
+                   plugins=[MixedPrecision("16-mixed", device="cpu", scaler=scaler)])
+    assert scaler.get_scale() < 2.0**24  # the scaler did skip overflowed steps
+    assert not [a for a in gwa.hub.history if a.kind == "no_softmax_head"]
+    assert gwa.idle_reason is None and gwa._head_name == "head"
+    assert len(gwa.history) == 2 and all(h["score"] is not None for h in gwa.history)
+

@@ -1139,7 +1139,10 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._head_candidates = None
         step = trainer.global_step
         had_gradient = any(r[3] > 0 for n, r in zip(names, rows) if n in called)
-        if had_gradient and not softmax & set(called) and chosen not in unsure:
+        # an overflowed step (fp16 under a loss scaler, which skips it) has inf/NaN output gradients: they pass no
+        # softmax test, and a plain classifier was said to have no softmax head; the head is chosen as without the test
+        readable = all(math.isfinite(v) for n, r in zip(names, rows) if n in called for v in r[:4])
+        if had_gradient and readable and not softmax & set(called) and chosen not in unsure:
             # every loss that depends on the logits through a softmax gives gradient rows summing to 0 (a softmax does not
             # change when a constant is added to its logits): none of the candidates' does (one whose rows are all too
             # confident to tell is not blamed)
