@@ -679,7 +679,7 @@ class DivergenceGuard(Monitor):
         if self._ref_batches is None:
             self._size_references(trainer, batch)
         step = self._batch_start = trainer.global_step  # a property that walks the loops: read once a hook
-        # and torch's random states at its start (CPU's: a microsecond), so that a replay of its step draws the dropout
+        # and torch's random states at its start (about 2 us on CPU), so that a replay of its step draws the dropout
         # masks and samples the step drew: a step that samples (REINFORCE) was judged on a fresh draw, and a rare
         # draw's loss was taken for the weights'
         self._batch, self._batch_idx = batch, batch_idx
