@@ -131,3 +131,26 @@ def test_a_sample_of_masked_rows_draws_only_the_tokens():
     rows = capture.sample(x.transpose(0, 1).contiguous(), capture._mask_for(x.transpose(0, 1)))  # sequence first
     finite = rows[~rows.isnan().any(1)]
     assert rows.shape == (8, 3) and {tuple(r.tolist()) for r in finite} == tokens and rows.isnan().all(1).sum() == 3
+
+
+def test_the_micro_batches_of_a_step_give_a_uniform_sample_of_all_their_tokens():
+    """Two calls of a layer in one step (the micro-batches of an accumulated step), padded differently: 10 tokens of
+    100 positions, then 100 of 100. A sample of 50 rows is a uniform one of the 110 tokens (10/110 of its rows from the
+    first call, no padding row); weighed by positions, the first call's few tokens were drawn twice as often."""
+    torch.manual_seed(0)
+    first, second = torch.randn(1, 100, 4) + 10.0, torch.randn(1, 100, 4) - 10.0  # told apart by their sign
+    mask_first = torch.zeros(1, 100, dtype=torch.bool)
+    mask_first[0, :10] = True
+    shares = []
+    capture = InputCapture({"lin": torch.nn.Linear(4, 4)}, max_rows=50, seed=0)
+    for _ in range(200):
+        capture.arm()
+        layer = capture.modules["lin"]
+        capture.row_mask = mask_first
+        layer(first)
+        capture.row_mask = torch.ones(1, 100, dtype=torch.bool)
+        layer(second)
+        rows = capture.take()["lin"]
+        assert rows.shape == (50, 4) and not rows.isnan().any()
+        shares.append(float((rows[:, 0] > 0).float().mean()))
+    assert abs(sum(shares) / len(shares) - 10 / 110) < 0.01

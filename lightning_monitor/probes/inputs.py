@@ -55,8 +55,9 @@ class InputCapture:
         self.max_rows = max_rows
         self.seed = seed
         self._handles: dict[str, list[RemovableHandle]] = {}
-        # per layer, the samples of its calls of the step not merged yet: (rows, the rows of the calls they sample)
-        self._captured: dict[str, list[tuple[Tensor, int]]] = {}
+        # per layer, the samples of its calls of the step not merged yet: (rows, the rows of the calls they sample, the
+        # random keys the rows were drawn by where a row mask chose them, else None; see _merge)
+        self._captured: dict[str, list[tuple[Tensor, int, Optional[Tensor]]]] = {}
         self._held: dict[str, int] = {}  # rows those samples hold, per layer
         # outputs of calls on the identity this step (their consumers are on the identity's path too), and the layers
         # whose running call is one
@@ -135,12 +136,14 @@ class InputCapture:
             if any(x is t for t in self._identity_outputs) or _is_identity(module, x):
                 self._on_identity.add(name)  # its output is on the identity's path too (see the post hook)
                 return
+            keys: Optional[Tensor] = None
             if isinstance(module, nn.Conv2d):
                 rows, n = self.sample_patches(module, x, counted=True)
             else:
-                rows = self.sample(x, self._mask_for(x))
+                mask = self._mask_for(x)
+                rows, keys = self._sample_masked(x, mask) if mask is not None else (self.sample(x), None)
                 n = x.numel() // x.shape[-1] if x.shape[-1] else 0
-            self._keep(name, rows, n)
+            self._keep(name, rows, n, keys)
 
         return hook
 
@@ -154,40 +157,50 @@ class InputCapture:
 
         return hook
 
-    def _keep(self, name: str, rows: Tensor, n: int) -> None:
+    def _keep(self, name: str, rows: Tensor, n: int, keys: Optional[Tensor] = None) -> None:
         """Add a call's sample ``rows`` (at most ``max_rows`` of its ``n`` rows, uniformly) to the layer's samples of the
         step, merged into one when they hold more than eight times ``max_rows`` rows (and at :meth:`take`)."""
         parts = self._captured.setdefault(name, [])
-        parts.append((rows, n))
+        parts.append((rows, n, keys))
         held = self._held.get(name, 0) + rows.shape[0]
         if len(parts) > 1 and held > 8 * self.max_rows:
             merged = self._merge(parts)
             self._captured[name], held = [merged], merged[0].shape[0]
         self._held[name] = held
 
-    def _merge(self, parts: list[tuple[Tensor, int]]) -> tuple[Tensor, int]:
+    def _merge(self, parts: list[tuple[Tensor, int, Optional[Tensor]]]) -> tuple[Tensor, int, Optional[Tensor]]:
         """One uniform sample of at most ``max_rows`` of all the rows the ``parts`` sample: ``max_rows`` positions are
         drawn among all those rows, and each part gives as many of its rows, at random, as positions fell in it (the
         counts of a sample of the whole, hypergeometric), so every row of every call is as likely as any other."""
         if len(parts) == 1:
             return parts[0]
-        total = sum(n for _, n in parts)
+        total = sum(n for _, n, _ in parts)
         first = parts[0][0]
-        if sum(r.shape[0] for r, _ in parts) <= self.max_rows and all(r.shape[0] == n for r, n in parts):
-            return torch.cat([r.to(device=first.device, dtype=first.dtype) for r, _ in parts]), total
+        if all(k is not None for _, _, k in parts):
+            # rows a row mask chose (the micro-batches of an accumulated step, each padded its own way): each part holds
+            # its rows of the smallest random keys, the padding's beyond every token's, so the smallest keys of them all
+            # are a uniform sample of every call's tokens (weighed by positions, a padded call's tokens were drawn more)
+            rows = torch.cat([r.to(device=first.device, dtype=first.dtype) for r, _, _ in parts])
+            keys = torch.cat([k.to(first.device) for _, _, k in parts])
+            if rows.shape[0] > self.max_rows:
+                idx = keys.topk(self.max_rows, largest=False).indices
+                rows, keys = rows.index_select(0, idx), keys.index_select(0, idx)
+            return rows, total, keys
+        if sum(r.shape[0] for r, _, _ in parts) <= self.max_rows and all(r.shape[0] == n for r, n, _ in parts):
+            return torch.cat([r.to(device=first.device, dtype=first.dtype) for r, _, _ in parts]), total, None
         cpu = self._generator(torch.device("cpu"))
         draw = random.Random(int(torch.randint(0, 2**62, (1,), generator=cpu)))
-        bounds = list(itertools.accumulate(n for _, n in parts))
+        bounds = list(itertools.accumulate(n for _, n, _ in parts))
         counts = [0] * len(parts)
         for i in draw.sample(range(total), min(self.max_rows, total)):
             counts[bisect.bisect_right(bounds, i)] += 1
         taken = []
-        for (rows, _), c in zip(parts, counts):
+        for (rows, _, _), c in zip(parts, counts):
             if c:
                 gen = self._generator(rows.device)
                 idx = torch.randperm(rows.shape[0], generator=gen, device=rows.device)[:c]
                 taken.append(rows.index_select(0, idx).to(device=first.device, dtype=first.dtype))
-        return torch.cat(taken), total
+        return torch.cat(taken), total, None
 
     def _mask_for(self, x: Tensor) -> Optional[Tensor]:
         """:attr:`row_mask` laid out as ``x``'s rows (flattened), where ``x``'s leading dimensions are the mask's
@@ -207,24 +220,32 @@ class InputCapture:
         laid = laid.to(x.device).reshape(*lead, *([1] * (x.dim() - 3)))
         return laid.expand(*x.shape[:-1]).reshape(-1) if rest > 1 else laid.reshape(-1)
 
-    def sample(self, x: Tensor, mask: Optional[Tensor] = None) -> Tensor:
-        """At most ``max_rows`` random rows of ``x`` flattened to ``(-1, x.shape[-1])``, detached; with ``mask``
-        (bool, one entry per row), of the rows it marks (a row it does not mark, where fewer are marked than
-        ``max_rows``, is NaN)."""
+    def _sample_masked(self, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """At most ``max_rows`` random rows of ``x`` flattened to ``(-1, x.shape[-1])`` among those ``mask`` (bool, one
+        entry per row) marks, detached (a row it does not mark, where fewer are marked than ``max_rows``, is NaN), and
+        the random keys they were drawn by: uniform for a marked row, 2 for another. Drawn on the device: the rows of
+        the smallest keys (no count of the mask read)."""
         with torch.no_grad():
             rows = x.detach().reshape(-1, x.shape[-1])
             n = rows.shape[0]
-            if mask is not None:
-                # random keys, the unmarked rows' beyond every marked one's: the smallest are a uniform sample of the
-                # marked rows, drawn on the device (no count of the mask read)
-                keys = torch.rand(n, generator=self._generator(rows.device), device=rows.device)
-                keys = keys.masked_fill(~mask, 2.0)
-                idx = keys.topk(min(self.max_rows, n), largest=False).indices if n > self.max_rows else torch.arange(
-                    n, device=rows.device)
-                taken = rows.index_select(0, idx)
-                if not taken.is_floating_point():
-                    return taken
-                return torch.where(mask.index_select(0, idx)[:, None], taken, torch.full_like(taken, float("nan")))
+            keys = torch.rand(n, generator=self._generator(rows.device), device=rows.device).masked_fill(~mask, 2.0)
+            if n > self.max_rows:
+                idx = keys.topk(self.max_rows, largest=False).indices
+                rows, keys, mask = rows.index_select(0, idx), keys.index_select(0, idx), mask.index_select(0, idx)
+            else:
+                rows = rows.clone()
+            if rows.is_floating_point():
+                rows = torch.where(mask[:, None], rows, torch.full_like(rows, float("nan")))
+            return rows, keys
+
+    def sample(self, x: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        """At most ``max_rows`` random rows of ``x`` flattened to ``(-1, x.shape[-1])``, detached; with ``mask``
+        (bool, one entry per row), of the rows it marks (see :meth:`_sample_masked`)."""
+        if mask is not None:
+            return self._sample_masked(x, mask)[0]
+        with torch.no_grad():
+            rows = x.detach().reshape(-1, x.shape[-1])
+            n = rows.shape[0]
             if n > self.max_rows:
                 idx = torch.randperm(n, generator=self._generator(rows.device), device=rows.device)[: self.max_rows]
                 rows = rows.index_select(0, idx)
