@@ -1,9 +1,12 @@
-"""A run whose first loss is far above where it settles (a fine-tune that starts confidently wrong): the detectors'
-floors follow the level the run reached, so a later collapse is seen; its matched control is left alone."""
+"""A run whose first loss is far above where it settles (a fine-tune that starts confidently wrong), and runs whose loss
+falls far below its first value (a memorised training set, then new data): the detectors' floor and ceiling keep the
+initial loss's scale. Lowered to the level the run reached, they caught a collapse after a high start, but rolled back
+healthy runs that memorise; the collapse is a known limit."""
 
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
@@ -54,11 +57,14 @@ class _FineTune(pl.LightningModule):
                 "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, rate), "interval": "step"}}
 
 
+@pytest.mark.slow  # two fits of 300 steps for a limit
+@pytest.mark.xfail(strict=True, reason="known limit: the ceiling and the climb scale with the initial loss (17 here)")
 def test_a_collapse_after_a_fine_tune_that_started_high_is_acted_on(tmp_path):
     """The loss starts at 17, settles at 0.1, and a 50x rate at step 150 collapses the net to chance (2.3, 20x its
-    level): the ceiling was twice the first loss (34) and a climb needed 4.3, and only a warning came. With the ceiling
-    at twice 10x the lowest smoothed loss, the collapse lasts above it and is rolled back to the state before the jump.
-    The control (the same run, no jump) is never acted on."""
+    level): the ceiling is twice the first loss (34) and a climb needs 4.3, and only a warning comes (held-out 2.33
+    against the control's 0.365). At 10x the lowest smoothed loss the floor and ceiling caught it at step 151, the
+    ceiling alone at 182 (rolled back to step 150); each rolled back the healthy runs below. The control (the same
+    run, no jump) is never acted on."""
     state, loader = _setup()
     runs = {}
     for jump in (False, True):
@@ -106,3 +112,49 @@ def test_a_memorised_training_set_is_not_rolled_back(tmp_path):
         module, DataLoader(TensorDataset(x[idx], y[idx]), batch_size=16, shuffle=False))
     assert guard.rollbacks == [] and not [a for a in guard.hub.history if a.severity == "critical"]
     assert module.trainer.optimizers[0].param_groups[0]["lr"] == 0.05
+
+
+class _Curriculum(torch.utils.data.Dataset):
+    """200 digits until ``stage`` turns 1 (memorised: loss 0.006), then 1500 (mostly unseen)."""
+
+    def __init__(self, seed: int) -> None:
+        x, y = load_digits(return_X_y=True)
+        x, y = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+        self.small, self.big, self.stage = (x[perm[:200]], y[perm[:200]]), (x[perm[:1500]], y[perm[:1500]]), 0
+
+    def __len__(self) -> int:
+        return 10**6
+
+    def __getitem__(self, i: int):
+        xs, ys = self.small if self.stage == 0 else self.big
+        return xs[i % len(xs)], ys[i % len(xs)]
+
+
+class _Staged(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = _mlp()
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_step >= 200:
+            self.trainer.train_dataloader.dataset.stage = 1
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+
+def test_new_data_after_a_memorised_set_is_not_rolled_back(tmp_path):
+    """A curriculum step after memorisation: the loss rises from 0.006 to 0.3-0.9 on unseen digits and the run learns
+    them (unguarded it ends at 0.03). With the ceiling at 10x the lowest smoothed loss (0.12) every step of the rise
+    was anomalous and the weights were blamed: rolled back, rate halved."""
+    pl.seed_everything(0)
+    guard, module = DivergenceGuard(), _Staged()
+    pl.Trainer(max_steps=300, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False, callbacks=[guard], default_root_dir=str(tmp_path)).fit(
+        module, DataLoader(_Curriculum(0), batch_size=32, shuffle=False))
+    assert guard.rollbacks == [] and not [a for a in guard.hub.history if a.severity == "critical"]
+

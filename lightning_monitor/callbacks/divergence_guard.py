@@ -58,10 +58,6 @@ _REFERENCE_SAMPLES = 16
 _EARLY_PATIENCE = 10
 #: after a new normal, the initial level is taken again as the median of this many losses (if lower than the first)
 _REANCHOR_STEPS = 10
-#: the scale of the loss that sets the ceiling (``blowup`` times it) is at most this many times the lowest smoothed loss
-#: so far: a fine-tune that starts at 17 (confidently wrong) and settles at 0.1 collapsed to chance (2.3, 21x its
-#: level) unseen, the ceiling at twice the loss of the first step
-_ANCHOR_OVER_MIN = 10.0
 #: factor over its lowest value at which a creeping smoothed loss is judged like an explosion (a slow climb)
 _CLIMB = 1.5
 #: steps after a rollback within which a creep is judged as a climb (see _creep)
@@ -1054,17 +1050,17 @@ class DivergenceGuard(Monitor):
                     self._initial = [max(floor, min(self._anchor(), median(seen)))] * 3
                     self._reanchor = None
             anchor = self._anchor()
-            # the ceiling's scale follows the level the run reached (see _ANCHOR_OVER_MIN); the noise floor keeps the
-            # initial loss's (at 10x the lowest smoothed loss it was 0.001 near a memorised training set, whose ordinary
-            # batch-to-batch wobble then read as surges: healthy runs rolled back, rate halved)
-            scale = min(anchor, _ANCHOR_OVER_MIN * self._ema_min) if 0.0 < self._ema_min < math.inf else anchor
+            # the floor and the ceiling keep the initial loss's scale, also far above the level the run reached (a
+            # fine-tune that started at 17): at 10x the lowest smoothed loss, a memorised training set's ordinary
+            # wobble read as surges, and a curriculum's new data after it as weights that diverged (healthy runs rolled
+            # back, rate halved; tests/test_guard_high_start.py)
             ready = self._loss_watch.ready
             level = self._loss_watch.level() if ready else anchor
             # the ceiling: `blowup` times the initial level, or the recent level where the run settled above it (a loss
             # that rose early and stayed, noisy batches: normal batches crossed twice the initial level three times
             # in a row, and a healthy run was rolled back with its rate halved)
             anomalous, z = self._loss_watch.update(
-                step, loss, abs_floor=self.initial_floor * anchor, ceiling=self.blowup * max(scale, level))
+                step, loss, abs_floor=self.initial_floor * anchor, ceiling=self.blowup * max(anchor, level))
             start = self._loss_watch.start if anomalous else None
             surge = anomalous and ready and z > self.z_threshold and loss > (1.0 + self.surge) * level
             # before any history: a loss above ``blowup`` times the initial loss is tested on the first batches at
@@ -1073,8 +1069,6 @@ class DivergenceGuard(Monitor):
             if not anomalous and self._loss_watch.run == 0 and ("loss_explosion", None) in self._conditions:
                 self.condition(step, "loss_explosion", False, "critical", "",
                                clear_message="The loss is back within its recent history.")
-            # the creep and its climb keep the initial loss's scale: with the lower one, a matched control (its rate
-            # capped before a divergence) whose loss crept from 0.03 to 0.5 late in the run was rolled back
             if self._creep(step, loss, anchor):
                 start = self._creep_start
         # on several ranks the other monitors' warnings are rank-local: agreement is judged at the checks, where the
