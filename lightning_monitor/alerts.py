@@ -526,13 +526,10 @@ class AlertHub:
         the last step they were logged at if that is later (a logged series never goes back); with
         ``before``, the previous counts one step earlier too, so that a line shows a step, not a ramp.
         On every rank they are put into ``trainer.callback_metrics`` (``EarlyStopping`` can monitor them)."""
-        import torch  # not at import time: the report command reads alerts without torch
-
-        from lightning_monitor._compat import callback_metrics_store
+        from lightning_monitor._values import publish  # not at import time: the report command reads alerts without torch
 
         after = {f"alerts/count/{sev}": float(n) for sev, n in self.counts.items()}
-        values = torch.tensor(list(after.values()), dtype=torch.float32).unbind(0)
-        callback_metrics_store(trainer).update(zip(after, values))
+        publish(trainer, after)
         if trainer.global_rank != 0 or not trainer.loggers:
             return
         step = max(int(step), self._count_step)

@@ -281,9 +281,9 @@ class Monitor(Callback):
         """At the start of the fit (``on_fit_start``; the preset calls it first for all its monitors): :meth:`select`
         again where it found nothing at setup in a model that has a ``configure_model`` (called after setup), or where
         that replaced modules since. A monitor's ``on_fit_start`` calls this first."""
-        modules, self._modules_at_setup = self._modules_at_setup, None  # compared once a fit
-        if self._select_later or (modules is not None and self.idle_reason is None
-                                  and modules != _module_ids(pl_module)):
+        replaced = self.idle_reason is None and self._selects_again(pl_module)
+        self._modules_at_setup = None  # compared once a fit
+        if self._select_later or replaced:
             self._reselecting = True
             try:
                 self._select_or_defer(trainer, pl_module, at_setup=False)
