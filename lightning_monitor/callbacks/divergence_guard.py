@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_monitor._args import (check_bool, check_fraction, check_int, check_nonnegative, check_positive,
@@ -100,10 +101,16 @@ def _samples(batch: Any) -> Optional[int]:
     return None
 
 
-def _kept(batch: Any) -> Any:
+def _kept(batch: Any, copied: bool = False) -> Any:
     """A batch as the guard keeps it for a replay: a mutable container (a dict, a ``BatchEncoding``, a list) is copied
     one level deep, so a ``training_step`` that pops or replaces its entries leaves the kept one whole; the tensors are
-    shared, not copied. Anything else is kept as it is."""
+    shared, not copied. Anything else is kept as it is. ``copied``: the tensors are copied too (every container Lightning
+    can move to a device is rebuilt), for a step that writes into its batch's tensors (``x /= 16``)."""
+    if copied:
+        try:
+            return apply_to_collection(batch, Tensor, _copy_tensor)
+        except Exception:  # noqa: BLE001 - a container it cannot rebuild (a dataclass whose fields are not all init
+            pass  # arguments): copied one level deep, as below
     if isinstance(batch, (MutableMapping, MutableSequence)):
         try:
             return copy.copy(batch)
@@ -111,6 +118,22 @@ def _kept(batch: Any) -> Any:
             return batch
     return batch
 
+
+def _copy_tensor(t: Tensor) -> Tensor:
+    copied = t.detach().clone()
+    return copied.requires_grad_() if t.requires_grad and copied.is_floating_point() else copied
+
+
+def _tensor_versions(batch: Any, out: list[tuple[Tensor, int]], depth: int = 0) -> list[tuple[Tensor, int]]:
+    """``(tensor, its in-place version counter)`` for the tensors of a batch (containers a few levels deep, a few dozen
+    tensors at most): a counter that has moved by the end of the step means the step wrote into its batch."""
+    if isinstance(batch, Tensor):
+        out.append((batch, batch._version))
+    elif depth < 4 and len(out) < 64:
+        values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+        for item in values:
+            _tensor_versions(item, out, depth + 1)
+    return out
 
 
 def _wide(t: Tensor) -> Tensor:
@@ -671,7 +694,10 @@ class DivergenceGuard(Monitor):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self.idle_reason is not None:
             return
-        batch = _kept(batch)  # `training_step` may pop from it (`batch.pop("labels")`): the replays need it whole
+        # `training_step` may pop from it (`batch.pop("labels")`): the replays need it whole. A step found writing into
+        # its batch's tensors: they are copied too (see _batch_written)
+        batch = _kept(batch, self._copy_batches)
+        self._batch_versions = None if self._copy_batches else _tensor_versions(batch, [])
         if self._ref_batches is None:
             self._size_references(trainer, batch)
         step = self._batch_start = trainer.global_step  # a property that walks the loops: read once a hook
@@ -697,6 +723,8 @@ class DivergenceGuard(Monitor):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self.idle_reason is not None:
             return
+        if self._batch_versions:
+            self._batch_written(trainer)
         if self._losses_watched and self._batch_stepped:
             self._batch_interleaved = True
         loss = loss.detach()
@@ -717,6 +745,8 @@ class DivergenceGuard(Monitor):
     ) -> None:
         if self.idle_reason is not None:
             return
+        if self._batch_versions:
+            self._batch_written(trainer)
         if self._losses_watched:
             self._batch_stepped.add(id(optimizer))
         step = trainer.global_step
@@ -819,6 +849,8 @@ class DivergenceGuard(Monitor):
     ) -> None:
         """Act here, after the optimizer step: every monitor of the step has been heard (whatever the order of
         the callbacks) and has read this step's gradients; the update just applied is undone by the restore."""
+        if self._batch_versions:
+            self._batch_written(trainer)
         if self._losses_watched:
             self._read_losses(trainer)
         # (several optimizers, one step each: their steps are not replayed anyway, see _replayable)
@@ -1736,6 +1768,32 @@ class DivergenceGuard(Monitor):
         trainer = pl_module._trainer
         return trainer is not None and len(trainer.optimizers) == 1
 
+    def _batch_written(self, trainer: pl.Trainer) -> None:
+        """Whether the step wrote into its batch's tensors (``x /= 16``, ``ids[mask] = MASK``, ``y -= 1``: their in-place
+        version counters moved since the batch started). The kept batch then holds what the step made of it, and a replay
+        would apply the step twice (x / 256: a healthy run was stopped at the end of every fit, its last batches replayed
+        near chance, and a true divergence read as an objective that changed): this batch is no longer kept, and from the
+        next batch on the guard keeps a copy of each batch's tensors (said once, info)."""
+        versions = self._batch_versions
+        if not versions or all(t._version == v for t, v in versions):
+            return
+        self._batch_versions = None
+        written = self._batch
+        self._recent_batches = deque((e for e in self._recent_batches if e[1] is not written),
+                                     maxlen=self._recent_batches.maxlen)
+        self._informative_refs = deque((e for e in self._informative_refs if e[1][0] is not written),
+                                       maxlen=self._informative_refs.maxlen)
+        self._batch = None
+        if self._copy_batches:
+            return
+        self._copy_batches = True
+        self.alert(
+            trainer.global_step, "batch_written", "info",
+            "`training_step` writes into its batch's tensors in place (an in-place operation such as `x /= 16` or "
+            "`ids[mask] = ...`): the guard now keeps a copy of each batch's tensors for its replays (one copy a step), "
+            "so that a replay sees the batch as the step did. Writing `x = x / 16` instead spares the copy.",
+        )
+
     def _batch_loss(self, pl_module: pl.LightningModule, batch: Any = None, batch_idx: Optional[int] = None,
                     rng: Any = None) -> Optional[float]:
         """The loss of a batch (default: the current one) under the module's present weights, with no side effect on
@@ -1811,7 +1869,8 @@ class DivergenceGuard(Monitor):
             with torch.set_grad_enabled(grad), fork_rng_of(devices), context, writes, dry_run():
                 if rng is not None:  # the draws of the batch's own step (the fork puts the run's streams back)
                     set_random_states_of(devices, rng)
-                return pl_module.training_step(_kept(batch), batch_idx)  # a fresh copy: each replay may pop from it
+                # a fresh copy, tensors and all: a replayed step may pop from its batch or write into its tensors
+                return pl_module.training_step(_kept(batch, copied=True), batch_idx)
 
         try:
             try:
@@ -2425,6 +2484,10 @@ class DivergenceGuard(Monitor):
         self._climb_judged = False
         self._climb_after_rollback = False  # the climb being judged is a creep soon after a rollback
         self._creep_high = False  # the smoothed loss above halfway from its minimum to the creep limit
+        # the tensors of the batch in its step and their in-place version counters then (see _batch_written); a step
+        # found writing into its batch: each batch's tensors are kept as a copy
+        self._batch_versions: Optional[list[tuple[Tensor, int]]] = None
+        self._copy_batches = False
         # per-step values on their way to the host: (step, [loss, grad norm] (a tensor, or host floats on one CPU
         # process), copy-done event or None, no loss)
         self._ring: deque[tuple[int, Any, Any, bool]] = deque()
