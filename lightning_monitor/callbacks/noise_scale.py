@@ -16,6 +16,11 @@ All norms are read in ``on_before_optimizer_step``: before gradient clipping, in
 loss scale squared under a dynamic AMP scaler and rescaled for Lightning's division of the loss by
 ``accumulate_grad_batches``. Steps with non-finite estimates are skipped. ``|G|^2`` and ``tr(Sigma)``
 are smoothed separately by a bias-corrected EMA and ``B_simple`` is their ratio.
+
+On several ranks every rank's batch size is reduced with the norms (in the ``"ddp"`` method's all-reduce; one
+all-reduce of three floats per check for the others), so ranks whose batches differ in size (a sampler of one's own,
+an epoch's short last batch on some ranks only) get unbiased estimates: DDP's mean of the ranks' mean gradients counts
+as ``R^2 / sum_r 1 / n_r`` examples, the ranks' local gradients as their harmonic mean.
 """
 
 from __future__ import annotations
@@ -216,6 +221,8 @@ class GradientNoiseScaleMonitor(Monitor):
         self._batch_start = 0  # the optimizer step at the start of the current batch
         self._measured: set[str] = set()  # the parameters measured at this check
         self._selected: set[str] = set()  # modules selected by include / exclude
+        self._sizes: Optional[Tensor] = None  # at a check on several ranks: their sizes, averaged (_size_entries)
+        self._small_apart: Optional[dict[str, Tensor]] = None  # "ddp", summed losses: each rank's norms as its own mean
 
     @property
     def beta(self) -> float:
@@ -653,6 +660,7 @@ class GradientNoiseScaleMonitor(Monitor):
             self._probe.reset()
         self._small = {}
         self._unclipped = None
+        self._sizes = self._small_apart = None
 
     def _make_leaf_hook(self, name: str) -> Any:
         def hook(grad: Tensor) -> None:
@@ -708,6 +716,45 @@ class GradientNoiseScaleMonitor(Monitor):
             return b_big
         return b_big * len(sizes) ** 2 / (sum(sizes) * sum(1.0 / n for n in sizes))
 
+    def _local_size(self) -> float:
+        """The examples this rank's gradient of the step counts as, ``e`` with ``E|g|^2 = |G|^2 + tr(Sigma) / e``: its
+        examples, or with losses averaged over micro-batches of unequal sizes ``K^2 / sum_k 1 / n_k`` (see
+        :meth:`_weighted_big`)."""
+        sizes = [n for n in self._micro_sizes if n > 0]
+        if self.loss_reduction != "mean" or len(set(sizes)) <= 1:
+            return float(self._examples)
+        return len(sizes) ** 2 / sum(1.0 / n for n in sizes)
+
+    def _size_entries(self, trainer: pl.Trainer, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """``[1 / e, n, samples]`` of this rank, to be averaged over the ranks: ``e`` its :meth:`_local_size`, ``n`` its
+        examples and ``samples`` those of a step as its loader is set (nan where the loader says none). Built on the
+        device from numbers (no copy from the host)."""
+        nominal = self._loader_batch(trainer)
+        world = max(int(trainer.world_size), 1)
+        values = (1.0 / max(self._local_size(), 1e-30), float(self._examples),
+                  float("nan") if nominal is None else nominal / world)
+        return torch.stack([torch.full((), v, device=device, dtype=dtype) for v in values])
+
+    def _ranks_apart(self, trainer: pl.Trainer, sizes: Tensor, method: str) -> dict[str, Any]:
+        """The estimators' batch sizes from every rank's ``sizes`` (:meth:`_size_entries` averaged over the ranks), on
+        the device. Each rank's loss is a mean over its own examples and DDP averages the ranks' gradients, so the
+        reduced gradient weighs an example of rank ``r`` by ``1 / (R e_r)``: it counts as ``R^2 / sum_r 1 / e_r``
+        examples (``R`` times their harmonic mean ``H``, not their sum), and the ranks' local gradients, ``E|g_r|^2 =
+        |G|^2 + tr(Sigma) / e_r``, average to ``|G|^2 + tr(Sigma) / H`` (the ``"ddp"`` method's small batch). With
+        summed losses each gradient read is rescaled to a plain mean: the reduced one over all ``N = sum_r n_r``
+        examples. ``equal``: the ranks' sizes are this rank's (within rounding), where the sizes it knows alone are
+        exact and are kept, bit for bit."""
+        world = max(int(trainer.world_size), 1)
+        inv, count, nominal = sizes.double().unbind(0)
+        harmonic = 1.0 / inv
+        total = torch.round(count * world)  # the examples of all ranks (integers, exact again after the mean)
+        big = world * harmonic if self.loss_reduction == "mean" else total
+        # 1 / e in float32 and its mean over the ranks carry a rounding of a few 1e-7 (ranks of equal sizes sent
+        # 1/5 and read back 0.2000000030 or so): sizes that close are taken for equal
+        equal = (inv * self._local_size() - 1.0).abs() <= (world + 2) * 2.0 ** -23
+        return {"equal": equal, "small": harmonic if method == "ddp" else None, "big": big, "total": total,
+                "count": total / world, "nominal": nominal * world}
+
     # the small-batch squared norms of each method: (parameter names, {name: |g_small|^2}, B_small, B_big), from
     # `micro` micro-batches, each loss divided by `accumulate` (Lightning's division, also in an epoch's last, shorter
     # accumulation window)
@@ -735,6 +782,12 @@ class GradientNoiseScaleMonitor(Monitor):
         if self.loss_reduction == "sum":  # each micro-batch's gradient is the sum over its examples: to their mean
             factor /= (self._examples / micro) ** 2
         small = {n: self._small[n] * factor for n in names}
+        sizes = [n for n in self._micro_sizes if n > 0]
+        if self.loss_reduction == "mean" and len(set(sizes)) > 1:
+            # micro-batches of unequal sizes (an epoch's short last batch in the window): the mean of their squared
+            # norms is |G|^2 + tr(Sigma) mean_k 1 / n_k, their harmonic mean's (8, 8, 3: 5.1 examples, not 6.3), and
+            # the accumulated gradient counts as K^2 / sum_k 1 / n_k examples (15.4, not 19)
+            return names, small, len(sizes) / sum(1.0 / n for n in sizes), self._local_size() * trainer.world_size
         return names, small, self._examples / micro, self._examples * trainer.world_size
 
     def _small_ddp(self, trainer: pl.Trainer, accumulate: int, micro: int) -> Optional[_Small]:
@@ -747,12 +800,22 @@ class GradientNoiseScaleMonitor(Monitor):
             zero = torch.zeros((), device=device)
             vec = torch.stack([self._small[n].to(device) if n in self._small else zero for n in names])
         else:
-            vec = torch.zeros(0)
-        vec = trainer.strategy.reduce(vec, reduce_op="mean")
+            vec = torch.zeros(0, device=trainer.strategy.root_device)
         to_mean = self._to_mean(accumulate, micro)
+        # every rank's sizes ride in the same all-reduce (ranks whose batches differ in size, see _ranks_apart); with
+        # summed losses each rank's norms are also sent as its own examples' mean, which only it can rescale
+        own = [vec * to_mean] if self.loss_reduction == "sum" else []
+        n = len(names)
+        vec = trainer.strategy.reduce(torch.cat([vec, *own, self._size_entries(trainer, vec.device, vec.dtype)]),
+                                      reduce_op="mean")
+        self._sizes = vec[-3:]
+        if own:
+            self._small_apart = dict(zip(names, vec[n:2 * n].unbind(0)))
+        vec = vec[:n]
         if to_mean != 1.0:  # the accumulated local gradient as the mean over the rank's examples
             vec = vec * to_mean
-        return names, dict(zip(names, vec.unbind(0))), self._examples, self._examples * trainer.world_size
+        e = self._local_size()  # the examples when its micro-batches are of one size
+        return names, dict(zip(names, vec.unbind(0))), e, e * trainer.world_size
 
     def compute(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Optional[dict[str, Any]]:
         """The small- and big-batch squared norms of this step, by the resolved method, as the raw
@@ -764,6 +827,12 @@ class GradientNoiseScaleMonitor(Monitor):
         # Lightning divides every micro-batch's loss by accumulate_grad_batches, also when an epoch's last
         # accumulation window holds fewer micro-batches
         accumulate, micro = trainer.accumulate_grad_batches, max(self._micro_batches, 1)
+        self._sizes = self._small_apart = None
+        if trainer.world_size > 1 and method != "ddp":
+            # the ranks' sizes, before anything a rank could skip (an all-reduce of 3 floats per check; the "ddp" method
+            # sends them in its own)
+            self._sizes = trainer.strategy.reduce(
+                self._size_entries(trainer, trainer.strategy.root_device, torch.float32), reduce_op="mean")
         found = read[method](trainer, accumulate, micro)
         if found is None and method == "per_example" and self._probe is not None and not self._probe.covered:
             # the per-example norms cover no parameter (every module left out, e.g. a batch folded with the choices
@@ -779,6 +848,8 @@ class GradientNoiseScaleMonitor(Monitor):
         scale = self._loss_scale(trainer)
         if scale is not None:  # the hooks saw the gradients of the scaled loss
             small = {n: v / scale.pow(2) for n, v in small.items()}
+            if self._small_apart is not None:
+                self._small_apart = {n: v / scale.pow(2) for n, v in self._small_apart.items()}
         if not names:
             return None
         if b_big <= b_small:
@@ -835,6 +906,7 @@ class GradientNoiseScaleMonitor(Monitor):
                 rest_vec = full[[at[n] for n in rest_names]]
             else:
                 big_vec, rest_vec = self._sq_norms_global(trainer, [[g.detach() for g in grads], rest])
+        big_read = big_vec
         to_mean = self._to_mean(accumulate, micro)
         if to_mean != 1.0:  # .grad as the big batch's mean gradient
             big_vec, rest_vec = (v * to_mean for v in (big_vec, rest_vec))
@@ -844,7 +916,35 @@ class GradientNoiseScaleMonitor(Monitor):
         raw: dict[str, Any] = {"\x00batch": float(b_big), "\x00last": float(bool(getattr(trainer, "is_last_batch", False)))}
         if method == "per_example":
             b_big = self._weighted_big(b_big)  # the estimators' B_big: the examples as the accumulated gradient weighs them
-        g2, tr = noise_scale_estimates(small_vec.sum(), big_vec.sum(), b_small, b_big)
+        apart = None
+        if self._sizes is not None:
+            # several ranks: their batches may differ in size (a sampler of one's own, an epoch's short last batch on
+            # some ranks only). Each rank's own size taken for every rank's put the "ddp" method's tr(Sigma) at 3.79 on
+            # a rank of 5 examples and 6.06 on one of 8 against the oracle's 4.66, and the per-example method's |G|^2
+            # at 0.001 and 0.249 against 0.104 and 0.166. The estimates from every rank's sizes are taken where the
+            # sizes differ; where they are equal, those above, unchanged to the bit
+            apart = self._ranks_apart(trainer, self._sizes.to(big_vec.device), method)
+            raw["\x00batch"] = apart["total"]
+            raw["\x00nominal"] = apart["nominal"]
+            small_apart = small_vec
+            if self._small_apart is not None:
+                small_apart = torch.stack([self._small_apart[n] for n in names]).to(big_vec.device)
+            big_apart = big_vec
+            if self.loss_reduction == "sum":  # .grad as the mean over all ranks' examples (R / N times the sum)
+                big_apart = big_read * (float(accumulate) / apart["count"]).pow(2).to(big_read.dtype)
+            b_small_apart = apart["small"] if apart["small"] is not None else b_small
+
+        def estimate(sel: Optional[Tensor]) -> tuple[Any, Any]:
+            """``(|G|^2, tr(Sigma))`` of the parameters at ``sel`` (all: ``None``)."""
+            part = (lambda v: v) if sel is None else (lambda v: v[sel])
+            g2, tr = noise_scale_estimates(part(small_vec).sum(), part(big_vec).sum(), b_small, b_big)
+            if apart is None:
+                return g2, tr
+            g2_apart, tr_apart = noise_scale_estimates(part(small_apart).sum(), part(big_apart).sum(), b_small_apart,
+                                                       apart["big"])
+            return torch.where(apart["equal"], g2, g2_apart), torch.where(apart["equal"], tr, tr_apart)
+
+        g2, tr = estimate(None)
         raw["\x00g2"], raw["\x00tr"] = g2, tr
         if rest:  # the share of the gradient's squared norm the measured parameters carry, on device
             covered_sq = big_vec.sum()
@@ -856,7 +956,7 @@ class GradientNoiseScaleMonitor(Monitor):
                 if not idx:
                     continue
                 sel = torch.tensor(idx, device=big_vec.device)
-                lg2, ltr = noise_scale_estimates(small_vec[sel].sum(), big_vec[sel].sum(), b_small, b_big)
+                lg2, ltr = estimate(sel)
                 raw[f"{layer}\x00g2"], raw[f"{layer}\x00tr"] = lg2, ltr
         return raw
 
@@ -918,7 +1018,10 @@ class GradientNoiseScaleMonitor(Monitor):
         if host.get("\x00last"):
             # the training loader's batch size where it says one (every check may fall on an epoch's last batch, and a
             # batch size lowered on purpose is the loader's), else the last check's on a batch that was not the last
-            nominal = self._loader_batch(trainer)
+            # (on several ranks, every rank's loader: a rank's own times the ranks took its batch size for every rank's)
+            nominal = host["\x00nominal"] if "\x00nominal" in host else self._loader_batch(trainer)
+            if nominal is not None and not math.isfinite(nominal):
+                nominal = None  # a rank's loader says none
             known = nominal if nominal is not None else self._batch_in_use
             in_use = max(in_use, known) if known is not None else in_use
         else:

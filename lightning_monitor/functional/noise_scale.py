@@ -29,7 +29,7 @@ Value = Union[Tensor, float]
 
 
 def noise_scale_estimates(
-    small_sq_norm: Value, big_sq_norm: Value, b_small: float, b_big: float
+    small_sq_norm: Value, big_sq_norm: Value, b_small: Value, b_big: Value
 ) -> tuple[Value, Value]:
     """Unbiased ``(|G|^2, tr(Sigma))`` from gradient squared norms at two batch sizes.
 
@@ -37,13 +37,14 @@ def noise_scale_estimates(
         small_sq_norm: mean over the small batches of ``|G_small|^2`` (with per-example gradients,
             ``b_small = 1``: the mean of the per-example squared norms).
         big_sq_norm: ``|G_big|^2``, the squared norm of the gradient averaged over ``b_big`` examples.
-        b_small, b_big: the batch sizes, ``0 < b_small < b_big``.
+        b_small, b_big: the batch sizes, ``0 < b_small < b_big``; either may be a tensor (sizes reduced across
+            ranks, on the device), which is not checked here (that would wait for the device): the caller sees to it.
 
     >>> g2, tr = noise_scale_estimates(torch.tensor(11.0), torch.tensor(2.0), 1, 10)
     >>> float(g2), float(tr)  # (10 * 2 - 11) / 9, (11 - 2) / 0.9
     (1.0, 10.0)
     """
-    if not (b_small > 0 and b_big > b_small):
+    if not isinstance(b_small, Tensor) and not isinstance(b_big, Tensor) and not (b_small > 0 and b_big > b_small):
         raise ValueError(
             f"noise_scale_estimates needs 0 < b_small < b_big, got b_small={b_small}, b_big={b_big}: with a "
             "single batch size (e.g. batch size 1, or one rank without accumulation) there is no variance estimate."
