@@ -74,6 +74,11 @@ _LOSSLESS_STEPS = 10
 #: batches that must each step every optimizer after all of the batch's backward passes before several optimizers are
 #: taken for one loss shared out over parameter groups (Muon with AdamW, SparseAdam with Adam), whose level is judged
 _ONE_LOSS_BATCHES = 3
+#: the fit's first steps (with a finite loss) whose batch is evaluated again at once, under the weights the step saw, to
+#: check that a replay gives the step's loss (see DivergenceGuard._check_replay); and the relative difference allowed
+#: (kernels chosen with and without gradients, bf16 rounding: far below the differences that matter, 2-90%)
+_FAITHFUL_CHECKS = 3
+_FAITHFUL_TOLERANCE = 1e-2
 
 
 #: a rise of the weight decay can explain a rise of the loss (``decay_change``) only where the decay is strong: its
@@ -767,6 +772,8 @@ class DivergenceGuard(Monitor):
             # by the optimizers is judged at the batch's first step, whichever optimizer takes it
             loss = None
         no_loss = loss is None
+        if self._faithful_checks and not no_loss and self._batch is not None:
+            self._check_replay(trainer, pl_module, loss)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         lag = self._lag(trainer)
         on_host = lag == 0 and self._fit_cpu
@@ -1177,8 +1184,13 @@ class DivergenceGuard(Monitor):
         # the rise must also exceed what batch-to-batch noise moves a moving average by (4 of its std)
         noise = 6.0 * self._loss_watch.noise() * math.sqrt((1.0 - self.smoothing) / (1.0 + self.smoothing))
         limit = self._ema_min + max(self.creep * self._ema_min, self.initial_floor * anchor, noise)
-        # snapshots wait while the smoothed loss is in the upper half of its way to the limit (see _snapshot)
-        self._creep_high = ema > 0.5 * (self._ema_min + limit)
+        # snapshots wait while the smoothed loss is in the upper half of its way to a limit of their own (see _snapshot):
+        # the creep's, less its floor on the initial loss's scale. A run far below its first loss (a regression
+        # converged 200 times lower) has a creep limit of many times its lowest loss, and under it snapshots of weights
+        # already climbing were kept: a rate ramp rolled back to weights 5x worse on held-out data than the last good
+        # ones (4 of 4 seeds; the control's at that step 0.006, the restored 0.032)
+        gate = self._ema_min + max(self.creep * self._ema_min, noise)
+        self._creep_high = ema > 0.5 * (self._ema_min + gate)
         warned = ("loss_creep", None) in self._conditions
         if warned or self._creep_start is not None:
             # hysteresis: an episode (warned or not: a repeat is not said again) ends only halfway back, so a dip
@@ -1768,6 +1780,44 @@ class DivergenceGuard(Monitor):
         trainer = pl_module._trainer
         return trainer is not None and len(trainer.optimizers) == 1
 
+    def _check_replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        """At the fit's first steps (``_FAITHFUL_CHECKS``, each with a finite loss), the step's batch evaluated again under
+        the same weights, before the update: a replay must give the step's loss. A step that reads state it changes
+        itself (a MoCo queue holding the batch's own keys once the step has enqueued them, a counter, a target network
+        synced inside the step) or draws random numbers the guard does not keep (numpy's or Python's, a generator of its
+        own, draws in the module's own ``on_train_batch_start``) gives another loss on a replay. Then the end of the fit
+        is not judged by replaying its last batches (a healthy MoCo run was stopped at the end of every fit: its last
+        batches, their own keys in the queue, replayed at 7 times their loss), said once (``replay_differs``, info).
+        During the fit the replays still run, read as before (turned off, the MoCo run's queue filling by design read as
+        a sustained rise, and it was rolled back from step 10). Checked under automatic optimization with one optimizer
+        and no accumulation (one host read and one forward pass a check); the ranks agree."""
+        if (not pl_module.automatic_optimization or trainer.accumulate_grad_batches != 1 or len(trainer.optimizers) != 1
+                or self._drop is not None):
+            self._faithful_checks = 0
+            return
+        expected = float(loss)
+        if not math.isfinite(expected):
+            return  # checked at a step with a finite loss
+        self._faithful_checks -= 1
+        replayed = self._batch_loss(pl_module)
+        differs = replayed is not None and not (abs(replayed - expected) <= _FAITHFUL_TOLERANCE * abs(expected))
+        if trainer.world_size > 1:
+            differs = self.decide(trainer, differs)
+        if not differs:
+            return
+        self._unfaithful, self._faithful_checks = True, 0
+        shown = f"{replayed:.6g}" if replayed is not None else "?"
+        self.alert(
+            trainer.global_step, "replay_differs", "info",
+            f"`training_step` evaluated again on its own batch under the same weights gave {shown} against the step's "
+            f"{expected:.6g}: the step reads something it changes itself (a queue it writes the batch into, a counter, a "
+            "target network it syncs) or draws random numbers the guard does not keep (numpy's, Python's, a generator "
+            "of its own). The guard's replays of kept batches are not exact in this fit, and the end of the fit is not "
+            "judged by them (the last update is left unjudged); keep such state out of the loss, or draw from torch's "
+            "random streams, for the replays to be exact.",
+            value=replayed, threshold=expected,
+        )
+
     def _batch_written(self, trainer: pl.Trainer) -> None:
         """Whether the step wrote into its batch's tensors (``x /= 16``, ``ids[mask] = MASK``, ``y -= 1``: their in-place
         version counters moved since the batch started). The kept batch then holds what the step made of it, and a replay
@@ -1828,8 +1878,16 @@ class DivergenceGuard(Monitor):
             for opt in optimizers:
                 silence(opt, "step", lambda *a, **k: None)
                 silence(opt, "zero_grad", lambda *a, **k: None)
-            for cfg in trainer.lr_scheduler_configs:
+        if trainer_of_step is not None:
+            # a step that steps a scheduler itself (`self.lr_schedulers().step()`, also under automatic optimization):
+            # a replay leaves the schedule where it was (each replay moved it on one step: 16 steps ahead by the end of
+            # a run checkpointed every epoch)
+            for cfg in trainer_of_step.lr_scheduler_configs:
                 silence(cfg.scheduler, "step", lambda *a, **k: None)
+        # and a scheduler the module holds itself (`self.sched = LambdaLR(...)`, stepped in the step)
+        for held in list(vars(pl_module).values()):
+            if isinstance(held, torch.optim.lr_scheduler.LRScheduler) and not any(p[0] is held for p in patched):
+                silence(held, "step", lambda *a, **k: None)
         devices = [pl_module.device]
         # the step runs in training mode: BatchNorm would move its running statistics (and count the batch)
         buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
@@ -2432,6 +2490,8 @@ class DivergenceGuard(Monitor):
             return
         critical, first_bad = self._judge_ready(trainer, pl_module, self._read_ready(trainer.global_step, 0))
         if not critical:
+            if self._unfaithful:
+                return  # a replay does not give the step's loss (see _check_replay): no evidence either way
             refs = self._references(trainer.global_step)
             if not self.decide(trainer, bool(refs) and self._replayable(pl_module), all=True):
                 return
@@ -2497,6 +2557,10 @@ class DivergenceGuard(Monitor):
         self._refs_from = 0  # the first step whose batch may be a reference (see _new_normal)
         self._warned_replay = False  # a replay of `training_step` failed once (said once)
         self._replay_failed = False  # a replay failed since this was last cleared (see _restructured)
+        # the first steps' replays checked against the steps' own losses (see _check_replay): how many are left to check,
+        # and whether one differed (then the end of the fit is not judged by replays)
+        self._faithful_checks = _FAITHFUL_CHECKS
+        self._unfaithful = False
         self._warned_lost = False  # a replay wrote into a large tensor attribute, not put back (said once)
         self._batch_start: Optional[int] = None  # the optimizer step at the start of the current batch
         self._steps_per_batch = 1  # the most optimizer steps one batch made (manual optimization may make several)
