@@ -111,8 +111,11 @@ def test_guard_reads_only_copies_started_lag_steps_earlier(tmp_path, tiny_gpt, m
     # every step but the last two was read during the fit, 2 steps later
     assert sorted(s - age for s, _, age, _ in copies) == list(range(43))
     assert {(name, age) for _, name, age, _ in copies} == {("tolist", 2)}
-    # nothing else is read, except at the snapshot checks (0, 20, 40): one finiteness check each
-    assert sorted(s for s, _, _, _ in others) == [0, 20, 40], others
+    # nothing else is read, except at the snapshot checks (0, 20, 40): one finiteness check each, and at those made in a
+    # step (20, 40; the first is taken as training starts) the step's loss and its replay's (a replay must give the
+    # step's loss: DivergenceGuard._check_replay)
+    assert sorted((s, caller) for s, _, _, caller in others) == sorted(
+        [(0, "_all_finite")] + [(s, c) for s in (20, 40) for c in ("_all_finite", "_check_replay", "_batch_loss")]), others
 
 
 def _due(monitor, steps):

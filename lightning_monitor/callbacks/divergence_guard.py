@@ -74,8 +74,8 @@ _LOSSLESS_STEPS = 10
 #: batches that must each step every optimizer after all of the batch's backward passes before several optimizers are
 #: taken for one loss shared out over parameter groups (Muon with AdamW, SparseAdam with Adam), whose level is judged
 _ONE_LOSS_BATCHES = 3
-#: the fit's first steps (with a finite loss) whose batch is evaluated again at once, under the weights the step saw, to
-#: check that a replay gives the step's loss (see DivergenceGuard._check_replay); and the relative difference allowed
+#: the fit's first snapshot steps (with a finite loss) whose batch is evaluated again at once, under the weights the step
+#: saw, to check that a replay gives the step's loss (see DivergenceGuard._check_replay); and the relative difference allowed
 #: (kernels chosen with and without gradients, bf16 rounding: far below the differences that matter, 2-90%)
 _FAITHFUL_CHECKS = 3
 _FAITHFUL_TOLERANCE = 1e-2
@@ -772,8 +772,6 @@ class DivergenceGuard(Monitor):
             # by the optimizers is judged at the batch's first step, whichever optimizer takes it
             loss = None
         no_loss = loss is None
-        if self._faithful_checks and not no_loss and self._batch is not None:
-            self._check_replay(trainer, pl_module, loss)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         lag = self._lag(trainer)
         on_host = lag == 0 and self._fit_cpu
@@ -815,6 +813,8 @@ class DivergenceGuard(Monitor):
                 for g in grads:
                     local(g).zero_()
         if due and self._snapshot_due(step):
+            if self._faithful_checks and not no_loss and self._batch is not None:
+                self._check_replay(trainer, pl_module, loss)  # where the snapshot reads the host anyway
             module_state = pl_module.state_dict()  # read once: checked, then copied
             if not self._all_finite(module_state, self._infinite_by_design):
                 self.alert(step, "nonfinite", "critical",
@@ -1781,8 +1781,9 @@ class DivergenceGuard(Monitor):
         return trainer is not None and len(trainer.optimizers) == 1
 
     def _check_replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        """At the fit's first steps (``_FAITHFUL_CHECKS``, each with a finite loss), the step's batch evaluated again under
-        the same weights, before the update: a replay must give the step's loss. A step that reads state it changes
+        """At the fit's first snapshots (``_FAITHFUL_CHECKS`` steps with a finite loss, where the snapshot's finiteness check
+        reads the host anyway), the step's batch evaluated again under the same weights, before the update: a replay must
+        give the step's loss. A step that reads state it changes
         itself (a MoCo queue holding the batch's own keys once the step has enqueued them, a counter, a target network
         synced inside the step) or draws random numbers the guard does not keep (numpy's or Python's, a generator of its
         own, draws in the module's own ``on_train_batch_start``) gives another loss on a replay. Then the end of the fit
