@@ -39,8 +39,9 @@ FAMILIES = {
         vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=T, **H)), _tokens),
     "Mistral": (lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
         vocab_size=VOCAB, num_hidden_layers=2, num_key_value_heads=1, max_position_embeddings=T, **H)), _tokens),
+    # pad_token_id given (None, the default): transformers 5.0's PhiConfig has no such field, which PhiModel reads
     "Phi": (lambda: transformers.PhiForCausalLM(transformers.PhiConfig(
-        vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=T, **H)), _tokens),
+        vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=T, pad_token_id=None, **H)), _tokens),
     "Falcon": (lambda: transformers.FalconForCausalLM(transformers.FalconConfig(
         vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2)), _tokens),
     "Gemma": (lambda: transformers.GemmaForCausalLM(transformers.GemmaConfig(
@@ -90,9 +91,20 @@ FAMILIES = {
 }
 
 
+#: the families whose classes came after the test extra's floor (transformers 4.40 has none of them)
+NEWER = {"Gemma3": "Gemma3ForCausalLM", "OLMo2": "Olmo2ForCausalLM", "GPT-OSS": "GptOssForCausalLM"}
+
+
+def _family(family: str) -> tuple:
+    """``FAMILIES[family]``, skipped where the installed transformers has not its class."""
+    if family in NEWER and not hasattr(transformers, NEWER[family]):
+        pytest.skip(f"transformers {transformers.__version__} has no {NEWER[family]}")
+    return FAMILIES[family]
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_monitor_on_more_hf_families(tmp_path, family: str) -> None:
-    make, item = FAMILIES[family]
+    make, item = _family(family)
     run = fit_zoo_model(ZooEntry(family, make, _hf_loss, item, hf=True), str(tmp_path))
     assert run.scalars and len(run.scalars["train/loss"]) > 0
     bad = {k: v for k, series in run.scalars.items() for _, v in series if not math.isfinite(v)}
@@ -108,7 +120,9 @@ def test_every_monitor_on_more_hf_families(tmp_path, family: str) -> None:
     assert coverage and all(0.0 < c <= 1.0 for c in coverage)
     left_out = uncovered_modules(run.monitors["GradientNoiseScale"])
     assert all(left_out.values()), left_out  # every module left out is named with a reason
-    assert (coverage[-1] < 1.0) == bool(left_out)
+    # below 1 exactly where something is left out; a left-out share under the float32 rounding of the logged share
+    # reads 1.0 (Swin's two 9 x 2 relative position tables: 0.99999994 with transformers 5.25, 1.0 with 5.0)
+    assert (coverage[-1] < 1.0) == bool(left_out) or (family == "Swin" and coverage[-1] == 1.0 and left_out)
     assert not any("was never called" in why for why in left_out.values()), left_out
     assert not run.monitors["DivergenceGuard"].rollbacks and run.monitors["DivergenceGuard"].stopped_step is None
 
@@ -180,14 +194,14 @@ def test_families_without_a_softmax_head_for_their_labels(tmp_path, family: str)
 def test_gemma_and_olmo2_are_covered_whole(tmp_path, family: str) -> None:
     """Their norms (and Gemma's scaled, tied embedding) have handlers: every parameter's per-example norm is computed
     (a tiny Gemma3 left 14 of 28 parameters out, 0.566 of the gradient's squared norm covered; OLMo2 9 of 25)."""
-    make, item = FAMILIES[family]
+    make, item = _family(family)
     run = fit_zoo_model(ZooEntry(family, make, _hf_loss, item, hf=True), str(tmp_path))
     assert [v for _, v in run.scalars["gns/coverage"]] == [1.0, 1.0]
     assert uncovered_modules(run.monitors["GradientNoiseScale"]) == {}
 
 
 def test_gpt_oss_fused_experts_are_grades_components(tmp_path) -> None:
-    make, item = FAMILIES["GPT-OSS"]
+    make, item = _family("GPT-OSS")
     run = fit_zoo_model(ZooEntry("GPT-OSS", make, _hf_loss, item, hf=True), str(tmp_path))
     names = run.monitors["GradientEarlyStopping"]._names
     assert {f"model.model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")} <= set(names)

@@ -127,7 +127,10 @@ def oracle(model: nn.Module, loss_fn, x: Tensor, y: Tensor, reduction: str = "me
         out = functional_call(model, p, (xi.unsqueeze(0),))
         return loss_fn(out, yi.unsqueeze(0))
 
-    grads = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
+    # randomness="same": Hugging Face decoders of older transformers (OPT, BART, BioGPT in 4.40) draw `torch.rand([])`
+    # for their layerdrop in training mode, which vmap refuses by default. The models checked here have layerdrop and
+    # dropout 0, so no draw changes the result; a model whose draws did would not match the probe's own forward anyway
+    grads = vmap(grad(loss_one), in_dims=(None, 0, 0), randomness="same")(params, x, y)
     scale = 1.0 if reduction == "mean" else 1.0
     return {k: (g.flatten(1).double().pow(2).sum(1) * scale) for k, g in grads.items()}
 

@@ -3,6 +3,8 @@ RMSNorm), registered by name, against torch.func; and whole tiny random-init HF 
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -219,6 +221,9 @@ def test_scaled_word_embeddings_exact(make) -> None:
     model = Logits(make())
     model.model.config._attn_implementation = "eager"
     emb = model.model.get_input_embeddings()
+    if not hasattr(emb, "embed_scale"):  # older transformers (4.x) scale the embedding's output in the model's forward
+        pytest.skip(f"transformers {transformers.__version__}'s {type(model.model).__name__} has no scaled embedding "
+                    f"module (its {type(emb).__name__} has no `embed_scale`)")
     scale = emb.embed_scale
     assert float(scale) != 1.0
     probe = check(model, ce_seq, torch.randint(0, 37, (8, 8)), torch.randint(0, 37, (8, 8)))
@@ -246,5 +251,22 @@ def test_learned_positions_looked_up_inside_their_forward(make, positions: str) 
     model.model.config._attn_implementation = "eager"
     x, y = torch.randint(2, 37, (6, 8)), torch.randint(0, 37, (6, 8))
     probe = check(model, ce_seq, x, y)
+    # the indices the positions' lookup really gets: `[1, T]` in current transformers (position ids broadcast over the
+    # batch); older ones (4.40) expand them to `[B, T]` inside the forward, a batch dimension whose rows are looked up
+    # per example: covered then, and exact (checked above)
+    weight, shapes = model.get_parameter(positions), []
+    embedding = F.embedding
+
+    def spy(indices: Tensor, w: Tensor, *args, **kwargs) -> Tensor:
+        if w is weight:
+            shapes.append(tuple(indices.shape))
+        return embedding(indices, w, *args, **kwargs)
+
+    with torch.no_grad(), mock.patch.object(F, "embedding", spy):
+        model(x)
+    (shape,) = shapes
+    if shape[0] == len(x):
+        assert probe.uncovered == [] and positions in probe.covered
+        return
     assert probe.uncovered == [positions]
     assert "no batch dimension" in probe.reasons[positions]

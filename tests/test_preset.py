@@ -700,8 +700,19 @@ def test_the_line_that_says_what_watches_names_the_monitors_idle_from_their_own_
     # the line was written before the monitors' own start hooks, where the noise scale and GWA refuse several
     # optimizers: "watching sa, gns, gwa, guard", then both idle a moment later
     data = DataLoader(TensorDataset(_X, (_X[:, 0] > 0).long()), batch_size=16)
-    with caplog.at_level(logging.INFO):
-        _trainer(tmp_path, [lm.HealthMonitor(**FAST)], max_steps=4).fit(_TwoPlayers(), data)
+    # the line goes through Lightning's `rank_zero_info`, whose `lightning.pytorch` logger does not propagate to the
+    # root, where caplog's handler is (Lightning turns propagation off when the root had no handler at its import).
+    # pytest 9.2 attaches the handler to such loggers too, pytest 7 (the test extra's floor) does not: attached here
+    attached = [lg for lg in logging.root.manager.loggerDict.values()
+                if isinstance(lg, logging.Logger) and not lg.propagate and caplog.handler not in lg.handlers]
+    for lg in attached:
+        lg.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO):
+            _trainer(tmp_path, [lm.HealthMonitor(**FAST)], max_steps=4).fit(_TwoPlayers(), data)
+    finally:
+        for lg in attached:
+            lg.removeHandler(caplog.handler)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("HealthMonitor: watching")]
     assert len(said) == 1 and said[0].startswith("HealthMonitor: watching sa, guard; idle: gns (the model has 2 "
                                                  "optimizers")
