@@ -12,6 +12,7 @@ import copy
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -92,3 +93,53 @@ def test_a_step_whose_replay_is_exact_is_judged_at_its_end_as_before(tmp_path) -
     trainer, guard = _fit(tmp_path, _Plain(), 40)
     assert not [a for a in AlertHub.for_trainer(trainer).history if a.kind == "replay_differs"]
     assert not guard._unfaithful and guard._faithful_checks == 0
+
+
+class _CountsOnRankOne(pl.LightningModule):
+    """Rank 1's loss reads a counter its step increments (a replay sees it one further); rank 0's replays are exact."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+        self.net = nn.Linear(_D, 1)
+        self.count = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        loss = F.mse_loss(self.net(x).squeeze(-1), x[:, 0])
+        if self.global_rank == 1:
+            self.count += 1
+            loss = loss * (1.0 + (self.count % 2))
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def on_train_end(self) -> None:
+        import json
+        import os
+
+        guard = next(c for c in self.trainer.callbacks if isinstance(c, DivergenceGuard))
+        said = [a.step for a in AlertHub.for_trainer(self.trainer).history if a.kind == "replay_differs"]
+        with open(os.path.join(self.out_dir, f"rank{self.global_rank}.json"), "w") as fh:
+            json.dump({"unfaithful": guard._unfaithful, "left": guard._faithful_checks, "said": said,
+                       "stopped": guard.stopped_step, "weights": [float(v) for v in self.net.weight.flatten()]}, fh)
+
+
+@pytest.mark.slow
+def test_two_ranks_agree_that_the_replays_differ(tmp_path) -> None:
+    import json
+
+    from conftest import fit_ddp_spawn
+
+    guard = DivergenceGuard(every_n_steps=5, snapshot_every_n_checks=2)
+    trainer = pl.Trainer(max_steps=40, accelerator="cpu", devices=2, strategy="ddp_spawn", callbacks=[guard],
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=str(tmp_path))
+    x = torch.randn(40 * 2 * 8, _D, generator=torch.Generator().manual_seed(1))
+    fit_ddp_spawn(trainer, _CountsOnRankOne(str(tmp_path)), DataLoader(TensorDataset(x), batch_size=8))
+    results = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    assert results[0]["unfaithful"] and results[1]["unfaithful"]  # rank 1's finding, reduced: every rank holds it
+    assert results[0]["left"] == results[1]["left"] == 0
+    assert results[0]["weights"] == results[1]["weights"] and results[0]["stopped"] is None
+    assert results[1]["said"] and all(len(r["said"]) <= 1 for r in results)

@@ -813,7 +813,7 @@ class DivergenceGuard(Monitor):
                 for g in grads:
                     local(g).zero_()
         if due and self._snapshot_due(step):
-            if self._faithful_checks and not no_loss and self._batch is not None:
+            if self._faithful_checks and not no_loss:
                 self._check_replay(trainer, pl_module, loss)  # where the snapshot reads the host anyway
             module_state = pl_module.state_dict()  # read once: checked, then copied
             if not self._all_finite(module_state, self._infinite_by_design):
@@ -1797,8 +1797,10 @@ class DivergenceGuard(Monitor):
             self._faithful_checks = 0
             return
         expected = float(loss)
-        if not math.isfinite(expected):
-            return  # checked at a step with a finite loss
+        # at a step with a finite loss and the batch kept (not one the step wrote into): on every rank, or none checks
+        ready = math.isfinite(expected) and self._batch is not None
+        if not (self.decide(trainer, ready, all=True) if trainer.world_size > 1 else ready):
+            return
         self._faithful_checks -= 1
         replayed = self._batch_loss(pl_module)
         differs = replayed is not None and not (abs(replayed - expected) <= _FAITHFUL_TOLERANCE * abs(expected))
