@@ -728,8 +728,6 @@ class DivergenceGuard(Monitor):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self.idle_reason is not None:
             return
-        if self._batch_versions:
-            self._batch_written(trainer)
         if self._losses_watched and self._batch_stepped:
             self._batch_interleaved = True
         loss = loss.detach()
@@ -1822,8 +1820,9 @@ class DivergenceGuard(Monitor):
         )
 
     def _batch_written(self, trainer: pl.Trainer) -> None:
-        """Whether the step wrote into its batch's tensors (``x /= 16``, ``ids[mask] = MASK``, ``y -= 1``: their in-place
-        version counters moved since the batch started). The kept batch then holds what the step made of it, and a replay
+        """Find whether the step wrote into its batch's tensors (``x /= 16``, ``ids[mask] = MASK``, ``y -= 1``: their
+        in-place version counters moved since the batch started); asked before the step is judged and at the end of
+        every batch (each micro-batch's). The kept batch then holds what the step made of it, and a replay
         would apply the step twice (x / 256: a healthy run was stopped at the end of every fit, its last batches replayed
         near chance, and a true divergence read as an objective that changed): this batch is no longer kept, and from the
         next batch on the guard keeps a copy of each batch's tensors (said once, info)."""
