@@ -141,14 +141,22 @@ def backward_skipped(trainer: Any) -> bool:
     return bool(getattr(getattr(trainer, "fit_loop", None), "_skip_backward", False))
 
 
+def batches_per_epoch(trainer: Any, batches: Any = None) -> Optional[int]:
+    """``batches``, else ``trainer.num_training_batches``, when it is a positive int; ``None`` for an epoch of unknown
+    length."""
+    batches = getattr(trainer, "num_training_batches", None) if batches is None else batches
+    return batches if isinstance(batches, int) and not isinstance(batches, bool) and batches > 0 else None
+
+
 def steps_per_epoch(trainer: Any, batches: Any = None) -> Optional[int]:
     """The optimizer steps of an epoch of ``batches`` training batches (``trainer.num_training_batches`` by
-    default) under ``accumulate_grad_batches``, at least 1; ``None`` for an epoch of unknown length."""
-    batches = getattr(trainer, "num_training_batches", None) if batches is None else batches
-    if not isinstance(batches, int) or batches <= 0:
+    default) under ``accumulate_grad_batches``; ``None`` for an epoch of unknown length. Lightning steps at the
+    epoch's last batch whether or not its accumulation window is full: 11 batches at 3 a step make 4 steps."""
+    batches = batches_per_epoch(trainer, batches)
+    if batches is None:
         return None
     accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
-    return max(batches // accumulate, 1)
+    return -(-batches // accumulate)
 
 
 # ---------------------------------------------------------------- Lightning: callback metrics

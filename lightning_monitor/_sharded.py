@@ -8,7 +8,7 @@ the number of ranks holding the same data. Plain tensors (DDP, one device) pass 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Optional
 
 import torch
@@ -16,7 +16,8 @@ from torch import Tensor
 
 from lightning_monitor._compat import foreach_norm
 
-__all__ = ["check_strategy", "check_tensor_parallel", "full", "global_norm", "is_sharded", "local", "replication", "squared_norms"]
+__all__ = ["check_strategy", "check_tensor_parallel", "full", "global_norm", "is_sharded", "local", "replication",
+           "reshard", "fsdp_units", "squared_norms"]
 
 try:  # torch >= 2.4: public
     from torch.distributed.tensor import DTensor, Replicate
@@ -32,6 +33,35 @@ def is_sharded(t: Tensor) -> bool:
 def local(t: Tensor) -> Tensor:
     """The rank's own shard of a ``DTensor`` (a view: writing to it writes the ``DTensor``), else ``t``."""
     return t.to_local() if is_sharded(t) else t
+
+
+def _fsdp_module_type() -> Optional[type]:
+    try:  # torch >= 2.6: public
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - older torch, or none with distributed
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            return None
+    return FSDPModule
+
+
+def fsdp_units(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The FSDP2 (``fully_shard``) units among ``module`` and its submodules; none without FSDP2."""
+    kind = _fsdp_module_type()
+    return [] if kind is None else [m for m in module.modules() if isinstance(m, kind)]
+
+
+def reshard(units: Iterable[torch.nn.Module]) -> None:
+    """Register the sharded parameters again on FSDP2 units (:func:`fsdp_units`) that hold their gathered ones:
+    FSDP's public ``reshard``, a no-op on a unit already sharded.
+
+    FSDP2 swaps a unit's parameters for plain gathered tensors while they are in use and puts the ``DTensor``
+    parameters back after the backward; a root unit keeps its gathered ones after a forward that no backward
+    follows (a validation loop). Those receive no gradient (the reduce-scatter writes the ``DTensor``'s ``.grad``):
+    read then, ``module.parameters()`` gives tensors that never get one. The next forward gathers them again."""
+    for m in units:
+        m.reshard()
 
 
 def replication(t: Tensor) -> int:

@@ -693,10 +693,32 @@ def test_bimodal_epochs_rank_above_every_score_and_checkpoint_keeps_the_pick(tmp
     assert "gwa/selection" not in scalars  # for ModelCheckpoint / EarlyStopping only, not a chart
     alerts = [json.loads(line) for line in open(os.path.join(logger.log_dir, "alerts.jsonl"))]
     raised = [a for a in alerts if a["kind"] == "bimodal"]
-    assert len(raised) == 2 and "ranks above every defined score" in raised[0]["message"]
+    # each says what the selection made of the epoch that raised it (epochs 2 and 4: shares still moving, not ranked;
+    # epoch 5, the pick, continues the condition raised at 4)
+    assert len(raised) == 2 and [a["step"] for a in raised] == [gwa.history[e]["step"] for e in (2, 4)]
+    assert "not ranked in the selection: its share of opposed samples moved by 15.0 points" in raised[0]["message"]
+    assert "moved by 35.0 points" in raised[1]["message"] and "ranks above" not in raised[1]["message"]
     text = summarize(load_run(logger.log_dir))  # the report on the same logs
     assert "GWA: best epoch 5 (gwa/best_epoch at step" in text
     assert "epochs of bimodal scores (no score logged) rank above every score" in text
+
+
+def test_the_bimodal_alert_says_whether_its_epoch_ranks(tmp_path) -> None:
+    """The alert says what the selection makes of the epoch that raised it: a settled share of opposed samples (29% ->
+    30%, bimodal from 30% at scores of +-0.5) ranks above every score; in the warm-up it is outside the selection."""
+    model = FlippedPerEpoch([0.30, 0.10, 0.29, 0.30], n=100)
+    gwa = GradientWeightAlignmentMonitor(warmup_epochs=1)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(tmp_path, logger, [gwa], max_epochs=4, reload_dataloaders_every_n_epochs=1).fit(model)
+    assert [r["score"] is None for r in gwa.history] == [True, False, False, True]
+    raised = [json.loads(line) for line in open(os.path.join(logger.log_dir, "alerts.jsonl"))]
+    raised = [a for a in raised if a["kind"] == "bimodal"]
+    assert [a["step"] for a in raised] == [gwa.history[e]["step"] for e in (0, 3)]
+    assert "In the warm-up, the epoch is not part of the selection." in raised[0]["message"]
+    assert "ranks above every defined score in the selection" in raised[1]["message"]
+    assert gwa.best_epoch == 3
 
 
 def test_bimodal_ranks_in_the_selection_and_its_patience() -> None:

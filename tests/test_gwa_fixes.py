@@ -69,6 +69,21 @@ def test_preset_gwa_scores_every_epoch_of_fewer_steps_than_its_cadence(tmp_path)
     assert len(cadence) == 1 and "only 4 steps" in cadence[0].message and cadence[0].value == 4.0
 
 
+def test_an_epoch_whose_last_accumulation_window_is_short_counts_its_last_step(tmp_path) -> None:
+    """17 batches of 100 an epoch, 4 accumulated: Lightning steps at the epoch's last batch too, 5 steps. The cadence
+    was set from 4 steps of 400 samples (1600 an epoch, said so); every epoch's 1700 samples are scored at the
+    epoch's 5 steps apart."""
+    torch.manual_seed(0)  # the model's initial weights: whatever ran before in this process
+    hm = lm.HealthMonitor(spectral=False, noise_scale=False, guard=False, gwa=dict(warmup_epochs=0))
+    loader = DataLoader(_data(1700), batch_size=100)
+    trainer, _ = _fit(tmp_path, [hm], _Classifier(), loader, max_epochs=3, accumulate_grad_batches=4)
+    assert trainer.global_step == 15
+    assert hm.gwa.every_n_steps == 5
+    cadence = [a for a in hm.gwa.hub.history if a.kind == "cadence"]
+    assert len(cadence) == 1 and "An epoch holds about 1700 samples (5 steps)" in cadence[0].message
+    assert [h["epoch"] for h in hm.gwa.history] == [0, 1, 2]
+
+
 def test_preset_watches_a_head_remade_in_configure_model(tmp_path) -> None:
     """The head made in ``__init__`` and replaced in ``configure_model``: GWA held the placeholder it found at setup,
     which never ran, took the hidden `body.2` for the head and went idle for the run ("points at another class than

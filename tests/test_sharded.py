@@ -57,15 +57,21 @@ def _close(a: dict, b: dict, rel: float) -> bool:
     return a.keys() == b.keys() and all(v == pytest.approx(b[k], rel=rel, abs=1e-7) for k, v in a.items())
 
 
-def test_monitors_under_fsdp2_log_what_they_log_under_ddp(tmp_path):
+@pytest.mark.parametrize("validation", [False, True], ids=["no validation", "validation every 8 steps"])
+def test_monitors_under_fsdp2_log_what_they_log_under_ddp(tmp_path, validation):
     """SpectralAlignmentMonitor, GradientEarlyStopping (freezing a component mid-run), GradientNoiseScaleMonitor
     (per_example) and GradientWeightAlignmentMonitor on the same model, data and seed: FSDP2 (2 gloo ranks,
-    DTensor parameters) against DDP. Both runs at once (each is mostly process start-up)."""
+    DTensor parameters) against DDP. Both runs at once (each is mostly process start-up). With a validation loop
+    (and the last Linear in the root's FSDP unit, which stays gathered after a forward with no backward): the noise
+    scale's probe was built over the gathered parameters at the first due step after each validation, left the
+    root's out and restarted its averages twice a validation (every value differed from DDP's); GradES took the
+    root's Linear, beside two sharded ones of another class, for no repeated layer and did not watch it."""
     env = _clean_env()
     procs = {}
     for s in ("fsdp2", "ddp"):
         (tmp_path / s).mkdir()
-        procs[s] = subprocess.Popen([sys.executable, MONITORS, "--strategy", s, "--out", str(tmp_path / s)],
+        procs[s] = subprocess.Popen([sys.executable, MONITORS, "--strategy", s, "--out", str(tmp_path / s)]
+                                    + (["--val"] if validation else []),
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     logs = {s: p.communicate(timeout=300)[0] for s, p in procs.items()}
     for s, p in procs.items():

@@ -26,7 +26,7 @@ from lightning_monitor.alerts import _tensorboard_writer, alerts_dir, writes_fil
 from lightning_monitor._sharded import full, global_norm, is_sharded
 from lightning_monitor._values import publish, write_csv
 from lightning_monitor._args import check_bool, check_fraction, check_int, deprecated_aliases, resolve_callable
-from lightning_monitor._compat import backward_skipped, steps_per_epoch
+from lightning_monitor._compat import backward_skipped, batches_per_epoch, steps_per_epoch
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch, reading_weights
 from lightning_monitor.snapshot import Shared
 from lightning_monitor.probes import call_args, in_dry_run
@@ -1983,8 +1983,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         if steps is None:
             self._unsized_rows = rows  # decided at the end of the first epoch, from its length
             return
-        accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
-        per_epoch = steps * rows * accumulate * max(trainer.world_size, 1)
+        per_epoch = batches_per_epoch(trainer, batches) * rows * max(trainer.world_size, 1)
         # at most an epoch's steps apart: a cadence above them (the preset's 10 on epochs of 4 accumulated steps) left
         # most epochs without a scored step, whatever samples they held, and GWA skipped them
         every = max(1, min(self.every_n_steps, steps, per_epoch // self.min_epoch_samples))
@@ -2143,13 +2142,29 @@ class GradientWeightAlignmentMonitor(Monitor):
                 # labels not noisy) splits its samples about evenly too
                 why += ("; with about half of them opposed, also a model that has not fit its data yet (near chance): "
                         "compare the training loss with the loss of a guess")
+            # what the selection makes of the epoch (_bimodal, _rank), said as it is: ranked above every score only
+            # with a positive mean and a settled share of opposed samples, and only inside the window
+            prev_share = _share(next((h for h in reversed(self.history) if h.get("count", 0) >= _MIN_SAMPLES), None))
+            if early:
+                place = "In the warm-up, the epoch is not part of the selection."
+            elif mean <= 0:
+                place = "With a mean of at most 0, the epoch is not ranked in the selection."
+            elif self._bimodal(kurtosis, mean, opposed, prev_share) is not None:
+                place = ("Such an epoch (a positive mean, a settled share of opposed samples) ranks above every defined "
+                         "score in the selection, the most bimodal first.")
+            elif prev_share is None:
+                place = ("The epoch is not ranked in the selection: no earlier scored epoch shows whether its share of "
+                         "opposed samples has settled.")
+            else:
+                place = (f"The epoch is not ranked in the selection: its share of opposed samples moved by "
+                         f"{abs(opposed - prev_share) * 100:.1f} points since the epoch before (more than "
+                         f"{_SETTLED * 100:.0f}: samples still being fitted, not a settled split).")
             self.condition(
                 step, "bimodal", math.isfinite(kurtosis) and kurtosis + GWA_OFFSET <= 0,
                 "warning" if resisted and not smoothed and not early else "info",
                 f"GWA undefined at epoch {epoch}: the alignment scores are bimodal (excess kurtosis "
                 f"{kurtosis:.3f} <= -{GWA_OFFSET}), so mean/(kurtosis + {GWA_OFFSET}) has no meaning; no "
-                f"score logged. {opposed:.1%} of the samples oppose the weights: {why}. Such an epoch (with a "
-                "positive mean) ranks above every defined score in the selection, the most bimodal first.",
+                f"score logged. {opposed:.1%} of the samples oppose the weights: {why}. {place}",
                 value=kurtosis, threshold=-GWA_OFFSET, clear_message=f"GWA scores unimodal again at epoch {epoch}.",
             )
             if math.isfinite(score):

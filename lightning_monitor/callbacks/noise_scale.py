@@ -39,10 +39,10 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor, nn
 
 from lightning_monitor._args import check_bool, deprecated_aliases
-from lightning_monitor._compat import steps_per_epoch
+from lightning_monitor._compat import batches_per_epoch
 from lightning_monitor.callbacks.base import Monitor, NothingToWatch
 from lightning_monitor.functional.noise_scale import NoiseScaleEMA, noise_scale_estimates
-from lightning_monitor._sharded import is_sharded, local, replication
+from lightning_monitor._sharded import fsdp_units, is_sharded, local, replication, reshard
 from lightning_monitor.probes.per_example import PerExampleGradNorms
 from lightning_monitor.selection import Patterns, as_patterns, select_modules
 
@@ -215,6 +215,7 @@ class GradientNoiseScaleMonitor(Monitor):
         self._unclipped: Optional[dict[str, Tensor]] = None  # manual optimization: the due step's norms before clipping
         self._ddp_registered = False
         self._module: Optional[nn.Module] = None  # the model, to re-read the trainable set at arming
+        self._fsdp_units: list[nn.Module] = []
         self._flags: tuple[tuple[int, bool], ...] = ()  # each parameter (identity, requires_grad) when last selected
         self._measurable = False  # something trainable is measured (else checks are skipped)
         self._lazy = True  # parameters may still be uninitialized (lazy modules) until a due step finds none
@@ -430,6 +431,11 @@ class GradientNoiseScaleMonitor(Monitor):
         parameter that no longer requires a gradient, and newly trainable ones are measured too. Mid-run,
         nothing left to measure is not an error: checks are skipped until something is. Returns why
         nothing can be measured at setup, else ``None``."""
+        # FSDP2 units that hold their gathered parameters after a validation loop: the sharded ones, which receive the
+        # gradients, registered again first (a probe built over the gathered ones left the root unit's parameters out,
+        # and the averages restarted after every validation)
+        self._fsdp_units = fsdp_units(pl_module)
+        reshard(self._fsdp_units)
         self._flags = self._trainable_flags(pl_module)
         self._probe = None
         self._probe_reads = 0  # the checks that read the probe since it was built
@@ -614,6 +620,8 @@ class GradientNoiseScaleMonitor(Monitor):
         # the trainable set may have changed since the last selection (GradientEarlyStopping froze a
         # component, a resumed run re-froze them, the user unfroze a layer, or replaced one): re-read it. Comparing
         # the flags costs one attribute read per parameter, on due steps only.
+        if self._fsdp_units:
+            reshard(self._fsdp_units)  # see _select: a validation loop left the root unit's parameters gathered
         if self._module is not None and self._trainable_flags(self._module) != self._flags:
             self._select(self._module, initial=False)
             self._selection_why = "a component frozen or unfrozen, or a layer replaced"
@@ -1104,10 +1112,11 @@ class GradientNoiseScaleMonitor(Monitor):
 
     @staticmethod
     def _epoch_samples(trainer: pl.Trainer, batch: float) -> Optional[float]:
-        """The samples an epoch holds, all ranks together (its optimizer steps times ``batch``, the samples of a step),
-        or ``None`` for an epoch of unknown length."""
-        steps = steps_per_epoch(trainer)
-        return None if steps is None else steps * batch
+        """The samples an epoch holds, all ranks together (its batches times the samples of a micro-batch, ``batch``
+        being those of a step), or ``None`` for an epoch of unknown length."""
+        batches = batches_per_epoch(trainer)
+        accumulate = max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
+        return None if batches is None else batches * batch / accumulate
 
     def _batch_alerts(self, step: int, batch: float, b_simple: float, epoch_samples: Optional[float] = None,
                       coverage: float = 1.0) -> None:

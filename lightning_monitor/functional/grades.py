@@ -45,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_monitor._compat import foreach_norm, foreach_sub
+from lightning_monitor._sharded import _fsdp_module_type
 from lightning_monitor.selection import linear_types
 
 __all__ = [
@@ -214,8 +215,13 @@ def _parametrized_weight(module: nn.Module) -> Optional[tuple[nn.Parameter, tupl
 
 
 def _kind(module: nn.Module) -> type:
-    """The module's class, or the class ``torch.nn.utils.parametrize`` derived from it (one new class per module)."""
+    """The module's class, not the classes derived from it by FSDP2's ``fully_shard`` (``FSDP<Class>``) and by
+    ``torch.nn.utils.parametrize`` (one new class per module): a Sequential whose first layers were sharded one by
+    one and whose last was left to the root's unit is still three Linears."""
     kind = type(module)
+    unit = _fsdp_module_type()
+    if unit is not None and issubclass(kind, unit) and kind is not unit:
+        kind = next((b for b in kind.__bases__ if b is not unit), kind)
     return kind.__bases__[0] if getattr(module, "parametrizations", None) is not None and kind.__bases__ else kind
 
 
@@ -251,8 +257,8 @@ def _has_twin(named: list[tuple[str, nn.Module]], head: str, layer: type) -> boo
     Sequential of blocks). A container inside a numbered block (a transformer block's ``blocks.3.mlp =
     Sequential(Linear, GELU, Linear)``) is part of the blocks, not a second tower: counted, it made a ViT's
     ``head = Sequential(Linear, Tanh, Dropout, Linear)`` two components that froze."""
-    kind = type(dict(named)[head])
-    return any(type(m) is kind and n != head and not n.startswith(head + ".") and not head.startswith(n + ".")
+    kind = _kind(dict(named)[head])
+    return any(_kind(m) is kind and n != head and not n.startswith(head + ".") and not head.startswith(n + ".")
                and not _BLOCK_INDEX.search(n)
                and any(_kind(c) is layer for c in m.children()) for n, m in named)
 

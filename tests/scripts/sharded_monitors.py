@@ -4,7 +4,9 @@ with ``method='per_example'``, GradientWeightAlignmentMonitor) on CPU (gloo): ``
 The same model, data and seed either way. Each rank writes every value its monitors logged, their alerts and the
 GradES frozen set to ``<out>/<strategy>-rank<r>.json``. ``--only NAME`` attaches one monitor (``sa``, ``grades``,
 ``gns``, ``gwa``); ``--gns-method`` picks the noise-scale method (the default, ``per_example``, is supported
-under FSDP2); ``--branch`` adds a layer one rank uses and the other does not. Run by tests/test_sharded.py."""
+under FSDP2); ``--branch`` adds a layer one rank uses and the other does not; ``--val`` adds a validation loop every 8 steps (and
+the sanity check's) and leaves the last Linear to the root's FSDP unit, whose parameters FSDP2 keeps gathered after a
+forward that no backward follows. Run by tests/test_sharded.py."""
 
 from __future__ import annotations
 
@@ -48,9 +50,10 @@ class Branch(torch.nn.Module):
 
 
 class Classifier(pl.LightningModule):
-    def __init__(self, shard: bool, branch: bool = False) -> None:
+    def __init__(self, shard: bool, branch: bool = False, val: bool = False) -> None:
         super().__init__()
         self.branch = branch
+        self.val = val
         self.net = torch.nn.Sequential(
             torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
         self.shard = shard
@@ -65,6 +68,13 @@ class Classifier(pl.LightningModule):
         if self.shard and self.branch:
             from torch.distributed.fsdp import fully_shard
 
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+        elif self.shard and self.val:
+            from torch.distributed.fsdp import fully_shard
+
+            for m in list(self.net)[:-1]:  # the last Linear belongs to the root's unit
+                if isinstance(m, torch.nn.Linear):
+                    fully_shard(m, mesh=self.device_mesh["data_parallel"])
             fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
         elif self.shard:
             shard_every_linear(self.net, self.device_mesh["data_parallel"])
@@ -81,6 +91,15 @@ class Classifier(pl.LightningModule):
 
     def train_dataloader(self):  # the distributed sampler gives each rank its own half, the same under both
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x, self.y), batch_size=16)
+
+
+class WithValidation(Classifier):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self(x), y), sync_dist=True)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(self.x[:256], self.y[:256]), batch_size=32)
 
 
 def record(monitor, sink: dict) -> None:
@@ -121,6 +140,7 @@ def main() -> None:
     parser.add_argument("--gns-method", default="per_example")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--branch", action="store_true")
+    parser.add_argument("--val", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.strategy == "fsdp2":
@@ -150,8 +170,9 @@ def main() -> None:
             time_calls(monitors[k], method, timings.setdefault(k, []), due)
     trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", devices=2, strategy=strategy,
                          callbacks=list(monitors.values()), logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=args.out)
-    model = Classifier(shard=args.strategy == "fsdp2", branch=args.branch)
+                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=args.out,
+                         **(dict(val_check_interval=8, limit_val_batches=2, num_sanity_val_steps=2) if args.val else {}))
+    model = (WithValidation if args.val else Classifier)(shard=args.strategy == "fsdp2", branch=args.branch, val=args.val)
     result = {"error": None}
     try:
         trainer.fit(model)
