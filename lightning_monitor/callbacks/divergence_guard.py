@@ -617,9 +617,11 @@ class DivergenceGuard(Monitor):
                 self._say_optimizers(trainer)
 
     def _resize_references(self, trainer: pl.Trainer, refs: int) -> None:
-        """Keep ``refs`` normal batches as references (and 3 more batches, for the steps of a rise)."""
+        """Keep ``refs`` normal batches as references (and 3 more batches, for the steps of a rise): the batches of as
+        many steps, under accumulation (Lightning's, or by hand: the most batches a step was seen to take)."""
         accumulate = getattr(trainer, "accumulate_grad_batches", 1)
-        keep = (refs + 3) * (accumulate if isinstance(accumulate, int) and accumulate > 1 else 1)
+        per_step = max(accumulate if isinstance(accumulate, int) else 1, self._batches_per_step, 1)
+        keep = (refs + 3) * per_step
         if self._recent_batches.maxlen != keep:
             self._recent_batches = deque(self._recent_batches, maxlen=keep)
         if self._normal_recent.maxlen != refs:
@@ -710,6 +712,7 @@ class DivergenceGuard(Monitor):
         # masks and samples the step drew: a step that samples (REINFORCE) was judged on a fresh draw, and a rare
         # draw's loss was taken for the weights'
         self._batch, self._batch_idx = batch, batch_idx
+        self._step_batches += 1
         self._batch_rng = random_states_of([pl_module.device])
         self._recent_batches.append((step, batch, batch_idx, self._batch_rng))
         self._apply_lr_ceiling(trainer)
@@ -754,6 +757,18 @@ class DivergenceGuard(Monitor):
             self._batch_stepped.add(id(optimizer))
         step = trainer.global_step
         loss, self._loss_acc = self._loss_acc, None
+        batches, self._step_batches = self._step_batches, 0
+        if loss is not None and batches > 1 and not pl_module.automatic_optimization:
+            # a step accumulated by hand over several batches (`manual_backward` on each, `opt.step()` every k-th): the
+            # losses given to `manual_backward` add up over its batches, while a replay evaluates one batch. Judged
+            # per batch, as a replay gives it (Lightning's own accumulation divides each batch's loss by k before the
+            # backward, so that the sum is the mean). Judged as the sum, a blow-up at lr x8 read every replay at an
+            # eighth of the step's loss, took each surge for one hard batch and the rise for a transient: no action,
+            # and the run ended at chance
+            loss = loss / batches
+            if batches > self._batches_per_step:  # and the references kept are of as many steps as before
+                self._batches_per_step = batches
+                self._resize_references(trainer, self._ref_batches or _REFERENCES)
         if self._evaluated == (step, id(optimizer)):
             # another evaluation of the step's closure (LBFGS's line search and inner iterations call it several times
             # a step, each followed by this hook): the step is judged once, on its first evaluation, the loss and
@@ -1026,6 +1041,8 @@ class DivergenceGuard(Monitor):
                 self._wd_at_min = self._float_decays(trainer)
                 self._types_at_min = [type(opt).__name__ for opt in trainer.optimizers]
             self._judged_through = s
+            if math.isfinite(gnorm):
+                self._finite_grad_step = s
             if reasons and first_bad is None:
                 first_bad = start
             critical += reasons
@@ -1476,7 +1493,31 @@ class DivergenceGuard(Monitor):
         if not self.decide(trainer, ok, all=True):
             return False
         now, then = self._replayed(trainer, pl_module, refs)
+        if now is not None and not math.isfinite(now):
+            # the step is undone alone (the weights kept) where the step's loss, not the weights, is non-finite; not
+            # twice in a row (weights that broke before the newest snapshot lose a non-finite amount under both, and
+            # each step undone alone would leave the run where it was, step after step)
+            # each step undone alone would leave the run where it was, step after step); and only where the step's
+            # gradients stayed finite (a term that holds no weight; a non-finite gradient keeps the tests as they were)
+            after_normal = bool(self._normal_recent) and self._normal_recent[-1][0] == step - 1
+            return (after_normal and self._finite_grad_step == step
+                    and self._nonfinite_whatever_the_weights(trainer, pl_module, refs))
         return now is not None and math.isfinite(now) and now <= self.blowup * max(then, 1e-12)
+
+    def _nonfinite_whatever_the_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                        refs: list[tuple[tuple[Any, int, Any], float]]) -> bool:
+        """Reference batches lose a non-finite amount under the present (finite) weights, where they lost a finite one
+        when trained on: broken weights (activations that overflow), or a loss that is non-finite at this step
+        whatever the weights (a term of the step's own, `t * log(t)` of targets that hold a 0 on some steps, its
+        gradients finite). The newest snapshot's weights, known good, tell them apart: non-finite under them too, it
+        is the step's loss (the same answer on every rank: the losses are averaged over the ranks). Taken for broken
+        weights, every such step went back to the last snapshot, whose checks fell on such steps too: 48 rollbacks to
+        step 50 of 300 and a stop."""
+        if not self._snapshots:
+            return False
+        older = self._under_snapshots(pl_module, [self._snapshots[-1]],
+                                      lambda: self._mean_loss(trainer, pl_module, [b for b, _ in refs]))[0]
+        return older is not None and not math.isfinite(older)
 
     def _replayed(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                   refs: list[tuple[tuple[Any, int, Any], float]]) -> tuple[Optional[float], float]:
@@ -2499,6 +2540,9 @@ class DivergenceGuard(Monitor):
                 return
             rates = [[group["lr"] for group in opt.param_groups] for opt in trainer.optimizers]
             now, then = self._replayed(trainer, pl_module, refs)
+            if now is not None and not math.isfinite(now) and self._nonfinite_whatever_the_weights(
+                    trainer, pl_module, refs):
+                now = None  # the loss of the step after the last, not the weights, is non-finite: no evidence
             # the replay ran `training_step`, which may set the rates itself (held under a ceiling before each update,
             # but no update follows now): the rates the fit ended with are put back
             for opt, row in zip(trainer.optimizers, rates):
@@ -2555,6 +2599,9 @@ class DivergenceGuard(Monitor):
         self._ring: deque[tuple[int, Any, Any, bool]] = deque()
         self._restored: list[tuple[int, Optional[float], float]] = []  # buffered values restored from a checkpoint
         self._loss_acc: Optional[Tensor] = None
+        self._step_batches = 0  # the batches started since the last optimizer step (manual accumulation)
+        self._batches_per_step = 1  # the most seen
+        self._finite_grad_step: Optional[int] = None  # the last judged step whose gradient norm was finite
         self._judged_through = -1  # the last step judged
         self._refs_from = 0  # the first step whose batch may be a reference (see _new_normal)
         self._warned_replay = False  # a replay of `training_step` failed once (said once)
