@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import random
+import types
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -135,10 +136,12 @@ def attributes(root: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, A
                 kept[k] = _copy_container(v)
             elif type(v) is Tensor and not v.is_inference():
                 kept[k] = (v._version, v.detach().clone() if v.numel() <= _SMALL_TENSOR else None)
-            elif isinstance(v, torch.Generator):
-                kept[k] = v.get_state()
             elif type(v).__name__ == "ndarray" and type(v).__module__ == "numpy":
                 kept[k] = v.copy()  # counts kept in a numpy array
+            else:
+                streams = _Streams.of(v)
+                if streams is not None:
+                    kept[k] = streams
         # the module's own buffers and parameters as objects, and each parameter's data: a step may reassign a buffer
         # (`self.queue = torch.cat(...)`, which replaces it in `_buffers`) or a parameter's data (`p.data = ...`, a
         # momentum update no operation writes in place). A module with sharded parameters (FSDP2's DTensors) has them
@@ -148,6 +151,60 @@ def attributes(root: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, A
                {k: p.data for k, p in m._parameters.items() if p is not None} if plain else {})
         out.append((m, attrs, kept, own))
     return out
+
+
+def _stream_state(v: Any) -> Any:
+    """The state of a random generator (torch's ``Generator``, numpy's ``Generator`` and ``RandomState``, Python's
+    ``random.Random``), ``None`` for anything else."""
+    if isinstance(v, torch.Generator):
+        return v.get_state()
+    if isinstance(v, random.Random) and not isinstance(v, random.SystemRandom):
+        return v.getstate()
+    kind = type(v)
+    if kind.__module__.startswith("numpy.random"):
+        if kind.__name__ == "Generator":
+            return v.bit_generator.state
+        if kind.__name__ == "RandomState":
+            return v.get_state()
+    return None
+
+
+def _set_stream_state(v: Any, state: Any) -> None:
+    if isinstance(v, torch.Generator):
+        v.set_state(state)
+    elif isinstance(v, random.Random):
+        v.setstate(state)
+    elif type(v).__name__ == "Generator":
+        v.bit_generator.state = state
+    else:
+        v.set_state(state)
+
+
+class _Streams:
+    """The states of the random generators an attribute holds: the attribute itself (``self.rng =
+    np.random.default_rng(0)``, a ``torch.Generator``, a ``random.Random``) or the fields of a plain object it holds (an
+    augmentation helper that is no module: ``self.mixup = MixUp(...)`` with its own generator). A replay that draws from
+    them moved the run's own draws on: the run went another way from the step after the first replay, and a replay of a
+    MixUp step drew another mixing than the step, so the loss it gave was another batch's (2 of 12 healthy runs rolled
+    back)."""
+
+    def __init__(self, pairs: list[tuple[Any, Any]]) -> None:
+        self.pairs = pairs
+
+    @classmethod
+    def of(cls, v: Any) -> "_Streams | None":
+        state = _stream_state(v)
+        if state is not None:
+            return cls([(v, state)])
+        fields = getattr(v, "__dict__", None)
+        if not isinstance(fields, dict) or isinstance(v, (type, types.ModuleType, torch.nn.Module, Tensor)):
+            return None
+        pairs = [(x, st) for x in fields.values() for st in [_stream_state(x)] if st is not None]
+        return cls(pairs) if pairs else None
+
+    def restore(self) -> None:
+        for v, state in self.pairs:
+            _set_stream_state(v, state)
 
 
 def _copy_container(v: Any) -> Any:
@@ -209,10 +266,10 @@ def restore_attributes(saved: list[tuple[torch.nn.Module, dict[str, Any], dict[s
         d.update(attrs)
         for k, old in kept.items():
             v = attrs[k]
-            if isinstance(v, (list, deque, dict, set, tuple)):
+            if isinstance(old, _Streams):
+                old.restore()
+            elif isinstance(v, (list, deque, dict, set, tuple)):
                 _refill(v, old)
-            elif isinstance(v, torch.Generator):
-                v.set_state(old)
             elif not isinstance(v, Tensor):  # a numpy array, its contents put back in place
                 if v.shape == old.shape:
                     v[...] = old
