@@ -383,3 +383,44 @@ def test_coverage_that_shrinks_at_run_time_starts_the_averages_again(tmp_path) -
     (restart,) = [a for a in alerts if a.kind == "averages_restarted"]
     assert restart.step == 8 and "BatchNorm" in restart.message and "4 no longer" in restart.message
     assert mon.ema.count == 4 and mon._ema_names == {"head.weight", "head.bias", "body.3.weight", "body.3.bias"}
+
+
+class _TwoPasses(pl.LightningModule):
+    """A SAM-like step by hand: a forward and backward, a perturbation of the weights, a second forward and backward
+    over the same batch, the perturbation undone, one optimizer step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        opt.zero_grad()
+        self.manual_backward(F.cross_entropy(self.net(x), y))
+        eps = [0.05 * p.grad / (p.grad.norm() + 1e-12) for p in self.parameters()]
+        with torch.no_grad():
+            for p, e in zip(self.parameters(), eps):
+                p.add_(e)
+        opt.zero_grad()
+        self.manual_backward(F.cross_entropy(self.net(x), y))
+        with torch.no_grad():
+            for p, e in zip(self.parameters(), eps):
+                p.sub_(e)
+        opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_two_passes_over_one_batch_are_said_as_such(tmp_path) -> None:
+    """SAM's two forward and backward passes give each layer twice the batch's rows: the reason the layers are left
+    out says so (it blamed a missing batch dimension, "positions broadcast over the batch")."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
+    mon = GradientNoiseScaleMonitor(every_n_steps=1)
+    run(_TwoPasses(), x, y, tmp_path, mon)
+    reasons = mon._probe.reasons if mon._probe is not None else {}
+    assert reasons and all("ran 2 times over the batch's 8 examples in the step (gave 16 rows" in r
+                           for r in reasons.values()), reasons

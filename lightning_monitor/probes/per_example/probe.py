@@ -1370,6 +1370,7 @@ class PerExampleGradNorms:
             self._check_projections()
         out: dict[str, Tensor] = {}
         unused: list[str] = []  # covered, but no gradient reached them in these backward passes
+        passes: dict[str, int] = {}  # the records of each parameter's module (one per backward through it)
         # a backward populated `.grad` (not `torch.autograd.grad` on chosen inputs, which leaves every `.grad` as it is)
         any_grad = any(self._params[pid].grad is not None for pid in self._covered_ids)
         for pid in self._covered_ids:
@@ -1401,12 +1402,22 @@ class PerExampleGradNorms:
                     "loss.backward()."
                 )
             out[name] = recs[0] if len(recs) == 1 else torch.cat(recs)
+            passes[name] = len(recs)
         if out:
             sizes = [v.shape[0] for v in out.values()]
             expected = self.batch_size if self.batch_size is not None else max(set(sizes), key=lambda n: (sizes.count(n), n))
             for name in [n for n, v in out.items() if v.shape[0] != expected]:
                 rows = out.pop(name).shape[0]
-                if name not in self._not_reached:
+                if name not in self._not_reached and passes.get(name, 1) > 1 and rows == passes[name] * expected:
+                    # the batch's examples once per pass: SAM's two forward and backward passes over one batch, a
+                    # closure evaluated again
+                    self._not_reached.append(name)
+                    self.reasons[name] = (
+                        f"its module ran {passes[name]} times over the batch's {expected} examples in the step (gave "
+                        f"{rows} rows: several forward and backward passes, as SAM's two or a closure evaluated again), "
+                        "so one pass's per-example gradients cannot be told from another's there"
+                    )
+                elif name not in self._not_reached:
                     self._not_reached.append(name)
                     self.reasons[name] = (
                         f"its module's input has no batch dimension of the batch's {expected} examples (it gave "
