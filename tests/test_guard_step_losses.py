@@ -125,3 +125,37 @@ def test_a_loss_non_finite_on_some_steps_whatever_the_weights_undoes_those_steps
     assert [(r["step"], r["to_step"]) for r in guard.rollbacks] == [(s, s) for s in nan_steps]
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert _loss(model) == pytest.approx(_loss(bare), rel=0.1)
+
+
+class _StepTermRecorded(_StepTerm):
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+
+    def on_train_end(self) -> None:
+        import json
+        import os
+
+        guard = next(c for c in self.trainer.callbacks if isinstance(c, DivergenceGuard))
+        with open(os.path.join(self.out_dir, f"rank{self.global_rank}.json"), "w") as fh:
+            json.dump({"rollbacks": [(r["step"], r["to_step"]) for r in guard.rollbacks], "stopped": guard.stopped_step,
+                       "weights": [float(v) for v in self.net[0].weight.flatten()[:32]]}, fh)
+
+
+def test_the_same_steps_are_undone_alone_on_two_ranks_ddp(tmp_path) -> None:
+    """Two processes (gloo): every rank judges the ranks' mean loss at once and keeps the state just before such a
+    step, as one process does. Before, two ranks went back to the snapshot of step 10 at every such step to step 145
+    (the checks, every 10 steps, all fell on them)."""
+    import json
+
+    from conftest import fit_ddp_spawn
+
+    torch.set_num_threads(1)
+    pl.seed_everything(0)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[DivergenceGuard()], default_root_dir=str(tmp_path))
+    fit_ddp_spawn(trainer, _StepTermRecorded(str(tmp_path)), DataLoader(_data(300), batch_size=BATCH))
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    assert ranks[0] == ranks[1]  # the same decisions and weights on both
+    assert ranks[0]["rollbacks"] == [[s, s] for s in range(20, 150, 5)] and ranks[0]["stopped"] is None

@@ -813,6 +813,8 @@ class DivergenceGuard(Monitor):
             self._ring.append(entry)
         values = self._read_ready(step, lag)
         critical, first_bad = self._judge_ready(trainer, pl_module, values)
+        # judged on the ranks' mean series: the same on every rank (what a check adds below may be rank-local)
+        judged, judged_first = list(critical), first_bad
         due = self.is_due(step)
         if due and self.corroborate and trainer.world_size > 1:
             found = self._corroborate(step)  # rank-local: reduced with the check's other findings
@@ -837,9 +839,12 @@ class DivergenceGuard(Monitor):
                 first_bad = step if first_bad is None else min(first_bad, step)
             # refused unless every step judged so far was normal and every parameter and buffer is finite
             self._snapshot(trainer, pl_module, step, not critical, module_state)
-        if (critical and on_host and trainer.world_size == 1 and first_bad == step and self.action != "warn"
+        if (judged and on_host and judged_first == step and self.action != "warn"
                 and self.snapshot_every_n_steps is not None
-                and all(r.startswith(("non-finite loss", "non-finite gradient")) for r in critical)):
+                and all(r.startswith(("non-finite loss", "non-finite gradient")) for r in judged)):
+            # (several processes on CPU too: every rank judged the same values at once, and every rank comes here;
+            # with one on every fifth step of a loss non-finite whatever the weights, two ranks went back to the
+            # snapshot of step 10 at each such step to step 145, and kept 14 steps of 150)
             self._snapshot_before_bad_batch(trainer, pl_module, step)
         if critical or due:
             self._verdict = (step, critical, first_bad)
