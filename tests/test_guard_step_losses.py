@@ -103,6 +103,9 @@ def test_a_blow_up_under_accumulation_by_hand_is_rolled_back_and_its_control_unt
     trainer = _fit(model, 60 * K, guard)
     assert guard.rollbacks and guard.rollbacks[0]["step"] <= 6 and guard.stopped_step is None
     assert trainer.global_step == 60 and _loss(model) < 1.0
+    # one batch kept a step (its last), as many as without accumulation: not K times the memory
+    kept = guard._recent_batches
+    assert len(kept) == kept.maxlen == 7 and len({entry[0] for entry in kept}) == 7
     # the matched control: the same seed and data, the rate capped (a quarter of it): no action, no warning
     pl.seed_everything(0)
     control, guard = _Accumulated(hot / 4, divide), DivergenceGuard()

@@ -617,11 +617,9 @@ class DivergenceGuard(Monitor):
                 self._say_optimizers(trainer)
 
     def _resize_references(self, trainer: pl.Trainer, refs: int) -> None:
-        """Keep ``refs`` normal batches as references (and 3 more batches, for the steps of a rise): the batches of as
-        many steps, under accumulation (Lightning's, or by hand: the most batches a step was seen to take)."""
+        """Keep ``refs`` normal batches as references (and 3 more batches, for the steps of a rise)."""
         accumulate = getattr(trainer, "accumulate_grad_batches", 1)
-        per_step = max(accumulate if isinstance(accumulate, int) else 1, self._batches_per_step, 1)
-        keep = (refs + 3) * per_step
+        keep = (refs + 3) * (accumulate if isinstance(accumulate, int) and accumulate > 1 else 1)
         if self._recent_batches.maxlen != keep:
             self._recent_batches = deque(self._recent_batches, maxlen=keep)
         if self._normal_recent.maxlen != refs:
@@ -714,7 +712,14 @@ class DivergenceGuard(Monitor):
         self._batch, self._batch_idx = batch, batch_idx
         self._step_batches += 1
         self._batch_rng = random_states_of([pl_module.device])
-        self._recent_batches.append((step, batch, batch_idx, self._batch_rng))
+        entry = (step, batch, batch_idx, self._batch_rng)
+        if self._recent_batches and self._recent_batches[-1][0] == step and not pl_module.automatic_optimization:
+            # accumulation by hand (`opt.step()` every k-th batch): a step keeps its latest batch as its reference, so
+            # that the batches kept span as many steps as without it (kept all, the k batches of the current step
+            # filled them, and no surge was tested; sized by k, they held k times the memory, of which one a step is read)
+            self._recent_batches[-1] = entry
+        else:
+            self._recent_batches.append(entry)
         self._apply_lr_ceiling(trainer)
         key = (trainer.current_epoch, batch_idx)
         if self.snapshot_every_n_steps is not None:
@@ -766,9 +771,6 @@ class DivergenceGuard(Monitor):
             # eighth of the step's loss, took each surge for one hard batch and the rise for a transient: no action,
             # and the run ended at chance
             loss = loss / batches
-            if batches > self._batches_per_step:  # and the references kept are of as many steps as before
-                self._batches_per_step = batches
-                self._resize_references(trainer, self._ref_batches or _REFERENCES)
         if self._evaluated == (step, id(optimizer)):
             # another evaluation of the step's closure (LBFGS's line search and inner iterations call it several times
             # a step, each followed by this hook): the step is judged once, on its first evaluation, the loss and
@@ -1501,9 +1503,8 @@ class DivergenceGuard(Monitor):
         if now is not None and not math.isfinite(now):
             # the step is undone alone (the weights kept) where the step's loss, not the weights, is non-finite; not
             # twice in a row (weights that broke before the newest snapshot lose a non-finite amount under both, and
-            # each step undone alone would leave the run where it was, step after step)
-            # each step undone alone would leave the run where it was, step after step); and only where the step's
-            # gradients stayed finite (a term that holds no weight; a non-finite gradient keeps the tests as they were)
+            # each step undone alone would leave the run where it was, step after step), and only where the step's
+            # gradients stayed finite (a term that holds no weight)
             after_normal = bool(self._normal_recent) and self._normal_recent[-1][0] == step - 1
             return (after_normal and self._finite_grad_step == step
                     and self._nonfinite_whatever_the_weights(trainer, pl_module, refs))
@@ -2605,7 +2606,6 @@ class DivergenceGuard(Monitor):
         self._restored: list[tuple[int, Optional[float], float]] = []  # buffered values restored from a checkpoint
         self._loss_acc: Optional[Tensor] = None
         self._step_batches = 0  # the batches started since the last optimizer step (manual accumulation)
-        self._batches_per_step = 1  # the most seen
         self._finite_grad_step: Optional[int] = None  # the last judged step whose gradient norm was finite
         self._judged_through = -1  # the last step judged
         self._refs_from = 0  # the first step whose batch may be a reference (see _new_normal)
