@@ -77,6 +77,15 @@ class _StepTerm(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
+class _KeptAtEnd(DivergenceGuard):
+    """The guard, with how many batches it keeps for replays read at the end of the fit: (held, at most, steps)."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        kept = self._recent_batches
+        self.kept = (len(kept), kept.maxlen, len({entry[0] for entry in kept}))
+        super().on_train_end(trainer, pl_module)
+
+
 def _fit(model: pl.LightningModule, batches: int, guard=None) -> pl.Trainer:
     trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
                          callbacks=[guard] if guard else [], enable_progress_bar=False, enable_model_summary=False)
@@ -99,13 +108,12 @@ def test_a_blow_up_under_accumulation_by_hand_is_rolled_back_and_its_control_unt
     _fit(bare, 60 * K)
     assert not math.isfinite(_loss(bare)) or _loss(bare) > 2.0  # unguarded: wrecked (chance is ln 10 = 2.3)
     pl.seed_everything(0)
-    model, guard = _Accumulated(hot, divide), DivergenceGuard()
+    model, guard = _Accumulated(hot, divide), _KeptAtEnd()
     trainer = _fit(model, 60 * K, guard)
     assert guard.rollbacks and guard.rollbacks[0]["step"] <= 6 and guard.stopped_step is None
     assert trainer.global_step == 60 and _loss(model) < 1.0
     # one batch kept a step (its last), as many as without accumulation: not K times the memory
-    kept = guard._recent_batches
-    assert len(kept) == kept.maxlen == 7 and len({entry[0] for entry in kept}) == 7
+    assert guard.kept == (7, 7, 7)
     # the matched control: the same seed and data, the rate capped (a quarter of it): no action, no warning
     pl.seed_everything(0)
     control, guard = _Accumulated(hot / 4, divide), DivergenceGuard()
