@@ -69,12 +69,13 @@ ALERTS_FILENAME = "alerts.jsonl"
 SUPERSEDED_FILENAME = "alerts.superseded.jsonl"
 
 #: Info alerts that report an action taken or a file written, printed on the console like warnings:
-#: the guard stopped or rolled back the run (or was rebased, or lifted an earlier fit's rate ceiling), GradES froze
+#: the guard stopped or rolled back the run (or skipped a non-finite step judged late, was rebased, or lifted an earlier
+#: fit's rate ceiling), GradES froze
 #: components or stopped, GWA stopped, and the noise scale's batch-size advice. An info alert whose ``details`` name a ``checkpoint`` or a ``path``
 #: is printed too.
 CONSOLE_INFO_KINDS = frozenset({
     "stopped", "rolled_back", "frozen", "all_frozen", "stop", "early_stop", "held_trainable", "infinite_buffers",
-    "batch_below_noise_scale", "batch_above_noise_scale", "rebased", "lr_ceiling_lifted",
+    "batch_below_noise_scale", "batch_above_noise_scale", "rebased", "lr_ceiling_lifted", "nonfinite_skipped",
 })
 _CONSOLE_FLAG = "lightning_monitor_console"
 

@@ -193,9 +193,10 @@ def test_a_rollback_to_before_a_freeze_starts_the_averages_again(tmp_path) -> No
     x, y = _data(B * 60)
     model = _NaNOnce(at=27)
     logger = TensorBoardLogger(str(tmp_path), name="tb")
-    # judged a step late (as on a GPU): the rollback goes back to the check's snapshot of step 20, before the freeze (judged
-    # at once, the NaN batch alone is undone, from the state of its own step)
-    guard = DivergenceGuard(lag_steps=1)
+    # judged a step late (as on a GPU), the NaN update applied (its gradients not zeroed: the weights break, so it is
+    # no step to skip): the rollback goes back to the check's snapshot of step 20, before the freeze (judged at once,
+    # the NaN batch alone is undone, from the state of its own step)
+    guard = DivergenceGuard(lag_steps=1, zero_nonfinite_grads=False)
     mon = GradientNoiseScaleMonitor(every_n_steps=1, smoothing=0.9, per_layer=False)
     pl.Trainer(accelerator="cpu", max_steps=35, logger=logger, callbacks=[_FreezeAt("net.0", 25), mon, guard],
                log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
