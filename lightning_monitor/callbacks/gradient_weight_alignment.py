@@ -2055,7 +2055,9 @@ class GradientWeightAlignmentMonitor(Monitor):
                 step, "targets_out_of_range", "warning",
                 f"{outside} class target(s) of epoch {epoch} lie outside [0, {self._head.out_features}) and are not scored "
                 f"(GWA's ignore_index is {self.ignore_index}): a loss with another ignore index (e.g. "
-                "`cross_entropy(..., ignore_index=-1)`) trains on the others. Pass that `ignore_index=` to the monitor.",
+                "`cross_entropy(..., ignore_index=-1)`), or a step that leaves such samples out of its loss itself (unlabelled "
+                "samples marked -1 in semi-supervised training), trains on the others. Pass that value as `ignore_index=` "
+                "to the monitor.",
                 value=float(outside),
             )
         unweighted = int(self._unweighted)
