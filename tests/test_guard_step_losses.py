@@ -168,13 +168,15 @@ class _StepTermRecorded(_StepTerm):
         guard = next(c for c in self.trainer.callbacks if isinstance(c, DivergenceGuard))
         with open(os.path.join(self.out_dir, f"rank{self.global_rank}.json"), "w") as fh:
             json.dump({"rollbacks": [(r["step"], r["to_step"]) for r in guard.rollbacks], "stopped": guard.stopped_step,
+                       "skipped": [a.step for a in guard.hub.history if a.kind == "nonfinite_skipped"],
                        "weights": [float(v) for v in self.net[0].weight.flatten()[:32]]}, fh)
 
 
-def test_the_same_steps_are_undone_alone_on_two_ranks_ddp(tmp_path) -> None:
+@pytest.mark.parametrize("lag", [None, 2], ids=["judged at once", "judged two steps late"])
+def test_the_same_steps_are_undone_alone_on_two_ranks_ddp(tmp_path, lag) -> None:
     """Two processes (gloo): every rank judges the ranks' mean loss at once and keeps the state just before such a
     step, as one process does. Before, two ranks went back to the snapshot of step 10 at every such step to step 145
-    (the checks, every 10 steps, all fell on them)."""
+    (the checks, every 10 steps, all fell on them). Judged two steps late, both ranks skip each such step alike."""
     import json
 
     from conftest import fit_ddp_spawn
@@ -183,8 +185,12 @@ def test_the_same_steps_are_undone_alone_on_two_ranks_ddp(tmp_path) -> None:
     pl.seed_everything(0)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[DivergenceGuard()], default_root_dir=str(tmp_path))
+                         callbacks=[DivergenceGuard(lag_steps=lag)], default_root_dir=str(tmp_path))
     fit_ddp_spawn(trainer, _StepTermRecorded(str(tmp_path)), DataLoader(_data(300), batch_size=BATCH))
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
     assert ranks[0] == ranks[1]  # the same decisions and weights on both
-    assert ranks[0]["rollbacks"] == [[s, s] for s in range(20, 150, 5)] and ranks[0]["stopped"] is None
+    assert ranks[0]["stopped"] is None
+    if lag is None:
+        assert ranks[0]["rollbacks"] == [[s, s] for s in range(20, 150, 5)] and not ranks[0]["skipped"]
+    else:
+        assert not ranks[0]["rollbacks"] and ranks[0]["skipped"] == [s + 2 for s in range(20, 150, 5)]
