@@ -67,7 +67,7 @@ class _Losses(pl.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def _run(kind: str, guard: bool) -> tuple[list[float], DivergenceGuard]:
+def _run(kind: str, guard: bool, root) -> tuple[list[float], DivergenceGuard]:
     torch.set_num_threads(1)
     pl.seed_everything(0)
     g = torch.Generator().manual_seed(0)
@@ -76,15 +76,15 @@ def _run(kind: str, guard: bool) -> tuple[list[float], DivergenceGuard]:
     data = TensorDataset(centres[y] + torch.randn(len(y), 16, generator=g), y)
     losses, dg = _Losses(), DivergenceGuard()
     trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(root),
                          callbacks=[losses, dg] if guard else [losses])
     trainer.fit(_MixUp(kind), DataLoader(data, batch_size=4))
     return losses.losses, dg
 
 
 @pytest.mark.parametrize("kind", ["numpy Generator", "random.Random", "torch.Generator in a helper object"])
-def test_replays_leave_the_generators_a_step_draws_from_as_they_were(kind: str) -> None:
-    bare, _ = _run(kind, guard=False)
-    guarded, guard = _run(kind, guard=True)
+def test_replays_leave_the_generators_a_step_draws_from_as_they_were(tmp_path, kind: str) -> None:
+    bare, _ = _run(kind, False, tmp_path / "bare")
+    guarded, guard = _run(kind, True, tmp_path / "guarded")
     assert len(guarded) == len(bare) == 120 and not guard.rollbacks
     assert guarded == bare  # loss for loss: the replays (from step 10 on) drew nothing the run drew

@@ -86,9 +86,10 @@ class _KeptAtEnd(DivergenceGuard):
         super().on_train_end(trainer, pl_module)
 
 
-def _fit(model: pl.LightningModule, batches: int, guard=None) -> pl.Trainer:
+def _fit(model: pl.LightningModule, batches: int, root, guard=None) -> pl.Trainer:
     trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                         callbacks=[guard] if guard else [], enable_progress_bar=False, enable_model_summary=False)
+                         callbacks=[guard] if guard else [], enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(root))
     trainer.fit(model, DataLoader(_data(batches), batch_size=BATCH))
     return trainer
 
@@ -100,16 +101,16 @@ def _loss(model: pl.LightningModule) -> float:
 
 
 @pytest.mark.parametrize("divide", [True, False], ids=["loss / k", "loss not divided"])
-def test_a_blow_up_under_accumulation_by_hand_is_rolled_back_and_its_control_untouched(divide) -> None:
+def test_a_blow_up_under_accumulation_by_hand_is_rolled_back_and_its_control_untouched(tmp_path, divide) -> None:
     torch.set_num_threads(1)
     hot = 3.2 if divide else 0.8  # not divided, each step applies K times the gradient: a rate 4 times as hot
     pl.seed_everything(0)
     bare = _Accumulated(hot, divide)
-    _fit(bare, 60 * K)
+    _fit(bare, 60 * K, tmp_path / "bare")
     assert not math.isfinite(_loss(bare)) or _loss(bare) > 2.0  # unguarded: wrecked (chance is ln 10 = 2.3)
     pl.seed_everything(0)
     model, guard = _Accumulated(hot, divide), _KeptAtEnd()
-    trainer = _fit(model, 60 * K, guard)
+    trainer = _fit(model, 60 * K, tmp_path / "guarded", guard)
     assert guard.rollbacks and guard.rollbacks[0]["step"] <= 6 and guard.stopped_step is None
     assert trainer.global_step == 60 and _loss(model) < 1.0
     # one batch kept a step (its last), as many as without accumulation: not K times the memory
@@ -117,19 +118,19 @@ def test_a_blow_up_under_accumulation_by_hand_is_rolled_back_and_its_control_unt
     # the matched control: the same seed and data, the rate capped (a quarter of it): no action, no warning
     pl.seed_everything(0)
     control, guard = _Accumulated(hot / 4, divide), DivergenceGuard()
-    _fit(control, 60 * K, guard)
+    _fit(control, 60 * K, tmp_path / "control", guard)
     assert not guard.rollbacks and guard.stopped_step is None
     assert not [a for a in guard.hub.history if a.severity != "info"]
 
 
-def test_a_loss_non_finite_on_some_steps_whatever_the_weights_undoes_those_steps_alone() -> None:
+def test_a_loss_non_finite_on_some_steps_whatever_the_weights_undoes_those_steps_alone(tmp_path) -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0)
     bare = _StepTerm()
-    _fit(bare, 150)
+    _fit(bare, 150, tmp_path / "bare")
     pl.seed_everything(0)
     model, guard = _StepTerm(), DivergenceGuard()
-    trainer = _fit(model, 150, guard)
+    trainer = _fit(model, 150, tmp_path / "guarded", guard)
     nan_steps = [s for s in range(20, 150, 5)]
     assert trainer.global_step == 150 and guard.stopped_step is None
     # each such step undone alone: back to the state just before it, nothing older
@@ -138,7 +139,7 @@ def test_a_loss_non_finite_on_some_steps_whatever_the_weights_undoes_those_steps
     assert _loss(model) == pytest.approx(_loss(bare), rel=0.1)
 
 
-def test_such_steps_judged_late_are_skipped_without_a_rollback() -> None:
+def test_such_steps_judged_late_are_skipped_without_a_rollback(tmp_path) -> None:
     """With a lag (a GPU's default: the values reach the host two steps later), the state just before such a step is
     not kept; its gradients were zeroed, the weights are intact, and the steps since were good: nothing is rolled back
     (before, each went back to the last snapshot, and the run kept a few steps of each ten: held-out 1.05 against
@@ -146,10 +147,10 @@ def test_such_steps_judged_late_are_skipped_without_a_rollback() -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0)
     bare = _StepTerm()
-    _fit(bare, 150)
+    _fit(bare, 150, tmp_path / "bare")
     pl.seed_everything(0)
     model, guard = _StepTerm(), DivergenceGuard(lag_steps=2)
-    trainer = _fit(model, 150, guard)
+    trainer = _fit(model, 150, tmp_path / "guarded", guard)
     assert trainer.global_step == 150 and guard.stopped_step is None and not guard.rollbacks
     skipped = [a.step for a in guard.hub.history if a.kind == "nonfinite_skipped"]
     assert skipped == [s + 2 for s in range(20, 148, 5)]  # each judged two steps late (the last, 145, at 147)
