@@ -8,6 +8,7 @@ the number of ranks holding the same data. Plain tensors (DDP, one device) pass 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Optional
 
@@ -35,6 +36,7 @@ def local(t: Tensor) -> Tensor:
     return t.to_local() if is_sharded(t) else t
 
 
+@functools.lru_cache(maxsize=None)  # looked up per module by GradES's component search
 def _fsdp_module_type() -> Optional[type]:
     try:  # torch >= 2.6: public
         from torch.distributed.fsdp import FSDPModule

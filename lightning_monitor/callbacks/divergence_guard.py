@@ -224,6 +224,11 @@ def _is_critical(alert: Optional[Alert]) -> bool:
     return alert is not None and alert.severity == "critical"
 
 
+def _nonfinite_only(reasons: list[str]) -> bool:
+    """Whether ``reasons`` (critical ones) are all of a step's non-finite loss or gradient, and there is one."""
+    return bool(reasons) and all(r.startswith(("non-finite loss", "non-finite gradient")) for r in reasons)
+
+
 class DivergenceGuard(Monitor):
     r"""Watches the training loss and gradient norm; rolls a diverging run back to its last good state.
 
@@ -815,8 +820,8 @@ class DivergenceGuard(Monitor):
             self._ring.append(entry)
         values = self._read_ready(step, lag)
         critical, first_bad = self._judge_ready(trainer, pl_module, values)
-        # judged on the ranks' mean series: the same on every rank (what a check adds below may be rank-local)
-        judged, judged_first = list(critical), first_bad
+        # judged on the ranks' mean series: the same on every rank (what a check appends below may be rank-local)
+        judged_n, judged_first = len(critical), first_bad
         due = self.is_due(step)
         if due and self.corroborate and trainer.world_size > 1:
             found = self._corroborate(step)  # rank-local: reduced with the check's other findings
@@ -841,9 +846,8 @@ class DivergenceGuard(Monitor):
                 first_bad = step if first_bad is None else min(first_bad, step)
             # refused unless every step judged so far was normal and every parameter and buffer is finite
             self._snapshot(trainer, pl_module, step, not critical, module_state)
-        if (judged and on_host and judged_first == step and self.action != "warn"
-                and self.snapshot_every_n_steps is not None
-                and all(r.startswith(("non-finite loss", "non-finite gradient")) for r in judged)):
+        if (judged_n and on_host and judged_first == step and self.action != "warn"
+                and self.snapshot_every_n_steps is not None and _nonfinite_only(critical[:judged_n])):
             # (several processes on CPU too: every rank judged the same values at once, and every rank comes here;
             # with one on every fifth step of a loss non-finite whatever the weights, two ranks went back to the
             # snapshot of step 10 at each such step to step 145, and kept 14 steps of 150)
@@ -976,9 +980,7 @@ class DivergenceGuard(Monitor):
         if (self.action != "rollback" or target is None or first_bad is None or target.step >= first_bad
                 or self._lag(trainer) == 0):
             return False
-        nonfinite = bool(critical) and all(r.startswith(("non-finite loss", "non-finite gradient")) for r in critical)
-        after_normal = any(s == first_bad - 1 for s, _ in self._normal_recent)
-        ok = nonfinite and after_normal and self.zero_nonfinite_grads
+        ok = _nonfinite_only(critical) and self._normal_at(first_bad - 1) and self.zero_nonfinite_grads
         if due:  # at a check the reasons may be rank-local: the ranks agree first
             ok = self.decide(trainer, ok, all=True)
         if not ok or not self._weights_intact(trainer, pl_module, step):
@@ -1536,10 +1538,13 @@ class DivergenceGuard(Monitor):
             # twice in a row (weights that broke before the newest snapshot lose a non-finite amount under both, and
             # each step undone alone would leave the run where it was, step after step), and only where the step's
             # gradients stayed finite (a term that holds no weight)
-            after_normal = bool(self._normal_recent) and self._normal_recent[-1][0] == step - 1
-            return (after_normal and self._finite_grad_step == step
+            return (self._normal_at(step - 1) and self._finite_grad_step == step
                     and self._nonfinite_whatever_the_weights(trainer, pl_module, refs))
         return now is not None and math.isfinite(now) and now <= self.blowup * max(then, 1e-12)
+
+    def _normal_at(self, step: int) -> bool:
+        """Whether ``step`` was judged normal (among the last normal steps kept)."""
+        return any(s == step for s, _ in self._normal_recent)
 
     def _nonfinite_whatever_the_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                         refs: list[tuple[tuple[Any, int, Any], float]]) -> bool:
