@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import glob
 import os
+import shutil
 import sys
 from typing import Any
 
@@ -18,6 +20,22 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 if EXAMPLES not in sys.path:
     sys.path.insert(0, EXAMPLES)
+
+
+@pytest.fixture(autouse=True)
+def _own_working_directory(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test runs in a fresh folder of its own: what a run given no ``default_root_dir`` writes into the working
+    directory (``alerts.jsonl``, ``lightning_logs/``, checkpoints) stays out of the checkout and out of other tests."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+_LINK_FOLDERS: list[str] = []
+
+
+@atexit.register
+def _remove_link_folders() -> None:
+    for folder in _LINK_FOLDERS:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def tb_event_accumulator(logdir: str) -> Any:
@@ -47,6 +65,7 @@ def _in_written_order(folder: str) -> str:
         return (int(parts[3]) if parts[3].isdigit() else 0, int(parts[-1]) if parts[-1].isdigit() else 0, name)
 
     links = tempfile.mkdtemp(prefix="tb-ordered-")
+    _LINK_FOLDERS.append(links)  # removed when the test process ends
     for i, name in enumerate(sorted(names, key=written)):
         os.symlink(os.path.join(folder, name), os.path.join(links, f"events.out.tfevents.{i:06d}.ordered"))
     return links
