@@ -532,6 +532,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._reset_gradient_check()
         self._pending: Optional[tuple[Tensor, Optional[Tensor]]] = None  # the batch's targets and indices
         self._checked = False  # the targets were checked once (one host sync)
+        self._said_unpaired = False  # a scored step's head rows could not be paired with its targets (said once)
         self._refusal: Optional[str] = None
         self._targets_settled = self._targets_tried = False
         self._warmup_resolved = 0
@@ -753,7 +754,7 @@ class GradientWeightAlignmentMonitor(Monitor):
         self._shift = self._causal_lm_shift(pl_module) if self.shift_targets is None else self.shift_targets
         self._softcap = self._logit_softcap(pl_module)
         self._reset_gradient_check()
-        self._checked = False
+        self._checked = self._said_unpaired = False
         # idle_when_nothing_to_watch: why this rank's first scored batch did not fit the head (targets missing, of
         # another kind or shape), settled across the ranks at the end of that batch (see _settle_targets)
         self._refusal: Optional[str] = None
@@ -1337,9 +1338,20 @@ class GradientWeightAlignmentMonitor(Monitor):
         try:
             targets = self._conform_targets(targets, out)
         except ValueError as err:
-            if not self._may_refuse():
-                raise
-            self._refusal = self._refusal or str(err)
+            if self._may_refuse():
+                self._refusal = self._refusal or str(err)
+                return
+            if not self._checked:
+                raise  # the first batch scored: a `target_fn` or `head` that does not fit the model
+            # a later batch whose head ran on some of its rows only (`head(h[y >= 0])` where a rare label is missing, one
+            # head per task's rows): its rows cannot be paired with the targets, so it is not scored. Raised here, the
+            # error ended a healthy fit at the first such batch (step 28-42 with 0.3% of labels missing)
+            if not self._said_unpaired:
+                self._said_unpaired = True
+                self.alert(self._batch_step, "rows_unpaired", "warning",
+                           f"{err} This batch (the batches before it fitted) is not scored, nor any later one whose "
+                           "head's rows cannot be paired with its targets; pass a `target_fn` that returns the targets of "
+                           "the rows the head ran on to score them.")
             return
         z = inputs[0].detach()
         with reading_weights((module,)):  # a parametrized head (spectral_norm) is read as its forward used it
