@@ -79,8 +79,6 @@ _ONE_LOSS_BATCHES = 3
 #: (kernels chosen with and without gradients, bf16 rounding: far below the differences that matter, 2-90%)
 _FAITHFUL_CHECKS = 3
 _FAITHFUL_TOLERANCE = 1e-2
-# after a surge that weights from before it find easy (see _surge_batch_test): the steps in which a second one is acted on
-_SUSPECT_STEPS = 50
 
 
 #: a rise of the weight decay can explain a rise of the loss (``decay_change``) only where the decay is strong: its
@@ -1488,8 +1486,8 @@ class DivergenceGuard(Monitor):
             level = median([then for _, then in refs])
             now, then = self._replayed(trainer, pl_module, refs)
         if now is None or (math.isfinite(now) and now - then < 0.5 * (loss - level)):
-            # the last batches still lose what they lost: one hard batch, unless weights from just before the surge
-            # find this very batch easy (the damage is on data the last batches do not hold)
+            # the last batches still lose what they lost: one hard batch, unless the surge goes beyond the untrained
+            # model's loss and weights from just before it find this very batch easy (damage the last batches do not hold)
             return self._surge_batch_test(trainer, pl_module, step, loss, level)
         if not self._loss_watch.ready and math.isfinite(now) and now < self.blowup * then:
             # before any history the references are the first batches, and the first updates of a healthy run can
@@ -1512,35 +1510,30 @@ class DivergenceGuard(Monitor):
 
     def _surge_batch_test(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, loss: float,
                           level: float) -> list[str]:
-        """A surge whose reference batches, evaluated again, still lose what they lost: the surging batch itself is
-        evaluated under the newest snapshot from before it (weights of at most two snapshot intervals earlier, vouched
-        for by normal losses). Weights that find it easy (less than half of the surge) while the present
-        ones still find it as hard point at the weights: broken on a part of the data the last batches do not hold (one
-        task's head in a model that trains its tasks by turns: at a rate x300 on that head, batches of 250 were read as
-        hard ones, 16 surges in a row, and the head ended dead), or memorising each batch they are trained on and failing
-        the next (a rate x60 under tight clipping: the last batches replayed easier than when trained on). A batch hard
-        by itself is as hard for the weights of a few steps back.
+        """A surge beyond ``blowup`` times the run's first losses (the untrained model's) whose reference batches,
+        evaluated again, still lose what they lost: the surging batch itself is evaluated under the newest snapshot from
+        before it (weights of at most two snapshot intervals earlier, vouched for by normal losses, from before the last
+        hard batch where there is one). Weights that find
+        it easy (less than half of the surge) while the present ones still lose more than the untrained model did are
+        broken on a part of the data the last batches do not hold: one task's head in a model that trains its tasks by
+        turns (at a rate x300 on that head, batches of 250 against a level of 0.6 were read as hard ones, 16 surges in a
+        row, and the head ended dead). A batch hard by itself is as hard for the weights of a few steps back.
 
-        One such surge below ``blowup`` times the run's first losses is not acted on: a healthy update can leave the
-        weights worse on the next batch for a while (the first steps on new data after a memorised set: 0.93 against
-        0.27 under the weights of 7 steps back), and the run recovers. It opens a suspicion instead: no snapshot is
-        taken for ``_SUSPECT_STEPS`` steps, and a second surge in them that the same weights find easy is acted on
-        (rolled back to them). Beyond that bound (weights that lose more than the untrained model did, where those of a
-        few steps back did not) it is acted on at once. Only with a loss history, faithful replays
-        (:meth:`_check_replay`) and batches of at least ``_REFERENCE_SAMPLES`` samples (on fewer, one batch is no
-        evidence); every rank asks the same snapshot and judges the ranks' mean losses."""
-        suspect = self._suspect
-        if suspect is not None and step - suspect[0] > _SUSPECT_STEPS:
-            suspect = self._suspect = None
-        if not self._loss_watch.ready or self._unfaithful:
+        Not below that bound: a healthy update can leave the weights worse on the next batch for a while, and weights
+        of a few steps back then find it easier too (the first steps on new data after a memorised set, 0.93 against
+        0.27; data read in time order, where older weights were trained on a stretch more like the batch), and the run
+        recovers: a surge there stays one hard batch unless the last batches show the damage too. Only with a loss
+        history, faithful replays (:meth:`_check_replay`) and batches of at least ``_REFERENCE_SAMPLES`` samples (on
+        fewer, one batch is no evidence); every rank asks the same snapshot and judges the ranks' mean losses."""
+        if not self._loss_watch.ready or self._unfaithful or loss <= self.blowup * self._anchor():
             return []
-        if suspect is not None:
-            snap = next((s for s in self._snapshots if s.step == suspect[1]), None)
-        else:
-            # the newest weights vouched for, and recent: weights that drifted for longer find many batches easier
-            snap = next((s for s in reversed(self._snapshots) if s.step <= self._vouched(step)), None)
-            every = self.snapshot_every_n_steps
-            snap = snap if snap is not None and every is not None and step - snap.step <= 2 * every else None
+        # recent weights (weights that drifted for longer find many batches easier), from before the last hard batch
+        # where one is kept: a surge read as one hard batch applied its gradient, and a snapshot taken since may hold
+        # what it broke (a head blown up at its first surge, asked at its second)
+        every = self.snapshot_every_n_steps
+        vouched = self._vouched(step)
+        snap = next((s for s in self._hard_batch_first([s for s in reversed(self._snapshots) if s.step <= vouched])
+                     if every is not None and step - s.step <= 2 * every), None)
         kept = next(((b, i, r) for t, b, i, r in reversed(self._recent_batches) if t == step), None)
         held = None if kept is None else _samples(kept[0])
         ok = snap is not None and snap.mismatch(trainer) is None and held is not None and held >= _REFERENCE_SAMPLES
@@ -1548,33 +1541,20 @@ class DivergenceGuard(Monitor):
             return []
         assert snap is not None and kept is not None
         now = self._mean_loss(trainer, pl_module, [kept])
-        if now is None or not math.isfinite(now) or now - level < 0.5 * (loss - level):
-            return []  # not what the step saw (a replay that differs), or no longer hard: nothing to ask
+        if now is None or not math.isfinite(now) or now <= self.blowup * self._anchor():
+            return []  # not what the step saw (a replay that differs), or no longer as bad: nothing to ask
         before = self._under_snapshots(pl_module, [snap], lambda: self._mean_loss(trainer, pl_module, [kept]))[0]
         if before is None or not math.isfinite(before) or before - level >= 0.5 * (now - level):
             return []
-        # at once beyond ``blowup`` times the run's first losses (the untrained model's): weights that lose that much
-        # where those of a few steps back did not are broken, not on a detour. Not on a smoothed loss that creeps up: it
-        # does after new data too (the first steps after a memorised set)
-        if suspect is None and loss <= self.blowup * self._anchor():
-            self._suspect = (step, snap.step, now, before)
-            return []
         if self._pruned(trainer, pl_module, step, loss, level) or self._unfrozen(pl_module, step, loss, level):
-            self._suspect = None
             return []
-        self._suspect = None
-        if suspect is not None:
-            first, _, first_now, first_before = suspect
-            why = (f"as at step {first}; the weights of step {snap.step}, from before both surges, find their batches easy "
-                   f"({first_before:.4g} against {first_now:.4g}, and {before:.4g} against {now:.4g} now)")
-        else:
-            why = (f"beyond {self.blowup:g} times the run's first losses ({self._anchor():.4g}); the weights of step "
-                   f"{snap.step}, from before the surge, find this batch easy ({before:.4g} against {now:.4g} now)")
         self.condition(  # critical: raised now, or active already
             step, "loss_explosion", True, "critical",
-            f"The loss surged to {loss:.4g} at step {step} (recent level about {level:.4g}), {why}, while the last normal "
-            "batches, evaluated again, still lose what they lost: the weights diverged on data the last batches do not "
-            "hold. The run is diverging: lower the learning rate.",
+            f"The loss surged to {loss:.4g} at step {step} (recent level about {level:.4g}), beyond {self.blowup:g} times "
+            f"the run's first losses ({self._anchor():.4g}); the weights of step {snap.step}, from before the surge, find "
+            f"this batch easy ({before:.4g} against {now:.4g} now), while the last normal batches, evaluated again, still "
+            "lose what they lost: the weights diverged on data the last batches do not hold. The run is diverging: lower "
+            "the learning rate.",
             value=loss, threshold=level,
         )
         return [f"loss explosion (surge) at step {step}"]
@@ -1900,7 +1880,6 @@ class DivergenceGuard(Monitor):
             self._reanchor = (floor, [])
         self._ema, self._ema_weight, self._ema_min = 0.0, 0.0, math.inf
         self._creep_high, self._creep_start, self._climb_judged, self._plateau = False, None, False, None
-        self._suspect = None
         if objective:
             # the batches kept from before are no references from here: their losses were those of the old loss (a
             # checkpoint's replays of them read sound weights as broken, and a resume on new data was stopped; so was
@@ -2248,10 +2227,6 @@ class DivergenceGuard(Monitor):
         # nor while the smoothed loss creeps up (warned or not), or sits closer to the creep limit than to its lowest
         # value: the weights of a slow divergence are no "last good"
         ok = ok and not active and self._loss_watch.run == 0 and self._creep_start is None and not self._creep_high
-        if self._suspect is not None and step - self._suspect[0] > _SUSPECT_STEPS:
-            self._suspect = None
-        # nor while a surge that older weights found easy waits for a second one: the weights from before it are kept
-        ok = ok and (self._suspect is None or despite == "nonfinite")
         if not self.decide(trainer, ok, all=True):
             return None
         # a snapshot newer than the last judged step is provisional (its steps may still turn out anomalous):
@@ -2809,9 +2784,6 @@ class DivergenceGuard(Monitor):
         # rollback restores it ended with it: judged on, it rolled the restored weights back again at the next step)
         self._creep_high = False
         self._creep_start, self._climb_judged = None, False
-        # a surge that the weights from before it found easy: (its step, that snapshot's step, its loss then under the
-        # present weights and under those), while a second one is waited for (see _surge_batch_test)
-        self._suspect: Optional[tuple[int, int, float, float]] = None
         self._plateau: Optional[tuple[int, float]] = None  # (step, smoothed loss) of the creep episode's last look
         self._lr_at_min = state.get("lr_at_min")
         self._wd_at_min: Optional[list[list[Optional[float]]]] = _copy_rows(state.get("wd_at_min"))
