@@ -1792,12 +1792,22 @@ class DivergenceGuard(Monitor):
         hard = [b is not None and math.isfinite(b) and (b - level) >= 0.5 * (now - level) for b in befores]
         if all(hard):
             return "data", now, before
+        # the newest of those that find it easy: the state to go back to where newer ones find it as hard (read by
+        # _target_snapshot at the rollback that follows a "weights" verdict)
+        easy = next(s.step for s, h in zip(reversed(snaps), hard) if not h) if hard[0] else None
+        anchor = self._episode_anchor(start)
+        if anchor is not None and any(s is anchor and not h for s, h in zip(reversed(snaps), hard)):
+            # the state the last rollback for a divergence restored finds it easy, the snapshots taken since do not: the
+            # run climbs again from it (a fault the rate cuts did not cure), not a stretch of data handled better before
+            self._easy_snapshot = easy
+            return "weights", now, before
         if hard[0] and self._references_intact(trainer, pl_module, start, now - level):
             # the newest snapshot finds the batch as hard as the present weights do (going back to it would not help),
             # only older ones find it easier, and the batches trained on last are still as easy as they were: a
             # stretch of data the run handled better at an earlier stage (epochs ordered by difficulty), not weights
             # that broke. Weights that broke lose on the batches before the rise too
             return "forgotten", now, befores[0]
+        self._easy_snapshot = easy
         return "weights", now, before
 
     def _rise_batches(self, start: Optional[int]) -> list[tuple[Any, int, Any]]:
@@ -2239,9 +2249,12 @@ class DivergenceGuard(Monitor):
         protect = None
         if self._zero_losses and self._informative:
             protect = next((s for s in reversed(self._snapshots) if s.step <= self._informative[-1]), None)
+        # the state the last rollback for a divergence restored, for _AFTER_ROLLBACK steps: the snapshots taken since may
+        # all be on a renewed climb, and asked alone they found its batches as hard and took it for new data
+        anchor = self._episode_anchor(step)
         out: list[TrainingSnapshot] = []
         while sum(confirmed(s.step) for s in self._snapshots) + confirmed(step) > self.keep_snapshots:
-            victim = next((s for s in self._snapshots if s is not protect), None)
+            victim = next((s for s in self._snapshots if s is not protect and s is not anchor), None)
             if victim is None:
                 break
             self._snapshots.remove(victim)
@@ -2273,6 +2286,14 @@ class DivergenceGuard(Monitor):
         return every is not None and any(
             s.step >= step + 2 * every and s.step <= self._judged_through for s in self._snapshots)
 
+    def _episode_anchor(self, step: int) -> Optional[TrainingSnapshot]:
+        """The state the last rollback for a divergence restored, while it is kept and at most ``_AFTER_ROLLBACK`` steps
+        have passed since that rollback; else ``None``."""
+        last = self.rollbacks[-1] if self.rollbacks else None
+        if last is None or not last.get("diverged") or step - last["step"] > _AFTER_ROLLBACK:
+            return None
+        return next((s for s in self._snapshots if s.step == last["to_step"]), None)
+
     def _target_snapshot(self, trainer: pl.Trainer, first_bad: int) -> Optional[TrainingSnapshot]:
         """The newest snapshot before ``first_bad`` on every rank (the ranks agree by a reduction) that still fits the
         run (see :meth:`TrainingSnapshot.mismatch`; the reason the newest one did not is kept in ``_misfit``)."""
@@ -2285,6 +2306,11 @@ class DivergenceGuard(Monitor):
         newest = list(reversed(self._snapshots))
         known = self._hard_batch_first(
             [s for s in newest if s.step <= vouched or (s.own_step_target and s.step == first_bad)])
+        easy, self._easy_snapshot = self._easy_snapshot, None
+        if easy is not None:
+            # the rise was attributed to the weights by an older snapshot that finds its batch easy, while newer ones find
+            # it as hard as the present weights do: those are on the climb already, no state to go back to
+            known = [s for s in known if s.step <= easy] + [s for s in known if s.step > easy]
         for snap in known + [s for s in newest if vouched < s.step < first_bad]:
             misfit = snap.mismatch(trainer)
             self._misfit = self._misfit or misfit
@@ -2747,6 +2773,8 @@ class DivergenceGuard(Monitor):
         self._zero_losses = False  # whether a normal step of this fit lost exactly 0
         self._hard_batch: Optional[int] = None  # the last surge the weights were not to blame for
         self._misfit: Optional[str] = None  # why the newest snapshot asked for did not fit the run
+        # the step of the newest snapshot that found a rise's batch easy where newer ones found it hard (see _attribute)
+        self._easy_snapshot: Optional[int] = None
         self._skip: set[tuple[int, int]] = set(self._skip_given)
         self._lr_scale = 1.0
         self._lr_ceiling: Optional[list[list[float]]] = None  # per optimizer and group, after a repeated divergence
