@@ -1513,11 +1513,11 @@ class DivergenceGuard(Monitor):
         """A surge beyond ``blowup`` times the run's first losses (the untrained model's) whose reference batches,
         evaluated again, still lose what they lost: the surging batch itself is evaluated under the newest snapshot from
         before it (weights of at most two snapshot intervals earlier, vouched for by normal losses, from before the last
-        hard batch where there is one). Weights that find
-        it easy (less than half of the surge) while the present ones still lose more than the untrained model did are
-        broken on a part of the data the last batches do not hold: one task's head in a model that trains its tasks by
-        turns (at a rate x300 on that head, batches of 250 against a level of 0.6 were read as hard ones, 16 surges in a
-        row, and the head ended dead). A batch hard by itself is as hard for the weights of a few steps back.
+        hard batch where there is one). Weights that find it easy (less than half of the surge) while the present ones
+        still lose more than the untrained model did are broken on a part of the data the last batches do not hold: one
+        task's head in a model that trains its tasks by turns (at a rate x300 on that head, batches of 250 against a
+        level of 0.6 were read as hard ones, 16 surges in a row, and the head ended dead). A batch hard by itself is as
+        hard for the weights of a few steps back.
 
         Not below that bound: a healthy update can leave the weights worse on the next batch for a while, and weights
         of a few steps back then find it easier too (the first steps on new data after a memorised set, 0.93 against
@@ -1799,7 +1799,7 @@ class DivergenceGuard(Monitor):
         if anchor is not None and any(s is anchor and not h for s, h in zip(reversed(snaps), hard)):
             # the state the last rollback for a divergence restored finds it easy, the snapshots taken since do not: the
             # run climbs again from it (a fault the rate cuts did not cure), not a stretch of data handled better before
-            self._easy_snapshot = easy
+            self._easy_snapshot = None if easy is None else (start, easy)
             return "weights", now, before
         if hard[0] and self._references_intact(trainer, pl_module, start, now - level):
             # the newest snapshot finds the batch as hard as the present weights do (going back to it would not help),
@@ -1807,7 +1807,7 @@ class DivergenceGuard(Monitor):
             # stretch of data the run handled better at an earlier stage (epochs ordered by difficulty), not weights
             # that broke. Weights that broke lose on the batches before the rise too
             return "forgotten", now, befores[0]
-        self._easy_snapshot = easy
+        self._easy_snapshot = None if easy is None else (start, easy)
         return "weights", now, before
 
     def _rise_batches(self, start: Optional[int]) -> list[tuple[Any, int, Any]]:
@@ -2306,7 +2306,8 @@ class DivergenceGuard(Monitor):
         newest = list(reversed(self._snapshots))
         known = self._hard_batch_first(
             [s for s in newest if s.step <= vouched or (s.own_step_target and s.step == first_bad)])
-        easy, self._easy_snapshot = self._easy_snapshot, None
+        found, self._easy_snapshot = self._easy_snapshot, None
+        easy = found[1] if found is not None and found[0] == first_bad else None
         if easy is not None:
             # the rise was attributed to the weights by an older snapshot that finds its batch easy, while newer ones find
             # it as hard as the present weights do: those are on the climb already, no state to go back to
@@ -2773,8 +2774,9 @@ class DivergenceGuard(Monitor):
         self._zero_losses = False  # whether a normal step of this fit lost exactly 0
         self._hard_batch: Optional[int] = None  # the last surge the weights were not to blame for
         self._misfit: Optional[str] = None  # why the newest snapshot asked for did not fit the run
-        # the step of the newest snapshot that found a rise's batch easy where newer ones found it hard (see _attribute)
-        self._easy_snapshot: Optional[int] = None
+        # (the rise's first step, the step of the newest snapshot that found its batch easy) where newer ones found it as
+        # hard (see _attribute); read by the rollback for that rise
+        self._easy_snapshot: Optional[tuple[int, int]] = None
         self._skip: set[tuple[int, int]] = set(self._skip_given)
         self._lr_scale = 1.0
         self._lr_ceiling: Optional[list[list[float]]] = None  # per optimizer and group, after a repeated divergence
