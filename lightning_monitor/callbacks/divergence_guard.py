@@ -79,6 +79,8 @@ _ONE_LOSS_BATCHES = 3
 #: (kernels chosen with and without gradients, bf16 rounding: far below the differences that matter, 2-90%)
 _FAITHFUL_CHECKS = 3
 _FAITHFUL_TOLERANCE = 1e-2
+#: fresh random draws under which a surge must come back before older weights are asked about its batch
+_FRESH_DRAWS = 3
 
 
 #: a rise of the weight decay can explain a rise of the loss (``decay_change``) only where the decay is strong: its
@@ -636,6 +638,11 @@ class DivergenceGuard(Monitor):
         ``_REFERENCES`` (small batches only: a batch of 4 or more samples keeps 4, as ever)."""
         n = _samples(batch)
         refs = _REFERENCES if not n else max(_REFERENCES, -(-_REFERENCE_SAMPLES // n))
+        if trainer.world_size > 1:
+            # the same count on every rank (the most any rank's batch asks for): ranks of unequal batches kept unequal
+            # counts, one went on to replay all of its references where the other did not, and both waited for ever
+            counts = trainer.strategy.all_gather(torch.tensor([refs], device=trainer.strategy.root_device))
+            refs = int(counts.max())
         self._ref_batches = refs
         self._resize_references(trainer, refs)
 
@@ -1543,6 +1550,19 @@ class DivergenceGuard(Monitor):
         now = self._mean_loss(trainer, pl_module, [kept])
         if now is None or not math.isfinite(now) or now <= self.blowup * self._anchor():
             return []  # not what the step saw (a replay that differs), or no longer as bad: nothing to ask
+        # the surge must not be a draw of the step's own random numbers: where the step samples from the model (a
+        # REINFORCE bandit's actions, whose rare jackpots make its surges), other weights draw other actions from the
+        # same numbers, and "the older weights find it easy" was another draw (healthy bandits rolled back, the rate cut
+        # to 1/8). The present weights are asked again under fresh random numbers: a surge that does not come back in
+        # each of _FRESH_DRAWS draws is the draw's, no evidence (a step that draws nothing gives the same loss)
+        for draw in range(_FRESH_DRAWS):
+            with fork_rng_of([pl_module.device]):
+                torch.manual_seed(1_000_003 * step + draw)
+                again = self._mean_loss(trainer, pl_module, [(kept[0], kept[1], None)])
+            if again is None or not math.isfinite(again) or again - level < 0.5 * (now - level):
+                return []
+            if again == now:
+                break  # the same loss under other random numbers: the step draws nothing that matters
         before = self._under_snapshots(pl_module, [snap], lambda: self._mean_loss(trainer, pl_module, [kept]))[0]
         if before is None or not math.isfinite(before) or before - level >= 0.5 * (now - level):
             return []
