@@ -198,7 +198,9 @@ class _HeadWatch:
     def call_hook(self, name: str) -> Callable[..., None]:
         @torch.compiler.disable
         def hook(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if in_dry_run() or name in self.calls:
+            if in_dry_run() or name in self.calls or not torch.is_grad_enabled():
+                # a call without autograd trains nothing (pseudo-labels made under `no_grad`, the first pass of a
+                # reentrant checkpoint, whose recomputation in the backward is the call watched)
                 return
             inputs = call_args(inputs, kwargs, module)
             self.calls[name] = (module, inputs, output, len(self.calls))
@@ -1327,6 +1329,12 @@ class GradientWeightAlignmentMonitor(Monitor):
         the loss weighs, read already (a call kept by the head's choice, after its backward)."""
         if in_dry_run():  # another monitor running the head on a batch of its own: not the step's forward
             return
+        if not torch.is_grad_enabled():
+            # a call that trains nothing (FixMatch's pseudo-labels made under `no_grad` on another batch, before the
+            # trained call): scored, its logits were paired with the labelled batch's targets, and the epoch's mean
+            # came out negative where the trained call's was positive, with no alert. The targets wait for the call
+            # that trains (under a reentrant checkpoint, its recomputation in the backward)
+            return
         inputs = call_args(inputs, kwargs, module)
         pending, self._pending = self._pending, None
         if pending is None or not inputs or not isinstance(output, Tensor):
@@ -1338,20 +1346,26 @@ class GradientWeightAlignmentMonitor(Monitor):
         try:
             targets = self._conform_targets(targets, out)
         except ValueError as err:
-            if self._may_refuse():
+            # fewer logits rows than class targets: the head ran on some of the batch's rows only (`head(h[y >= 0])`),
+            # in the first batch scored too (where a missing label there ended the fit, or left the preset idle all run)
+            subset = not targets.is_floating_point() and math.prod(out.shape[:-1]) < targets.numel()
+            if self._may_refuse() and not subset:
                 self._refusal = self._refusal or str(err)
                 return
-            if not self._checked:
+            if not self._checked and not subset:
                 raise  # the first batch scored: a `target_fn` or `head` that does not fit the model
             # a later batch whose head ran on some of its rows only (`head(h[y >= 0])` where a rare label is missing, one
             # head per task's rows): its rows cannot be paired with the targets, so it is not scored. Raised here, the
             # error ended a healthy fit at the first such batch (step 28-42 with 0.3% of labels missing)
             if not self._said_unpaired:
                 self._said_unpaired = True
+                rows = math.prod(out.shape[:-1])
                 self.alert(self._batch_step, "rows_unpaired", "warning",
-                           f"{err} This batch (the batches before it fitted) is not scored, nor any later one whose "
-                           "head's rows cannot be paired with its targets; pass a `target_fn` that returns the targets of "
-                           "the rows the head ran on to score them.")
+                           f"The head `{self._head_name}` produced {rows} logits rows for {targets.numel()} targets at step "
+                           f"{self._batch_step}" + (": it ran on some of the batch's rows only (`head(h[mask])`)" if subset
+                                                    else "") +
+                           ". This step is not scored, nor any later one whose head's rows cannot be paired with its "
+                           "targets; pass a `target_fn` that returns the targets of the rows the head ran on to score them.")
             return
         z = inputs[0].detach()
         with reading_weights((module,)):  # a parametrized head (spectral_norm) is read as its forward used it
