@@ -1557,7 +1557,13 @@ class DivergenceGuard(Monitor):
         # each of _FRESH_DRAWS draws is the draw's, no evidence (a step that draws nothing gives the same loss)
         for draw in range(_FRESH_DRAWS):
             with fork_rng_of([pl_module.device]):
-                torch.manual_seed(1_000_003 * step + draw)
+                # the streams the fork puts back: the CPU's and the module's CUDA device's (not every device's, as
+                # `torch.manual_seed` would)
+                seed = 1_000_003 * step + draw
+                torch.random.default_generator.manual_seed(seed)
+                if pl_module.device.type == "cuda":
+                    index = pl_module.device.index
+                    torch.cuda.default_generators[torch.cuda.current_device() if index is None else index].manual_seed(seed)
                 again = self._mean_loss(trainer, pl_module, [(kept[0], kept[1], None)])
             if again is None or not math.isfinite(again) or again - level < 0.5 * (now - level):
                 return []
