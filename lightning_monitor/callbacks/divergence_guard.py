@@ -641,8 +641,8 @@ class DivergenceGuard(Monitor):
         if trainer.world_size > 1:
             # the same count on every rank (the most any rank's batch asks for): ranks of unequal batches kept unequal
             # counts, one went on to replay all of its references where the other did not, and both waited for ever
-            counts = trainer.strategy.all_gather(torch.tensor([refs], device=trainer.strategy.root_device))
-            refs = int(counts.max())
+            most = torch.tensor(float(refs), device=trainer.strategy.root_device)
+            refs = int(trainer.strategy.reduce(most, reduce_op="max"))
         self._ref_batches = refs
         self._resize_references(trainer, refs)
 
