@@ -198,6 +198,14 @@ def fork_rng_of(devices: Sequence[torch.device]) -> Any:
         return torch.random.fork_rng(devices=[])
 
 
+def seed_streams_of(device: torch.device, seed: int) -> None:
+    """Seed the CPU's random stream and, on CUDA, ``device``'s: the streams :func:`fork_rng_of` of that device puts back
+    (``torch.manual_seed`` would seed every CUDA device, some of them outside the fork)."""
+    torch.random.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.default_generators[device.index or 0].manual_seed(seed)
+
+
 def _accelerator_streams(devices: Sequence[torch.device]) -> tuple[Any, list[int]]:
     """The torch module (``torch.cuda``, ``torch.mps`` ...) and the device indices of the accelerator random streams
     among ``devices`` (those :func:`fork_rng_of` forks); ``(None, [])`` where there are none."""

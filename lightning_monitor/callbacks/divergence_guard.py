@@ -27,6 +27,7 @@ from lightning_monitor._compat import (
     fork_rng_of,
     grad_scaler_scale,
     random_states_of,
+    seed_streams_of,
     set_random_states_of,
 )
 from lightning_monitor._replays import (WritesUndone, attributes, host_random_states, plain_parameters, restore_attributes,
@@ -1099,7 +1100,7 @@ class DivergenceGuard(Monitor):
                 self._note_lr(s)
                 if loss != 0.0:
                     self._informative.append(s)
-                    kept = next(((b, i, r) for t, b, i, r in reversed(self._recent_batches) if t == s), None)
+                    kept = self._kept_batch(s)
                     if kept is not None:
                         self._informative_refs.append((s, kept, loss))
                 else:
@@ -1532,7 +1533,8 @@ class DivergenceGuard(Monitor):
         recovers: a surge there stays one hard batch unless the last batches show the damage too. Only with a loss
         history, faithful replays (:meth:`_check_replay`) and batches of at least ``_REFERENCE_SAMPLES`` samples (on
         fewer, one batch is no evidence); every rank asks the same snapshot and judges the ranks' mean losses."""
-        if not self._loss_watch.ready or self._unfaithful or loss <= self.blowup * self._anchor():
+        bound = self.blowup * self._anchor()
+        if not self._loss_watch.ready or self._unfaithful or loss <= bound:
             return []
         # recent weights (weights that drifted for longer find many batches easier), from before the last hard batch
         # where one is kept: a surge read as one hard batch applied its gradient, and a snapshot taken since may hold
@@ -1541,14 +1543,14 @@ class DivergenceGuard(Monitor):
         vouched = self._vouched(step)
         snap = next((s for s in self._hard_batch_first([s for s in reversed(self._snapshots) if s.step <= vouched])
                      if every is not None and step - s.step <= 2 * every), None)
-        kept = next(((b, i, r) for t, b, i, r in reversed(self._recent_batches) if t == step), None)
+        kept = self._kept_batch(step)
         held = None if kept is None else _samples(kept[0])
         ok = snap is not None and snap.mismatch(trainer) is None and held is not None and held >= _REFERENCE_SAMPLES
         if not (self.decide(trainer, ok, all=True) if trainer.world_size > 1 else ok):
             return []
         assert snap is not None and kept is not None
         now = self._mean_loss(trainer, pl_module, [kept])
-        if now is None or not math.isfinite(now) or now <= self.blowup * self._anchor():
+        if now is None or not math.isfinite(now) or now <= bound:
             return []  # not what the step saw (a replay that differs), or no longer as bad: nothing to ask
         # the surge must not be a draw of the step's own random numbers: where the step samples from the model (a
         # REINFORCE bandit's actions, whose rare jackpots make its surges), other weights draw other actions from the
@@ -1557,13 +1559,7 @@ class DivergenceGuard(Monitor):
         # each of _FRESH_DRAWS draws is the draw's, no evidence (a step that draws nothing gives the same loss)
         for draw in range(_FRESH_DRAWS):
             with fork_rng_of([pl_module.device]):
-                # the streams the fork puts back: the CPU's and the module's CUDA device's (not every device's, as
-                # `torch.manual_seed` would)
-                seed = 1_000_003 * step + draw
-                torch.random.default_generator.manual_seed(seed)
-                if pl_module.device.type == "cuda":
-                    index = pl_module.device.index
-                    torch.cuda.default_generators[torch.cuda.current_device() if index is None else index].manual_seed(seed)
+                seed_streams_of(pl_module.device, 1_000_003 * step + draw)
                 again = self._mean_loss(trainer, pl_module, [(kept[0], kept[1], None)])
             if again is None or not math.isfinite(again) or again - level < 0.5 * (now - level):
                 return []
@@ -1584,6 +1580,10 @@ class DivergenceGuard(Monitor):
             value=loss, threshold=level,
         )
         return [f"loss explosion (surge) at step {step}"]
+
+    def _kept_batch(self, step: int) -> Optional[tuple[Any, int, Any]]:
+        """``(batch, batch_idx, random states)`` of ``step``, where that batch is still kept."""
+        return next(((b, i, r) for t, b, i, r in reversed(self._recent_batches) if t == step), None)
 
     def _references(self, before: int) -> list[tuple[tuple[Any, int, Any], float]]:
         """The last normal batches kept, from before step ``before``: ``((batch, batch_idx, random states), loss
@@ -1820,12 +1820,14 @@ class DivergenceGuard(Monitor):
             return "data", now, before
         # the newest of those that find it easy: the state to go back to where newer ones find it as hard (read by
         # _target_snapshot at the rollback that follows a "weights" verdict)
-        easy = next(s.step for s, h in zip(reversed(snaps), hard) if not h) if hard[0] else None
+        asked = list(zip(reversed(snaps), hard))
+        easy = next(s.step for s, h in asked if not h) if hard[0] else None
+        found = None if easy is None else (start, easy)
         anchor = self._episode_anchor(start)
-        if anchor is not None and any(s is anchor and not h for s, h in zip(reversed(snaps), hard)):
+        if anchor is not None and any(s is anchor and not h for s, h in asked):
             # the state the last rollback for a divergence restored finds it easy, the snapshots taken since do not: the
             # run climbs again from it (a fault the rate cuts did not cure), not a stretch of data handled better before
-            self._easy_snapshot = None if easy is None else (start, easy)
+            self._easy_snapshot = found
             return "weights", now, before
         if hard[0] and self._references_intact(trainer, pl_module, start, now - level):
             # the newest snapshot finds the batch as hard as the present weights do (going back to it would not help),
@@ -1833,7 +1835,7 @@ class DivergenceGuard(Monitor):
             # stretch of data the run handled better at an earlier stage (epochs ordered by difficulty), not weights
             # that broke. Weights that broke lose on the batches before the rise too
             return "forgotten", now, befores[0]
-        self._easy_snapshot = None if easy is None else (start, easy)
+        self._easy_snapshot = found
         return "weights", now, before
 
     def _rise_batches(self, start: Optional[int]) -> list[tuple[Any, int, Any]]:

@@ -1348,18 +1348,19 @@ class GradientWeightAlignmentMonitor(Monitor):
         except ValueError as err:
             # fewer logits rows than class targets: the head ran on some of the batch's rows only (`head(h[y >= 0])`),
             # in the first batch scored too (where a missing label there ended the fit, or left the preset idle all run)
-            subset = not targets.is_floating_point() and math.prod(out.shape[:-1]) < targets.numel()
+            rows = math.prod(out.shape[:-1])
+            subset = not targets.is_floating_point() and rows < targets.numel()
             if self._may_refuse() and not subset:
                 self._refusal = self._refusal or str(err)
                 return
             if not self._checked and not subset:
                 raise  # the first batch scored: a `target_fn` or `head` that does not fit the model
-            # a later batch whose head ran on some of its rows only (`head(h[y >= 0])` where a rare label is missing, one
-            # head per task's rows): its rows cannot be paired with the targets, so it is not scored. Raised here, the
-            # error ended a healthy fit at the first such batch (step 28-42 with 0.3% of labels missing)
+            # a batch whose head ran on some of its rows only (`head(h[y >= 0])` where a rare label is missing, one head
+            # per task's rows), or a later one whose rows do not fit: its rows cannot be paired with the targets, so it
+            # is not scored. Raised here, the error ended a healthy fit at the first such batch (step 28-42 with 0.3% of
+            # labels missing)
             if not self._said_unpaired:
                 self._said_unpaired = True
-                rows = math.prod(out.shape[:-1])
                 self.alert(self._batch_step, "rows_unpaired", "warning",
                            f"The head `{self._head_name}` produced {rows} logits rows for {targets.numel()} targets at step "
                            f"{self._batch_step}" + (": it ran on some of the batch's rows only (`head(h[mask])`)" if subset
